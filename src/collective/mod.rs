@@ -1,0 +1,330 @@
+//! Collective algorithms over a `Transport`: fused allreduce, allgather and reducescatter
+//! through a fusion buffer, broadcast and alltoall per tensor. They know nothing of names,
+//! negotiation or configuration: a batch of agreed responses and the tensors' memory come in.
+
+pub mod reduce;
+
+use crate::dtype::DataType;
+use crate::error::{Error, Result};
+use crate::message::{ReduceOp, Response};
+use crate::transport::Transport;
+
+/// The memory of one tensor taking part in a collective.
+pub trait TensorIo {
+    fn input(&self) -> &[u8];
+    /// The input (when it is separate from the output) and the output. For ops whose output
+    /// size is known only after negotiation, call `allocate_output` first.
+    fn split_io(&mut self) -> (Option<&[u8]>, &mut [u8]);
+    fn allocate_output(&mut self, shape: &[i64], bytes: usize) -> Result<()>;
+    /// Alltoall: rows to send to each rank (None: split evenly).
+    fn send_splits(&self) -> Option<&[i32]>;
+    fn set_received_splits(&mut self, splits: Vec<i32>);
+}
+
+/// Receives the name of each phase as it starts (`None` when the last one ends): the timeline.
+pub type ActivitySink<'a> = &'a mut dyn FnMut(Option<&'static str>);
+
+/// The reduction the backend performs, and the factor applied after it.
+fn backend_op(op: ReduceOp, size: usize, postscale: f64) -> Result<(ReduceOp, f64)> {
+    match op {
+        ReduceOp::Average => Ok((ReduceOp::Sum, postscale / size as f64)),
+        ReduceOp::Adasum => Err(Error::InvalidArgument(
+            "Adasum reduction is not supported by ferrovod".into(),
+        )),
+        other => Ok((other, postscale)),
+    }
+}
+
+fn byte_len(elems: i64, dtype: DataType) -> usize {
+    elems.max(0) as usize * dtype.size()
+}
+
+/// Allreduce of one or more tensors with the same dtype, op and scales. A single tensor is
+/// reduced directly in its output, without a copy through the fusion buffer.
+pub fn allreduce_batch(
+    t: &dyn Transport,
+    resps: &[&Response],
+    ios: &mut [&mut dyn TensorIo],
+    fusion: &mut Vec<u8>,
+    act: ActivitySink,
+) -> Result<()> {
+    let head = resps[0];
+    let (op, post) = backend_op(head.reduce_op, t.size(), head.postscale)?;
+    if ios.len() == 1 {
+        let (input, output) = ios[0].split_io();
+        act(Some("MPI_ALLREDUCE"));
+        if head.prescale != 1.0 {
+            if let Some(inp) = input {
+                output.copy_from_slice(inp);
+            }
+            reduce::scale(output, head.dtype, head.prescale)?;
+            t.allreduce(None, output, head.dtype, op)?;
+        } else {
+            t.allreduce(input, output, head.dtype, op)?;
+        }
+        reduce::scale(output, head.dtype, post)?;
+        act(None);
+        return Ok(());
+    }
+    let total: usize = ios.iter().map(|io| io.input().len()).sum();
+    fusion.resize(total.max(fusion.len()), 0);
+    let buf = &mut fusion[..total];
+    act(Some("MEMCPY_IN_FUSION_BUFFER"));
+    let mut off = 0;
+    for io in ios.iter() {
+        let inp = io.input();
+        buf[off..off + inp.len()].copy_from_slice(inp);
+        off += inp.len();
+    }
+    act(Some("MPI_ALLREDUCE"));
+    reduce::scale(buf, head.dtype, head.prescale)?;
+    t.allreduce(None, buf, head.dtype, op)?;
+    reduce::scale(buf, head.dtype, post)?;
+    act(Some("MEMCPY_OUT_FUSION_BUFFER"));
+    let mut off = 0;
+    for io in ios.iter_mut() {
+        let (_, out) = io.split_io();
+        let n = out.len();
+        out.copy_from_slice(&buf[off..off + n]);
+        off += n;
+    }
+    act(None);
+    Ok(())
+}
+
+/// Allgather of one or more tensors with the same dtype; first dimensions may differ per rank.
+/// Fused layout in the buffer: rank-major, then tensor order.
+pub fn allgather_batch(
+    t: &dyn Transport,
+    resps: &[&Response],
+    ios: &mut [&mut dyn TensorIo],
+    fusion: &mut Vec<u8>,
+    act: ActivitySink,
+) -> Result<()> {
+    let size = t.size();
+    let me = t.rank();
+    let row_bytes: Vec<usize> = resps
+        .iter()
+        .map(|r| byte_len(r.row_elements(), r.dtype))
+        .collect();
+    // bytes[i][r]: what rank r contributes for tensor i
+    let bytes: Vec<Vec<usize>> = resps
+        .iter()
+        .zip(&row_bytes)
+        .map(|(r, rb)| r.first_dims.iter().map(|d| *d as usize * rb).collect())
+        .collect();
+    act(Some("ALLOCATE_OUTPUT"));
+    for ((io, r), b) in ios.iter_mut().zip(resps).zip(&bytes) {
+        let mut shape = r.shape.clone();
+        let rows: i64 = r.first_dims.iter().sum();
+        if shape.is_empty() {
+            shape.push(rows);
+        } else {
+            shape[0] = rows;
+        }
+        io.allocate_output(&shape, b.iter().sum())?;
+    }
+    if ios.len() == 1 {
+        act(Some("MPI_ALLGATHER"));
+        let (input, output) = ios[0].split_io();
+        let input = input.expect("allgather output is separate");
+        t.allgatherv(Some(input), output, &bytes[0])?;
+        act(None);
+        return Ok(());
+    }
+    let counts: Vec<usize> = (0..size)
+        .map(|r| bytes.iter().map(|b| b[r]).sum())
+        .collect();
+    let total: usize = counts.iter().sum();
+    fusion.resize(total.max(fusion.len()), 0);
+    let buf = &mut fusion[..total];
+    act(Some("MEMCPY_IN_FUSION_BUFFER"));
+    let mut off: usize = counts[..me].iter().sum();
+    for io in ios.iter() {
+        let inp = io.input();
+        buf[off..off + inp.len()].copy_from_slice(inp);
+        off += inp.len();
+    }
+    act(Some("MPI_ALLGATHER"));
+    t.allgatherv(None, buf, &counts)?;
+    act(Some("MEMCPY_OUT_FUSION_BUFFER"));
+    let mut src = 0;
+    let mut dst = vec![0usize; ios.len()];
+    for r in 0..size {
+        for (i, io) in ios.iter_mut().enumerate() {
+            let n = bytes[i][r];
+            let (_, out) = io.split_io();
+            out[dst[i]..dst[i] + n].copy_from_slice(&buf[src..src + n]);
+            dst[i] += n;
+            src += n;
+        }
+    }
+    act(None);
+    Ok(())
+}
+
+/// Rows of a `dim0`-row tensor that rank `r` of `size` receives in a reducescatter:
+/// the remainder goes to the lowest ranks.
+pub fn reducescatter_rows(dim0: i64, size: usize, r: usize) -> i64 {
+    let size = size as i64;
+    dim0 / size + i64::from((r as i64) < dim0 % size)
+}
+
+/// Reducescatter of one or more tensors (Sum or Average) with the same dtype and scales.
+pub fn reducescatter_batch(
+    t: &dyn Transport,
+    resps: &[&Response],
+    ios: &mut [&mut dyn TensorIo],
+    fusion: &mut Vec<u8>,
+    act: ActivitySink,
+) -> Result<()> {
+    let size = t.size();
+    let me = t.rank();
+    let head = resps[0];
+    let (op, post) = backend_op(head.reduce_op, size, head.postscale)?;
+    // seg[i][r]: bytes of tensor i that end up on rank r
+    let seg: Vec<Vec<usize>> = resps
+        .iter()
+        .map(|r| {
+            let dim0 = r.shape.first().copied().unwrap_or(1);
+            let rb = byte_len(r.row_elements(), r.dtype);
+            (0..size)
+                .map(|k| reducescatter_rows(dim0, size, k) as usize * rb)
+                .collect()
+        })
+        .collect();
+    act(Some("ALLOCATE_OUTPUT"));
+    for ((io, r), s) in ios.iter_mut().zip(resps).zip(&seg) {
+        let mut shape = r.shape.clone();
+        if shape.is_empty() {
+            shape.push(1);
+        }
+        shape[0] = reducescatter_rows(shape[0], size, me);
+        io.allocate_output(&shape, s[me])?;
+    }
+    let counts: Vec<usize> = (0..size).map(|r| seg.iter().map(|s| s[r]).sum()).collect();
+    let total: usize = counts.iter().sum();
+    let my_total = counts[me];
+    fusion.resize((total + my_total).max(fusion.len()), 0);
+    let (send, recv) = fusion.split_at_mut(total);
+    let recv = &mut recv[..my_total];
+    act(Some("MEMCPY_IN_FUSION_BUFFER"));
+    let mut dst = 0;
+    let mut src = vec![0usize; ios.len()];
+    for r in 0..size {
+        for (i, io) in ios.iter().enumerate() {
+            let n = seg[i][r];
+            send[dst..dst + n].copy_from_slice(&io.input()[src[i]..src[i] + n]);
+            src[i] += n;
+            dst += n;
+        }
+    }
+    reduce::scale(send, head.dtype, head.prescale)?;
+    act(Some("MPI_REDUCESCATTER"));
+    t.reduce_scatter(send, recv, &counts, head.dtype, op)?;
+    reduce::scale(recv, head.dtype, post)?;
+    act(Some("MEMCPY_OUT_FUSION_BUFFER"));
+    let mut off = 0;
+    for (i, io) in ios.iter_mut().enumerate() {
+        let n = seg[i][me];
+        let (_, out) = io.split_io();
+        out.copy_from_slice(&recv[off..off + n]);
+        off += n;
+    }
+    act(None);
+    Ok(())
+}
+
+/// Broadcast from set rank `resp.root`.
+pub fn broadcast(
+    t: &dyn Transport,
+    resp: &Response,
+    io: &mut dyn TensorIo,
+    act: ActivitySink,
+) -> Result<()> {
+    let (input, output) = io.split_io();
+    if t.rank() == resp.root as usize {
+        if let Some(inp) = input {
+            output.copy_from_slice(inp);
+        }
+    }
+    act(Some("MPI_BCAST"));
+    t.broadcast(output, resp.root as usize)?;
+    act(None);
+    Ok(())
+}
+
+/// Alltoall: rows are sent to each rank as the splits say (or evenly); the received row counts
+/// are recorded for the caller.
+pub fn alltoall(
+    t: &dyn Transport,
+    resp: &Response,
+    io: &mut dyn TensorIo,
+    act: ActivitySink,
+) -> Result<()> {
+    let size = t.size();
+    let dim0 = (io.input().len() / byte_len(resp.row_elements(), resp.dtype).max(1)) as i32;
+    let splits: Vec<i32> = match io.send_splits() {
+        Some(s) => s.to_vec(),
+        None => vec![dim0 / size as i32; size],
+    };
+    let row_bytes = byte_len(resp.row_elements(), resp.dtype);
+    act(Some("MPI_ALLTOALL"));
+    let send_split_bytes: Vec<u8> = splits.iter().flat_map(|s| s.to_le_bytes()).collect();
+    let mut recv_split_bytes = vec![0u8; 4 * size];
+    t.alltoallv(
+        &send_split_bytes,
+        &vec![4; size],
+        &mut recv_split_bytes,
+        &vec![4; size],
+    )?;
+    let recv_splits: Vec<i32> = recv_split_bytes
+        .chunks_exact(4)
+        .map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .collect();
+    act(Some("ALLOCATE_OUTPUT"));
+    let mut shape = resp.shape.clone();
+    shape[0] = recv_splits.iter().map(|s| *s as i64).sum();
+    let recv_counts: Vec<usize> = recv_splits
+        .iter()
+        .map(|s| *s as usize * row_bytes)
+        .collect();
+    io.allocate_output(&shape, recv_counts.iter().sum())?;
+    let send_counts: Vec<usize> = splits.iter().map(|s| *s as usize * row_bytes).collect();
+    act(Some("MPI_ALLTOALL"));
+    {
+        let (input, output) = io.split_io();
+        let input = input.expect("alltoall output is separate");
+        let sent: usize = send_counts.iter().sum();
+        t.alltoallv(&input[..sent], &send_counts, output, &recv_counts)?;
+    }
+    io.set_received_splits(recv_splits);
+    act(None);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reducescatter_remainder_goes_to_lowest_ranks() {
+        let rows: Vec<i64> = (0..4).map(|r| reducescatter_rows(10, 4, r)).collect();
+        assert_eq!(rows, vec![3, 3, 2, 2]);
+        let rows: Vec<i64> = (0..3).map(|r| reducescatter_rows(2, 3, r)).collect();
+        assert_eq!(rows, vec![1, 1, 0]);
+    }
+
+    #[test]
+    fn average_becomes_sum_with_postscale() {
+        assert_eq!(
+            backend_op(ReduceOp::Average, 4, 2.0).unwrap(),
+            (ReduceOp::Sum, 0.5)
+        );
+        assert_eq!(
+            backend_op(ReduceOp::Max, 4, 2.0).unwrap(),
+            (ReduceOp::Max, 2.0)
+        );
+        assert!(backend_op(ReduceOp::Adasum, 4, 1.0).is_err());
+    }
+}

@@ -1,0 +1,151 @@
+//! Elementwise kernels the backends lack: f16/bf16 reductions (MPI has no half types) and the
+//! prescale/postscale multiply for every dtype. Chosen once per call; inner loops on slices.
+
+use half::{bf16, f16};
+
+use crate::dtype::DataType;
+use crate::error::{Error, Result};
+use crate::message::ReduceOp;
+
+/// `acc[i] = op(acc[i], x[i])` for a 16-bit float type, computed in f32.
+pub fn reduce_half<T: Copy>(
+    acc: &mut [T],
+    x: &[T],
+    op: ReduceOp,
+    to_f32: fn(T) -> f32,
+    from_f32: fn(f32) -> T,
+) {
+    let f: fn(f32, f32) -> f32 = match op {
+        ReduceOp::Min => f32::min,
+        ReduceOp::Max => f32::max,
+        ReduceOp::Product => |a, b| a * b,
+        _ => |a, b| a + b,
+    };
+    for (a, b) in acc.iter_mut().zip(x) {
+        *a = from_f32(f(to_f32(*a), to_f32(*b)));
+    }
+}
+
+pub fn reduce_f16(acc: &mut [f16], x: &[f16], op: ReduceOp) {
+    reduce_half(acc, x, op, f16::to_f32, f16::from_f32);
+}
+
+pub fn reduce_bf16(acc: &mut [bf16], x: &[bf16], op: ReduceOp) {
+    reduce_half(acc, x, op, bf16::to_f32, bf16::from_f32);
+}
+
+macro_rules! scale_as {
+    ($buf:expr, $t:ty, $factor:expr, $to:expr, $from:expr) => {{
+        const N: usize = std::mem::size_of::<$t>();
+        for c in $buf.chunks_exact_mut(N) {
+            let v = <$t>::from_le_bytes(c.try_into().expect("chunk size"));
+            let s = $from($to(v) * $factor);
+            c.copy_from_slice(&s.to_le_bytes());
+        }
+    }};
+}
+
+/// Multiplies every element of `buf` by `factor`. Integers are scaled in f64 and truncated
+/// toward zero, as Horovod does; bool cannot be scaled.
+pub fn scale(buf: &mut [u8], dtype: DataType, factor: f64) -> Result<()> {
+    if factor == 1.0 {
+        return Ok(());
+    }
+    match dtype {
+        DataType::U8 => scale_as!(buf, u8, factor, f64::from, |v: f64| v as u8),
+        DataType::I8 => scale_as!(buf, i8, factor, f64::from, |v: f64| v as i8),
+        DataType::U16 => scale_as!(buf, u16, factor, f64::from, |v: f64| v as u16),
+        DataType::I16 => scale_as!(buf, i16, factor, f64::from, |v: f64| v as i16),
+        DataType::I32 => scale_as!(buf, i32, factor, f64::from, |v: f64| v as i32),
+        DataType::I64 => scale_as!(buf, i64, factor, |v: i64| v as f64, |v: f64| v as i64),
+        DataType::F32 => {
+            let f = factor as f32;
+            scale_as!(buf, f32, f, |v: f32| v, |v: f32| v)
+        }
+        DataType::F64 => scale_as!(buf, f64, factor, |v: f64| v, |v: f64| v),
+        DataType::F16 => {
+            let f = factor as f32;
+            scale_as!(buf, f16, f, f16::to_f32, f16::from_f32)
+        }
+        DataType::BF16 => {
+            let f = factor as f32;
+            scale_as!(buf, bf16, f, bf16::to_f32, bf16::from_f32)
+        }
+        DataType::Bool => {
+            return Err(Error::InvalidArgument(
+                "bool tensors cannot be scaled (prescale/postscale/average)".into(),
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn half_reductions_match_f32() {
+        let a: Vec<f16> = [1.5f32, -2.0, 3.25, 0.0]
+            .iter()
+            .map(|v| f16::from_f32(*v))
+            .collect();
+        let b: Vec<f16> = [0.5f32, 4.0, -1.0, 7.0]
+            .iter()
+            .map(|v| f16::from_f32(*v))
+            .collect();
+        for (op, want) in [
+            (ReduceOp::Sum, [2.0f32, 2.0, 2.25, 7.0]),
+            (ReduceOp::Min, [0.5, -2.0, -1.0, 0.0]),
+            (ReduceOp::Max, [1.5, 4.0, 3.25, 7.0]),
+            (ReduceOp::Product, [0.75, -8.0, -3.25, 0.0]),
+        ] {
+            let mut acc = a.clone();
+            reduce_f16(&mut acc, &b, op);
+            assert_eq!(
+                acc.iter().map(|v| v.to_f32()).collect::<Vec<_>>(),
+                want,
+                "{op:?}"
+            );
+        }
+        let mut acc = vec![bf16::from_f32(1.0), bf16::from_f32(256.0)];
+        reduce_bf16(
+            &mut acc,
+            &[bf16::from_f32(2.0), bf16::from_f32(1.0)],
+            ReduceOp::Sum,
+        );
+        // 257 is not representable in bf16 (8 bits of mantissa): rounds to 256
+        assert_eq!(
+            acc.iter().map(|v| v.to_f32()).collect::<Vec<_>>(),
+            [3.0, 256.0]
+        );
+    }
+
+    #[test]
+    fn scaling_every_dtype() {
+        let mut b: Vec<u8> = [7i32, -7, 100]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        scale(&mut b, DataType::I32, 0.5).unwrap();
+        let got: Vec<i32> = b
+            .chunks(4)
+            .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(got, [3, -3, 50]);
+        let mut b: Vec<u8> = [1.5f64, -2.0]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        scale(&mut b, DataType::F64, 3.0).unwrap();
+        assert_eq!(f64::from_le_bytes(b[8..].try_into().unwrap()), -6.0);
+        let mut b: Vec<u8> = f16::from_f32(3.0).to_le_bytes().to_vec();
+        scale(&mut b, DataType::F16, 0.25).unwrap();
+        assert_eq!(f16::from_le_bytes(b[..].try_into().unwrap()).to_f32(), 0.75);
+        let mut b = vec![200u8];
+        scale(&mut b, DataType::U8, 0.5).unwrap();
+        assert_eq!(b, [100]);
+        assert!(scale(&mut [1u8], DataType::Bool, 2.0).is_err());
+        assert!(scale(&mut [1u8], DataType::Bool, 1.0).is_ok());
+    }
+}

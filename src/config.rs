@@ -1,0 +1,102 @@
+//! Configuration, read from the environment once at init and passed down from there.
+
+use std::time::Duration;
+
+/// Default for `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`. Horovod's default (0) waits forever;
+/// ferrovod turns a stall into an error on every rank after ten minutes.
+pub const DEFAULT_STALL_SHUTDOWN_SECONDS: u64 = 600;
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// `HOROVOD_CYCLE_TIME` (milliseconds, fractional allowed; default 1).
+    pub cycle_time: Duration,
+    /// `HOROVOD_FUSION_THRESHOLD` in bytes (default 128 MiB).
+    pub fusion_threshold: usize,
+    /// `HOROVOD_CACHE_CAPACITY` (default 1024; 0 disables the response cache).
+    pub cache_capacity: usize,
+    /// `HOROVOD_STALL_CHECK_DISABLE`.
+    pub stall_check: bool,
+    /// `HOROVOD_STALL_CHECK_TIME_SECONDS` (default 60).
+    pub stall_warn: Duration,
+    /// `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS` (default 600; 0 = never).
+    pub stall_shutdown: Duration,
+    /// `HOROVOD_MPI_THREADS_DISABLE=1` asks MPI for MPI_THREAD_SINGLE.
+    pub mpi_threads_disable: bool,
+    /// `HOROVOD_TIMELINE`: Chrome-trace file written by rank 0.
+    pub timeline: Option<String>,
+    /// `HOROVOD_TIMELINE_MARK_CYCLES`.
+    pub timeline_mark_cycles: bool,
+    /// `FERROVOD_LOCAL_SIZE`: treat blocks of this many consecutive ranks as one node.
+    pub local_size_override: Option<usize>,
+}
+
+fn env_str(key: &str) -> Option<String> {
+    std::env::var(key).ok().filter(|v| !v.trim().is_empty())
+}
+
+fn env_bool(key: &str) -> bool {
+    env_str(key).is_some_and(|v| {
+        let v = v.trim().to_ascii_lowercase();
+        !(v == "0" || v == "false" || v == "no" || v == "off")
+    })
+}
+
+fn env_num<T: std::str::FromStr>(key: &str, default: T) -> T {
+    match env_str(key) {
+        None => default,
+        Some(v) => v.trim().parse().unwrap_or_else(|_| {
+            tracing::warn!("ignoring {key}={v}: not a number");
+            default
+        }),
+    }
+}
+
+impl Config {
+    pub fn from_env() -> Config {
+        let warn = env_num("HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0f64).max(0.0);
+        let mut shutdown = env_num(
+            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
+            DEFAULT_STALL_SHUTDOWN_SECONDS as f64,
+        )
+        .max(0.0);
+        if shutdown > 0.0 && shutdown < warn {
+            tracing::warn!(
+                "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS ({shutdown}) is less than HOROVOD_STALL_CHECK_TIME_SECONDS ({warn}); using the check time"
+            );
+            shutdown = warn;
+        }
+        Config {
+            cycle_time: Duration::from_secs_f64(
+                env_num("HOROVOD_CYCLE_TIME", 1.0f64).max(0.0) / 1000.0,
+            ),
+            fusion_threshold: env_num("HOROVOD_FUSION_THRESHOLD", 128usize * 1024 * 1024),
+            cache_capacity: env_num("HOROVOD_CACHE_CAPACITY", 1024usize),
+            stall_check: !env_bool("HOROVOD_STALL_CHECK_DISABLE"),
+            stall_warn: Duration::from_secs_f64(warn),
+            stall_shutdown: Duration::from_secs_f64(shutdown),
+            mpi_threads_disable: env_bool("HOROVOD_MPI_THREADS_DISABLE"),
+            timeline: env_str("HOROVOD_TIMELINE").filter(|t| t != "DYNAMIC"),
+            timeline_mark_cycles: env_bool("HOROVOD_TIMELINE_MARK_CYCLES"),
+            local_size_override: env_str("FERROVOD_LOCAL_SIZE").and_then(|v| v.parse().ok()),
+        }
+    }
+}
+
+/// Installs the log subscriber once (`HOROVOD_LOG_LEVEL`, default warning), unless the host
+/// program already installed one.
+pub fn init_logging() {
+    let level = env_str("HOROVOD_LOG_LEVEL")
+        .map(|l| match l.to_ascii_lowercase().as_str() {
+            "fatal" => "error".to_string(),
+            "warning" => "warn".to_string(),
+            other => other.to_string(),
+        })
+        .unwrap_or_else(|| "warn".into());
+    let filter = tracing_subscriber::EnvFilter::try_new(format!("ferrovod={level}"))
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("ferrovod=warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+}

@@ -1,0 +1,3 @@
+//! Tensor fusion: many small responses become one collective over a fusion buffer.
+
+pub mod planner;

@@ -1,0 +1,156 @@
+//! Groups a cycle's responses into batches. A pure function of the agreed response list and the
+//! threshold, so every rank computes the same batches.
+
+use crate::message::{OpKind, Response};
+
+/// Indices into the cycle's response list, executed as one collective.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Batch {
+    pub members: Vec<usize>,
+}
+
+/// Responses that may share one collective: same op, dtype, device, reduction and scales.
+fn fusable(a: &Response, b: &Response) -> bool {
+    a.kind == b.kind
+        && a.dtype == b.dtype
+        && a.device == b.device
+        && a.reduce_op == b.reduce_op
+        && a.prescale == b.prescale
+        && a.postscale == b.postscale
+        && a.error.is_none()
+        && b.error.is_none()
+}
+
+fn fuses_at_all(r: &Response) -> bool {
+    r.error.is_none()
+        && matches!(
+            r.kind,
+            OpKind::Allreduce | OpKind::Allgather | OpKind::Reducescatter
+        )
+}
+
+/// Greedy planning in response order: each batch starts at the first unassigned response and
+/// takes every later compatible response that still fits under `threshold` bytes (looking past
+/// incompatible ones). Batches run in the order of their first member.
+pub fn plan_batches(responses: &[Response], threshold: usize) -> Vec<Batch> {
+    let mut assigned = vec![false; responses.len()];
+    let mut batches = Vec::new();
+    for i in 0..responses.len() {
+        if assigned[i] {
+            continue;
+        }
+        assigned[i] = true;
+        let mut members = vec![i];
+        let head = &responses[i];
+        if fuses_at_all(head) {
+            let mut bytes = head.fused_bytes();
+            for j in i + 1..responses.len() {
+                if assigned[j] || !fusable(head, &responses[j]) {
+                    continue;
+                }
+                let b = responses[j].fused_bytes();
+                if bytes + b <= threshold {
+                    bytes += b;
+                    assigned[j] = true;
+                    members.push(j);
+                }
+            }
+        }
+        batches.push(Batch { members });
+    }
+    batches
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::DataType;
+    use crate::message::{ReduceOp, Request};
+
+    fn resp(name: &str, kind: OpKind, dtype: DataType, elems: i64) -> Response {
+        Response::from_request(&Request {
+            rank: 0,
+            kind,
+            dtype,
+            name: name.into(),
+            shape: vec![elems],
+            root: 0,
+            device: -1,
+            reduce_op: ReduceOp::Sum,
+            prescale: 1.0,
+            postscale: 1.0,
+        })
+    }
+
+    fn members(b: &[Batch]) -> Vec<Vec<usize>> {
+        b.iter().map(|b| b.members.clone()).collect()
+    }
+
+    #[test]
+    fn fuses_same_kind_and_dtype_up_to_threshold() {
+        let rs = vec![
+            resp("a", OpKind::Allreduce, DataType::F32, 10), // 40 B
+            resp("b", OpKind::Allreduce, DataType::F64, 5),  // other dtype, 40 B
+            resp("c", OpKind::Allreduce, DataType::F32, 10),
+            resp("d", OpKind::Broadcast, DataType::F32, 1),
+            resp("e", OpKind::Allreduce, DataType::F32, 10),
+            resp("f", OpKind::Allreduce, DataType::F64, 5),
+        ];
+        assert_eq!(
+            members(&plan_batches(&rs, 80)),
+            vec![vec![0, 2], vec![1, 5], vec![3], vec![4]]
+        );
+        assert_eq!(
+            members(&plan_batches(&rs, 1 << 20)),
+            vec![vec![0, 2, 4], vec![1, 5], vec![3]]
+        );
+    }
+
+    #[test]
+    fn oversize_and_zero_threshold_run_alone() {
+        let rs = vec![
+            resp("a", OpKind::Allreduce, DataType::F32, 100),
+            resp("b", OpKind::Allreduce, DataType::F32, 1),
+            resp("c", OpKind::Allreduce, DataType::F32, 1),
+        ];
+        assert_eq!(members(&plan_batches(&rs, 8)), vec![vec![0], vec![1, 2]]);
+        assert_eq!(
+            members(&plan_batches(&rs, 0)),
+            vec![vec![0], vec![1], vec![2]]
+        );
+    }
+
+    #[test]
+    fn never_fuses_errors_scales_or_unfusable_kinds() {
+        let mut e = resp("e", OpKind::Allreduce, DataType::F32, 1);
+        e.error = Some("x".into());
+        let mut s = resp("s", OpKind::Allreduce, DataType::F32, 1);
+        s.postscale = 0.5;
+        let rs = vec![
+            resp("a", OpKind::Allreduce, DataType::F32, 1),
+            e,
+            s,
+            resp("t", OpKind::Alltoall, DataType::F32, 1),
+            resp("u", OpKind::Alltoall, DataType::F32, 1),
+            resp("b", OpKind::Allreduce, DataType::F32, 1),
+        ];
+        assert_eq!(
+            members(&plan_batches(&rs, 1 << 20)),
+            vec![vec![0, 5], vec![1], vec![2], vec![3], vec![4]]
+        );
+    }
+
+    #[test]
+    fn allgather_counts_every_ranks_rows() {
+        let mut a = resp("a", OpKind::Allgather, DataType::F32, 4);
+        a.first_dims = vec![4, 6];
+        let mut b = a.clone();
+        b.name = "b".into();
+        assert_eq!(a.fused_bytes(), 40);
+        assert_eq!(
+            members(&plan_batches(&[a.clone(), b.clone()], 79)),
+            vec![vec![0], vec![1]]
+        );
+        assert_eq!(members(&plan_batches(&[a, b], 80)), vec![vec![0, 1]]);
+    }
+}

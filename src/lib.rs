@@ -1,0 +1,26 @@
+//! ferrovod: the communication core of data-parallel training, with Horovod's semantics.
+//!
+//! Data flow (see DESIGN.md): C API → runtime queue → background thread cycles →
+//! negotiate → fuse → execute over a transport → complete.
+#![deny(unsafe_code)]
+
+pub mod collective;
+pub mod config;
+pub mod dtype;
+pub mod error;
+pub mod fusion;
+pub mod message;
+pub mod negotiate;
+pub mod runtime;
+
+#[allow(unsafe_code)]
+pub mod capi;
+#[allow(unsafe_code)]
+pub mod transport;
+
+pub use dtype::DataType;
+pub use error::{Error, Result, Status};
+pub use message::{OpKind, ReduceOp};
+
+/// The crate version, as the C API reports it.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

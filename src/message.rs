@@ -1,0 +1,184 @@
+//! What ranks tell each other about tensors: a `Request` (one rank's view of one tensor) and a
+//! `Response` (the agreed operation every rank executes). Encoding lives in `negotiate::wire`.
+
+use crate::dtype::DataType;
+
+/// Collective kinds. Values follow Horovod's `RequestType`; process-set changes are ferrovod's
+/// own, negotiated like tensors so that no per-cycle control traffic is needed for them.
+#[repr(i32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum OpKind {
+    Allreduce = 0,
+    Allgather = 1,
+    Broadcast = 2,
+    Join = 3,
+    Alltoall = 5,
+    Barrier = 6,
+    Reducescatter = 7,
+    AddProcessSet = 20,
+    RemoveProcessSet = 21,
+}
+
+impl OpKind {
+    pub const ALL: [OpKind; 9] = [
+        OpKind::Allreduce,
+        OpKind::Allgather,
+        OpKind::Broadcast,
+        OpKind::Join,
+        OpKind::Alltoall,
+        OpKind::Barrier,
+        OpKind::Reducescatter,
+        OpKind::AddProcessSet,
+        OpKind::RemoveProcessSet,
+    ];
+
+    pub fn from_i32(v: i32) -> Option<OpKind> {
+        OpKind::ALL.iter().copied().find(|k| *k as i32 == v)
+    }
+
+    /// Upper-case name used in Horovod's messages and timeline (`ALLREDUCE`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            OpKind::Allreduce => "ALLREDUCE",
+            OpKind::Allgather => "ALLGATHER",
+            OpKind::Broadcast => "BROADCAST",
+            OpKind::Join => "JOIN",
+            OpKind::Alltoall => "ALLTOALL",
+            OpKind::Barrier => "BARRIER",
+            OpKind::Reducescatter => "REDUCESCATTER",
+            OpKind::AddProcessSet => "ADD_PROCESS_SET",
+            OpKind::RemoveProcessSet => "REMOVE_PROCESS_SET",
+        }
+    }
+
+    /// Whether a response of this kind may be reused from the response cache.
+    pub fn cacheable(self) -> bool {
+        matches!(
+            self,
+            OpKind::Allreduce
+                | OpKind::Allgather
+                | OpKind::Broadcast
+                | OpKind::Alltoall
+                | OpKind::Reducescatter
+        )
+    }
+}
+
+/// Reduction operators; values follow Horovod (`Average=0, Sum=1, Adasum=2, Min=3, Max=4, Product=5`).
+#[repr(i32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    Average = 0,
+    Sum = 1,
+    Adasum = 2,
+    Min = 3,
+    Max = 4,
+    Product = 5,
+}
+
+impl ReduceOp {
+    pub fn from_i32(v: i32) -> Option<ReduceOp> {
+        [
+            ReduceOp::Average,
+            ReduceOp::Sum,
+            ReduceOp::Adasum,
+            ReduceOp::Min,
+            ReduceOp::Max,
+            ReduceOp::Product,
+        ]
+        .into_iter()
+        .find(|k| *k as i32 == v)
+    }
+}
+
+/// Host memory, as Horovod's `CPU_DEVICE_ID`.
+pub const CPU_DEVICE: i32 = -1;
+
+/// One rank's description of one tensor it submitted.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Request {
+    /// Rank within the process set.
+    pub rank: i32,
+    pub kind: OpKind,
+    pub dtype: DataType,
+    pub name: String,
+    /// Tensor shape; for process-set changes, the member ranks (add) or the set id (remove).
+    pub shape: Vec<i64>,
+    /// Broadcast root, relative to the process set.
+    pub root: i32,
+    pub device: i32,
+    pub reduce_op: ReduceOp,
+    pub prescale: f64,
+    pub postscale: f64,
+}
+
+impl Request {
+    pub fn num_elements(&self) -> i64 {
+        self.shape.iter().product()
+    }
+}
+
+/// What all ranks agreed to do with one tensor (or the error they all report).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Response {
+    pub kind: OpKind,
+    pub name: String,
+    pub dtype: DataType,
+    /// The agreed shape (for allgather/alltoall: the shape submitted by set rank 0).
+    pub shape: Vec<i64>,
+    /// Allgather: every rank's first dimension, in set-rank order.
+    pub first_dims: Vec<i64>,
+    pub root: i32,
+    pub device: i32,
+    pub reduce_op: ReduceOp,
+    pub prescale: f64,
+    pub postscale: f64,
+    /// Join: the last rank to join. Add process set: the new set's id.
+    pub result: i32,
+    /// Set when negotiation failed: every rank completes the tensor with this precondition error.
+    pub error: Option<String>,
+}
+
+impl Response {
+    pub fn num_elements(&self) -> i64 {
+        self.shape.iter().product()
+    }
+
+    /// Elements per first-dimension row.
+    pub fn row_elements(&self) -> i64 {
+        self.shape.iter().skip(1).product()
+    }
+
+    /// Bytes this response moves through a fusion buffer.
+    pub fn fused_bytes(&self) -> usize {
+        let elems = match self.kind {
+            OpKind::Allgather => self.first_dims.iter().sum::<i64>() * self.row_elements(),
+            _ => self.num_elements(),
+        };
+        elems.max(0) as usize * self.dtype.size()
+    }
+
+    /// A response that fails `name` on every rank with `message`.
+    pub fn error(req: &Request, message: String) -> Response {
+        let mut r = Response::from_request(req);
+        r.error = Some(message);
+        r
+    }
+
+    pub fn from_request(req: &Request) -> Response {
+        Response {
+            kind: req.kind,
+            name: req.name.clone(),
+            dtype: req.dtype,
+            shape: req.shape.clone(),
+            first_dims: Vec::new(),
+            root: req.root,
+            device: req.device,
+            reduce_op: req.reduce_op,
+            prescale: req.prescale,
+            postscale: req.postscale,
+            result: 0,
+            error: None,
+        }
+    }
+}

@@ -1,0 +1,259 @@
+//! One rank's negotiation state for one process set, advanced once per cycle.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use crate::error::Result;
+use crate::message::{OpKind, Request, Response};
+use crate::negotiate::cache::{Lookup, ResponseCache};
+use crate::negotiate::coordinator::{Coordinator, stall_report};
+use crate::negotiate::ready_bitmap::{self, Vote};
+use crate::negotiate::wire::{self, RequestList, ResponseList};
+use crate::transport::Transport;
+
+/// Stall settings (Horovod's `HOROVOD_STALL_*`).
+#[derive(Clone, Debug)]
+pub struct StallPolicy {
+    pub enabled: bool,
+    pub warn_after: Duration,
+    pub shutdown_after: Duration,
+}
+
+/// What one cycle decided.
+#[derive(Debug, Default)]
+pub struct CycleOutcome {
+    /// Responses to execute now, in the same order on every rank.
+    pub responses: Vec<Response>,
+    /// Some rank asked to shut down, or the coordinator shut the job down (with the reason).
+    pub shutdown: Option<String>,
+    /// Control collectives this cycle issued (for metrics).
+    pub control_collectives: u32,
+}
+
+struct Waiting {
+    req: Request,
+    since: Instant,
+}
+
+pub struct Negotiator {
+    cache: ResponseCache,
+    coordinator: Option<Coordinator>,
+    waiting: Vec<Waiting>,
+    /// Requests sent to the coordinator and not yet answered, by name.
+    sent: HashMap<String, Request>,
+    /// Set ranks currently joined (as last announced by the coordinator).
+    joined: Vec<i32>,
+    /// This rank has joined and is waiting for the JOIN response.
+    self_joined: bool,
+    stall: StallPolicy,
+    last_stall_check: Instant,
+    /// Global ranks of the set, for reports.
+    global_ranks: Vec<i32>,
+}
+
+impl Negotiator {
+    pub fn new(
+        set_rank: usize,
+        global_ranks: Vec<i32>,
+        cache_capacity: usize,
+        stall: StallPolicy,
+    ) -> Self {
+        Negotiator {
+            cache: ResponseCache::new(cache_capacity),
+            coordinator: (set_rank == 0).then(|| Coordinator::new(global_ranks.len())),
+            waiting: Vec::new(),
+            sent: HashMap::new(),
+            joined: Vec::new(),
+            self_joined: false,
+            stall,
+            last_stall_check: Instant::now(),
+            global_ranks,
+        }
+    }
+
+    /// Whether this rank has joined and is waiting for the others.
+    pub fn is_joined(&self) -> bool {
+        self.self_joined
+    }
+
+    pub fn has_pending(&self) -> bool {
+        !self.waiting.is_empty() || !self.sent.is_empty() || self.self_joined
+    }
+
+    /// Requests not yet answered (for failing them at shutdown).
+    pub fn pending_names(&self) -> Vec<String> {
+        self.waiting
+            .iter()
+            .map(|w| w.req.name.clone())
+            .chain(self.sent.keys().cloned())
+            .collect()
+    }
+
+    pub fn submit(&mut self, req: Request, now: Instant) {
+        self.waiting.push(Waiting { req, since: now });
+    }
+
+    /// Runs one negotiation cycle over `ctrl`. All members of the set must call this the same
+    /// number of times, in the same order relative to other sets.
+    pub fn cycle(
+        &mut self,
+        ctrl: &dyn Transport,
+        want_shutdown: bool,
+        now: Instant,
+    ) -> Result<CycleOutcome> {
+        let mut out = CycleOutcome::default();
+        let stall_check_due = self.stall.enabled
+            && now.saturating_duration_since(self.last_stall_check) >= self.stall.warn_after;
+
+        // 1. classify local requests
+        let mut vote = Vote {
+            shutdown: want_shutdown,
+            ..Vote::default()
+        };
+        let mut to_send: Vec<Request> = Vec::new();
+        let mut keep: Vec<Waiting> = Vec::new();
+        for w in std::mem::take(&mut self.waiting) {
+            let cached_path = self.cache.enabled()
+                && w.req.kind.cacheable()
+                && (self.joined.is_empty() || w.req.kind == OpKind::Allreduce);
+            let lookup = if cached_path {
+                self.cache.lookup(&w.req)
+            } else {
+                Lookup::Miss
+            };
+            match lookup {
+                Lookup::Hit(bit) => {
+                    let stale = self.stall.enabled
+                        && now.saturating_duration_since(w.since) >= self.stall.warn_after;
+                    if stale {
+                        // surface it in the coordinator's stall report
+                        vote.invalid.push(bit);
+                        to_send.push(w.req);
+                    } else {
+                        vote.hits.push(bit);
+                        keep.push(w);
+                    }
+                }
+                Lookup::Invalid(bit) => {
+                    vote.invalid.push(bit);
+                    to_send.push(w.req);
+                }
+                Lookup::Miss => {
+                    if w.req.kind == OpKind::Join {
+                        self.self_joined = true;
+                    }
+                    to_send.push(w.req);
+                }
+            }
+        }
+        if self.self_joined {
+            vote.hits.extend(self.cache.allreduce_bits());
+            vote.hits.sort_unstable();
+            vote.hits.dedup();
+        }
+        let coordinator_check =
+            stall_check_due && self.coordinator.as_ref().is_some_and(|c| c.has_pending());
+        vote.uncached = !to_send.is_empty() || !self.cache.enabled() || coordinator_check;
+
+        // 2. one AND allreduce
+        let bits = self.cache.num_bits();
+        let mut words = ready_bitmap::encode(&vote, bits);
+        ctrl.and_words(&mut words)?;
+        out.control_collectives += 1;
+        let agreed = ready_bitmap::decode(&words, bits);
+
+        // 3. apply the agreement identically everywhere
+        for &bit in &agreed.invalid {
+            self.cache.erase(bit);
+        }
+        for &bit in &agreed.common_hits {
+            let resp = self.cache.take_response(bit).expect("common bit is cached");
+            if let Some(pos) = keep.iter().position(|w| w.req.name == resp.name) {
+                keep.remove(pos);
+            }
+            out.responses.push(resp);
+        }
+        self.waiting = keep;
+        if agreed.any_shutdown {
+            // put back what was going to be sent so it is failed with the rest
+            for req in to_send {
+                self.sent.insert(req.name.clone(), req);
+            }
+            out.shutdown = Some(crate::error::SHUT_DOWN_MESSAGE.to_string());
+            return Ok(out);
+        }
+        if !agreed.any_uncached {
+            // requests that were invalid on this rank only were not sent: retry next cycle
+            for req in to_send {
+                self.waiting.push(Waiting { req, since: now });
+            }
+            return Ok(out);
+        }
+
+        // 4. slow path: coordinator round
+        let mine = wire::encode_requests(&RequestList {
+            requests: to_send.clone(),
+        });
+        for req in to_send {
+            self.sent.insert(req.name.clone(), req);
+        }
+        let gathered = ctrl.gather_bytes(&mine, 0)?;
+        out.control_collectives += 1;
+        let reply = match self.coordinator.as_mut() {
+            Some(coord) => {
+                let lists = gathered
+                    .iter()
+                    .map(|b| wire::decode_requests(b).map(|l| l.requests))
+                    .collect::<Result<Vec<_>>>()?;
+                let responses = coord.add_round(lists, now);
+                let mut shutdown = None;
+                if stall_check_due {
+                    self.last_stall_check = now;
+                    let stalled = coord.stalled(now, self.stall.warn_after);
+                    if !stalled.is_empty() {
+                        let report = stall_report(
+                            &stalled,
+                            &self.global_ranks,
+                            self.stall.warn_after.as_secs(),
+                        );
+                        tracing::warn!("{report}");
+                        if self.stall.shutdown_after > Duration::ZERO
+                            && stalled
+                                .iter()
+                                .any(|s| s.waited >= self.stall.shutdown_after)
+                        {
+                            shutdown = Some(format!(
+                                "Stalled tensors waited longer than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={}; shutting down. {report}",
+                                self.stall.shutdown_after.as_secs()
+                            ));
+                        }
+                    }
+                }
+                let list = ResponseList {
+                    responses,
+                    joined: coord.joined(),
+                    shutdown,
+                };
+                wire::encode_responses(&list)
+            }
+            None => Vec::new(),
+        };
+        let reply = ctrl.broadcast_bytes(reply, 0)?;
+        out.control_collectives += 1;
+        if stall_check_due {
+            self.last_stall_check = now;
+        }
+        let list = wire::decode_responses(&reply)?;
+        self.joined = list.joined;
+        for resp in list.responses {
+            let local = self.sent.remove(&resp.name);
+            if resp.kind == OpKind::Join {
+                self.self_joined = false;
+            }
+            self.cache.put(&resp, local);
+            out.responses.push(resp);
+        }
+        out.shutdown = list.shutdown;
+        Ok(out)
+    }
+}

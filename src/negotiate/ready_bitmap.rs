@@ -1,0 +1,130 @@
+//! The per-cycle vote: one bit vector per rank, combined with a single bitwise-AND allreduce.
+//! "Any rank" conditions are stored inverted so that AND computes OR for them; that lets one
+//! collective carry status flags, common cache hits and the union of invalidated bits.
+
+/// Layout: word bits `[0, FLAGS)` status flags (inverted), then `n` hit bits, then `n` inverted
+/// invalid bits.
+const FLAGS: usize = 2;
+const FLAG_SHUTDOWN: usize = 0;
+const FLAG_UNCACHED: usize = 1;
+
+/// One rank's vote before the AND.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Vote {
+    pub shutdown: bool,
+    /// This rank has requests that need a coordinator round.
+    pub uncached: bool,
+    pub hits: Vec<usize>,
+    pub invalid: Vec<usize>,
+}
+
+/// What all ranks agreed after the AND.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Agreement {
+    pub any_shutdown: bool,
+    pub any_uncached: bool,
+    /// Bits every rank voted for, ascending.
+    pub common_hits: Vec<usize>,
+    /// Bits any rank found invalid, ascending.
+    pub invalid: Vec<usize>,
+}
+
+fn words_for(num_bits: usize) -> usize {
+    (FLAGS + 2 * num_bits).div_ceil(64)
+}
+
+fn set(words: &mut [u64], i: usize, v: bool) {
+    if v {
+        words[i / 64] |= 1 << (i % 64);
+    } else {
+        words[i / 64] &= !(1 << (i % 64));
+    }
+}
+
+fn get(words: &[u64], i: usize) -> bool {
+    words[i / 64] & (1 << (i % 64)) != 0
+}
+
+/// Encodes a vote for a cache with `num_bits` bits (identical on every rank).
+pub fn encode(vote: &Vote, num_bits: usize) -> Vec<u64> {
+    let mut w = vec![0u64; words_for(num_bits)];
+    set(&mut w, FLAG_SHUTDOWN, !vote.shutdown);
+    set(&mut w, FLAG_UNCACHED, !vote.uncached);
+    for i in 0..num_bits {
+        set(&mut w, FLAGS + num_bits + i, true);
+    }
+    for &b in &vote.hits {
+        set(&mut w, FLAGS + b, true);
+    }
+    for &b in &vote.invalid {
+        set(&mut w, FLAGS + num_bits + b, false);
+    }
+    w
+}
+
+/// Decodes the AND of every rank's `encode`.
+pub fn decode(words: &[u64], num_bits: usize) -> Agreement {
+    Agreement {
+        any_shutdown: !get(words, FLAG_SHUTDOWN),
+        any_uncached: !get(words, FLAG_UNCACHED),
+        common_hits: (0..num_bits).filter(|b| get(words, FLAGS + b)).collect(),
+        invalid: (0..num_bits)
+            .filter(|b| !get(words, FLAGS + num_bits + b))
+            .collect(),
+    }
+}
+
+/// The AND a bitwise-AND allreduce computes; used by tests and single-rank runs.
+pub fn and_all(votes: &[Vec<u64>]) -> Vec<u64> {
+    let mut out = votes[0].clone();
+    for v in &votes[1..] {
+        out.iter_mut().zip(v).for_each(|(o, x)| *o &= x);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn and_gives_common_hits_and_union_of_flags() {
+        let n = 100;
+        let a = Vote {
+            shutdown: false,
+            uncached: true,
+            hits: vec![1, 5, 70, 99],
+            invalid: vec![3],
+        };
+        let b = Vote {
+            shutdown: false,
+            uncached: false,
+            hits: vec![5, 70, 98],
+            invalid: vec![64],
+        };
+        let c = Vote {
+            shutdown: true,
+            uncached: false,
+            hits: vec![0, 5, 70, 99],
+            invalid: vec![],
+        };
+        let agreed = decode(&and_all(&[encode(&a, n), encode(&b, n), encode(&c, n)]), n);
+        assert_eq!(
+            agreed,
+            Agreement {
+                any_shutdown: true,
+                any_uncached: true,
+                common_hits: vec![5, 70],
+                invalid: vec![3, 64],
+            }
+        );
+    }
+
+    #[test]
+    fn idle_vote_agrees_on_nothing() {
+        for n in [0, 1, 31, 64, 1024] {
+            let v = encode(&Vote::default(), n);
+            assert_eq!(decode(&and_all(&[v.clone(), v]), n), Agreement::default());
+        }
+    }
+}

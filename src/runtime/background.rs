@@ -1,0 +1,479 @@
+//! The background thread: MPI setup, then one cycle after another — take new submissions,
+//! negotiate per process set, fuse, execute, complete — until every rank agrees to stop.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use crossbeam::channel::{Receiver, RecvTimeoutError, Sender};
+
+use crate::collective::{self, TensorIo};
+use crate::error::{Error, Result};
+use crate::fusion::planner::plan_batches;
+use crate::message::{OpKind, Response};
+use crate::negotiate::online::{Negotiator, StallPolicy};
+use crate::runtime::entry::{InputMem, OutputMem, TensorEntry};
+use crate::runtime::timeline::Timeline;
+use crate::runtime::{Command, Communicator, InitOptions, Runtime, Topology};
+use crate::transport::Transport;
+use crate::transport::mpi::{MpiComm, finalize_mpi, init_mpi};
+
+/// One process set this rank belongs to.
+struct SetState {
+    id: i32,
+    ctrl: MpiComm,
+    data: MpiComm,
+    negotiator: Negotiator,
+    entries: HashMap<String, TensorEntry>,
+    fusion: Vec<u8>,
+}
+
+struct Background {
+    rt: Arc<Runtime>,
+    world: MpiComm,
+    /// Sets this rank is a member of.
+    member: BTreeMap<i32, SetState>,
+    /// Every set's ranks (identical on all ranks).
+    all_sets: BTreeMap<i32, Vec<i32>>,
+    next_set_id: i32,
+    timeline: Option<Timeline>,
+    want_shutdown: bool,
+}
+
+pub(crate) fn run(
+    rt: Arc<Runtime>,
+    opts: InitOptions,
+    rx: Receiver<Command>,
+    ready: Sender<Result<()>>,
+) {
+    let (mpi_ours, multiple) = match init_mpi(!rt.config.mpi_threads_disable) {
+        Ok(v) => v,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    let mut bg = match Background::start(rt.clone(), &opts, multiple) {
+        Ok(bg) => bg,
+        Err(e) => {
+            if mpi_ours {
+                finalize_mpi();
+            }
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    let _ = ready.send(Ok(()));
+    let reason = bg.run_loop(&rx);
+    bg.stop(&rx, reason);
+    drop(bg);
+    if mpi_ours {
+        finalize_mpi();
+    }
+}
+
+fn make_set(id: i32, comm: MpiComm, ranks: Vec<i32>, rt: &Runtime) -> Result<SetState> {
+    let cfg = &rt.config;
+    let set_rank = comm.rank();
+    Ok(SetState {
+        id,
+        ctrl: comm.dup()?,
+        data: comm,
+        negotiator: Negotiator::new(
+            set_rank,
+            ranks,
+            cfg.cache_capacity,
+            StallPolicy {
+                enabled: cfg.stall_check,
+                warn_after: cfg.stall_warn,
+                shutdown_after: cfg.stall_shutdown,
+            },
+        ),
+        entries: HashMap::new(),
+        fusion: Vec::new(),
+    })
+}
+
+impl Background {
+    fn start(rt: Arc<Runtime>, opts: &InitOptions, multiple: bool) -> Result<Background> {
+        let world = match &opts.comm {
+            Communicator::World => MpiComm::world()?,
+            Communicator::Fortran(h) => MpiComm::from_fortran(*h)?,
+            Communicator::Ranks(ranks) => {
+                let all = MpiComm::world()?;
+                let n = all.size() as i32;
+                if ranks.is_empty() || ranks.iter().any(|r| *r < 0 || *r >= n) {
+                    return Err(Error::InvalidArgument(format!(
+                        "init ranks {ranks:?} must be ranks of MPI_COMM_WORLD (size {n})"
+                    )));
+                }
+                all.subset(ranks)?.ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "rank {} of MPI_COMM_WORLD is not in the ranks given to init {ranks:?}",
+                        all.rank()
+                    ))
+                })?
+            }
+        };
+        let local = world.split_local(rt.config.local_size_override)?;
+        let cross = world.split(local.rank() as i32)?;
+        let local_sizes = world.allgather_i64(local.size() as i64)?;
+        let topo = Topology {
+            rank: world.rank() as i32,
+            size: world.size() as i32,
+            local_rank: local.rank() as i32,
+            local_size: local.size() as i32,
+            cross_rank: cross.rank() as i32,
+            cross_size: cross.size() as i32,
+            is_homogeneous: local_sizes.iter().all(|s| *s == local_sizes[0]),
+            mpi_threads_supported: multiple,
+        };
+        let _ = rt.topology.set(topo.clone());
+
+        // static process sets must be the same everywhere
+        let digest = format!("{:?}", opts.process_sets);
+        let hash = digest.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+        });
+        let hashes = world.allgather_i64(hash as i64)?;
+        if hashes.iter().any(|h| *h != hashes[0]) {
+            return Err(Error::InvalidArgument(
+                "Different ranks tried to set up mismatching numbers of process sets".into(),
+            ));
+        }
+        let size = topo.size;
+        let world_ranks: Vec<i32> = (0..size).collect();
+        let mut bg = Background {
+            member: BTreeMap::new(),
+            all_sets: BTreeMap::new(),
+            next_set_id: 1,
+            timeline: None,
+            want_shutdown: false,
+            world: world.dup()?,
+            rt: rt.clone(),
+        };
+        bg.member
+            .insert(0, make_set(0, world, world_ranks.clone(), &rt)?);
+        bg.all_sets.insert(0, world_ranks);
+        for ranks in &opts.process_sets {
+            let mut sorted = ranks.clone();
+            sorted.sort_unstable();
+            sorted.dedup();
+            if sorted.is_empty() || sorted.iter().any(|r| *r < 0 || *r >= size) {
+                return Err(Error::InvalidArgument(format!(
+                    "process set {ranks:?} must hold ranks in [0, {size})"
+                )));
+            }
+            bg.create_set(sorted)?;
+        }
+        *rt.sets.write().expect("sets") = bg.all_sets.clone();
+        if topo.rank == 0 {
+            if let Some(path) = &rt.config.timeline {
+                match Timeline::create(path, rt.config.timeline_mark_cycles) {
+                    Ok(t) => bg.timeline = Some(t),
+                    Err(e) => tracing::error!("cannot write timeline {path}: {e}"),
+                }
+            }
+        }
+        Ok(bg)
+    }
+
+    /// Creates the set (collective over the world); an existing identical set is reused.
+    fn create_set(&mut self, ranks: Vec<i32>) -> Result<i32> {
+        if let Some((id, _)) = self.all_sets.iter().find(|(_, r)| **r == ranks) {
+            return Ok(*id);
+        }
+        let id = self.next_set_id;
+        self.next_set_id += 1;
+        if let Some(comm) = self.world.subset(&ranks)? {
+            let set = make_set(id, comm, ranks.clone(), &self.rt)?;
+            self.member.insert(id, set);
+        }
+        self.all_sets.insert(id, ranks);
+        Ok(id)
+    }
+
+    fn receive(&mut self, cmd: Command) {
+        match cmd {
+            Command::Shutdown => self.want_shutdown = true,
+            Command::Submit { set, entries } => {
+                let Some(state) = self.member.get_mut(&set) else {
+                    let err = Error::InvalidArgument(
+                        "Process set provided does not exist, or has not been registered.".into(),
+                    );
+                    for e in entries {
+                        self.rt.finish_names(&[(set, e.request.name.clone())]);
+                        e.complete(Err(err.clone()), None);
+                    }
+                    return;
+                };
+                let now = Instant::now();
+                for e in entries {
+                    if let Some(t) = self.timeline.as_mut() {
+                        t.begin(
+                            &e.request.name,
+                            &format!("NEGOTIATE_{}", e.request.kind.name()),
+                        );
+                    }
+                    state.negotiator.submit(e.request.clone(), now);
+                    state.entries.insert(e.request.name.clone(), e);
+                }
+            }
+        }
+    }
+
+    /// Cycles until every rank agrees to stop; returns the reason.
+    fn run_loop(&mut self, rx: &Receiver<Command>) -> Option<String> {
+        let cycle = self.rt.config.cycle_time;
+        let mut next_cycle = Instant::now();
+        loop {
+            let now = Instant::now();
+            if now < next_cycle {
+                match rx.recv_timeout(next_cycle - now) {
+                    Ok(cmd) => self.receive(cmd),
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) => self.want_shutdown = true,
+                }
+            }
+            while let Ok(cmd) = rx.try_recv() {
+                self.receive(cmd);
+            }
+            next_cycle = Instant::now() + cycle;
+            if let Some(t) = self.timeline.as_mut() {
+                t.mark_cycle();
+            }
+            let ids: Vec<i32> = self.member.keys().copied().collect();
+            for id in ids {
+                let Some(set) = self.member.get_mut(&id) else {
+                    continue;
+                };
+                let want = id == 0 && self.want_shutdown;
+                let outcome = match set.negotiator.cycle(&set.ctrl, want, Instant::now()) {
+                    Ok(o) => o,
+                    Err(e) => {
+                        tracing::error!("negotiation failed: {e}");
+                        return Some(format!("ferrovod negotiation failed: {e}"));
+                    }
+                };
+                if let Some(reason) = outcome.shutdown {
+                    return if reason == crate::error::SHUT_DOWN_MESSAGE {
+                        None
+                    } else {
+                        tracing::error!("{reason}");
+                        Some(reason)
+                    };
+                }
+                if !outcome.responses.is_empty() {
+                    self.execute(id, outcome.responses);
+                }
+            }
+            if let Some(t) = self.timeline.as_mut() {
+                t.flush();
+            }
+        }
+    }
+
+    fn execute(&mut self, id: i32, responses: Vec<Response>) {
+        let threshold = self.rt.config.fusion_threshold;
+        let batches = plan_batches(&responses, threshold);
+        for batch in batches {
+            let resps: Vec<&Response> = batch.members.iter().map(|i| &responses[*i]).collect();
+            let head = resps[0];
+            if matches!(head.kind, OpKind::AddProcessSet | OpKind::RemoveProcessSet)
+                && head.error.is_none()
+            {
+                self.change_process_set(head);
+                continue;
+            }
+            let Some(set) = self.member.get_mut(&id) else {
+                return;
+            };
+            let joined = set.negotiator.is_joined();
+            let mut entries: Vec<TensorEntry> = Vec::with_capacity(resps.len());
+            for r in &resps {
+                match set.entries.remove(&r.name) {
+                    Some(e) => entries.push(e),
+                    None if joined && r.kind == OpKind::Allreduce && r.error.is_none() => {
+                        let zeros = vec![0u8; r.num_elements() as usize * r.dtype.size()];
+                        let mut req = crate::message::Request {
+                            rank: set.data.rank() as i32,
+                            kind: r.kind,
+                            dtype: r.dtype,
+                            name: r.name.clone(),
+                            shape: r.shape.clone(),
+                            root: r.root,
+                            device: r.device,
+                            reduce_op: r.reduce_op,
+                            prescale: r.prescale,
+                            postscale: r.postscale,
+                        };
+                        req.rank = set.data.rank() as i32;
+                        entries.push(TensorEntry::new(
+                            req,
+                            InputMem::Owned(zeros),
+                            OutputMem::InPlace,
+                        ));
+                    }
+                    None => {}
+                }
+            }
+            if entries.len() != resps.len() {
+                // an error response for a tensor this rank never submitted, or a missing entry
+                if let Some(err) = &head.error {
+                    for e in entries {
+                        self.rt.finish_names(&[(id, e.request.name.clone())]);
+                        e.complete(Err(Error::Precondition(err.clone())), None);
+                    }
+                } else if !entries.is_empty() {
+                    let err = Error::Internal("missing local tensor for an agreed response".into());
+                    for e in entries {
+                        self.rt.finish_names(&[(id, e.request.name.clone())]);
+                        e.complete(Err(err.clone()), None);
+                    }
+                }
+                continue;
+            }
+            let timeline = &mut self.timeline;
+            let names: Vec<String> = resps.iter().map(|r| r.name.clone()).collect();
+            if let Some(t) = timeline.as_mut() {
+                for n in &names {
+                    t.end(n, None);
+                    t.begin(n, head.kind.name());
+                }
+            }
+            let outcome = match &head.error {
+                Some(msg) => Err(Error::Precondition(msg.clone())),
+                None => run_batch(set, &resps, &mut entries, timeline, &names),
+            };
+            if let Some(t) = timeline.as_mut() {
+                for (n, r) in names.iter().zip(&resps) {
+                    let shape = format!("{:?}", r.shape);
+                    t.end(n, Some((r.dtype.name(), &shape)));
+                }
+            }
+            let value = matches!(head.kind, OpKind::Join).then_some(head.result);
+            for e in entries {
+                self.rt.finish_names(&[(id, e.request.name.clone())]);
+                e.complete(outcome.clone(), value);
+            }
+        }
+    }
+
+    fn change_process_set(&mut self, resp: &Response) {
+        let entry = self
+            .member
+            .get_mut(&0)
+            .and_then(|s| s.entries.remove(&resp.name));
+        let outcome: Result<i32> = match resp.kind {
+            OpKind::AddProcessSet => {
+                let ranks: Vec<i32> = resp.shape.iter().map(|r| *r as i32).collect();
+                match self.all_sets.iter().find(|(_, r)| **r == ranks) {
+                    Some((id, _)) => Err(Error::InvalidArgument(format!(
+                        "A process set with ranks {ranks:?} already exists (id {id})."
+                    ))),
+                    None => self.create_set(ranks),
+                }
+            }
+            _ => {
+                let id = resp.shape.first().copied().unwrap_or(0) as i32;
+                if id == 0 || !self.all_sets.contains_key(&id) {
+                    Err(Error::InvalidArgument(format!(
+                        "Process set {id} does not exist, or has not been registered."
+                    )))
+                } else {
+                    self.all_sets.remove(&id);
+                    if let Some(set) = self.member.remove(&id) {
+                        let err = Error::Aborted(format!("process set {id} was removed"));
+                        for (name, e) in set.entries {
+                            self.rt.finish_names(&[(id, name)]);
+                            e.complete(Err(err.clone()), None);
+                        }
+                    }
+                    Ok(id)
+                }
+            }
+        };
+        *self.rt.sets.write().expect("sets") = self.all_sets.clone();
+        if let Some(e) = entry {
+            self.rt.finish_names(&[(0, resp.name.clone())]);
+            match outcome {
+                Ok(id) => e.complete(Ok(()), Some(id)),
+                Err(err) => e.complete(Err(err), None),
+            }
+        }
+    }
+
+    /// Fails everything still pending and refuses new work.
+    fn stop(&mut self, rx: &Receiver<Command>, reason: Option<String>) {
+        *self.rt.shutdown_reason.lock().expect("reason") = reason.clone();
+        self.rt.loop_ended.store(true, Ordering::SeqCst);
+        let inbox = self.rt.inbox.lock().expect("inbox").take();
+        drop(inbox);
+        while let Ok(cmd) = rx.try_recv() {
+            self.receive(cmd);
+        }
+        let err = match reason {
+            Some(r) => Error::ShutDown(r),
+            None => Error::shut_down(),
+        };
+        for (id, set) in std::mem::take(&mut self.member) {
+            for (name, e) in set.entries {
+                self.rt.finish_names(&[(id, name)]);
+                e.complete(Err(err.clone()), None);
+            }
+        }
+        if let Some(t) = self.timeline.take() {
+            t.close();
+        }
+    }
+}
+
+fn run_batch(
+    set: &mut SetState,
+    resps: &[&Response],
+    entries: &mut [TensorEntry],
+    timeline: &mut Option<Timeline>,
+    names: &[String],
+) -> Result<()> {
+    let mut open = false;
+    let mut sink = |act: Option<&'static str>| {
+        if let Some(t) = timeline.as_mut() {
+            for n in names {
+                if open {
+                    t.end(n, None);
+                }
+                if let Some(a) = act {
+                    t.begin(n, a);
+                }
+            }
+        }
+        open = act.is_some();
+    };
+    let t: &dyn Transport = &set.data;
+    let head = resps[0];
+    let mut ios: Vec<&mut dyn TensorIo> =
+        entries.iter_mut().map(|e| e as &mut dyn TensorIo).collect();
+    match head.kind {
+        OpKind::Allreduce => {
+            collective::allreduce_batch(t, resps, &mut ios, &mut set.fusion, &mut sink)
+        }
+        OpKind::Allgather => {
+            collective::allgather_batch(t, resps, &mut ios, &mut set.fusion, &mut sink)
+        }
+        OpKind::Reducescatter => {
+            collective::reducescatter_batch(t, resps, &mut ios, &mut set.fusion, &mut sink)
+        }
+        OpKind::Broadcast => collective::broadcast(t, head, ios[0], &mut sink),
+        OpKind::Alltoall => collective::alltoall(t, head, ios[0], &mut sink),
+        OpKind::Barrier => {
+            sink(Some("MPI_BARRIER"));
+            let r = t.barrier();
+            sink(None);
+            r
+        }
+        OpKind::Join => Ok(()),
+        OpKind::AddProcessSet | OpKind::RemoveProcessSet => Ok(()),
+    }
+    .inspect_err(|e| tracing::error!("set {}: {} failed: {e}", set.id, head.kind.name()))
+}

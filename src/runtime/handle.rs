@@ -1,0 +1,223 @@
+//! Completion of enqueued operations: by handle (poll, wait with timeout) and by callback.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+
+pub type HandleId = u64;
+
+/// Called once, on the background thread, when every tensor of the operation has completed.
+pub type DoneCallback = Box<dyn FnOnce(HandleId, &Result<()>) + Send>;
+
+/// What one tensor produced, when the library owns the output memory.
+#[derive(Clone, Debug, Default)]
+pub struct TensorResult {
+    pub output: Option<Vec<u8>>,
+    pub shape: Vec<i64>,
+    pub received_splits: Vec<i32>,
+}
+
+#[derive(Default)]
+struct State {
+    remaining: usize,
+    outcome: Option<Result<()>>,
+    results: Vec<TensorResult>,
+    /// Join: last joined rank. Add process set: the new id.
+    value: i32,
+    callback: Option<DoneCallback>,
+}
+
+pub struct Handle {
+    pub id: HandleId,
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+impl Handle {
+    /// Records tensor `index`; the operation completes (callback, waiters) with the last one.
+    /// The first error of any tensor is the operation's error.
+    pub fn complete_one(&self, index: usize, result: Result<TensorResult>, value: Option<i32>) {
+        let callback_and_outcome = {
+            let mut s = self.state.lock().expect("handle lock");
+            if s.remaining == 0 {
+                return;
+            }
+            match result {
+                Ok(r) => {
+                    if let Some(slot) = s.results.get_mut(index) {
+                        *slot = r;
+                    }
+                }
+                Err(e) => {
+                    if !matches!(s.outcome, Some(Err(_))) {
+                        s.outcome = Some(Err(e));
+                    }
+                }
+            }
+            if let Some(v) = value {
+                s.value = v;
+            }
+            s.remaining -= 1;
+            if s.remaining > 0 {
+                return;
+            }
+            let outcome = s.outcome.take().unwrap_or(Ok(()));
+            s.outcome = Some(outcome.clone());
+            self.cv.notify_all();
+            s.callback.take().map(|cb| (cb, outcome))
+        };
+        if let Some((cb, outcome)) = callback_and_outcome {
+            cb(self.id, &outcome);
+        }
+    }
+
+    /// `None` while in progress.
+    pub fn poll(&self) -> Option<Result<()>> {
+        let s = self.state.lock().expect("handle lock");
+        if s.remaining == 0 {
+            s.outcome.clone()
+        } else {
+            None
+        }
+    }
+
+    /// Waits until completion or `timeout` (None: forever).
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<()> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut s = self.state.lock().expect("handle lock");
+        while s.remaining > 0 {
+            s = match deadline {
+                None => self.cv.wait(s).expect("handle lock"),
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        return Err(Error::Timeout);
+                    }
+                    self.cv.wait_timeout(s, d - now).expect("handle lock").0
+                }
+            };
+        }
+        s.outcome.clone().unwrap_or(Ok(()))
+    }
+
+    pub fn value(&self) -> i32 {
+        self.state.lock().expect("handle lock").value
+    }
+
+    pub fn result(&self, index: usize) -> Option<TensorResult> {
+        self.state
+            .lock()
+            .expect("handle lock")
+            .results
+            .get(index)
+            .cloned()
+    }
+
+    /// Moves tensor `index`'s library-owned output out of the handle.
+    pub fn take_output(&self, index: usize) -> Option<Vec<u8>> {
+        self.state
+            .lock()
+            .expect("handle lock")
+            .results
+            .get_mut(index)
+            .and_then(|r| r.output.take())
+    }
+
+    /// Runs `f` on tensor `index`'s result without copying it.
+    pub fn with_result<R>(&self, index: usize, f: impl FnOnce(&TensorResult) -> R) -> Option<R> {
+        self.state
+            .lock()
+            .expect("handle lock")
+            .results
+            .get(index)
+            .map(f)
+    }
+}
+
+/// Live handles by id. Ids are never reused within a process.
+#[derive(Default)]
+pub struct HandleTable {
+    next: AtomicU64,
+    map: Mutex<HashMap<HandleId, Arc<Handle>>>,
+}
+
+impl HandleTable {
+    pub fn create(&self, tensors: usize, callback: Option<DoneCallback>) -> Arc<Handle> {
+        let id = self.next.fetch_add(1, Ordering::Relaxed) + 1;
+        let h = Arc::new(Handle {
+            id,
+            state: Mutex::new(State {
+                remaining: tensors.max(1),
+                results: vec![TensorResult::default(); tensors.max(1)],
+                callback,
+                ..State::default()
+            }),
+            cv: Condvar::new(),
+        });
+        self.map.lock().expect("handles").insert(id, h.clone());
+        h
+    }
+
+    pub fn get(&self, id: HandleId) -> Result<Arc<Handle>> {
+        self.map
+            .lock()
+            .expect("handles")
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| Error::InvalidArgument(format!("unknown handle {id}")))
+    }
+
+    pub fn release(&self, id: HandleId) -> Result<()> {
+        self.map
+            .lock()
+            .expect("handles")
+            .remove(&id)
+            .map(|_| ())
+            .ok_or_else(|| Error::InvalidArgument(format!("unknown handle {id}")))
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.lock().expect("handles").len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    #[test]
+    fn completes_after_last_tensor_with_first_error() {
+        let table = HandleTable::default();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let c = calls.clone();
+        let h = table.create(
+            3,
+            Some(Box::new(move |_, r| {
+                assert!(r.is_err());
+                c.fetch_add(1, Ordering::SeqCst);
+            })),
+        );
+        h.complete_one(0, Ok(TensorResult::default()), None);
+        assert!(h.poll().is_none());
+        assert_eq!(h.wait(Some(Duration::from_millis(10))), Err(Error::Timeout));
+        h.complete_one(1, Err(Error::Precondition("a".into())), None);
+        h.complete_one(2, Err(Error::Precondition("b".into())), Some(7));
+        assert_eq!(h.poll(), Some(Err(Error::Precondition("a".into()))));
+        assert_eq!(h.wait(None), Err(Error::Precondition("a".into())));
+        assert_eq!(h.value(), 7);
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        h.complete_one(2, Ok(TensorResult::default()), None); // late duplicate: ignored
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        assert!(table.release(h.id).is_ok());
+        assert!(table.get(h.id).is_err());
+        assert!(table.release(h.id).is_err());
+    }
+}

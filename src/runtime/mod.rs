@@ -1,0 +1,597 @@
+//! The runtime: process-wide state, the queue into the background thread, handles, and the
+//! Rust API the C API wraps. One runtime per process.
+
+pub mod background;
+pub mod entry;
+pub mod handle;
+pub mod timeline;
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::thread::JoinHandle;
+
+use crossbeam::channel::{Sender, unbounded};
+
+use crate::config::Config;
+use crate::dtype::DataType;
+use crate::error::{Error, Result};
+use crate::message::{CPU_DEVICE, OpKind, ReduceOp, Request};
+use entry::{InputMem, OutputMem, SharedAllocator, TensorEntry};
+use handle::{DoneCallback, Handle, HandleTable};
+
+/// Reserved tensor names, as in Horovod.
+pub const JOIN_NAME: &str = "join.noname";
+pub const BARRIER_NAME: &str = "barrier.noname";
+
+/// Where this process sits in the job.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Topology {
+    pub rank: i32,
+    pub size: i32,
+    pub local_rank: i32,
+    pub local_size: i32,
+    pub cross_rank: i32,
+    pub cross_size: i32,
+    pub is_homogeneous: bool,
+    pub mpi_threads_supported: bool,
+}
+
+/// Which ranks form ferrovod's world.
+#[derive(Clone, Debug, Default)]
+pub enum Communicator {
+    #[default]
+    World,
+    /// These ranks of MPI_COMM_WORLD (every process must pass the same list).
+    Ranks(Vec<i32>),
+    /// An existing communicator, by Fortran handle (`MPI_Comm_c2f`, mpi4py's `py2f()`).
+    Fortran(i32),
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct InitOptions {
+    pub comm: Communicator,
+    /// Static process sets (ranks of ferrovod's world), registered as ids 1, 2, ... in order;
+    /// a duplicate list gets the id of its first occurrence.
+    pub process_sets: Vec<Vec<i32>>,
+}
+
+/// One tensor of an operation.
+pub struct TensorSpec {
+    pub name: String,
+    pub dtype: DataType,
+    pub shape: Vec<i64>,
+    pub input: InputMem,
+    pub output: OutputMem,
+    /// Alltoall: rows sent to each rank of the process set.
+    pub splits: Option<Vec<i32>>,
+}
+
+/// An operation to enqueue: one or more tensors (grouped ops) completed together.
+pub struct OpSpec {
+    pub kind: OpKind,
+    pub reduce_op: ReduceOp,
+    pub prescale: f64,
+    pub postscale: f64,
+    /// Broadcast root as a rank of ferrovod's world.
+    pub root_rank: i32,
+    pub process_set: i32,
+    pub device: i32,
+    pub tensors: Vec<TensorSpec>,
+    pub allocator: Option<SharedAllocator>,
+    pub callback: Option<DoneCallback>,
+}
+
+impl OpSpec {
+    pub fn new(kind: OpKind, tensors: Vec<TensorSpec>) -> OpSpec {
+        OpSpec {
+            kind,
+            reduce_op: ReduceOp::Sum,
+            prescale: 1.0,
+            postscale: 1.0,
+            root_rank: 0,
+            process_set: 0,
+            device: CPU_DEVICE,
+            tensors,
+            allocator: None,
+            callback: None,
+        }
+    }
+}
+
+pub(crate) enum Command {
+    Submit { set: i32, entries: Vec<TensorEntry> },
+    Shutdown,
+}
+
+pub struct Runtime {
+    pub config: Config,
+    topology: OnceLock<Topology>,
+    pub handles: HandleTable,
+    inbox: Mutex<Option<Sender<Command>>>,
+    /// Process set id → member ranks; identical on every rank.
+    sets: RwLock<BTreeMap<i32, Vec<i32>>>,
+    in_flight: Mutex<HashSet<(i32, String)>>,
+    loop_ended: AtomicBool,
+    shutdown_reason: Mutex<Option<String>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+static RUNTIME: Mutex<Option<Arc<Runtime>>> = Mutex::new(None);
+
+fn lock_global() -> std::sync::MutexGuard<'static, Option<Arc<Runtime>>> {
+    RUNTIME.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The running runtime, or `NotInitialized`.
+pub fn runtime() -> Result<Arc<Runtime>> {
+    lock_global().clone().ok_or(Error::NotInitialized)
+}
+
+pub fn is_initialized() -> bool {
+    lock_global().is_some()
+}
+
+/// Starts the runtime (MPI, communicators, background thread). A second call while running is
+/// a no-op, as in Horovod.
+pub fn init(opts: InitOptions) -> Result<()> {
+    let mut global = lock_global();
+    if let Some(rt) = global.as_ref() {
+        if !rt.loop_ended.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+    }
+    if let Some(old) = global.take() {
+        old.join_thread();
+    }
+    crate::config::init_logging();
+    let config = Config::from_env();
+    let (tx, rx) = unbounded();
+    let rt = Arc::new(Runtime {
+        config: config.clone(),
+        topology: OnceLock::new(),
+        handles: HandleTable::default(),
+        inbox: Mutex::new(Some(tx)),
+        sets: RwLock::new(BTreeMap::new()),
+        in_flight: Mutex::new(HashSet::new()),
+        loop_ended: AtomicBool::new(false),
+        shutdown_reason: Mutex::new(None),
+        thread: Mutex::new(None),
+    });
+    let (ready_tx, ready_rx) = crossbeam::channel::bounded(1);
+    let rt2 = rt.clone();
+    let thread = std::thread::Builder::new()
+        .name("ferrovod-background".into())
+        .spawn(move || background::run(rt2, opts, rx, ready_tx))
+        .map_err(|e| Error::Internal(format!("cannot start background thread: {e}")))?;
+    match ready_rx.recv() {
+        Ok(Ok(())) => {
+            *rt.thread.lock().expect("thread slot") = Some(thread);
+            *global = Some(rt);
+            Ok(())
+        }
+        Ok(Err(e)) => {
+            let _ = thread.join();
+            Err(e)
+        }
+        Err(_) => {
+            let _ = thread.join();
+            Err(Error::Internal(
+                "background thread exited during initialization".into(),
+            ))
+        }
+    }
+}
+
+/// Stops the runtime on this rank and, through the next negotiation, on every rank; pending
+/// operations fail with the shut-down error. Idempotent.
+pub fn shutdown() {
+    let rt = lock_global().take();
+    if let Some(rt) = rt {
+        rt.send(Command::Shutdown).ok();
+        rt.join_thread();
+    }
+}
+
+impl Runtime {
+    pub fn topology(&self) -> &Topology {
+        self.topology
+            .get()
+            .expect("topology is set before init returns")
+    }
+
+    fn join_thread(&self) {
+        let t = self.thread.lock().expect("thread slot").take();
+        if let Some(t) = t {
+            let _ = t.join();
+        }
+    }
+
+    /// Whether the background loop has stopped (locally or because another rank shut down).
+    pub fn is_shut_down(&self) -> bool {
+        self.loop_ended.load(Ordering::SeqCst)
+    }
+
+    fn shut_down_error(&self) -> Error {
+        match self.shutdown_reason.lock().expect("reason").clone() {
+            Some(r) => Error::ShutDown(r),
+            None => Error::shut_down(),
+        }
+    }
+
+    fn send(&self, cmd: Command) -> Result<()> {
+        let inbox = self.inbox.lock().expect("inbox");
+        match inbox.as_ref() {
+            Some(tx) if tx.send(cmd).is_ok() => Ok(()),
+            _ => Err(self.shut_down_error()),
+        }
+    }
+
+    pub fn process_set_ranks(&self, id: i32) -> Option<Vec<i32>> {
+        self.sets.read().expect("sets").get(&id).cloned()
+    }
+
+    pub fn process_set_ids(&self) -> Vec<i32> {
+        self.sets.read().expect("sets").keys().copied().collect()
+    }
+
+    /// This rank's position in set `id`, or -1 if it is not a member.
+    pub fn process_set_rank(&self, id: i32) -> Result<i32> {
+        let ranks = self.process_set_ranks(id).ok_or_else(unknown_set)?;
+        let me = self.topology().rank;
+        Ok(ranks.iter().position(|r| *r == me).map_or(-1, |p| p as i32))
+    }
+
+    pub fn enqueue(&self, spec: OpSpec) -> Result<Arc<Handle>> {
+        if self.is_shut_down() {
+            return Err(self.shut_down_error());
+        }
+        let what = op_title(spec.kind);
+        let ranks = self.process_set_ranks(spec.process_set).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "{what}: Process set provided does not exist, or has not been registered."
+            ))
+        })?;
+        let me = self.topology().rank;
+        let set_rank = ranks.iter().position(|r| *r == me).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "{what}: Rank {me} is not a member of the provided process set."
+            ))
+        })? as i32;
+        if spec.device != CPU_DEVICE {
+            return Err(Error::InvalidArgument(format!(
+                "{what}: device {} requested, but this build of ferrovod supports host memory only (device {CPU_DEVICE}).",
+                spec.device
+            )));
+        }
+        let mut spec = spec;
+        let entries = self.build_entries(spec.kind, &mut spec, set_rank, &ranks)?;
+        let names: Vec<(i32, String)> = entries
+            .iter()
+            .map(|e| (spec.process_set, e.request.name.clone()))
+            .collect();
+        {
+            let mut fl = self.in_flight.lock().expect("in flight");
+            let unique: HashSet<&(i32, String)> = names.iter().collect();
+            if unique.len() != names.len() || names.iter().any(|n| fl.contains(n)) {
+                return Err(Error::InvalidArgument("Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor that is currently being processed.  If you want to request another tensor, use a different tensor name.".into()));
+            }
+            fl.extend(names.iter().cloned());
+        }
+        let handle = self.handles.create(entries.len(), spec.callback.take());
+        let entries: Vec<TensorEntry> = entries
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut e)| {
+                e.index = i;
+                e.handle = Some(handle.clone());
+                e.allocator = spec.allocator.clone();
+                e
+            })
+            .collect();
+        if let Err(e) = self.send(Command::Submit {
+            set: spec.process_set,
+            entries,
+        }) {
+            self.finish_names(&names);
+            let _ = self.handles.release(handle.id);
+            return Err(e);
+        }
+        Ok(handle)
+    }
+
+    pub(crate) fn finish_names(&self, names: &[(i32, String)]) {
+        let mut fl = self.in_flight.lock().expect("in flight");
+        for n in names {
+            fl.remove(n);
+        }
+    }
+
+    fn build_entries(
+        &self,
+        kind: OpKind,
+        spec: &mut OpSpec,
+        set_rank: i32,
+        ranks: &[i32],
+    ) -> Result<Vec<TensorEntry>> {
+        let what = op_title(kind);
+        let bare = |name: String, shape: Vec<i64>| Request {
+            rank: set_rank,
+            kind,
+            dtype: DataType::I32,
+            name,
+            shape,
+            root: 0,
+            device: spec.device,
+            reduce_op: ReduceOp::Sum,
+            prescale: 1.0,
+            postscale: 1.0,
+        };
+        let no_memory = |r| TensorEntry::new(r, InputMem::Owned(Vec::new()), OutputMem::InPlace);
+        match kind {
+            OpKind::Join => return Ok(vec![no_memory(bare(JOIN_NAME.into(), vec![]))]),
+            OpKind::Barrier => return Ok(vec![no_memory(bare(BARRIER_NAME.into(), vec![]))]),
+            OpKind::AddProcessSet | OpKind::RemoveProcessSet => {
+                return Err(Error::InvalidArgument(format!(
+                    "{what} is requested through add_process_set/remove_process_set"
+                )));
+            }
+            _ => {}
+        }
+        if spec.tensors.is_empty() {
+            return Err(Error::InvalidArgument(format!("{what}: no tensors given")));
+        }
+        let size = ranks.len() as i64;
+        if kind == OpKind::Allreduce || kind == OpKind::Reducescatter {
+            if spec.reduce_op == ReduceOp::Adasum {
+                return Err(Error::InvalidArgument(
+                    "Adasum is not supported by ferrovod.".into(),
+                ));
+            }
+            if kind == OpKind::Reducescatter
+                && !matches!(spec.reduce_op, ReduceOp::Sum | ReduceOp::Average)
+            {
+                return Err(Error::Aborted(
+                    "Reducescatter currently only supports AVERAGE and SUM.".into(),
+                ));
+            }
+        }
+        let root = if kind == OpKind::Broadcast {
+            ranks
+                .iter()
+                .position(|r| *r == spec.root_rank)
+                .ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "broadcast received invalid root rank {} for provided process set",
+                        spec.root_rank
+                    ))
+                })? as i32
+        } else {
+            0
+        };
+        let mut out = Vec::with_capacity(spec.tensors.len());
+        for t in &spec.tensors {
+            if t.name.is_empty() {
+                return Err(Error::InvalidArgument(format!(
+                    "{what}: tensor name is empty"
+                )));
+            }
+            if t.shape.iter().any(|d| *d < 0) {
+                return Err(Error::InvalidArgument(format!(
+                    "{what}: tensor '{}' has a negative dimension",
+                    t.name
+                )));
+            }
+            let elems: i64 = t.shape.iter().product();
+            let bytes = elems as usize * t.dtype.size();
+            let reduces = matches!(kind, OpKind::Allreduce | OpKind::Reducescatter);
+            if reduces && t.dtype == DataType::Bool {
+                let scaled = spec.prescale != 1.0 || spec.postscale != 1.0;
+                if scaled || spec.reduce_op == ReduceOp::Average {
+                    return Err(Error::InvalidArgument(format!(
+                        "{what}: bool tensor '{}' cannot be averaged or scaled",
+                        t.name
+                    )));
+                }
+            }
+            let input_len = match &t.input {
+                InputMem::Borrowed(b) => b.len(),
+                InputMem::Owned(v) => v.len(),
+            };
+            if input_len != bytes {
+                return Err(Error::InvalidArgument(format!(
+                    "{what}: tensor '{}' has {input_len} bytes but its shape and dtype need {bytes}",
+                    t.name
+                )));
+            }
+            let later = matches!(
+                kind,
+                OpKind::Allgather | OpKind::Alltoall | OpKind::Reducescatter
+            );
+            match (&t.output, later) {
+                (OutputMem::Later, true) | (OutputMem::InPlace, false) => {}
+                (OutputMem::Borrowed(b), false) if b.len() == bytes => {}
+                (OutputMem::Owned(v), false) if v.len() == bytes => {}
+                (OutputMem::Later, false) => {
+                    return Err(Error::InvalidArgument(format!(
+                        "{what}: tensor '{}' needs an output buffer",
+                        t.name
+                    )));
+                }
+                (_, true) => {
+                    return Err(Error::InvalidArgument(format!(
+                        "{what}: the output of tensor '{}' is allocated after negotiation; pass none",
+                        t.name
+                    )));
+                }
+                _ => {
+                    return Err(Error::InvalidArgument(format!(
+                        "{what}: output of tensor '{}' must have {bytes} bytes",
+                        t.name
+                    )));
+                }
+            }
+            if matches!(kind, OpKind::Alltoall | OpKind::Reducescatter) && t.shape.is_empty() {
+                return Err(Error::InvalidArgument(format!(
+                    "{what}: tensor '{}' is a scalar; a first dimension is required",
+                    t.name
+                )));
+            }
+            if kind == OpKind::Alltoall {
+                let dim0 = t.shape[0];
+                match &t.splits {
+                    Some(s) => {
+                        if s.len() as i64 != size {
+                            return Err(Error::InvalidArgument(
+                                "Number of entries in splits does not equal number of workers."
+                                    .into(),
+                            ));
+                        }
+                        if s.iter().any(|x| *x < 0) {
+                            return Err(Error::InvalidArgument(
+                                "splits entries must be non-negative.".into(),
+                            ));
+                        }
+                        if s.iter().map(|x| *x as i64).sum::<i64>() > dim0 {
+                            return Err(Error::InvalidArgument(
+                                "Sum of splits entries is greater than the first dimension of tensor."
+                                    .into(),
+                            ));
+                        }
+                    }
+                    None if dim0 % size != 0 => {
+                        return Err(Error::InvalidArgument("splits not provided, but first dimension of tensor is not an even multiple of the number of workers.".into()));
+                    }
+                    None => {}
+                }
+            }
+            let request = Request {
+                rank: set_rank,
+                kind,
+                dtype: t.dtype,
+                name: t.name.clone(),
+                shape: t.shape.clone(),
+                root,
+                device: spec.device,
+                reduce_op: if reduces {
+                    spec.reduce_op
+                } else {
+                    ReduceOp::Sum
+                },
+                prescale: if reduces { spec.prescale } else { 1.0 },
+                postscale: if reduces { spec.postscale } else { 1.0 },
+            };
+            out.push(request);
+        }
+        Ok(std::mem::take(&mut spec.tensors)
+            .into_iter()
+            .zip(out)
+            .map(|(t, r)| {
+                let mut e = TensorEntry::new(r, t.input, t.output);
+                e.splits = t.splits;
+                e
+            })
+            .collect())
+    }
+
+    /// Registers a process set on every rank (all ranks must call it with the same ranks).
+    pub fn add_process_set(&self, ranks: &[i32]) -> Result<Arc<Handle>> {
+        let size = self.topology().size;
+        let mut sorted = ranks.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if sorted.is_empty()
+            || sorted.len() != ranks.len()
+            || sorted.iter().any(|r| *r < 0 || *r >= size)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "process set ranks {ranks:?} must be distinct ranks in [0, {size})"
+            )));
+        }
+        self.enqueue_control(
+            OpKind::AddProcessSet,
+            format!("process_set.add.{sorted:?}"),
+            sorted.iter().map(|r| *r as i64).collect(),
+        )
+    }
+
+    /// Removes a process set on every rank (all ranks must call it).
+    pub fn remove_process_set(&self, id: i32) -> Result<Arc<Handle>> {
+        if id == 0 {
+            return Err(Error::InvalidArgument(
+                "The global process set (id 0) cannot be removed.".into(),
+            ));
+        }
+        if self.process_set_ranks(id).is_none() {
+            return Err(unknown_set());
+        }
+        self.enqueue_control(
+            OpKind::RemoveProcessSet,
+            format!("process_set.remove.{id}"),
+            vec![id as i64],
+        )
+    }
+
+    fn enqueue_control(&self, kind: OpKind, name: String, shape: Vec<i64>) -> Result<Arc<Handle>> {
+        if self.is_shut_down() {
+            return Err(self.shut_down_error());
+        }
+        let key = (0, name.clone());
+        if !self
+            .in_flight
+            .lock()
+            .expect("in flight")
+            .insert(key.clone())
+        {
+            return Err(Error::InvalidArgument(format!(
+                "a process set change '{name}' is already in progress"
+            )));
+        }
+        let handle = self.handles.create(1, None);
+        let mut e = TensorEntry::new(
+            Request {
+                rank: self.topology().rank,
+                kind,
+                dtype: DataType::I32,
+                name,
+                shape,
+                root: 0,
+                device: CPU_DEVICE,
+                reduce_op: ReduceOp::Sum,
+                prescale: 1.0,
+                postscale: 1.0,
+            },
+            InputMem::Owned(Vec::new()),
+            OutputMem::InPlace,
+        );
+        e.handle = Some(handle.clone());
+        if let Err(err) = self.send(Command::Submit {
+            set: 0,
+            entries: vec![e],
+        }) {
+            self.finish_names(&[key]);
+            return Err(err);
+        }
+        Ok(handle)
+    }
+}
+
+fn unknown_set() -> Error {
+    Error::InvalidArgument(
+        "Process set provided does not exist, or has not been registered.".into(),
+    )
+}
+
+fn op_title(kind: OpKind) -> &'static str {
+    match kind {
+        OpKind::Allreduce => "Allreduce",
+        OpKind::Allgather => "Allgather",
+        OpKind::Broadcast => "Broadcast",
+        OpKind::Join => "Join",
+        OpKind::Alltoall => "Alltoall",
+        OpKind::Barrier => "Barrier",
+        OpKind::Reducescatter => "Reducescatter",
+        OpKind::AddProcessSet => "AddProcessSet",
+        OpKind::RemoveProcessSet => "RemoveProcessSet",
+    }
+}

@@ -1,0 +1,123 @@
+//! Chrome-trace timeline (`HOROVOD_TIMELINE`), written by rank 0: one trace "process" per tensor
+//! name, with NEGOTIATE_<OP> and <OP> spans and the activities inside them. The file is a JSON
+//! array that Perfetto and chrome://tracing load; it is closed properly at shutdown.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::time::Instant;
+
+pub struct Timeline {
+    out: BufWriter<File>,
+    start: Instant,
+    pids: HashMap<String, usize>,
+    mark_cycles: bool,
+}
+
+fn json_str(s: &str) -> String {
+    let mut o = String::with_capacity(s.len() + 2);
+    o.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => o.push_str("\\\""),
+            '\\' => o.push_str("\\\\"),
+            c if (c as u32) < 0x20 => o.push_str(&format!("\\u{:04x}", c as u32)),
+            c => o.push(c),
+        }
+    }
+    o.push('"');
+    o
+}
+
+impl Timeline {
+    pub fn create(path: &str, mark_cycles: bool) -> std::io::Result<Timeline> {
+        let mut out = BufWriter::new(File::create(path)?);
+        out.write_all(b"[\n")?;
+        let since_epoch = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_micros())
+            .unwrap_or(0);
+        writeln!(
+            out,
+            "{{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": 0, \"args\": {{\"name\": \"ferrovod\", \"start_time_since_epoch_in_micros\": {since_epoch}}}}},"
+        )?;
+        Ok(Timeline {
+            out,
+            start: Instant::now(),
+            pids: HashMap::new(),
+            mark_cycles,
+        })
+    }
+
+    fn ts(&self) -> u128 {
+        self.start.elapsed().as_micros()
+    }
+
+    fn pid(&mut self, name: &str) -> usize {
+        if let Some(p) = self.pids.get(name) {
+            return *p;
+        }
+        let pid = self.pids.len() + 1;
+        self.pids.insert(name.to_string(), pid);
+        let _ = writeln!(
+            self.out,
+            "{{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": {pid}, \"args\": {{\"name\": {}}}}},\n{{\"name\": \"process_sort_index\", \"ph\": \"M\", \"pid\": {pid}, \"args\": {{\"sort_index\": {pid}}}}},",
+            json_str(name)
+        );
+        pid
+    }
+
+    /// Opens a span named `span` on tensor `tensor`'s track.
+    pub fn begin(&mut self, tensor: &str, span: &str) {
+        let pid = self.pid(tensor);
+        let ts = self.ts();
+        let _ = writeln!(
+            self.out,
+            "{{\"name\": {}, \"ph\": \"B\", \"ts\": {ts}, \"pid\": {pid}, \"tid\": 0}},",
+            json_str(span)
+        );
+    }
+
+    /// Closes the innermost open span on tensor `tensor`'s track; `args` become its details.
+    pub fn end(&mut self, tensor: &str, args: Option<(&str, &str)>) {
+        let pid = self.pid(tensor);
+        let ts = self.ts();
+        let args = args
+            .map(|(dtype, shape)| {
+                format!(
+                    ", \"args\": {{\"dtype\": {}, \"shape\": {}}}",
+                    json_str(dtype),
+                    json_str(shape)
+                )
+            })
+            .unwrap_or_default();
+        let _ = writeln!(
+            self.out,
+            "{{\"ph\": \"E\", \"ts\": {ts}, \"pid\": {pid}, \"tid\": 0{args}}},"
+        );
+    }
+
+    pub fn mark_cycle(&mut self) {
+        if self.mark_cycles {
+            let ts = self.ts();
+            let _ = writeln!(
+                self.out,
+                "{{\"name\": \"CYCLE_START\", \"ph\": \"i\", \"ts\": {ts}, \"pid\": 0, \"tid\": 0, \"s\": \"g\"}},"
+            );
+        }
+    }
+
+    pub fn flush(&mut self) {
+        let _ = self.out.flush();
+    }
+
+    /// Ends the array so the file is strict JSON.
+    pub fn close(mut self) {
+        let ts = self.ts();
+        let _ = writeln!(
+            self.out,
+            "{{\"name\": \"timeline_end\", \"ph\": \"i\", \"ts\": {ts}, \"pid\": 0, \"tid\": 0, \"s\": \"g\"}}\n]"
+        );
+        let _ = self.out.flush();
+    }
+}

@@ -1,0 +1,64 @@
+//! Backends. Algorithms and the negotiation see only the `Transport` trait: a communicator of
+//! `size` ranks with byte-range collectives. MPI implements it now; NCCL and ibverbs later.
+
+pub mod memory;
+pub mod mpi;
+
+use crate::dtype::DataType;
+use crate::error::Result;
+use crate::message::ReduceOp;
+
+/// A communicator over which collectives run. Counts are bytes and 64-bit: a backend with
+/// 32-bit counts splits the work itself.
+pub trait Transport {
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+
+    /// Elementwise reduction across ranks into `data`; `send` is `None` for in place.
+    /// `op` is `Sum`, `Min`, `Max` or `Product` (averaging is a postscale applied above).
+    fn allreduce(
+        &self,
+        send: Option<&[u8]>,
+        data: &mut [u8],
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()>;
+
+    /// Bitwise AND of `words` across ranks: the negotiation's vote.
+    fn and_words(&self, words: &mut [u64]) -> Result<()>;
+
+    /// Rank r contributes `counts[r]` bytes; `recv` gets them in rank order. With `send` None,
+    /// this rank's bytes are already at their place in `recv`.
+    fn allgatherv(&self, send: Option<&[u8]>, recv: &mut [u8], counts: &[usize]) -> Result<()>;
+
+    fn broadcast(&self, data: &mut [u8], root: usize) -> Result<()>;
+
+    /// `send` holds `send_counts[r]` bytes for each rank r in order; `recv` receives
+    /// `recv_counts[r]` bytes from each rank r in order.
+    fn alltoallv(
+        &self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+    ) -> Result<()>;
+
+    /// Reduces `send` (segments of `counts[r]` bytes in rank order) and leaves segment `rank`
+    /// of the result in `recv`.
+    fn reduce_scatter(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        counts: &[usize],
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()>;
+
+    /// Every rank's bytes at `root` (empty vector elsewhere).
+    fn gather_bytes(&self, send: &[u8], root: usize) -> Result<Vec<Vec<u8>>>;
+
+    /// `root`'s bytes everywhere; other ranks' `data` is ignored.
+    fn broadcast_bytes(&self, data: Vec<u8>, root: usize) -> Result<Vec<u8>>;
+
+    fn barrier(&self) -> Result<()>;
+}

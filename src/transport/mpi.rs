@@ -1,0 +1,712 @@
+//! The MPI backend: process-wide MPI setup and a `Transport` over one communicator. All MPI
+//! calls of the runtime are made from its background thread.
+
+use std::ffi::{c_int, c_void};
+use std::sync::OnceLock;
+
+use half::{bf16, f16};
+use mpi::ffi;
+
+use crate::collective::reduce::{reduce_bf16, reduce_f16};
+use crate::dtype::DataType;
+use crate::error::{Error, Result};
+use crate::message::ReduceOp;
+use crate::transport::Transport;
+
+unsafe extern "C" {
+    static FERROVOD_MPI_IN_PLACE: *mut c_void;
+    static FERROVOD_MPI_BYTE: ffi::MPI_Datatype;
+}
+
+/// Largest element count passed to one MPI call (MPI counts are C ints).
+const MAX_COUNT: usize = 1 << 30;
+
+fn in_place() -> *mut c_void {
+    // SAFETY: a constant initialised at load time by the C shim.
+    unsafe { FERROVOD_MPI_IN_PLACE }
+}
+
+fn byte_type() -> ffi::MPI_Datatype {
+    // SAFETY: a constant initialised at load time by the C shim.
+    unsafe { FERROVOD_MPI_BYTE }
+}
+
+fn check(rc: c_int, what: &str) -> Result<()> {
+    if rc == 0 {
+        return Ok(());
+    }
+    let mut buf = vec![0u8; 512];
+    let mut len: c_int = 0;
+    // SAFETY: buf holds MPI_MAX_ERROR_STRING (256) bytes or more.
+    unsafe { ffi::MPI_Error_string(rc, buf.as_mut_ptr().cast(), &mut len) };
+    buf.truncate(len.max(0) as usize);
+    Err(Error::Backend(format!(
+        "{what} failed: {}",
+        String::from_utf8_lossy(&buf)
+    )))
+}
+
+/// Whether MPI is initialised (and not finalised) in this process.
+pub fn mpi_initialized() -> bool {
+    let mut init: c_int = 0;
+    let mut fin: c_int = 0;
+    // SAFETY: both calls may be made at any time, before or after MPI_Init.
+    unsafe {
+        ffi::MPI_Initialized(&mut init);
+        ffi::MPI_Finalized(&mut fin);
+    }
+    init != 0 && fin == 0
+}
+
+pub fn mpi_finalized() -> bool {
+    let mut fin: c_int = 0;
+    // SAFETY: may be called at any time.
+    unsafe { ffi::MPI_Finalized(&mut fin) };
+    fin != 0
+}
+
+/// Initialises MPI unless something else (e.g. mpi4py) already did. Returns whether this call
+/// initialised it (and so must finalise it) and whether MPI_THREAD_MULTIPLE is available.
+pub fn init_mpi(want_multiple: bool) -> Result<(bool, bool)> {
+    if mpi_finalized() {
+        return Err(Error::InvalidArgument(
+            "MPI has already been finalized in this process; ferrovod cannot be initialized again"
+                .into(),
+        ));
+    }
+    let mut provided: c_int = 0;
+    let mut ours = false;
+    if !mpi_initialized() {
+        // SAFETY: SYMBOLS are constants; null argc/argv is allowed by MPI.
+        let required = unsafe {
+            if want_multiple {
+                ffi::RSMPI_THREAD_MULTIPLE
+            } else {
+                ffi::RSMPI_THREAD_SINGLE
+            }
+        };
+        // SAFETY: MPI is not initialised; null argc/argv is allowed.
+        let rc = unsafe {
+            ffi::MPI_Init_thread(
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                required,
+                &mut provided,
+            )
+        };
+        check(rc, "MPI_Init_thread")?;
+        ours = true;
+    } else {
+        // SAFETY: MPI is initialised.
+        unsafe { ffi::MPI_Query_thread(&mut provided) };
+    }
+    // SAFETY: constant.
+    let multiple = provided == unsafe { ffi::RSMPI_THREAD_MULTIPLE };
+    if !ours && !multiple && want_multiple {
+        tracing::warn!(
+            "MPI has already been initialized without multi-threading support (MPI_THREAD_MULTIPLE). ferrovod makes all MPI calls from its background thread; make sure no other thread calls MPI concurrently."
+        );
+    }
+    Ok((ours, multiple))
+}
+
+pub fn finalize_mpi() {
+    if mpi_initialized() {
+        // SAFETY: MPI is initialised and every communicator of ours has been freed.
+        unsafe { ffi::MPI_Finalize() };
+    }
+}
+
+fn native_type(dtype: DataType) -> ffi::MPI_Datatype {
+    // SAFETY: reading constants initialised by rsmpi's shim.
+    unsafe {
+        match dtype {
+            DataType::U8 | DataType::Bool => ffi::RSMPI_UINT8_T,
+            DataType::I8 => ffi::RSMPI_INT8_T,
+            DataType::U16 | DataType::F16 | DataType::BF16 => ffi::RSMPI_UINT16_T,
+            DataType::I16 => ffi::RSMPI_INT16_T,
+            DataType::I32 => ffi::RSMPI_INT32_T,
+            DataType::I64 => ffi::RSMPI_INT64_T,
+            DataType::F32 => ffi::RSMPI_FLOAT,
+            DataType::F64 => ffi::RSMPI_DOUBLE,
+        }
+    }
+}
+
+macro_rules! half_op {
+    ($fname:ident, $t:ty, $kernel:ident, $op:expr) => {
+        unsafe extern "C" fn $fname(
+            invec: *mut c_void,
+            inoutvec: *mut c_void,
+            len: *mut c_int,
+            _dt: *mut ffi::MPI_Datatype,
+        ) {
+            // SAFETY: MPI passes two buffers of `*len` elements of the 16-bit carrier type,
+            // which has the size and alignment of `$t`.
+            unsafe {
+                let n = *len as usize;
+                let x = std::slice::from_raw_parts(invec as *const $t, n);
+                let acc = std::slice::from_raw_parts_mut(inoutvec as *mut $t, n);
+                $kernel(acc, x, $op);
+            }
+        }
+    };
+}
+
+half_op!(f16_sum, f16, reduce_f16, ReduceOp::Sum);
+half_op!(f16_min, f16, reduce_f16, ReduceOp::Min);
+half_op!(f16_max, f16, reduce_f16, ReduceOp::Max);
+half_op!(f16_prod, f16, reduce_f16, ReduceOp::Product);
+half_op!(bf16_sum, bf16, reduce_bf16, ReduceOp::Sum);
+half_op!(bf16_min, bf16, reduce_bf16, ReduceOp::Min);
+half_op!(bf16_max, bf16, reduce_bf16, ReduceOp::Max);
+half_op!(bf16_prod, bf16, reduce_bf16, ReduceOp::Product);
+
+struct HalfOps([ffi::MPI_Op; 8]);
+// SAFETY: MPI_Op handles are process-wide values, valid from any thread.
+unsafe impl Send for HalfOps {}
+// SAFETY: as above; they are never mutated after creation.
+unsafe impl Sync for HalfOps {}
+
+static HALF_OPS: OnceLock<HalfOps> = OnceLock::new();
+
+fn half_ops() -> &'static HalfOps {
+    HALF_OPS.get_or_init(|| {
+        let fns: [ffi::MPI_User_function; 8] = [
+            Some(f16_sum),
+            Some(f16_min),
+            Some(f16_max),
+            Some(f16_prod),
+            Some(bf16_sum),
+            Some(bf16_min),
+            Some(bf16_max),
+            Some(bf16_prod),
+        ];
+        // SAFETY: MPI is initialised whenever a communicator exists; each call writes one op.
+        HalfOps(fns.map(|f| unsafe {
+            let mut op = std::mem::zeroed::<ffi::MPI_Op>();
+            ffi::MPI_Op_create(f, 1, &mut op);
+            op
+        }))
+    })
+}
+
+fn mpi_op(dtype: DataType, op: ReduceOp) -> Result<ffi::MPI_Op> {
+    let idx = match op {
+        ReduceOp::Sum => 0,
+        ReduceOp::Min => 1,
+        ReduceOp::Max => 2,
+        ReduceOp::Product => 3,
+        other => {
+            return Err(Error::InvalidArgument(format!(
+                "reduction {other:?} is not a backend reduction"
+            )));
+        }
+    };
+    // SAFETY: reading constants initialised by rsmpi's shim.
+    Ok(unsafe {
+        match dtype {
+            DataType::F16 => half_ops().0[idx],
+            DataType::BF16 => half_ops().0[4 + idx],
+            // bool as 0/1 bytes: sum and max are OR, min and product are AND
+            DataType::Bool if idx == 0 || idx == 2 => ffi::RSMPI_BOR,
+            DataType::Bool => ffi::RSMPI_BAND,
+            _ => [
+                ffi::RSMPI_SUM,
+                ffi::RSMPI_MIN,
+                ffi::RSMPI_MAX,
+                ffi::RSMPI_PROD,
+            ][idx],
+        }
+    })
+}
+
+fn displacements(counts: &[usize]) -> Vec<usize> {
+    counts
+        .iter()
+        .scan(0usize, |acc, c| {
+            let d = *acc;
+            *acc += c;
+            Some(d)
+        })
+        .collect()
+}
+
+fn fits_int(counts: &[usize]) -> bool {
+    counts.iter().sum::<usize>() <= i32::MAX as usize
+}
+
+fn ints(v: &[usize]) -> Vec<c_int> {
+    v.iter().map(|x| *x as c_int).collect()
+}
+
+/// One MPI communicator, owned (freed on drop).
+pub struct MpiComm {
+    comm: ffi::MPI_Comm,
+    rank: usize,
+    size: usize,
+}
+
+// SAFETY: a communicator handle may be used from any thread; the runtime uses each from one
+// thread at a time.
+unsafe impl Send for MpiComm {}
+
+impl Drop for MpiComm {
+    fn drop(&mut self) {
+        if mpi_initialized() {
+            // SAFETY: the communicator is ours and no operation on it is in flight.
+            unsafe { ffi::MPI_Comm_free(&mut self.comm) };
+        }
+    }
+}
+
+impl MpiComm {
+    fn wrap(comm: ffi::MPI_Comm) -> Result<MpiComm> {
+        let mut rank: c_int = 0;
+        let mut size: c_int = 0;
+        // SAFETY: comm is a valid communicator; ERRORS_RETURN makes failures codes, not aborts.
+        unsafe {
+            check(ffi::MPI_Comm_rank(comm, &mut rank), "MPI_Comm_rank")?;
+            check(ffi::MPI_Comm_size(comm, &mut size), "MPI_Comm_size")?;
+            ffi::MPI_Comm_set_errhandler(comm, ffi::RSMPI_ERRORS_RETURN);
+        }
+        Ok(MpiComm {
+            comm,
+            rank: rank as usize,
+            size: size as usize,
+        })
+    }
+
+    fn dup_raw(comm: ffi::MPI_Comm) -> Result<MpiComm> {
+        // SAFETY: zeroed is a valid placeholder for the out-parameter.
+        let mut out = unsafe { std::mem::zeroed::<ffi::MPI_Comm>() };
+        // SAFETY: comm is valid; collective over its members.
+        check(unsafe { ffi::MPI_Comm_dup(comm, &mut out) }, "MPI_Comm_dup")?;
+        MpiComm::wrap(out)
+    }
+
+    /// A private duplicate of MPI_COMM_WORLD.
+    pub fn world() -> Result<MpiComm> {
+        // SAFETY: constant.
+        MpiComm::dup_raw(unsafe { ffi::RSMPI_COMM_WORLD })
+    }
+
+    /// A private duplicate of a communicator given by its Fortran handle (`MPI_Comm_c2f`,
+    /// mpi4py's `comm.py2f()`).
+    pub fn from_fortran(handle: i32) -> Result<MpiComm> {
+        // SAFETY: f2c of an invalid handle yields MPI_COMM_NULL (checked) rather than UB in Open MPI.
+        let comm = unsafe { ffi::MPI_Comm_f2c(handle) };
+        // SAFETY: constant.
+        if comm == unsafe { ffi::RSMPI_COMM_NULL } {
+            return Err(Error::InvalidArgument(format!(
+                "MPI communicator handle {handle} is not valid"
+            )));
+        }
+        MpiComm::dup_raw(comm)
+    }
+
+    pub fn dup(&self) -> Result<MpiComm> {
+        MpiComm::dup_raw(self.comm)
+    }
+
+    /// The sub-communicator of the given ranks (of this communicator), or None on ranks not in
+    /// it. Collective over all of this communicator.
+    pub fn subset(&self, ranks: &[i32]) -> Result<Option<MpiComm>> {
+        // SAFETY: group handles are created and freed here; comm is valid.
+        unsafe {
+            let mut group = std::mem::zeroed::<ffi::MPI_Group>();
+            check(ffi::MPI_Comm_group(self.comm, &mut group), "MPI_Comm_group")?;
+            let mut sub = std::mem::zeroed::<ffi::MPI_Group>();
+            let rc = ffi::MPI_Group_incl(group, ranks.len() as c_int, ranks.as_ptr(), &mut sub);
+            ffi::MPI_Group_free(&mut group);
+            check(rc, "MPI_Group_incl")?;
+            let mut out = std::mem::zeroed::<ffi::MPI_Comm>();
+            let rc = ffi::MPI_Comm_create(self.comm, sub, &mut out);
+            ffi::MPI_Group_free(&mut sub);
+            check(rc, "MPI_Comm_create")?;
+            if out == ffi::RSMPI_COMM_NULL {
+                return Ok(None);
+            }
+            MpiComm::wrap(out).map(Some)
+        }
+    }
+
+    /// Ranks sharing a node (MPI_COMM_TYPE_SHARED), or blocks of `block` consecutive ranks
+    /// when a node size is forced (to emulate several hosts on one machine).
+    pub fn split_local(&self, block: Option<usize>) -> Result<MpiComm> {
+        // SAFETY: comm is valid; collective over its members.
+        unsafe {
+            let mut out = std::mem::zeroed::<ffi::MPI_Comm>();
+            let rc = match block {
+                Some(b) => ffi::MPI_Comm_split(
+                    self.comm,
+                    (self.rank / b.max(1)) as c_int,
+                    self.rank as c_int,
+                    &mut out,
+                ),
+                None => ffi::MPI_Comm_split_type(
+                    self.comm,
+                    ffi::RSMPI_COMM_TYPE_SHARED,
+                    self.rank as c_int,
+                    ffi::RSMPI_INFO_NULL,
+                    &mut out,
+                ),
+            };
+            check(rc, "MPI_Comm_split_type")?;
+            MpiComm::wrap(out)
+        }
+    }
+
+    /// Ranks with the same `color`, ordered by rank.
+    pub fn split(&self, color: i32) -> Result<MpiComm> {
+        // SAFETY: comm is valid; collective over its members.
+        unsafe {
+            let mut out = std::mem::zeroed::<ffi::MPI_Comm>();
+            check(
+                ffi::MPI_Comm_split(self.comm, color, self.rank as c_int, &mut out),
+                "MPI_Comm_split",
+            )?;
+            MpiComm::wrap(out)
+        }
+    }
+
+    /// Allgather of one i64 per rank.
+    pub fn allgather_i64(&self, v: i64) -> Result<Vec<i64>> {
+        let mut out = vec![0u8; 8 * self.size];
+        self.allgatherv(Some(&v.to_le_bytes()), &mut out, &vec![8; self.size])?;
+        Ok(out
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .collect())
+    }
+
+    fn bcast_chunked(&self, data: &mut [u8], root: usize) -> Result<()> {
+        for chunk in data.chunks_mut(MAX_COUNT) {
+            // SAFETY: chunk is valid for chunk.len() bytes; collective over the communicator.
+            check(
+                unsafe {
+                    ffi::MPI_Bcast(
+                        chunk.as_mut_ptr().cast(),
+                        chunk.len() as c_int,
+                        byte_type(),
+                        root as c_int,
+                        self.comm,
+                    )
+                },
+                "MPI_Bcast",
+            )?;
+        }
+        Ok(())
+    }
+}
+
+impl Transport for MpiComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn allreduce(
+        &self,
+        send: Option<&[u8]>,
+        data: &mut [u8],
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let esz = dtype.size();
+        let ty = native_type(dtype);
+        let mop = mpi_op(dtype, op)?;
+        let step = MAX_COUNT * esz;
+        for (i, chunk) in data.chunks_mut(step).enumerate() {
+            let src = match send {
+                Some(s) => s[i * step..i * step + chunk.len()].as_ptr() as *const c_void,
+                None => in_place() as *const c_void,
+            };
+            // SAFETY: src (or MPI_IN_PLACE) and chunk cover chunk.len()/esz elements of `ty`.
+            check(
+                unsafe {
+                    ffi::MPI_Allreduce(
+                        src,
+                        chunk.as_mut_ptr().cast(),
+                        (chunk.len() / esz) as c_int,
+                        ty,
+                        mop,
+                        self.comm,
+                    )
+                },
+                "MPI_Allreduce",
+            )?;
+        }
+        Ok(())
+    }
+
+    fn and_words(&self, words: &mut [u64]) -> Result<()> {
+        // SAFETY: words is valid for words.len() u64 elements.
+        check(
+            unsafe {
+                ffi::MPI_Allreduce(
+                    in_place(),
+                    words.as_mut_ptr().cast(),
+                    words.len() as c_int,
+                    ffi::RSMPI_UINT64_T,
+                    ffi::RSMPI_BAND,
+                    self.comm,
+                )
+            },
+            "MPI_Allreduce(BAND)",
+        )
+    }
+
+    fn allgatherv(&self, send: Option<&[u8]>, recv: &mut [u8], counts: &[usize]) -> Result<()> {
+        let displs = displacements(counts);
+        if !fits_int(counts) {
+            if let Some(s) = send {
+                recv[displs[self.rank]..displs[self.rank] + s.len()].copy_from_slice(s);
+            }
+            for r in 0..self.size {
+                self.bcast_chunked(&mut recv[displs[r]..displs[r] + counts[r]], r)?;
+            }
+            return Ok(());
+        }
+        let (src, n) = match send {
+            Some(s) => (s.as_ptr() as *const c_void, s.len() as c_int),
+            None => (in_place() as *const c_void, 0),
+        };
+        // SAFETY: recv holds sum(counts) bytes; counts and displacements fit in C ints.
+        check(
+            unsafe {
+                ffi::MPI_Allgatherv(
+                    src,
+                    n,
+                    byte_type(),
+                    recv.as_mut_ptr().cast(),
+                    ints(counts).as_ptr(),
+                    ints(&displs).as_ptr(),
+                    byte_type(),
+                    self.comm,
+                )
+            },
+            "MPI_Allgatherv",
+        )
+    }
+
+    fn broadcast(&self, data: &mut [u8], root: usize) -> Result<()> {
+        self.bcast_chunked(data, root)
+    }
+
+    fn alltoallv(
+        &self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let sd = displacements(send_counts);
+        let rd = displacements(recv_counts);
+        if fits_int(send_counts) && fits_int(recv_counts) {
+            // SAFETY: buffers hold the summed counts; all values fit in C ints.
+            return check(
+                unsafe {
+                    ffi::MPI_Alltoallv(
+                        send.as_ptr().cast(),
+                        ints(send_counts).as_ptr(),
+                        ints(&sd).as_ptr(),
+                        byte_type(),
+                        recv.as_mut_ptr().cast(),
+                        ints(recv_counts).as_ptr(),
+                        ints(&rd).as_ptr(),
+                        byte_type(),
+                        self.comm,
+                    )
+                },
+                "MPI_Alltoallv",
+            );
+        }
+        // Large: chunked point-to-point, all posted at once.
+        let mut reqs: Vec<ffi::MPI_Request> = Vec::new();
+        for r in 0..self.size {
+            for (k, c) in recv[rd[r]..rd[r] + recv_counts[r]]
+                .chunks_mut(MAX_COUNT)
+                .enumerate()
+            {
+                // SAFETY: zeroed is a valid placeholder; the chunk outlives the Waitall below.
+                let mut req = unsafe { std::mem::zeroed::<ffi::MPI_Request>() };
+                check(
+                    // SAFETY: c is valid for c.len() bytes until Waitall.
+                    unsafe {
+                        ffi::MPI_Irecv(
+                            c.as_mut_ptr().cast(),
+                            c.len() as c_int,
+                            byte_type(),
+                            r as c_int,
+                            k as c_int,
+                            self.comm,
+                            &mut req,
+                        )
+                    },
+                    "MPI_Irecv",
+                )?;
+                reqs.push(req);
+            }
+            for (k, c) in send[sd[r]..sd[r] + send_counts[r]]
+                .chunks(MAX_COUNT)
+                .enumerate()
+            {
+                // SAFETY: as above.
+                let mut req = unsafe { std::mem::zeroed::<ffi::MPI_Request>() };
+                check(
+                    // SAFETY: c is valid for c.len() bytes until Waitall.
+                    unsafe {
+                        ffi::MPI_Isend(
+                            c.as_ptr().cast(),
+                            c.len() as c_int,
+                            byte_type(),
+                            r as c_int,
+                            k as c_int,
+                            self.comm,
+                            &mut req,
+                        )
+                    },
+                    "MPI_Isend",
+                )?;
+                reqs.push(req);
+            }
+        }
+        // SAFETY: every request was created above.
+        check(
+            unsafe {
+                ffi::MPI_Waitall(
+                    reqs.len() as c_int,
+                    reqs.as_mut_ptr(),
+                    ffi::RSMPI_STATUSES_IGNORE,
+                )
+            },
+            "MPI_Waitall",
+        )
+    }
+
+    fn reduce_scatter(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        counts: &[usize],
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let esz = dtype.size();
+        let ty = native_type(dtype);
+        let mop = mpi_op(dtype, op)?;
+        let elems: Vec<usize> = counts.iter().map(|c| c / esz).collect();
+        if fits_int(&elems) {
+            // SAFETY: send holds sum(counts) bytes, recv counts[rank] bytes.
+            return check(
+                unsafe {
+                    ffi::MPI_Reduce_scatter(
+                        send.as_ptr().cast(),
+                        recv.as_mut_ptr().cast(),
+                        ints(&elems).as_ptr(),
+                        ty,
+                        mop,
+                        self.comm,
+                    )
+                },
+                "MPI_Reduce_scatter",
+            );
+        }
+        // Large: reduce each rank's segment to it, in chunks.
+        let displs = displacements(counts);
+        let step = MAX_COUNT * esz;
+        for r in 0..self.size {
+            let seg = &send[displs[r]..displs[r] + counts[r]];
+            for (k, c) in seg.chunks(step).enumerate() {
+                let dst = if r == self.rank {
+                    recv[k * step..].as_mut_ptr().cast()
+                } else {
+                    std::ptr::null_mut()
+                };
+                // SAFETY: c and (on the root) dst cover c.len()/esz elements.
+                check(
+                    unsafe {
+                        ffi::MPI_Reduce(
+                            c.as_ptr().cast(),
+                            dst,
+                            (c.len() / esz) as c_int,
+                            ty,
+                            mop,
+                            r as c_int,
+                            self.comm,
+                        )
+                    },
+                    "MPI_Reduce",
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    fn gather_bytes(&self, send: &[u8], root: usize) -> Result<Vec<Vec<u8>>> {
+        let is_root = self.rank == root;
+        let mut lens = vec![0u8; if is_root { 8 * self.size } else { 0 }];
+        let mine = (send.len() as u64).to_le_bytes();
+        // SAFETY: 8 bytes from each rank into lens (root only).
+        check(
+            unsafe {
+                ffi::MPI_Gather(
+                    mine.as_ptr().cast(),
+                    8,
+                    byte_type(),
+                    lens.as_mut_ptr().cast(),
+                    8,
+                    byte_type(),
+                    root as c_int,
+                    self.comm,
+                )
+            },
+            "MPI_Gather",
+        )?;
+        let counts: Vec<usize> = lens
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")) as usize)
+            .collect();
+        let displs = displacements(&counts);
+        let mut all = vec![0u8; counts.iter().sum()];
+        // SAFETY: root's buffer holds the sum of the gathered lengths.
+        check(
+            unsafe {
+                ffi::MPI_Gatherv(
+                    send.as_ptr().cast(),
+                    send.len() as c_int,
+                    byte_type(),
+                    all.as_mut_ptr().cast(),
+                    ints(&counts).as_ptr(),
+                    ints(&displs).as_ptr(),
+                    byte_type(),
+                    root as c_int,
+                    self.comm,
+                )
+            },
+            "MPI_Gatherv",
+        )?;
+        Ok(counts
+            .iter()
+            .zip(&displs)
+            .map(|(c, d)| all[*d..d + c].to_vec())
+            .collect())
+    }
+
+    fn broadcast_bytes(&self, mut data: Vec<u8>, root: usize) -> Result<Vec<u8>> {
+        let mut len = (data.len() as u64).to_le_bytes();
+        self.bcast_chunked(&mut len, root)?;
+        data.resize(u64::from_le_bytes(len) as usize, 0);
+        self.bcast_chunked(&mut data, root)?;
+        Ok(data)
+    }
+
+    fn barrier(&self) -> Result<()> {
+        // SAFETY: comm is valid.
+        check(unsafe { ffi::MPI_Barrier(self.comm) }, "MPI_Barrier")
+    }
+}
