@@ -1,16 +1,20 @@
-//! Compiles the small MPI constants shim with mpicc and regenerates include/ferrovod.h.
+//! Compiles the small MPI constants shim with mpicc and generates the C header into OUT_DIR;
+//! a unit test in src/capi.rs checks that the committed include/ferrovod.h matches it.
 
 fn main() {
     println!("cargo:rerun-if-changed=src/transport/mpi_consts.c");
     println!("cargo:rerun-if-changed=src/capi.rs");
+    println!("cargo:rerun-if-changed=src/error.rs");
+    println!("cargo:rerun-if-changed=src/dtype.rs");
+    println!("cargo:rerun-if-changed=src/message.rs");
     println!("cargo:rerun-if-changed=cbindgen.toml");
     let mut build = cc::Build::new();
     build.file("src/transport/mpi_consts.c");
-    if std::process::Command::new("mpicc")
+    let have_mpicc = std::process::Command::new("mpicc")
         .arg("--version")
         .output()
-        .is_ok()
-    {
+        .is_ok();
+    if have_mpicc {
         build.compiler("mpicc");
     } else {
         build.include("/usr/lib/x86_64-linux-gnu/openmpi/include");
@@ -18,13 +22,8 @@ fn main() {
     build.compile("ferrovod_mpi_consts");
 
     let crate_dir = std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR");
-    let out = std::path::Path::new(&crate_dir)
-        .join("target")
-        .join("ferrovod.h");
-    match cbindgen::generate(&crate_dir) {
-        Ok(bindings) => {
-            bindings.write_to_file(&out);
-        }
-        Err(e) => println!("cargo:warning=cbindgen failed: {e}"),
-    }
+    let out_dir = std::env::var("OUT_DIR").expect("cargo sets OUT_DIR");
+    cbindgen::generate(&crate_dir)
+        .expect("cbindgen failed on src/capi.rs")
+        .write_to_file(std::path::Path::new(&out_dir).join("ferrovod.h"));
 }

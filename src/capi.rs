@@ -1,1 +1,814 @@
+//! The C API (`fv_*`). Every function checks its arguments, converts them, calls the safe Rust
+//! runtime and returns an `fv_status`; panics are caught here and never cross into C. The
+//! message of a failed call is kept per thread (`fv_last_error`) and, for operations, per
+//! handle (`fv_handle_error`).
+//!
+//! Threads: every function may be called from any thread. Callbacks (`fv_done_fn`,
+//! `fv_alloc_fn`) run on ferrovod's background thread and must not block on other ferrovod
+//! operations.
+#![allow(non_camel_case_types)]
 
+use std::cell::RefCell;
+use std::ffi::{CStr, c_char, c_void};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::dtype::DataType;
+use crate::error::{Error, Result, Status};
+use crate::message::{OpKind, ReduceOp};
+use crate::runtime::entry::{InputMem, OutputAllocator, OutputMem};
+use crate::runtime::handle::HandleId;
+use crate::runtime::{self, Communicator, InitOptions, OpSpec, TensorSpec};
+use crate::transport::memory::HostBuffer;
+
+/// Identifies an enqueued operation until `fv_release`.
+pub type fv_handle = u64;
+
+/// Called once when an operation completes, with its handle and status.
+pub type fv_done_fn =
+    Option<unsafe extern "C" fn(user_data: *mut c_void, handle: fv_handle, status: i32)>;
+
+/// Allocates the output of tensor `index` once its shape is known (allgather, alltoall,
+/// reducescatter). Must return memory of at least `bytes` bytes that stays valid until the
+/// operation completes, or NULL to fail the operation.
+pub type fv_alloc_fn = Option<
+    unsafe extern "C" fn(
+        user_data: *mut c_void,
+        index: i32,
+        ndim: i32,
+        shape: *const i64,
+        bytes: u64,
+    ) -> *mut c_void,
+>;
+
+/// One tensor of an operation.
+#[repr(C)]
+pub struct fv_tensor {
+    /// Rendezvous name: the same logical tensor must have the same name on every rank.
+    pub name: *const c_char,
+    /// An `fv_dtype` value.
+    pub dtype: i32,
+    pub ndim: i32,
+    pub shape: *const i64,
+    /// Input data (host memory), valid and unmodified until completion.
+    pub input: *const c_void,
+    /// Allreduce/broadcast: where the result goes (may equal `input` for in place; NULL means
+    /// in place). Allgather/alltoall/reducescatter: must be NULL (see `fv_op.alloc`).
+    pub output: *mut c_void,
+    /// Alltoall: rows sent to each rank of the process set (NULL: split evenly).
+    pub splits: *const i32,
+    pub nsplits: i32,
+}
+
+/// An operation: `num_tensors` tensors enqueued atomically and completed together.
+#[repr(C)]
+pub struct fv_op {
+    /// An `fv_op_kind` value.
+    pub kind: i32,
+    /// An `fv_reduce_op` value (allreduce, reducescatter).
+    pub reduce_op: i32,
+    pub prescale: f64,
+    pub postscale: f64,
+    /// Broadcast root, a global rank.
+    pub root_rank: i32,
+    /// Process set id (0: all ranks).
+    pub process_set: i32,
+    /// -1: host memory.
+    pub device: i32,
+    pub tensors: *const fv_tensor,
+    pub num_tensors: i32,
+    /// Optional completion callback (background thread).
+    pub done: fv_done_fn,
+    pub done_user_data: *mut c_void,
+    /// Optional output allocator; without one, ferrovod allocates and `fv_handle_output` reads.
+    pub alloc: fv_alloc_fn,
+    pub alloc_user_data: *mut c_void,
+}
+
+/// Options for `fv_init`; pass NULL for all ranks of MPI_COMM_WORLD.
+#[repr(C)]
+pub struct fv_init_options {
+    /// If non-NULL: use only these ranks of MPI_COMM_WORLD (all processes pass the same list).
+    pub ranks: *const i32,
+    pub num_ranks: i32,
+    /// If non-zero: use the communicator whose Fortran handle is `fortran_comm`.
+    pub use_fortran_comm: i32,
+    pub fortran_comm: i32,
+    /// Static process sets: `process_set_sizes[i]` ranks each, concatenated in
+    /// `process_set_ranks`. They get ids 1, 2, ... in order.
+    pub process_set_ranks: *const i32,
+    pub process_set_sizes: *const i32,
+    pub num_process_sets: i32,
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
+}
+
+fn set_last_error(msg: String) {
+    LAST_ERROR.with(|e| *e.borrow_mut() = msg);
+}
+
+/// Runs `f` behind a panic boundary and turns its result into a status.
+fn guard(f: impl FnOnce() -> Result<()>) -> Status {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => {
+            set_last_error(String::new());
+            Status::Ok
+        }
+        Ok(Err(e)) => {
+            set_last_error(e.to_string());
+            e.status()
+        }
+        Err(_) => {
+            set_last_error("internal error: a panic was caught at the C API boundary".into());
+            Status::Internal
+        }
+    }
+}
+
+fn null(what: &str) -> Error {
+    Error::InvalidArgument(format!("{what} must not be NULL"))
+}
+
+/// Writes `v` through `out` after a null check.
+fn put<T>(out: *mut T, v: T, what: &str) -> Result<()> {
+    if out.is_null() {
+        return Err(null(what));
+    }
+    // SAFETY: non-null and, per the API contract, valid for one write.
+    unsafe { out.write(v) };
+    Ok(())
+}
+
+/// # Safety
+/// `ptr` must be NULL or point to `len` readable elements.
+unsafe fn slice<'a, T>(ptr: *const T, len: i32, what: &str) -> Result<&'a [T]> {
+    if len < 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{what}: negative length {len}"
+        )));
+    }
+    if len == 0 {
+        return Ok(&[]);
+    }
+    if ptr.is_null() {
+        return Err(null(what));
+    }
+    // SAFETY: non-null, caller guarantees `len` readable elements.
+    Ok(unsafe { std::slice::from_raw_parts(ptr, len as usize) })
+}
+
+/// Copies `s` into a C buffer (truncating, always NUL-terminated); `needed` gets the full size
+/// including the terminator.
+fn copy_str(s: &str, buf: *mut c_char, len: usize, needed: *mut usize) -> Result<()> {
+    if !needed.is_null() {
+        // SAFETY: non-null out-parameter.
+        unsafe { needed.write(s.len() + 1) };
+    }
+    if buf.is_null() || len == 0 {
+        return Ok(());
+    }
+    let n = s.len().min(len - 1);
+    // SAFETY: buf holds `len` bytes; we write n + 1 <= len.
+    unsafe {
+        std::ptr::copy_nonoverlapping(s.as_ptr(), buf.cast(), n);
+        buf.add(n).write(0);
+    }
+    Ok(())
+}
+
+/// Copies the message of the calling thread's last failed call into `buf` (NUL-terminated,
+/// truncated to `len`); `needed` (optional) receives the full length including the NUL.
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_last_error(buf: *mut c_char, len: usize, needed: *mut usize) -> Status {
+    let msg = LAST_ERROR.with(|e| e.borrow().clone());
+    match catch_unwind(AssertUnwindSafe(|| copy_str(&msg, buf, len, needed))) {
+        Ok(_) => Status::Ok,
+        Err(_) => Status::Internal,
+    }
+}
+
+extern "C" fn shutdown_at_exit() {
+    let _ = catch_unwind(runtime::shutdown);
+}
+
+/// Starts ferrovod (MPI if not yet initialised, communicators, the background thread). Calling
+/// it again while running does nothing. MPI initialised elsewhere (e.g. by mpi4py) is used as
+/// is and not finalised by ferrovod. Registers an exit handler that shuts ferrovod down, so a
+/// rank that exits tells the others instead of leaving them hanging.
+///
+/// # Safety
+/// `opts` is NULL or points to a valid `fv_init_options` whose arrays hold the stated counts.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fv_init(opts: *const fv_init_options) -> Status {
+    guard(|| {
+        let mut init = InitOptions::default();
+        if !opts.is_null() {
+            // SAFETY: non-null, valid per the contract.
+            let o = unsafe { &*opts };
+            if o.use_fortran_comm != 0 {
+                init.comm = Communicator::Fortran(o.fortran_comm);
+            } else if !o.ranks.is_null() {
+                // SAFETY: `num_ranks` readable elements per the contract.
+                init.comm =
+                    Communicator::Ranks(unsafe { slice(o.ranks, o.num_ranks, "ranks") }?.to_vec());
+            }
+            // SAFETY: as above.
+            let sizes =
+                unsafe { slice(o.process_set_sizes, o.num_process_sets, "process_set_sizes") }?;
+            let total: i32 = sizes.iter().map(|s| (*s).max(0)).sum();
+            // SAFETY: as above.
+            let ranks = unsafe { slice(o.process_set_ranks, total, "process_set_ranks") }?;
+            let mut off = 0usize;
+            for &s in sizes {
+                if s <= 0 {
+                    return Err(Error::InvalidArgument(
+                        "a process set must have at least one rank".into(),
+                    ));
+                }
+                init.process_sets
+                    .push(ranks[off..off + s as usize].to_vec());
+                off += s as usize;
+            }
+        }
+        runtime::init(init)?;
+        static REGISTER: std::sync::Once = std::sync::Once::new();
+        REGISTER.call_once(|| {
+            // SAFETY: registering a plain extern "C" function with no captured state.
+            unsafe { libc::atexit(shutdown_at_exit) };
+        });
+        Ok(())
+    })
+}
+
+/// Shuts ferrovod down on this rank and, through the next negotiation, on all ranks; pending
+/// operations fail with FV_STATUS_SHUT_DOWN. Safe to call more than once.
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_shutdown() -> Status {
+    guard(|| {
+        runtime::shutdown();
+        Ok(())
+    })
+}
+
+/// 1 if initialised (and not yet shut down by `fv_shutdown`), else 0.
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_is_initialized() -> i32 {
+    catch_unwind(runtime::is_initialized).map_or(0, i32::from)
+}
+
+fn topology_value(out: *mut i32, field: impl FnOnce(&runtime::Topology) -> i32) -> Status {
+    guard(|| {
+        let rt = runtime::runtime()?;
+        put(out, field(rt.topology()), "out")
+    })
+}
+
+/// This process's rank in ferrovod's world.
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_rank(out: *mut i32) -> Status {
+    topology_value(out, |t| t.rank)
+}
+
+/// Number of ranks.
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_size(out: *mut i32) -> Status {
+    topology_value(out, |t| t.size)
+}
+
+/// Rank among the processes on this node.
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_local_rank(out: *mut i32) -> Status {
+    topology_value(out, |t| t.local_rank)
+}
+
+/// Number of processes on this node.
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_local_size(out: *mut i32) -> Status {
+    topology_value(out, |t| t.local_size)
+}
+
+/// Index of this node among the nodes hosting this local rank.
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_cross_rank(out: *mut i32) -> Status {
+    topology_value(out, |t| t.cross_rank)
+}
+
+/// Number of nodes hosting this local rank.
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_cross_size(out: *mut i32) -> Status {
+    topology_value(out, |t| t.cross_size)
+}
+
+/// 1 if every node runs the same number of processes.
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_is_homogeneous(out: *mut i32) -> Status {
+    topology_value(out, |t| i32::from(t.is_homogeneous))
+}
+
+/// 1 if MPI provides MPI_THREAD_MULTIPLE.
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_mpi_threads_supported(out: *mut i32) -> Status {
+    topology_value(out, |t| i32::from(t.mpi_threads_supported))
+}
+
+/// The library version, a static NUL-terminated string.
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_version() -> *const c_char {
+    static V: &str = concat!(env!("CARGO_PKG_VERSION"), "\0");
+    V.as_ptr().cast()
+}
+
+/// Whether a backend was built in: "mpi" → 1; "nccl", "gloo", "cuda", "rocm", "ddl", "ccl" → 0.
+/// Unknown names → 0.
+///
+/// # Safety
+/// `what` is NULL or a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fv_built_with(what: *const c_char) -> i32 {
+    if what.is_null() {
+        return 0;
+    }
+    // SAFETY: NUL-terminated per the contract.
+    let s = unsafe { CStr::from_ptr(what) }.to_string_lossy();
+    i32::from(s.eq_ignore_ascii_case("mpi"))
+}
+
+struct SendPtr(*mut c_void);
+// SAFETY: the pointer is only handed back to the caller's own callback, as documented.
+unsafe impl Send for SendPtr {}
+
+struct CAllocator {
+    f: unsafe extern "C" fn(*mut c_void, i32, i32, *const i64, u64) -> *mut c_void,
+    user: SendPtr,
+}
+
+impl OutputAllocator for CAllocator {
+    fn allocate(&mut self, index: usize, shape: &[i64], bytes: usize) -> Result<HostBuffer> {
+        // SAFETY: the caller's allocator, called with a valid shape array.
+        let p = unsafe {
+            (self.f)(
+                self.user.0,
+                index as i32,
+                shape.len() as i32,
+                shape.as_ptr(),
+                bytes as u64,
+            )
+        };
+        if p.is_null() && bytes > 0 {
+            return Err(Error::Aborted(format!(
+                "output allocation of {bytes} bytes for tensor {index} failed"
+            )));
+        }
+        // SAFETY: the allocator contract promises `bytes` writable bytes until completion.
+        Ok(unsafe { HostBuffer::from_raw(p.cast(), bytes) })
+    }
+}
+
+/// # Safety
+/// `t` points to a valid `fv_tensor`.
+unsafe fn tensor_spec(t: &fv_tensor, kind: OpKind) -> Result<TensorSpec> {
+    if t.name.is_null() {
+        return Err(null("tensor name"));
+    }
+    // SAFETY: NUL-terminated per the contract.
+    let name = unsafe { CStr::from_ptr(t.name) }
+        .to_str()
+        .map_err(|_| Error::InvalidArgument("tensor name is not UTF-8".into()))?
+        .to_string();
+    let dtype = DataType::from_i32(t.dtype).ok_or_else(|| {
+        Error::InvalidArgument(format!("tensor '{name}': unknown dtype {}", t.dtype))
+    })?;
+    // SAFETY: `ndim` readable elements per the contract.
+    let shape = unsafe { slice(t.shape, t.ndim, "shape") }?.to_vec();
+    if shape.iter().any(|d| *d < 0) {
+        return Err(Error::InvalidArgument(format!(
+            "tensor '{name}': negative dimension"
+        )));
+    }
+    let bytes = shape
+        .iter()
+        .try_fold(dtype.size() as u64, |acc, d| acc.checked_mul(*d as u64))
+        .ok_or_else(|| Error::InvalidArgument(format!("tensor '{name}': size overflows")))?
+        as usize;
+    if t.input.is_null() && bytes > 0 {
+        return Err(null("tensor input"));
+    }
+    // SAFETY: the caller keeps `bytes` bytes at `input` valid until completion.
+    let input = unsafe { HostBuffer::from_raw(t.input as *mut u8, bytes) };
+    let later = matches!(
+        kind,
+        OpKind::Allgather | OpKind::Alltoall | OpKind::Reducescatter
+    );
+    let output = if later {
+        if !t.output.is_null() {
+            return Err(Error::InvalidArgument(format!(
+                "tensor '{name}': the output of this operation is allocated after negotiation; pass NULL and an allocator"
+            )));
+        }
+        OutputMem::Later
+    } else if t.output.is_null() || t.output as *const c_void == t.input {
+        OutputMem::InPlace
+    } else {
+        // SAFETY: the caller keeps `bytes` writable bytes at `output` valid until completion.
+        OutputMem::Borrowed(unsafe { HostBuffer::from_raw(t.output.cast(), bytes) })
+    };
+    let splits = if t.splits.is_null() {
+        None
+    } else {
+        // SAFETY: `nsplits` readable elements per the contract.
+        Some(unsafe { slice(t.splits, t.nsplits, "splits") }?.to_vec())
+    };
+    Ok(TensorSpec {
+        name,
+        dtype,
+        shape,
+        input: InputMem::Borrowed(input),
+        output,
+        splits,
+    })
+}
+
+/// Enqueues an operation and returns at once. On FV_STATUS_OK the operation completes later:
+/// `done` (if given) is called, and the handle (if `out` is non-NULL) can be polled or waited
+/// on, then must be released. With `out` NULL the handle is released after `done` returns.
+///
+/// # Safety
+/// `op` points to a valid `fv_op`; its tensors' memory stays valid until completion.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fv_enqueue(op: *const fv_op, out: *mut fv_handle) -> Status {
+    guard(|| {
+        if op.is_null() {
+            return Err(null("op"));
+        }
+        // SAFETY: non-null, valid per the contract.
+        let op = unsafe { &*op };
+        let kind = OpKind::from_i32(op.kind)
+            .filter(|k| !matches!(k, OpKind::AddProcessSet | OpKind::RemoveProcessSet))
+            .ok_or_else(|| Error::InvalidArgument(format!("unknown operation kind {}", op.kind)))?;
+        let reduce_op = ReduceOp::from_i32(op.reduce_op)
+            .ok_or_else(|| Error::InvalidArgument(format!("unknown reduce op {}", op.reduce_op)))?;
+        // SAFETY: `num_tensors` readable elements per the contract.
+        let tensors = unsafe { slice(op.tensors, op.num_tensors, "tensors") }?;
+        let tensors = tensors
+            .iter()
+            // SAFETY: each element is a valid fv_tensor.
+            .map(|t| unsafe { tensor_spec(t, kind) })
+            .collect::<Result<Vec<_>>>()?;
+        let mut spec = OpSpec::new(kind, tensors);
+        spec.reduce_op = reduce_op;
+        spec.prescale = op.prescale;
+        spec.postscale = op.postscale;
+        spec.root_rank = op.root_rank;
+        spec.process_set = op.process_set;
+        spec.device = op.device;
+        if !op.prescale.is_finite() || !op.postscale.is_finite() {
+            return Err(Error::InvalidArgument(
+                "prescale and postscale must be finite".into(),
+            ));
+        }
+        if let Some(f) = op.alloc {
+            spec.allocator = Some(Arc::new(Mutex::new(CAllocator {
+                f,
+                user: SendPtr(op.alloc_user_data),
+            })));
+        }
+        let auto_release = out.is_null();
+        if auto_release && op.done.is_none() {
+            return Err(Error::InvalidArgument(
+                "either a handle out-pointer or a done callback is required".into(),
+            ));
+        }
+        let user = SendPtr(op.done_user_data);
+        let done = op.done;
+        if done.is_some() || auto_release {
+            spec.callback = Some(Box::new(move |id: HandleId, r: &Result<()>| {
+                let status = match r {
+                    Ok(()) => Status::Ok,
+                    Err(e) => e.status(),
+                } as i32;
+                let user = user;
+                if let Some(f) = done {
+                    // SAFETY: the caller's callback with its own user data.
+                    unsafe { f(user.0, id, status) };
+                }
+                if auto_release {
+                    if let Ok(rt) = runtime::runtime() {
+                        let _ = rt.handles.release(id);
+                    }
+                }
+            }));
+        }
+        let rt = runtime::runtime()?;
+        let h = rt.enqueue(spec)?;
+        if !auto_release {
+            put(out, h.id, "out")?;
+        }
+        Ok(())
+    })
+}
+
+fn with_handle<R>(
+    h: fv_handle,
+    f: impl FnOnce(&runtime::handle::Handle) -> Result<R>,
+) -> Result<R> {
+    let rt = runtime::runtime()?;
+    let handle = rt.handles.get(h)?;
+    f(&handle)
+}
+
+/// `*done` = 1 if the operation has completed (successfully or not), else 0.
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_poll(h: fv_handle, done: *mut i32) -> Status {
+    guard(|| with_handle(h, |hd| put(done, i32::from(hd.poll().is_some()), "done")))
+}
+
+/// Waits for completion; returns the operation's status, or FV_STATUS_TIMEOUT after
+/// `timeout_seconds` (negative: wait forever). The message is available from
+/// `fv_handle_error` and `fv_last_error`.
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_wait(h: fv_handle, timeout_seconds: f64) -> Status {
+    guard(|| {
+        let timeout = (timeout_seconds >= 0.0).then(|| Duration::from_secs_f64(timeout_seconds));
+        let rt = runtime::runtime()?;
+        let handle = rt.handles.get(h)?;
+        drop(rt);
+        handle.wait(timeout)
+    })
+}
+
+/// Forgets a handle (and any output ferrovod allocated for it). Unknown handles are an error.
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_release(h: fv_handle) -> Status {
+    guard(|| runtime::runtime()?.handles.release(h))
+}
+
+/// Copies the error message of a completed operation (empty if it succeeded).
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_handle_error(
+    h: fv_handle,
+    buf: *mut c_char,
+    len: usize,
+    needed: *mut usize,
+) -> Status {
+    guard(|| {
+        with_handle(h, |hd| {
+            let msg = match hd.poll() {
+                None => {
+                    return Err(Error::InvalidArgument(format!(
+                        "operation {h} is still in progress"
+                    )));
+                }
+                Some(Ok(())) => String::new(),
+                Some(Err(e)) => e.to_string(),
+            };
+            copy_str(&msg, buf, len, needed)
+        })
+    })
+}
+
+fn completed_ok(hd: &runtime::handle::Handle, h: fv_handle) -> Result<()> {
+    match hd.poll() {
+        None => Err(Error::InvalidArgument(format!(
+            "operation {h} is still in progress"
+        ))),
+        Some(r) => r,
+    }
+}
+
+/// For an operation without an allocator: the output ferrovod allocated for tensor `index`
+/// (valid until `fv_release`) and its size in bytes.
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_handle_output(
+    h: fv_handle,
+    index: i32,
+    data: *mut *const c_void,
+    bytes: *mut u64,
+) -> Status {
+    guard(|| {
+        with_handle(h, |hd| {
+            completed_ok(hd, h)?;
+            let (p, n) = hd
+                .with_result(index.max(0) as usize, |r| {
+                    r.output
+                        .as_ref()
+                        .map(|v| (v.as_ptr() as *const c_void, v.len() as u64))
+                })
+                .flatten()
+                .ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "operation {h} has no library-owned output {index}"
+                    ))
+                })?;
+            put(data, p, "data")?;
+            put(bytes, n, "bytes")
+        })
+    })
+}
+
+/// The output shape of tensor `index`: up to `max` dimensions into `shape`, the rank into
+/// `*ndim`.
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_handle_shape(
+    h: fv_handle,
+    index: i32,
+    shape: *mut i64,
+    max: i32,
+    ndim: *mut i32,
+) -> Status {
+    guard(|| {
+        with_handle(h, |hd| {
+            completed_ok(hd, h)?;
+            let dims = hd
+                .result(index.max(0) as usize)
+                .ok_or_else(|| Error::InvalidArgument(format!("no tensor {index}")))?
+                .shape;
+            put(ndim, dims.len() as i32, "ndim")?;
+            for (i, d) in dims.iter().take(max.max(0) as usize).enumerate() {
+                // SAFETY: `shape` holds `max` elements per the contract; i < max.
+                put(unsafe { shape.add(i) }, *d, "shape")?;
+            }
+            Ok(())
+        })
+    })
+}
+
+/// Alltoall: the rows received from each rank (up to `max` into `out`, the count into `*n`).
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_handle_received_splits(
+    h: fv_handle,
+    index: i32,
+    out: *mut i32,
+    max: i32,
+    n: *mut i32,
+) -> Status {
+    guard(|| {
+        with_handle(h, |hd| {
+            completed_ok(hd, h)?;
+            let s = hd
+                .result(index.max(0) as usize)
+                .ok_or_else(|| Error::InvalidArgument(format!("no tensor {index}")))?
+                .received_splits;
+            put(n, s.len() as i32, "n")?;
+            for (i, v) in s.iter().take(max.max(0) as usize).enumerate() {
+                // SAFETY: `out` holds `max` elements per the contract; i < max.
+                put(unsafe { out.add(i) }, *v, "out")?;
+            }
+            Ok(())
+        })
+    })
+}
+
+/// Join: the last rank that joined. Add process set: the new set's id.
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_handle_value(h: fv_handle, out: *mut i32) -> Status {
+    guard(|| {
+        with_handle(h, |hd| {
+            completed_ok(hd, h)?;
+            put(out, hd.value(), "out")
+        })
+    })
+}
+
+/// Registers a process set of the given global ranks. Collective: every rank must call it
+/// with the same ranks. Blocks until all ranks agreed; `*id` receives the new id.
+///
+/// # Safety
+/// `ranks` holds `n` readable elements.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fv_add_process_set(ranks: *const i32, n: i32, id: *mut i32) -> Status {
+    guard(|| {
+        if id.is_null() {
+            return Err(null("id"));
+        }
+        // SAFETY: `n` readable elements per the contract.
+        let ranks = unsafe { slice(ranks, n, "ranks") }?;
+        let rt = runtime::runtime()?;
+        let h = rt.add_process_set(ranks)?;
+        let r = h.wait(None);
+        let _ = rt.handles.release(h.id);
+        r?;
+        put(id, h.value(), "id")
+    })
+}
+
+/// Removes a process set. Collective: every rank must call it. Blocks until done.
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_remove_process_set(id: i32) -> Status {
+    guard(|| {
+        let rt = runtime::runtime()?;
+        let h = rt.remove_process_set(id)?;
+        let r = h.wait(None);
+        let _ = rt.handles.release(h.id);
+        r
+    })
+}
+
+/// The ids of all process sets (0 first): up to `max` into `out`, the count into `*n`.
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_process_set_ids(out: *mut i32, max: i32, n: *mut i32) -> Status {
+    guard(|| {
+        let ids = runtime::runtime()?.process_set_ids();
+        put(n, ids.len() as i32, "n")?;
+        for (i, v) in ids.iter().take(max.max(0) as usize).enumerate() {
+            // SAFETY: `out` holds `max` elements; i < max.
+            put(unsafe { out.add(i) }, *v, "out")?;
+        }
+        Ok(())
+    })
+}
+
+/// The member ranks of set `id`: up to `max` into `out`, the count into `*n`.
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_process_set_ranks(id: i32, out: *mut i32, max: i32, n: *mut i32) -> Status {
+    guard(|| {
+        let ranks = runtime::runtime()?.process_set_ranks(id).ok_or_else(|| {
+            Error::InvalidArgument(
+                "Process set provided does not exist, or has not been registered.".into(),
+            )
+        })?;
+        put(n, ranks.len() as i32, "n")?;
+        for (i, v) in ranks.iter().take(max.max(0) as usize).enumerate() {
+            // SAFETY: `out` holds `max` elements; i < max.
+            put(unsafe { out.add(i) }, *v, "out")?;
+        }
+        Ok(())
+    })
+}
+
+/// Number of ranks in set `id`.
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_process_set_size(id: i32, out: *mut i32) -> Status {
+    guard(|| {
+        let ranks = runtime::runtime()?.process_set_ranks(id).ok_or_else(|| {
+            Error::InvalidArgument(
+                "Process set provided does not exist, or has not been registered.".into(),
+            )
+        })?;
+        put(out, ranks.len() as i32, "out")
+    })
+}
+
+/// This rank's position in set `id`, or -1 if it is not a member.
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_process_set_rank(id: i32, out: *mut i32) -> Status {
+    guard(|| {
+        let r = runtime::runtime()?.process_set_rank(id)?;
+        put(out, r, "out")
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    /// The committed header must match what cbindgen generates from this file.
+    /// `FERROVOD_UPDATE_HEADER=1 cargo test committed_header` rewrites it.
+    #[test]
+    fn committed_header_is_current() {
+        let generated = include_str!(concat!(env!("OUT_DIR"), "/ferrovod.h"));
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/include/ferrovod.h");
+        if std::env::var_os("FERROVOD_UPDATE_HEADER").is_some() {
+            std::fs::write(path, generated).unwrap();
+        }
+        let committed = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(
+            committed == generated,
+            "include/ferrovod.h is stale: run `FERROVOD_UPDATE_HEADER=1 cargo test committed_header`"
+        );
+    }
+
+    #[test]
+    fn calls_before_init_and_null_pointers_are_rejected() {
+        use super::*;
+        let mut v = 0;
+        assert_eq!(fv_rank(&mut v), Status::NotInitialized);
+        let mut buf = [0 as c_char; 128];
+        let mut needed = 0usize;
+        assert_eq!(
+            fv_last_error(buf.as_mut_ptr(), buf.len(), &mut needed),
+            Status::Ok
+        );
+        // SAFETY: buf is NUL-terminated by fv_last_error.
+        let msg = unsafe { CStr::from_ptr(buf.as_ptr()) }
+            .to_str()
+            .unwrap()
+            .to_string();
+        assert_eq!(msg, "Horovod has not been initialized; use hvd.init().");
+        assert_eq!(needed, msg.len() + 1);
+        // SAFETY: null is a documented input.
+        assert_eq!(
+            unsafe { fv_enqueue(std::ptr::null(), std::ptr::null_mut()) },
+            Status::InvalidArgument
+        );
+        assert_eq!(fv_poll(1, std::ptr::null_mut()), Status::NotInitialized);
+        assert_eq!(fv_is_initialized(), 0);
+        assert_eq!(fv_shutdown(), Status::Ok);
+        // SAFETY: valid NUL-terminated strings and null.
+        unsafe {
+            assert_eq!(fv_built_with(c"mpi".as_ptr()), 1);
+            assert_eq!(fv_built_with(c"nccl".as_ptr()), 0);
+            assert_eq!(fv_built_with(std::ptr::null()), 0);
+        }
+    }
+}
