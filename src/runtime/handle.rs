@@ -36,6 +36,12 @@ pub struct Handle {
     cv: Condvar,
 }
 
+impl std::fmt::Debug for Handle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Handle({})", self.id)
+    }
+}
+
 impl Handle {
     /// Records tensor `index`; the operation completes (callback, waiters) with the last one.
     /// The first error of any tensor is the operation's error.

@@ -221,6 +221,21 @@ fn mpi_op(dtype: DataType, op: ReduceOp) -> Result<ffi::MPI_Op> {
     })
 }
 
+/// A pointer for an MPI buffer argument. An empty slice's pointer is dangling (0x1), which is
+/// Open MPI's MPI_IN_PLACE; give MPI a real address instead.
+fn ptr(s: &[u8]) -> *const c_void {
+    static EMPTY: u8 = 0;
+    if s.is_empty() {
+        std::ptr::addr_of!(EMPTY).cast()
+    } else {
+        s.as_ptr().cast()
+    }
+}
+
+fn ptr_mut(s: &mut [u8]) -> *mut c_void {
+    ptr(s) as *mut c_void
+}
+
 fn displacements(counts: &[usize]) -> Vec<usize> {
     counts
         .iter()
@@ -386,7 +401,7 @@ impl MpiComm {
             check(
                 unsafe {
                     ffi::MPI_Bcast(
-                        chunk.as_mut_ptr().cast(),
+                        ptr_mut(chunk),
                         chunk.len() as c_int,
                         byte_type(),
                         root as c_int,
@@ -422,7 +437,7 @@ impl Transport for MpiComm {
         let step = MAX_COUNT * esz;
         for (i, chunk) in data.chunks_mut(step).enumerate() {
             let src = match send {
-                Some(s) => s[i * step..i * step + chunk.len()].as_ptr() as *const c_void,
+                Some(s) => ptr(&s[i * step..i * step + chunk.len()]),
                 None => in_place() as *const c_void,
             };
             // SAFETY: src (or MPI_IN_PLACE) and chunk cover chunk.len()/esz elements of `ty`.
@@ -430,7 +445,7 @@ impl Transport for MpiComm {
                 unsafe {
                     ffi::MPI_Allreduce(
                         src,
-                        chunk.as_mut_ptr().cast(),
+                        ptr_mut(chunk),
                         (chunk.len() / esz) as c_int,
                         ty,
                         mop,
@@ -472,7 +487,7 @@ impl Transport for MpiComm {
             return Ok(());
         }
         let (src, n) = match send {
-            Some(s) => (s.as_ptr() as *const c_void, s.len() as c_int),
+            Some(s) => (ptr(s), s.len() as c_int),
             None => (in_place() as *const c_void, 0),
         };
         // SAFETY: recv holds sum(counts) bytes; counts and displacements fit in C ints.
@@ -482,7 +497,7 @@ impl Transport for MpiComm {
                     src,
                     n,
                     byte_type(),
-                    recv.as_mut_ptr().cast(),
+                    ptr_mut(recv),
                     ints(counts).as_ptr(),
                     ints(&displs).as_ptr(),
                     byte_type(),
@@ -511,11 +526,11 @@ impl Transport for MpiComm {
             return check(
                 unsafe {
                     ffi::MPI_Alltoallv(
-                        send.as_ptr().cast(),
+                        ptr(send),
                         ints(send_counts).as_ptr(),
                         ints(&sd).as_ptr(),
                         byte_type(),
-                        recv.as_mut_ptr().cast(),
+                        ptr_mut(recv),
                         ints(recv_counts).as_ptr(),
                         ints(&rd).as_ptr(),
                         byte_type(),
@@ -538,7 +553,7 @@ impl Transport for MpiComm {
                     // SAFETY: c is valid for c.len() bytes until Waitall.
                     unsafe {
                         ffi::MPI_Irecv(
-                            c.as_mut_ptr().cast(),
+                            ptr_mut(c),
                             c.len() as c_int,
                             byte_type(),
                             r as c_int,
@@ -561,7 +576,7 @@ impl Transport for MpiComm {
                     // SAFETY: c is valid for c.len() bytes until Waitall.
                     unsafe {
                         ffi::MPI_Isend(
-                            c.as_ptr().cast(),
+                            ptr(c),
                             c.len() as c_int,
                             byte_type(),
                             r as c_int,
@@ -605,8 +620,8 @@ impl Transport for MpiComm {
             return check(
                 unsafe {
                     ffi::MPI_Reduce_scatter(
-                        send.as_ptr().cast(),
-                        recv.as_mut_ptr().cast(),
+                        ptr(send),
+                        ptr_mut(recv),
                         ints(&elems).as_ptr(),
                         ty,
                         mop,
@@ -631,7 +646,7 @@ impl Transport for MpiComm {
                 check(
                     unsafe {
                         ffi::MPI_Reduce(
-                            c.as_ptr().cast(),
+                            ptr(c),
                             dst,
                             (c.len() / esz) as c_int,
                             ty,
@@ -655,10 +670,10 @@ impl Transport for MpiComm {
         check(
             unsafe {
                 ffi::MPI_Gather(
-                    mine.as_ptr().cast(),
+                    ptr(&mine),
                     8,
                     byte_type(),
-                    lens.as_mut_ptr().cast(),
+                    ptr_mut(&mut lens),
                     8,
                     byte_type(),
                     root as c_int,
@@ -677,10 +692,10 @@ impl Transport for MpiComm {
         check(
             unsafe {
                 ffi::MPI_Gatherv(
-                    send.as_ptr().cast(),
+                    ptr(send),
                     send.len() as c_int,
                     byte_type(),
-                    all.as_mut_ptr().cast(),
+                    ptr_mut(&mut all),
                     ints(&counts).as_ptr(),
                     ints(&displs).as_ptr(),
                     byte_type(),

@@ -1,0 +1,1551 @@
+//! Multi-rank tests. Run by `cargo test`, this program launches itself under
+//! `mpirun -np N` once per scenario; under mpirun (OMPI_COMM_WORLD_SIZE set) it runs the named
+//! scenario as one rank. Every rank checks its results against values it computes itself:
+//! element i of rank r is a closed-form f(i, r), so sums and gathers have closed forms too.
+
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferrovod::error::SHUT_DOWN_MESSAGE;
+use ferrovod::runtime::entry::{InputMem, OutputMem};
+use ferrovod::runtime::handle::{Handle, TensorResult};
+use ferrovod::runtime::{self, OpSpec, TensorSpec};
+use ferrovod::{DataType, Error, OpKind, ReduceOp};
+
+/// (scenario, ranks, extra environment, expect success)
+type Scenario = (
+    &'static str,
+    usize,
+    &'static [(&'static str, &'static str)],
+    bool,
+);
+
+const SCENARIOS: &[Scenario] = &[
+    ("collectives", 2, &[], true),
+    ("collectives", 4, &[], true),
+    (
+        "collectives",
+        3,
+        &[
+            ("HOROVOD_CACHE_CAPACITY", "0"),
+            ("HOROVOD_FUSION_THRESHOLD", "0"),
+        ],
+        true,
+    ),
+    ("random_order", 2, &[], true),
+    (
+        "random_order",
+        4,
+        &[
+            ("HOROVOD_CACHE_CAPACITY", "8"),
+            ("HOROVOD_FUSION_THRESHOLD", "4096"),
+        ],
+        true,
+    ),
+    ("cache_changes", 2, &[("HOROVOD_CACHE_CAPACITY", "4")], true),
+    ("join", 2, &[], true),
+    ("join", 4, &[], true),
+    ("process_sets", 4, &[], true),
+    ("mismatches", 2, &[], true),
+    ("mismatches", 4, &[], true),
+    ("bad_arguments", 2, &[], true),
+    (
+        "stall",
+        2,
+        &[
+            ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+            ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+        ],
+        true,
+    ),
+    ("shutdown_pending", 2, &[], true),
+    ("rank_exits", 2, &[], true),
+    ("rank_killed", 2, &[], false),
+    ("preinitialized_mpi", 4, &[], true),
+    ("init_subset", 3, &[], true),
+    (
+        "timeline",
+        2,
+        &[("HOROVOD_TIMELINE_MARK_CYCLES", "1")],
+        true,
+    ),
+    ("large_counts", 2, &[], true),
+];
+
+fn main() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        let name = std::env::args().nth(1).expect("scenario name");
+        run_rank(&name);
+        return;
+    }
+    let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let exe = std::env::current_exe().unwrap();
+    let mut failed = Vec::new();
+    let mut ran = 0;
+    for (name, np, env, expect_ok) in SCENARIOS {
+        if filter.as_deref().is_some_and(|f| !name.contains(f)) {
+            continue;
+        }
+        ran += 1;
+        let start = Instant::now();
+        let dir =
+            std::env::temp_dir().join(format!("ferrovod-test-{}-{name}-{np}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut cmd = Command::new("mpirun");
+        cmd.args([
+            "-np",
+            &np.to_string(),
+            "--oversubscribe",
+            "--allow-run-as-root",
+        ])
+        .args(["--mca", "mpi_yield_when_idle", "1", "--bind-to", "none"])
+        .args(["-x", "FERROVOD_TEST_DIR"])
+        .arg(&exe)
+        .arg(name)
+        .env("FERROVOD_TEST_DIR", &dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+        if *name == "timeline" {
+            let path = dir.join("timeline.json");
+            cmd.env("HOROVOD_TIMELINE", &path)
+                .args(["-x", "HOROVOD_TIMELINE"]);
+        }
+        for (k, v) in *env {
+            cmd.env(k, v).args(["-x", k]);
+        }
+        let out = run_with_timeout(cmd, Duration::from_secs(300));
+        let secs = start.elapsed().as_secs_f64();
+        let (ok, why) = match &out {
+            None => (false, "timed out (hang)".to_string()),
+            Some((status, stdout, stderr)) => {
+                let passes = stdout.matches("RANK-PASSED").count();
+                if *expect_ok {
+                    let good = status.success() && passes == *np;
+                    (
+                        good,
+                        format!(
+                            "exit {status}, {passes}/{np} ranks passed\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
+                        ),
+                    )
+                } else {
+                    (
+                        !status.success(),
+                        format!("expected the job to fail, exit {status}\n{stdout}\n{stderr}"),
+                    )
+                }
+            }
+        };
+        let extra = if ok && *name == "timeline" {
+            check_timeline(&dir.join("timeline.json"))
+        } else {
+            Ok(())
+        };
+        let _ = std::fs::remove_dir_all(&dir);
+        match (ok, extra) {
+            (true, Ok(())) => println!("scenario {name} np={np} ... ok ({secs:.1}s)"),
+            (true, Err(e)) => {
+                println!("scenario {name} np={np} ... FAILED: {e}");
+                failed.push(format!("{name} np={np}"));
+            }
+            (false, _) => {
+                println!("scenario {name} np={np} ... FAILED ({secs:.1}s): {why}");
+                failed.push(format!("{name} np={np}"));
+            }
+        }
+    }
+    println!("{ran} scenarios, {} failed", failed.len());
+    if !failed.is_empty() {
+        eprintln!("failed: {failed:?}");
+        std::process::exit(1);
+    }
+}
+
+fn run_with_timeout(
+    mut cmd: Command,
+    limit: Duration,
+) -> Option<(std::process::ExitStatus, String, String)> {
+    let mut child = cmd.spawn().expect("mpirun");
+    let mut stdout = child.stdout.take().unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let t_out = std::thread::spawn(move || {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut stdout, &mut s).ok();
+        s
+    });
+    let t_err = std::thread::spawn(move || {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut stderr, &mut s).ok();
+        s
+    });
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some((status, t_out.join().unwrap(), t_err.join().unwrap()));
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The timeline must be strict JSON (checked with Python's parser) and hold the events.
+fn check_timeline(path: &std::path::Path) -> Result<(), String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("timeline missing: {e}"))?;
+    let out = Command::new("python3")
+        .args([
+            "-c",
+            "import json,sys; ev=json.load(open(sys.argv[1])); print(len(ev))",
+        ])
+        .arg(path)
+        .output()
+        .map_err(|e| e.to_string())?;
+    if !out.status.success() {
+        return Err(format!(
+            "timeline is not valid JSON: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    for needle in [
+        "NEGOTIATE_ALLREDUCE",
+        "\"ALLREDUCE\"",
+        "MPI_ALLREDUCE",
+        "MEMCPY_IN_FUSION_BUFFER",
+        "MEMCPY_OUT_FUSION_BUFFER",
+        "NEGOTIATE_ALLGATHER",
+        "MPI_ALLGATHER",
+        "CYCLE_START",
+        "timeline.grad.0",
+    ] {
+        if !text.contains(needle) {
+            return Err(format!("timeline lacks {needle}"));
+        }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// rank side
+
+fn rank() -> usize {
+    runtime::runtime().unwrap().topology().rank as usize
+}
+
+fn size() -> usize {
+    runtime::runtime().unwrap().topology().size as usize
+}
+
+fn run_rank(name: &str) {
+    match name {
+        "collectives" => collectives(),
+        "random_order" => random_order(),
+        "cache_changes" => cache_changes(),
+        "join" => join(),
+        "process_sets" => process_sets(),
+        "mismatches" => mismatches(),
+        "bad_arguments" => bad_arguments(),
+        "stall" => stall(),
+        "shutdown_pending" => shutdown_pending(),
+        "rank_exits" => rank_exits(),
+        "rank_killed" => rank_killed(),
+        "preinitialized_mpi" => preinitialized_mpi(),
+        "init_subset" => init_subset(),
+        "timeline" => timeline(),
+        "large_counts" => large_counts(),
+        other => panic!("unknown scenario {other}"),
+    }
+}
+
+fn pass() {
+    println!("RANK-PASSED");
+}
+
+/// Shutting down stops every rank (Horovod's semantics), so ranks first wait for each other.
+fn finish_job() {
+    run(OpSpec::new(OpKind::Barrier, vec![])).expect("final barrier");
+    runtime::shutdown();
+    pass();
+}
+
+fn init() {
+    runtime::init(Default::default()).expect("init");
+}
+
+/// Encodes values (small integers or exact binary fractions) as `dtype`.
+fn encode(dtype: DataType, vals: &[f64]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(vals.len() * dtype.size());
+    for &v in vals {
+        match dtype {
+            DataType::U8 => out.push(v as u8),
+            DataType::Bool => out.push(u8::from(v != 0.0)),
+            DataType::I8 => out.extend((v as i8).to_le_bytes()),
+            DataType::U16 => out.extend((v as u16).to_le_bytes()),
+            DataType::I16 => out.extend((v as i16).to_le_bytes()),
+            DataType::I32 => out.extend((v as i32).to_le_bytes()),
+            DataType::I64 => out.extend((v as i64).to_le_bytes()),
+            DataType::F16 => out.extend(half::f16::from_f64(v).to_le_bytes()),
+            DataType::BF16 => out.extend(half::bf16::from_f64(v).to_le_bytes()),
+            DataType::F32 => out.extend((v as f32).to_le_bytes()),
+            DataType::F64 => out.extend(v.to_le_bytes()),
+        }
+    }
+    out
+}
+
+fn decode(dtype: DataType, bytes: &[u8]) -> Vec<f64> {
+    bytes
+        .chunks_exact(dtype.size())
+        .map(|c| match dtype {
+            DataType::U8 | DataType::Bool => c[0] as f64,
+            DataType::I8 => c[0] as i8 as f64,
+            DataType::U16 => u16::from_le_bytes([c[0], c[1]]) as f64,
+            DataType::I16 => i16::from_le_bytes([c[0], c[1]]) as f64,
+            DataType::I32 => i32::from_le_bytes(c.try_into().unwrap()) as f64,
+            DataType::I64 => i64::from_le_bytes(c.try_into().unwrap()) as f64,
+            DataType::F16 => half::f16::from_le_bytes([c[0], c[1]]).to_f64(),
+            DataType::BF16 => half::bf16::from_le_bytes([c[0], c[1]]).to_f64(),
+            DataType::F32 => f32::from_le_bytes(c.try_into().unwrap()) as f64,
+            DataType::F64 => f64::from_le_bytes(c.try_into().unwrap()),
+        })
+        .collect()
+}
+
+/// Element i of rank r: a small positive integer (exact in every dtype, also when summed).
+fn val(i: usize, r: usize) -> f64 {
+    ((i * 7 + r * 3) % 11 + 1) as f64
+}
+
+/// Factors for products: 1 or 2, so products over 4 ranks stay within int8.
+fn factor(i: usize, r: usize) -> f64 {
+    (1 + (i + r) % 2) as f64
+}
+
+fn bit(i: usize, r: usize) -> f64 {
+    ((i + r) % 2) as f64
+}
+
+fn tensor(name: &str, dtype: DataType, shape: &[i64], vals: &[f64], later: bool) -> TensorSpec {
+    TensorSpec {
+        name: name.to_string(),
+        dtype,
+        shape: shape.to_vec(),
+        input: InputMem::Owned(encode(dtype, vals)),
+        output: if later {
+            OutputMem::Later
+        } else {
+            OutputMem::InPlace
+        },
+        splits: None,
+    }
+}
+
+fn submit(spec: OpSpec) -> Result<Arc<Handle>, Error> {
+    runtime::runtime()?.enqueue(spec)
+}
+
+fn finish(h: Arc<Handle>) -> Result<Vec<TensorResult>, Error> {
+    let r = h.wait(Some(Duration::from_secs(120)));
+    let rt = runtime::runtime()?;
+    rt.handles.release(h.id)?;
+    r?;
+    let n = (0..).take_while(|i| h.result(*i).is_some()).count();
+    Ok((0..n).map(|i| h.result(i).unwrap()).collect())
+}
+
+fn run(spec: OpSpec) -> Result<Vec<TensorResult>, Error> {
+    finish(submit(spec)?)
+}
+
+fn output(r: &TensorResult, dtype: DataType) -> Vec<f64> {
+    decode(dtype, r.output.as_ref().expect("library-owned output"))
+}
+
+/// Rounds reference values to what `dtype` can hold.
+fn quantize(dtype: DataType, vals: &[f64]) -> Vec<f64> {
+    decode(dtype, &encode(dtype, vals))
+}
+
+fn assert_close(got: &[f64], want: &[f64], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-6 * w.abs().max(1.0),
+            "{what}: element {i}: got {g}, want {w}"
+        );
+    }
+}
+
+/// Truncation toward zero after scaling, as integer tensors are scaled.
+fn scaled(dtype: DataType, v: f64) -> f64 {
+    if dtype.is_float() { v } else { v.trunc() }
+}
+
+struct Ctx {
+    /// Ranks of the process set, in set order.
+    ranks: Vec<usize>,
+    set: i32,
+    tag: String,
+}
+
+fn allreduce_checks(ctx: &Ctx, dtype: DataType) {
+    let me = rank();
+    let n = ctx.ranks.len();
+    let shape = [3i64, 5];
+    let count = 15;
+    let mut ops = vec![
+        ReduceOp::Sum,
+        ReduceOp::Min,
+        ReduceOp::Max,
+        ReduceOp::Product,
+    ];
+    if dtype != DataType::Bool {
+        ops.push(ReduceOp::Average);
+    }
+    for op in ops {
+        let src = |i: usize, r: usize| match (dtype, op) {
+            (DataType::Bool, _) => bit(i, r),
+            (_, ReduceOp::Product) => factor(i, r),
+            _ => val(i, r),
+        };
+        let mine: Vec<f64> = (0..count).map(|i| src(i, me)).collect();
+        let want: Vec<f64> = (0..count)
+            .map(|i| {
+                let xs = ctx.ranks.iter().map(|r| src(i, *r));
+                match op {
+                    ReduceOp::Sum if dtype == DataType::Bool => xs.fold(0.0, f64::max),
+                    ReduceOp::Sum => xs.sum(),
+                    ReduceOp::Average => scaled(dtype, xs.sum::<f64>() * (1.0 / n as f64)),
+                    ReduceOp::Min => xs.fold(f64::MAX, f64::min),
+                    ReduceOp::Max => xs.fold(f64::MIN, f64::max),
+                    ReduceOp::Product if dtype == DataType::Bool => xs.fold(1.0, f64::min),
+                    ReduceOp::Product => xs.product(),
+                    ReduceOp::Adasum => unreachable!(),
+                }
+            })
+            .collect();
+        // in place (library-owned), and out of place into a separate output
+        for out_of_place in [false, true] {
+            let name = format!("{}.ar.{dtype}.{op:?}.{out_of_place}", ctx.tag);
+            let mut t = tensor(&name, dtype, &shape, &mine, false);
+            if out_of_place {
+                t.output = OutputMem::Owned(vec![0u8; count * dtype.size()]);
+            }
+            let mut spec = OpSpec::new(OpKind::Allreduce, vec![t]);
+            spec.reduce_op = op;
+            spec.process_set = ctx.set;
+            let res = run(spec).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(res[0].shape, shape.to_vec());
+            assert_close(&output(&res[0], dtype), &quantize(dtype, &want), &name);
+        }
+    }
+    if dtype.is_float() || matches!(dtype, DataType::I32 | DataType::I64) {
+        // prescale 0.5 then postscale 4: twice the sum (exact for these values)
+        let mine: Vec<f64> = (0..count).map(|i| 2.0 * val(i, me)).collect();
+        let want: Vec<f64> = (0..count)
+            .map(|i| ctx.ranks.iter().map(|r| 4.0 * val(i, *r)).sum())
+            .collect();
+        let name = format!("{}.ar.scaled.{dtype}", ctx.tag);
+        let mut spec = OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor(&name, dtype, &shape, &mine, false)],
+        );
+        spec.prescale = 0.5;
+        spec.postscale = 4.0;
+        spec.process_set = ctx.set;
+        let res = run(spec).unwrap();
+        assert_close(&output(&res[0], dtype), &want, &name);
+    }
+}
+
+fn allgather_checks(ctx: &Ctx, dtype: DataType) {
+    let me = rank();
+    let pos = ctx.ranks.iter().position(|r| *r == me).unwrap();
+    // set rank p contributes p + 1 rows of 2 columns
+    let rows = |p: usize| p + 1;
+    let row_vals = |p: usize, r: usize| -> Vec<f64> {
+        (0..rows(p) * 2)
+            .map(|i| {
+                if dtype == DataType::Bool {
+                    bit(i, r)
+                } else {
+                    val(i, r)
+                }
+            })
+            .collect()
+    };
+    let want: Vec<f64> = ctx
+        .ranks
+        .iter()
+        .enumerate()
+        .flat_map(|(p, r)| row_vals(p, *r))
+        .collect();
+    let total_rows: usize = (0..ctx.ranks.len()).map(rows).sum();
+    let single = format!("{}.ag.{dtype}", ctx.tag);
+    let mut spec = OpSpec::new(
+        OpKind::Allgather,
+        vec![tensor(
+            &single,
+            dtype,
+            &[rows(pos) as i64, 2],
+            &row_vals(pos, me),
+            true,
+        )],
+    );
+    spec.process_set = ctx.set;
+    let res = run(spec).unwrap();
+    assert_eq!(res[0].shape, vec![total_rows as i64, 2]);
+    assert_close(&output(&res[0], dtype), &want, &single);
+
+    // grouped: three tensors fused into one allgather
+    let names: Vec<String> = (0..3)
+        .map(|k| format!("{}.gag.{dtype}.{k}", ctx.tag))
+        .collect();
+    let tensors = names
+        .iter()
+        .map(|n| tensor(n, dtype, &[rows(pos) as i64, 2], &row_vals(pos, me), true))
+        .collect();
+    let mut spec = OpSpec::new(OpKind::Allgather, tensors);
+    spec.process_set = ctx.set;
+    let res = run(spec).unwrap();
+    for (k, r) in res.iter().enumerate() {
+        assert_close(&output(r, dtype), &want, &names[k]);
+    }
+}
+
+fn broadcast_checks(ctx: &Ctx, dtype: DataType) {
+    let me = rank();
+    for root in [ctx.ranks[0], *ctx.ranks.last().unwrap()] {
+        let vals: Vec<f64> = (0..6)
+            .map(|i| {
+                if dtype == DataType::Bool {
+                    bit(i, me)
+                } else {
+                    val(i, me)
+                }
+            })
+            .collect();
+        let want: Vec<f64> = (0..6)
+            .map(|i| {
+                if dtype == DataType::Bool {
+                    bit(i, root)
+                } else {
+                    val(i, root)
+                }
+            })
+            .collect();
+        for out_of_place in [false, true] {
+            let name = format!("{}.bc.{dtype}.{root}.{out_of_place}", ctx.tag);
+            let mut t = tensor(&name, dtype, &[2, 3], &vals, false);
+            if out_of_place {
+                t.output = OutputMem::Owned(vec![0u8; 6 * dtype.size()]);
+            }
+            let mut spec = OpSpec::new(OpKind::Broadcast, vec![t]);
+            spec.root_rank = root as i32;
+            spec.process_set = ctx.set;
+            let res = run(spec).unwrap();
+            assert_close(&output(&res[0], dtype), &want, &name);
+        }
+    }
+}
+
+fn alltoall_checks(ctx: &Ctx, dtype: DataType) {
+    let me = rank();
+    let n = ctx.ranks.len();
+    let pos = ctx.ranks.iter().position(|r| *r == me).unwrap();
+    let code = |from: usize, to: usize, k: usize| ((from * 5 + to * 3 + k) % 13 + 1) as f64;
+    let code = |from, to, k| {
+        if dtype == DataType::Bool {
+            code(from, to, k) % 2.0
+        } else {
+            code(from, to, k)
+        }
+    };
+    // with splits: set rank p sends (p + q) % 3 rows of one column to set rank q
+    let splits = |p: usize| -> Vec<i32> { (0..n).map(|q| ((p + q) % 3) as i32).collect() };
+    let mut vals = Vec::new();
+    for (q, s) in splits(pos).iter().enumerate() {
+        vals.extend((0..*s as usize).map(|k| code(pos, q, k)));
+    }
+    let dim0 = vals.len() + 1; // one extra trailing row that is not sent
+    vals.push(0.0);
+    let name = format!("{}.a2a.{dtype}", ctx.tag);
+    let mut t = tensor(&name, dtype, &[dim0 as i64, 1], &vals, true);
+    t.splits = Some(splits(pos));
+    let mut spec = OpSpec::new(OpKind::Alltoall, vec![t]);
+    spec.process_set = ctx.set;
+    let res = run(spec).unwrap();
+    let want_splits: Vec<i32> = (0..n).map(|p| splits(p)[pos]).collect();
+    let want: Vec<f64> = (0..n)
+        .flat_map(|p| (0..splits(p)[pos] as usize).map(move |k| code(p, pos, k)))
+        .collect();
+    assert_eq!(
+        res[0].received_splits, want_splits,
+        "{name}: received splits"
+    );
+    assert_eq!(res[0].shape, vec![want.len() as i64, 1]);
+    assert_close(&output(&res[0], dtype), &want, &name);
+
+    // even split, two columns
+    let vals: Vec<f64> = (0..n)
+        .flat_map(|q| (0..2).map(move |k| code(pos, q, k)))
+        .collect();
+    let name = format!("{}.a2a.even.{dtype}", ctx.tag);
+    let mut spec = OpSpec::new(
+        OpKind::Alltoall,
+        vec![tensor(&name, dtype, &[n as i64, 2], &vals, true)],
+    );
+    spec.process_set = ctx.set;
+    let res = run(spec).unwrap();
+    let want: Vec<f64> = (0..n)
+        .flat_map(|p| (0..2).map(move |k| code(p, pos, k)))
+        .collect();
+    assert_eq!(res[0].received_splits, vec![1; n]);
+    assert_close(&output(&res[0], dtype), &want, &name);
+}
+
+fn reducescatter_checks(ctx: &Ctx, dtype: DataType) {
+    let me = rank();
+    let n = ctx.ranks.len();
+    let pos = ctx.ranks.iter().position(|r| *r == me).unwrap();
+    let dim0 = 2 * n + 1; // uneven: the first rank gets one extra row
+    let cols = 2;
+    let mine: Vec<f64> = (0..dim0 * cols).map(|i| val(i, me)).collect();
+    let first_row: usize = (0..pos).map(|p| dim0 / n + usize::from(p < dim0 % n)).sum();
+    let my_rows = dim0 / n + usize::from(pos < dim0 % n);
+    for op in [ReduceOp::Sum, ReduceOp::Average] {
+        let want: Vec<f64> = (first_row * cols..(first_row + my_rows) * cols)
+            .map(|i| {
+                let s: f64 = ctx.ranks.iter().map(|r| val(i, *r)).sum();
+                if op == ReduceOp::Average {
+                    scaled(dtype, s * (1.0 / n as f64))
+                } else {
+                    s
+                }
+            })
+            .collect();
+        let name = format!("{}.rs.{dtype}.{op:?}", ctx.tag);
+        let mut spec = OpSpec::new(
+            OpKind::Reducescatter,
+            vec![tensor(
+                &name,
+                dtype,
+                &[dim0 as i64, cols as i64],
+                &mine,
+                true,
+            )],
+        );
+        spec.reduce_op = op;
+        spec.process_set = ctx.set;
+        let res = run(spec).unwrap();
+        assert_eq!(res[0].shape, vec![my_rows as i64, cols as i64], "{name}");
+        let want = quantize(dtype, &want);
+        assert_close(&output(&res[0], dtype), &want, &name);
+        // grouped: two tensors of different lengths fused into one reduce-scatter
+        let names = [format!("{name}.g0"), format!("{name}.g1")];
+        let other: Vec<f64> = (0..n * cols).map(|i| val(i + 100, me)).collect();
+        let mut spec = OpSpec::new(
+            OpKind::Reducescatter,
+            vec![
+                tensor(&names[0], dtype, &[dim0 as i64, cols as i64], &mine, true),
+                tensor(&names[1], dtype, &[n as i64, cols as i64], &other, true),
+            ],
+        );
+        spec.reduce_op = op;
+        spec.process_set = ctx.set;
+        let res = run(spec).unwrap();
+        assert_close(&output(&res[0], dtype), &want, &names[0]);
+        let want1: Vec<f64> = (pos * cols..(pos + 1) * cols)
+            .map(|i| {
+                let s: f64 = ctx.ranks.iter().map(|r| val(i + 100, *r)).sum();
+                if op == ReduceOp::Average {
+                    scaled(dtype, s * (1.0 / n as f64))
+                } else {
+                    s
+                }
+            })
+            .collect();
+        assert_close(&output(&res[1], dtype), &quantize(dtype, &want1), &names[1]);
+    }
+}
+
+fn grouped_allreduce_checks(ctx: &Ctx) {
+    let me = rank();
+    // many small tensors of two dtypes in one group: fused per dtype, completed together
+    let mut tensors = Vec::new();
+    let mut wants = Vec::new();
+    for k in 0..12 {
+        let dtype = if k % 3 == 0 {
+            DataType::F64
+        } else {
+            DataType::F32
+        };
+        let len = 1 + k * 3;
+        let mine: Vec<f64> = (0..len).map(|i| val(i + k, me)).collect();
+        let want: Vec<f64> = (0..len)
+            .map(|i| ctx.ranks.iter().map(|r| val(i + k, *r)).sum())
+            .collect();
+        tensors.push(tensor(
+            &format!("{}.gar.{k}", ctx.tag),
+            dtype,
+            &[len as i64],
+            &mine,
+            false,
+        ));
+        wants.push((dtype, want));
+    }
+    let mut spec = OpSpec::new(OpKind::Allreduce, tensors);
+    spec.process_set = ctx.set;
+    let res = run(spec).unwrap();
+    for (k, (r, (dtype, want))) in res.iter().zip(&wants).enumerate() {
+        assert_close(&output(r, *dtype), want, &format!("grouped allreduce {k}"));
+    }
+}
+
+fn barrier_check(ctx: &Ctx) {
+    let mut spec = OpSpec::new(OpKind::Barrier, vec![]);
+    spec.process_set = ctx.set;
+    run(spec).unwrap();
+}
+
+fn all_ops(ctx: &Ctx) {
+    for dtype in DataType::ALL {
+        allreduce_checks(ctx, dtype);
+        allgather_checks(ctx, dtype);
+        broadcast_checks(ctx, dtype);
+        alltoall_checks(ctx, dtype);
+        if dtype != DataType::Bool {
+            reducescatter_checks(ctx, dtype);
+        }
+    }
+    grouped_allreduce_checks(ctx);
+    barrier_check(ctx);
+}
+
+/// Every op × dtype on the world, then on two disjoint process sets running at once.
+fn collectives() {
+    init();
+    let n = size();
+    let me = rank();
+    all_ops(&Ctx {
+        ranks: (0..n).collect(),
+        set: 0,
+        tag: "world".into(),
+    });
+    // static-like sets added dynamically: lower and upper half, disjoint, used concurrently
+    let rt = runtime::runtime().unwrap();
+    let half = n.div_ceil(2);
+    let lower: Vec<i32> = (0..half as i32).collect();
+    let upper: Vec<i32> = (half as i32..n as i32).collect();
+    let mut ids = Vec::new();
+    for ranks in [&lower, &upper] {
+        if ranks.is_empty() {
+            continue;
+        }
+        let h = rt.add_process_set(ranks).unwrap();
+        h.wait(None).unwrap();
+        ids.push((h.value(), ranks.clone()));
+    }
+    let (id, ranks) = ids
+        .iter()
+        .find(|(_, r)| r.contains(&(me as i32)))
+        .unwrap()
+        .clone();
+    assert_eq!(rt.process_set_ranks(id), Some(ranks.clone()));
+    all_ops(&Ctx {
+        ranks: ranks.iter().map(|r| *r as usize).collect(),
+        set: id,
+        tag: format!("set{id}"),
+    });
+    finish_job();
+}
+
+/// Simple deterministic generator, seeded per rank.
+struct Lcg(u64);
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+}
+
+/// Each rank submits the same tensors in its own random order with random pauses, for several
+/// steps; results must be identical and correct everywhere.
+fn random_order() {
+    init();
+    let n = size();
+    let me = rank();
+    let mut rng = Lcg(0x9e37_79b9 + me as u64 * 7919);
+    let count = 40;
+    for step in 0..5 {
+        let mut order: Vec<usize> = (0..count).collect();
+        for i in (1..count).rev() {
+            order.swap(i, rng.next() as usize % (i + 1));
+        }
+        let mut handles = Vec::new();
+        for &k in &order {
+            if rng.next() % 8 == 0 {
+                std::thread::sleep(Duration::from_micros(rng.next() % 3000));
+            }
+            let len = 1 + (k * 37) % 300;
+            let dtype = [DataType::F32, DataType::F64, DataType::I32, DataType::BF16][k % 4];
+            let mine: Vec<f64> = (0..len).map(|i| val(i + k + step, me)).collect();
+            let name = format!("grad.{k}");
+            let h = submit(OpSpec::new(
+                OpKind::Allreduce,
+                vec![tensor(&name, dtype, &[len as i64], &mine, false)],
+            ))
+            .unwrap();
+            handles.push((k, len, dtype, h));
+        }
+        for (k, len, dtype, h) in handles {
+            let res = finish(h).unwrap();
+            let want: Vec<f64> = (0..len)
+                .map(|i| (0..n).map(|r| val(i + k + step, r)).sum())
+                .collect();
+            assert_close(
+                &output(&res[0], dtype),
+                &want,
+                &format!("step {step} tensor {k}"),
+            );
+        }
+    }
+    finish_job();
+}
+
+/// Cached names whose shape or op changes, and more names than the cache holds.
+fn cache_changes() {
+    init();
+    let n = size();
+    let me = rank();
+    for step in 0..6 {
+        let len = if step < 3 { 4 } else { 6 }; // shape change invalidates the cached entry
+        let op = if step % 2 == 0 {
+            ReduceOp::Sum
+        } else {
+            ReduceOp::Max
+        };
+        for k in 0..10 {
+            let mine: Vec<f64> = (0..len).map(|i| val(i + k, me)).collect();
+            let mut spec = OpSpec::new(
+                OpKind::Allreduce,
+                vec![tensor(
+                    &format!("c{k}"),
+                    DataType::F32,
+                    &[len as i64],
+                    &mine,
+                    false,
+                )],
+            );
+            spec.reduce_op = op;
+            let res = run(spec).unwrap();
+            let want: Vec<f64> = (0..len)
+                .map(|i| {
+                    let xs = (0..n).map(|r| val(i + k, r));
+                    if op == ReduceOp::Sum {
+                        xs.sum()
+                    } else {
+                        xs.fold(0.0, f64::max)
+                    }
+                })
+                .collect();
+            assert_close(
+                &output(&res[0], DataType::F32),
+                &want,
+                &format!("step {step} c{k}"),
+            );
+        }
+    }
+    finish_job();
+}
+
+/// Rank 0 keeps reducing after the others joined: joined ranks contribute zeros; join returns
+/// the last rank to join; allgather with a joined rank is an error on the ranks that submit it.
+fn join() {
+    init();
+    let n = size();
+    let me = rank();
+    // warm the cache with one name so joined ranks vote for a cached tensor too
+    let first: Vec<f64> = (0..5).map(|i| val(i, me)).collect();
+    run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("j.cached", DataType::F32, &[5], &first, false)],
+    ))
+    .unwrap();
+    if me == 0 {
+        for step in 0..3 {
+            for name in ["j.cached", "j.new"] {
+                let mine: Vec<f64> = (0..5).map(|i| val(i + step, me)).collect();
+                let res = run(OpSpec::new(
+                    OpKind::Allreduce,
+                    vec![tensor(name, DataType::F32, &[5], &mine, false)],
+                ))
+                .unwrap();
+                assert_close(
+                    &output(&res[0], DataType::F32),
+                    &mine,
+                    "joined ranks add zeros",
+                );
+            }
+        }
+        let err = run(OpSpec::new(
+            OpKind::Allgather,
+            vec![tensor("j.ag", DataType::F32, &[1], &[1.0], true)],
+        ))
+        .unwrap_err();
+        assert!(
+            matches!(err, Error::Precondition(ref m) if m.starts_with("Allgather is not supported with Join")),
+            "{err}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let h = submit(OpSpec::new(OpKind::Join, vec![])).unwrap();
+    h.wait(Some(Duration::from_secs(60))).unwrap();
+    assert_eq!(h.value(), 0, "rank 0 joins last");
+    // after the join everyone works normally again
+    let mine: Vec<f64> = (0..3).map(|i| val(i, me)).collect();
+    let res = run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("after", DataType::F64, &[3], &mine, false)],
+    ))
+    .unwrap();
+    let want: Vec<f64> = (0..3).map(|i| (0..n).map(|r| val(i, r)).sum()).collect();
+    assert_close(&output(&res[0], DataType::F64), &want, "after join");
+    finish_job();
+}
+
+fn process_sets() {
+    // static sets at init: {0, 2} and {1, 3}, plus a duplicate that maps to the same id
+    runtime::init(runtime::InitOptions {
+        process_sets: vec![vec![0, 2], vec![1, 3], vec![2, 0]],
+        ..Default::default()
+    })
+    .unwrap();
+    let rt = runtime::runtime().unwrap();
+    let me = rank();
+    assert_eq!(rt.process_set_ids(), vec![0, 1, 2]);
+    assert_eq!(rt.process_set_ranks(1), Some(vec![0, 2]));
+    let mine_set = if me % 2 == 0 { 1 } else { 2 };
+    assert_eq!(rt.process_set_rank(mine_set).unwrap(), (me / 2) as i32);
+    assert_eq!(rt.process_set_rank(3 - mine_set).unwrap(), -1);
+    // concurrent, same tensor name in both sets
+    let mine: Vec<f64> = (0..4).map(|i| val(i, me)).collect();
+    let mut spec = OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("shared.name", DataType::F32, &[4], &mine, false)],
+    );
+    spec.process_set = mine_set;
+    let res = run(spec).unwrap();
+    let peers = [me % 2, me % 2 + 2];
+    let want: Vec<f64> = (0..4)
+        .map(|i| peers.iter().map(|r| val(i, *r)).sum())
+        .collect();
+    assert_close(
+        &output(&res[0], DataType::F32),
+        &want,
+        "static set allreduce",
+    );
+    // not a member
+    let mut spec = OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("x", DataType::F32, &[1], &[1.0], false)],
+    );
+    spec.process_set = 3 - mine_set;
+    let err = submit(spec).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!("Allreduce: Rank {me} is not a member of the provided process set.")
+    );
+    // dynamic add, duplicate add, remove, removal of the global set
+    let h = rt.add_process_set(&[0, 1, 2]).unwrap();
+    h.wait(None).unwrap();
+    let id = h.value();
+    assert_eq!(id, 3);
+    let dup = rt.add_process_set(&[0, 1, 2]).unwrap();
+    let err = dup.wait(None).unwrap_err();
+    assert!(err.to_string().contains("already exists"), "{err}");
+    if me < 3 {
+        let mut spec = OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor("dyn", DataType::I64, &[4], &mine, false)],
+        );
+        spec.process_set = id;
+        let res = run(spec).unwrap();
+        let want: Vec<f64> = (0..4).map(|i| (0..3).map(|r| val(i, r)).sum()).collect();
+        assert_close(&output(&res[0], DataType::I64), &want, "dynamic set");
+    }
+    let h = rt.remove_process_set(id).unwrap();
+    h.wait(None).unwrap();
+    assert_eq!(rt.process_set_ranks(id), None);
+    assert!(rt.remove_process_set(0).is_err());
+    assert!(rt.remove_process_set(id).is_err());
+    let mut spec = OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("gone", DataType::F32, &[1], &[1.0], false)],
+    );
+    spec.process_set = id;
+    assert_eq!(
+        submit(spec).unwrap_err().to_string(),
+        "Allreduce: Process set provided does not exist, or has not been registered."
+    );
+    finish_job();
+}
+
+/// Cross-rank mismatches fail on every rank with the same message naming the tensor.
+fn mismatches() {
+    init();
+    let me = rank();
+    let last = size() - 1;
+    let expect = |spec: OpSpec, start: &str, name: &str| {
+        let err = run(spec).unwrap_err();
+        match &err {
+            Error::Precondition(m) => {
+                assert!(m.starts_with(start), "rank {me}: {m}");
+                assert!(m.contains(&format!("tensor '{name}'")), "rank {me}: {m}");
+            }
+            other => panic!("rank {me}: expected a precondition error, got {other:?}"),
+        }
+    };
+    // shape
+    let len = if me == last { 3 } else { 2 };
+    expect(
+        OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor(
+                "m.shape",
+                DataType::F32,
+                &[len],
+                &vec![1.0; len as usize],
+                false,
+            )],
+        ),
+        "Mismatched ALLREDUCE tensor shapes: One rank sent a tensor of shape [2], but another rank sent a tensor of shape [3].",
+        "m.shape",
+    );
+    // dtype
+    let dtype = if me == last {
+        DataType::I32
+    } else {
+        DataType::F32
+    };
+    expect(
+        OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor("m.dtype", dtype, &[2], &[1.0, 2.0], false)],
+        ),
+        "Mismatched data types: One rank had type float32, but another rank had type int32.",
+        "m.dtype",
+    );
+    // op kind
+    let kind = if me == last {
+        OpKind::Allgather
+    } else {
+        OpKind::Allreduce
+    };
+    expect(
+        OpSpec::new(
+            kind,
+            vec![tensor(
+                "m.op",
+                DataType::F32,
+                &[2],
+                &[1.0, 2.0],
+                kind == OpKind::Allgather,
+            )],
+        ),
+        "Mismatched operations: One rank did an ALLREDUCE, but another rank did an ALLGATHER.",
+        "m.op",
+    );
+    // root
+    let mut spec = OpSpec::new(
+        OpKind::Broadcast,
+        vec![tensor("m.root", DataType::F32, &[2], &[1.0, 2.0], false)],
+    );
+    spec.root_rank = if me == last { 1 } else { 0 };
+    expect(
+        spec,
+        "Mismatched BROADCAST root ranks: One rank specified root rank 0, but another rank specified root rank 1.",
+        "m.root",
+    );
+    // reduction op
+    let mut spec = OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("m.redop", DataType::F32, &[2], &[1.0, 2.0], false)],
+    );
+    spec.reduce_op = if me == last {
+        ReduceOp::Max
+    } else {
+        ReduceOp::Sum
+    };
+    expect(
+        spec,
+        "Mismatched reduction operation: One rank sent reduction op 1, but another rank sent reduction op 4.",
+        "m.redop",
+    );
+    // allgather trailing dimension
+    let cols = if me == last { 3 } else { 2 };
+    expect(
+        OpSpec::new(
+            OpKind::Allgather,
+            vec![tensor(
+                "m.ag",
+                DataType::F32,
+                &[1, cols],
+                &vec![1.0; cols as usize],
+                true,
+            )],
+        ),
+        "Mismatched ALLGATHER tensor shapes: One rank sent a tensor with dimension 1 equal to 2, but another rank sent a tensor with dimension 1 equal to 3.",
+        "m.ag",
+    );
+    // a mismatch on a cached name (second use with a changed shape on one rank)
+    run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("m.cached", DataType::F32, &[2], &[1.0, 2.0], false)],
+    ))
+    .unwrap();
+    let len = if me == last { 4 } else { 2 };
+    expect(
+        OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor(
+                "m.cached",
+                DataType::F32,
+                &[len],
+                &vec![1.0; len as usize],
+                false,
+            )],
+        ),
+        "Mismatched ALLREDUCE tensor shapes",
+        "m.cached",
+    );
+    // the job is still healthy afterwards
+    let res = run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("m.ok", DataType::F32, &[1], &[1.0], false)],
+    ))
+    .unwrap();
+    assert_close(
+        &output(&res[0], DataType::F32),
+        &[size() as f64],
+        "after mismatches",
+    );
+    finish_job();
+}
+
+/// Enqueue-time errors: on the calling rank, immediately, nothing enqueued.
+fn bad_arguments() {
+    let err = submit(OpSpec::new(OpKind::Barrier, vec![])).unwrap_err();
+    assert_eq!(err, Error::NotInitialized);
+    init();
+    let me = rank();
+    let n = size();
+    let invalid = |spec: OpSpec, want: &str| {
+        let err = submit(spec).unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidArgument(_) | Error::Aborted(_)),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string().contains(want),
+            "rank {me}: got '{err}', want '{want}'"
+        );
+    };
+    // duplicate name while the first is in flight (the other ranks never submit it until later)
+    let h = submit(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("dup", DataType::F32, &[1], &[1.0], false)],
+    ))
+    .unwrap();
+    invalid(
+        OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor("dup", DataType::F32, &[1], &[1.0], false)],
+        ),
+        "Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor that is currently being processed.",
+    );
+    finish(h).unwrap();
+    // same name twice inside one group
+    invalid(
+        OpSpec::new(
+            OpKind::Allreduce,
+            vec![
+                tensor("g", DataType::F32, &[1], &[1.0], false),
+                tensor("g", DataType::F32, &[1], &[1.0], false),
+            ],
+        ),
+        "same name",
+    );
+    let mut spec = OpSpec::new(
+        OpKind::Broadcast,
+        vec![tensor("b", DataType::F32, &[1], &[1.0], false)],
+    );
+    spec.root_rank = n as i32;
+    invalid(
+        spec,
+        &format!("broadcast received invalid root rank {n} for provided process set"),
+    );
+    let mut t = tensor("a2a", DataType::F32, &[4], &[1.0; 4], true);
+    t.splits = Some(vec![1; n + 1]);
+    invalid(
+        OpSpec::new(OpKind::Alltoall, vec![t]),
+        "Number of entries in splits does not equal number of workers.",
+    );
+    let mut t = tensor("a2a", DataType::F32, &[4], &[1.0; 4], true);
+    t.splits = Some(vec![3; n]);
+    invalid(
+        OpSpec::new(OpKind::Alltoall, vec![t]),
+        "Sum of splits entries is greater than the first dimension of tensor.",
+    );
+    invalid(
+        OpSpec::new(
+            OpKind::Alltoall,
+            vec![tensor(
+                "a2a",
+                DataType::F32,
+                &[n as i64 + 1],
+                &vec![1.0; n + 1],
+                true,
+            )],
+        ),
+        "splits not provided, but first dimension of tensor is not an even multiple of the number of workers.",
+    );
+    let mut spec = OpSpec::new(
+        OpKind::Reducescatter,
+        vec![tensor("rs", DataType::F32, &[4], &[1.0; 4], true)],
+    );
+    spec.reduce_op = ReduceOp::Max;
+    invalid(
+        spec,
+        "Reducescatter currently only supports AVERAGE and SUM.",
+    );
+    let mut spec = OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("ad", DataType::F32, &[1], &[1.0], false)],
+    );
+    spec.reduce_op = ReduceOp::Adasum;
+    invalid(spec, "Adasum");
+    let mut spec = OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("bavg", DataType::Bool, &[1], &[1.0], false)],
+    );
+    spec.reduce_op = ReduceOp::Average;
+    invalid(spec, "cannot be averaged");
+    let mut spec = OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("ps", DataType::F32, &[1], &[1.0], false)],
+    );
+    spec.process_set = 42;
+    invalid(spec, "Process set provided does not exist");
+    let mut spec = OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("dev", DataType::F32, &[1], &[1.0], false)],
+    );
+    spec.device = 0;
+    invalid(spec, "host memory only");
+    let mut t = tensor("size", DataType::F32, &[3], &[1.0; 2], false);
+    t.shape = vec![3];
+    invalid(
+        OpSpec::new(OpKind::Allreduce, vec![t]),
+        "has 8 bytes but its shape and dtype need 12",
+    );
+    invalid(
+        OpSpec::new(
+            OpKind::Allgather,
+            vec![tensor("ag", DataType::F32, &[1], &[1.0], false)],
+        ),
+        "allocated after negotiation",
+    );
+    invalid(OpSpec::new(OpKind::Allreduce, vec![]), "no tensors");
+    // the job is still healthy afterwards
+    let res = run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("ok", DataType::F32, &[1], &[1.0], false)],
+    ))
+    .unwrap();
+    assert_close(
+        &output(&res[0], DataType::F32),
+        &[n as f64],
+        "after bad arguments",
+    );
+    finish_job();
+}
+
+/// Each rank submits a tensor the other never does: the stall becomes an error on all ranks.
+fn stall() {
+    init();
+    let me = rank();
+    let name = format!("only.on.rank{me}");
+    let start = Instant::now();
+    let err = run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor(&name, DataType::F32, &[1], &[1.0], false)],
+    ))
+    .unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, Error::ShutDown(_)), "{err:?}");
+    assert!(msg.contains("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"), "{msg}");
+    assert!(msg.contains("Missing ranks:"), "{msg}");
+    assert!(
+        msg.contains("only.on.rank0") && msg.contains("only.on.rank1"),
+        "{msg}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        start.elapsed()
+    );
+    // new work is refused with the same reason
+    let err = submit(OpSpec::new(OpKind::Barrier, vec![])).unwrap_err();
+    assert!(err.to_string().contains("Missing ranks:"));
+    runtime::shutdown();
+    pass();
+}
+
+/// One rank shuts down while the other has an operation pending.
+fn shutdown_pending() {
+    init();
+    if rank() == 1 {
+        std::thread::sleep(Duration::from_millis(300));
+        runtime::shutdown();
+    } else {
+        let err = run(OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor("pending", DataType::F32, &[1], &[1.0], false)],
+        ))
+        .unwrap_err();
+        assert_eq!(err, Error::ShutDown(SHUT_DOWN_MESSAGE.into()));
+        let err = submit(OpSpec::new(OpKind::Barrier, vec![])).unwrap_err();
+        assert_eq!(err.to_string(), SHUT_DOWN_MESSAGE);
+        runtime::shutdown();
+    }
+    pass();
+}
+
+/// A rank whose program ends without calling shutdown: the exit handler that fv_init registers
+/// tells the others, whose pending operation fails instead of hanging.
+fn rank_exits() {
+    // SAFETY: NULL options are documented.
+    assert_eq!(
+        unsafe { ferrovod::capi::fv_init(std::ptr::null()) },
+        ferrovod::Status::Ok
+    );
+    if rank() == 1 {
+        pass();
+        std::thread::sleep(Duration::from_millis(200));
+        std::process::exit(0);
+    }
+    let err = run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("pending", DataType::F32, &[1], &[1.0], false)],
+    ))
+    .unwrap_err();
+    assert_eq!(err, Error::ShutDown(SHUT_DOWN_MESSAGE.into()));
+    pass();
+}
+
+/// A rank that dies: mpirun ends the job (non-zero exit) rather than leaving rank 0 hanging.
+fn rank_killed() {
+    init();
+    if rank() == 1 {
+        std::thread::sleep(Duration::from_millis(200));
+        std::process::abort();
+    }
+    let _ = run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("pending", DataType::F32, &[1], &[1.0], false)],
+    ));
+    std::thread::sleep(Duration::from_secs(120));
+}
+
+/// MPI initialised by the program (as mpi4py does); ferrovod runs on two halves of the world
+/// given as communicators, and leaves MPI for the program to finalise.
+fn preinitialized_mpi() {
+    use mpi::ffi;
+    // SAFETY: plain MPI calls on a fresh process.
+    let half_comm = unsafe {
+        let mut provided = 0;
+        ffi::MPI_Init_thread(
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            ffi::RSMPI_THREAD_MULTIPLE,
+            &mut provided,
+        );
+        let mut r = 0;
+        ffi::MPI_Comm_rank(ffi::RSMPI_COMM_WORLD, &mut r);
+        let mut half = std::mem::zeroed();
+        ffi::MPI_Comm_split(ffi::RSMPI_COMM_WORLD, r % 2, r, &mut half);
+        half
+    };
+    // SAFETY: a valid communicator.
+    let handle = unsafe { ffi::MPI_Comm_c2f(half_comm) };
+    runtime::init(runtime::InitOptions {
+        comm: runtime::Communicator::Fortran(handle),
+        ..Default::default()
+    })
+    .unwrap();
+    let world_rank: usize = std::env::var("OMPI_COMM_WORLD_RANK")
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(size(), 2);
+    assert_eq!(rank(), world_rank / 2);
+    let mine = vec![world_rank as f64];
+    let res = run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("half", DataType::F64, &[1], &mine, false)],
+    ))
+    .unwrap();
+    let peers: f64 = (0..4)
+        .filter(|r| r % 2 == world_rank % 2)
+        .map(|r| r as f64)
+        .sum();
+    assert_close(
+        &output(&res[0], DataType::F64),
+        &[peers],
+        "allreduce on a sub-communicator",
+    );
+    runtime::shutdown();
+    // MPI must still be usable: ferrovod did not finalise it
+    // SAFETY: MPI is initialised by this program.
+    unsafe {
+        let mut flag = 0;
+        ffi::MPI_Finalized(&mut flag);
+        assert_eq!(flag, 0, "ferrovod finalised MPI it did not initialise");
+        let mut half = half_comm;
+        ffi::MPI_Comm_free(&mut half);
+        ffi::MPI_Barrier(ffi::RSMPI_COMM_WORLD);
+        ffi::MPI_Finalize();
+    }
+    pass();
+}
+
+/// init with a subset of MPI_COMM_WORLD: members run collectives among themselves; the rank
+/// outside gets a clear error.
+fn init_subset() {
+    let world_rank: i32 = std::env::var("OMPI_COMM_WORLD_RANK")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let r = runtime::init(runtime::InitOptions {
+        comm: runtime::Communicator::Ranks(vec![0, 2]),
+        ..Default::default()
+    });
+    if world_rank == 1 {
+        let err = r.unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("is not in the ranks given to init"),
+            "{err}"
+        );
+        assert!(!runtime::is_initialized());
+        pass();
+        return;
+    }
+    r.unwrap();
+    assert_eq!(size(), 2);
+    let res = run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor(
+            "sub",
+            DataType::F32,
+            &[1],
+            &[world_rank as f64],
+            false,
+        )],
+    ))
+    .unwrap();
+    assert_close(&output(&res[0], DataType::F32), &[2.0], "subset allreduce");
+    finish_job();
+}
+
+fn timeline() {
+    init();
+    let me = rank();
+    for step in 0..3 {
+        let tensors = (0..4)
+            .map(|k| {
+                tensor(
+                    &format!("timeline.grad.{k}"),
+                    DataType::F32,
+                    &[8],
+                    &[(me + step) as f64; 8],
+                    false,
+                )
+            })
+            .collect();
+        run(OpSpec::new(OpKind::Allreduce, tensors)).unwrap();
+    }
+    run(OpSpec::new(
+        OpKind::Allgather,
+        vec![tensor(
+            "timeline.ag",
+            DataType::F32,
+            &[2],
+            &[1.0, 2.0],
+            true,
+        )],
+    ))
+    .unwrap();
+    finish_job();
+}
+
+/// Element counts beyond 2^31: a u8 allreduce of 2^31 + 3 elements and an allgather whose
+/// output exceeds 2^31 bytes.
+fn large_counts() {
+    init();
+    let me = rank();
+    let n = size();
+    let count = (1usize << 31) + 3;
+    let data: Vec<u8> = (0..count).map(|i| ((i % 5) + me) as u8).collect();
+    let spec = OpSpec::new(
+        OpKind::Allreduce,
+        vec![TensorSpec {
+            name: "big".into(),
+            dtype: DataType::U8,
+            shape: vec![count as i64],
+            input: InputMem::Owned(data),
+            output: OutputMem::InPlace,
+            splits: None,
+        }],
+    );
+    let out = run(spec).unwrap().remove(0).output.unwrap();
+    let want = |i: usize| (0..n).map(|r| (i % 5) + r).sum::<usize>() as u8;
+    for i in (0..count).step_by(4099).chain(count - 8..count) {
+        assert_eq!(out[i], want(i), "element {i}");
+    }
+    drop(out);
+    let rows = (1usize << 30) + 7 * me; // two ranks: > 2^31 bytes gathered
+    let data: Vec<u8> = (0..rows).map(|i| ((i + me) % 251) as u8).collect();
+    let spec = OpSpec::new(
+        OpKind::Allgather,
+        vec![TensorSpec {
+            name: "big.ag".into(),
+            dtype: DataType::U8,
+            shape: vec![rows as i64],
+            input: InputMem::Owned(data),
+            output: OutputMem::Later,
+            splits: None,
+        }],
+    );
+    let res = run(spec).unwrap().remove(0);
+    let out = res.output.unwrap();
+    let rows_of = |r: usize| (1usize << 30) + 7 * r;
+    assert_eq!(out.len(), (0..n).map(rows_of).sum::<usize>());
+    let mut off = 0;
+    for r in 0..n {
+        for i in (0..rows_of(r))
+            .step_by(7919)
+            .chain(rows_of(r) - 3..rows_of(r))
+        {
+            assert_eq!(out[off + i], ((i + r) % 251) as u8, "rank {r} row {i}");
+        }
+        off += rows_of(r);
+    }
+    finish_job();
+}
