@@ -1,0 +1,254 @@
+/* The C view of ferrovod, compiled against include/ferrovod.h and run under mpirun by
+ * tests/c_api.rs. Each rank checks values it computes itself and prints C-RANK-PASSED. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <stdint.h>
+
+#include "ferrovod.h"
+
+static int failures = 0;
+
+#define CHECK(cond, ...)                                   \
+    do {                                                   \
+        if (!(cond)) {                                     \
+            fprintf(stderr, "CHECK failed at line %d: ", __LINE__); \
+            fprintf(stderr, __VA_ARGS__);                  \
+            fprintf(stderr, "\n");                         \
+            failures++;                                    \
+        }                                                  \
+    } while (0)
+
+static const char *last_error(void) {
+    static char buf[1024];
+    fv_last_error(buf, sizeof buf, NULL);
+    return buf;
+}
+
+struct alloc_ctx {
+    void *ptr;
+    uint64_t bytes;
+    int64_t shape[4];
+    int32_t ndim;
+};
+
+static void *alloc_output(void *user, int32_t index, int32_t ndim, const int64_t *shape, uint64_t bytes) {
+    struct alloc_ctx *ctx = (struct alloc_ctx *)user;
+    (void)index;
+    ctx->ptr = malloc(bytes ? bytes : 1);
+    ctx->bytes = bytes;
+    ctx->ndim = ndim;
+    for (int i = 0; i < ndim && i < 4; i++) ctx->shape[i] = shape[i];
+    return ctx->ptr;
+}
+
+struct done_ctx {
+    volatile int calls;
+    volatile int status;
+};
+
+static void on_done(void *user, fv_handle h, int32_t status) {
+    struct done_ctx *ctx = (struct done_ctx *)user;
+    (void)h;
+    ctx->status = status;
+    __atomic_store_n(&ctx->calls, ctx->calls + 1, __ATOMIC_SEQ_CST);
+}
+
+static struct fv_op op_of(int32_t kind, const struct fv_tensor *t, int32_t n) {
+    struct fv_op op;
+    memset(&op, 0, sizeof op);
+    op.kind = kind;
+    op.reduce_op = FV_REDUCE_OP_SUM;
+    op.prescale = 1.0;
+    op.postscale = 1.0;
+    op.device = FV_CPU_DEVICE;
+    op.tensors = t;
+    op.num_tensors = n;
+    return op;
+}
+
+int main(void) {
+    int32_t rank = -1, size = -1;
+    fv_handle h = 0;
+
+    /* misuse before init */
+    CHECK(fv_rank(&rank) == FV_STATUS_NOT_INITIALIZED, "rank before init");
+    CHECK(strcmp(last_error(), "Horovod has not been initialized; use hvd.init().") == 0, "%s", last_error());
+    CHECK(fv_is_initialized() == 0, "is_initialized before init");
+
+    CHECK(fv_init(NULL) == FV_STATUS_OK, "init: %s", last_error());
+    CHECK(fv_init(NULL) == FV_STATUS_OK, "second init is a no-op");
+    CHECK(fv_is_initialized() == 1, "is_initialized");
+    CHECK(fv_rank(&rank) == FV_STATUS_OK && fv_size(&size) == FV_STATUS_OK, "rank/size");
+    int32_t local = -1, homog = -1;
+    CHECK(fv_local_size(&local) == FV_STATUS_OK && local == size, "local size %d", local);
+    CHECK(fv_is_homogeneous(&homog) == FV_STATUS_OK && homog == 1, "homogeneous");
+    CHECK(strlen(fv_version()) > 0, "version");
+    CHECK(fv_built_with("mpi") == 1 && fv_built_with("nccl") == 0, "built with");
+
+    /* misuse after init */
+    CHECK(fv_rank(NULL) == FV_STATUS_INVALID_ARGUMENT, "null out");
+    CHECK(fv_enqueue(NULL, &h) == FV_STATUS_INVALID_ARGUMENT, "null op");
+    CHECK(fv_wait(987654321, 0.0) == FV_STATUS_INVALID_ARGUMENT, "unknown handle");
+    CHECK(strstr(last_error(), "unknown handle") != NULL, "%s", last_error());
+    CHECK(fv_release(987654321) == FV_STATUS_INVALID_ARGUMENT, "release unknown");
+    {
+        struct fv_tensor t;
+        memset(&t, 0, sizeof t);
+        t.name = "nullinput";
+        t.dtype = FV_DTYPE_F32;
+        int64_t shape[1] = {4};
+        t.ndim = 1;
+        t.shape = shape;
+        struct fv_op op = op_of(FV_OP_KIND_ALLREDUCE, &t, 1);
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_INVALID_ARGUMENT, "null input");
+        t.dtype = 77;
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_INVALID_ARGUMENT, "bad dtype");
+        op.kind = 99;
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_INVALID_ARGUMENT, "bad kind");
+    }
+
+    /* allreduce, in place, waited on by handle */
+    {
+        float data[1000];
+        for (int i = 0; i < 1000; i++) data[i] = (float)(i % 17 + rank);
+        int64_t shape[1] = {1000};
+        struct fv_tensor t = {"c.allreduce", FV_DTYPE_F32, 1, shape, data, data, NULL, 0};
+        struct fv_op op = op_of(FV_OP_KIND_ALLREDUCE, &t, 1);
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_OK, "allreduce enqueue: %s", last_error());
+        CHECK(fv_wait(h, 60.0) == FV_STATUS_OK, "allreduce wait: %s", last_error());
+        int32_t done = 0;
+        CHECK(fv_poll(h, &done) == FV_STATUS_OK && done == 1, "poll");
+        CHECK(fv_release(h) == FV_STATUS_OK, "release");
+        for (int i = 0; i < 1000; i++) {
+            float want = (float)(size * (i % 17) + size * (size - 1) / 2);
+            if (data[i] != want) {
+                CHECK(0, "allreduce[%d] = %f, want %f", i, data[i], want);
+                break;
+            }
+        }
+    }
+
+    /* average of doubles, out of place, completed by callback, handle auto-released */
+    {
+        double in[8], out[8];
+        for (int i = 0; i < 8; i++) in[i] = (double)(rank + i);
+        int64_t shape[2] = {2, 4};
+        struct fv_tensor t = {"c.average", FV_DTYPE_F64, 2, shape, in, out, NULL, 0};
+        struct fv_op op = op_of(FV_OP_KIND_ALLREDUCE, &t, 1);
+        op.reduce_op = FV_REDUCE_OP_AVERAGE;
+        struct done_ctx dc = {0, -1};
+        op.done = on_done;
+        op.done_user_data = &dc;
+        CHECK(fv_enqueue(&op, NULL) == FV_STATUS_OK, "average enqueue: %s", last_error());
+        while (__atomic_load_n(&dc.calls, __ATOMIC_SEQ_CST) == 0) {
+        }
+        CHECK(dc.status == FV_STATUS_OK, "average status %d", dc.status);
+        for (int i = 0; i < 8; i++) {
+            double want = (double)(size - 1) / 2.0 + i;
+            CHECK(out[i] == want, "average[%d] = %f, want %f", i, out[i], want);
+            CHECK(in[i] == (double)(rank + i), "input untouched");
+        }
+    }
+
+    /* allgather with uneven first dimension: rank r sends r + 1 rows of 3 int32 */
+    {
+        int32_t rows = rank + 1;
+        int32_t *in = malloc(sizeof(int32_t) * rows * 3);
+        for (int i = 0; i < rows * 3; i++) in[i] = rank * 100 + i;
+        int64_t shape[2] = {rows, 3};
+        struct fv_tensor t = {"c.allgather", FV_DTYPE_I32, 2, shape, in, NULL, NULL, 0};
+        struct fv_op op = op_of(FV_OP_KIND_ALLGATHER, &t, 1);
+        struct alloc_ctx ac;
+        memset(&ac, 0, sizeof ac);
+        op.alloc = alloc_output;
+        op.alloc_user_data = &ac;
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_OK, "allgather enqueue: %s", last_error());
+        CHECK(fv_wait(h, 60.0) == FV_STATUS_OK, "allgather wait: %s", last_error());
+        int64_t total_rows = (int64_t)size * (size + 1) / 2;
+        CHECK(ac.ndim == 2 && ac.shape[0] == total_rows && ac.shape[1] == 3, "allgather shape");
+        CHECK(ac.bytes == (uint64_t)(total_rows * 3 * 4), "allgather bytes");
+        int64_t got_shape[4];
+        int32_t ndim = 0;
+        CHECK(fv_handle_shape(h, 0, got_shape, 4, &ndim) == FV_STATUS_OK && ndim == 2 && got_shape[0] == total_rows,
+              "handle shape");
+        const int32_t *out = (const int32_t *)ac.ptr;
+        int64_t k = 0;
+        for (int r = 0; r < size; r++)
+            for (int i = 0; i < (r + 1) * 3; i++, k++)
+                CHECK(out[k] == r * 100 + i, "allgather[%ld] = %d", (long)k, out[k]);
+        fv_release(h);
+        free(ac.ptr);
+        free(in);
+    }
+
+    /* allgather without an allocator: ferrovod owns the output until release */
+    {
+        uint8_t in[2] = {(uint8_t)rank, (uint8_t)(rank + 10)};
+        int64_t shape[1] = {2};
+        struct fv_tensor t = {"c.allgather.owned", FV_DTYPE_U8, 1, shape, in, NULL, NULL, 0};
+        struct fv_op op = op_of(FV_OP_KIND_ALLGATHER, &t, 1);
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_OK, "owned allgather: %s", last_error());
+        CHECK(fv_wait(h, 60.0) == FV_STATUS_OK, "owned allgather wait");
+        const void *p = NULL;
+        uint64_t bytes = 0;
+        CHECK(fv_handle_output(h, 0, &p, &bytes) == FV_STATUS_OK && bytes == (uint64_t)(2 * size), "owned output");
+        for (int r = 0; r < size && p; r++)
+            CHECK(((const uint8_t *)p)[2 * r] == r && ((const uint8_t *)p)[2 * r + 1] == r + 10, "owned allgather values");
+        fv_release(h);
+    }
+
+    /* broadcast from the last rank, in place */
+    {
+        int64_t data[5];
+        for (int i = 0; i < 5; i++) data[i] = (int64_t)rank * 1000 + i;
+        int64_t shape[1] = {5};
+        struct fv_tensor t = {"c.broadcast", FV_DTYPE_I64, 1, shape, data, NULL, NULL, 0};
+        struct fv_op op = op_of(FV_OP_KIND_BROADCAST, &t, 1);
+        op.root_rank = size - 1;
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_OK, "broadcast enqueue: %s", last_error());
+        CHECK(fv_wait(h, 60.0) == FV_STATUS_OK, "broadcast wait: %s", last_error());
+        fv_release(h);
+        for (int i = 0; i < 5; i++) CHECK(data[i] == (int64_t)(size - 1) * 1000 + i, "broadcast[%d]", i);
+    }
+
+    /* a cross-rank mismatch reaches every rank with a message */
+    {
+        float data[3] = {1, 2, 3};
+        int64_t shape[1] = {rank == 0 ? 2 : 3};
+        struct fv_tensor t = {"c.mismatch", FV_DTYPE_F32, 1, shape, data, NULL, NULL, 0};
+        struct fv_op op = op_of(FV_OP_KIND_ALLREDUCE, &t, 1);
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_OK, "mismatch enqueue");
+        CHECK(fv_wait(h, 60.0) == FV_STATUS_PRECONDITION, "mismatch status");
+        char msg[512];
+        size_t needed = 0;
+        CHECK(fv_handle_error(h, msg, sizeof msg, &needed) == FV_STATUS_OK, "handle error");
+        CHECK(strstr(msg, "Mismatched ALLREDUCE tensor shapes") != NULL, "mismatch text: %s", msg);
+        fv_release(h);
+    }
+
+    /* process sets through the C API */
+    {
+        int32_t ranks[1] = {0};
+        int32_t id = -1, n = 0, ids[8];
+        CHECK(fv_add_process_set(ranks, 1, &id) == FV_STATUS_OK && id == 1, "add set: %s", last_error());
+        CHECK(fv_process_set_ids(ids, 8, &n) == FV_STATUS_OK && n == 2 && ids[1] == 1, "list sets");
+        int32_t in_set = -2;
+        CHECK(fv_process_set_rank(1, &in_set) == FV_STATUS_OK && in_set == (rank == 0 ? 0 : -1), "rank in set");
+        CHECK(fv_remove_process_set(0) == FV_STATUS_INVALID_ARGUMENT, "remove global set");
+        CHECK(fv_remove_process_set(1) == FV_STATUS_OK, "remove set: %s", last_error());
+    }
+
+    /* barrier, then shut down */
+    {
+        struct fv_op op = op_of(FV_OP_KIND_BARRIER, NULL, 0);
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_OK && fv_wait(h, 60.0) == FV_STATUS_OK, "barrier");
+        fv_release(h);
+    }
+    CHECK(fv_shutdown() == FV_STATUS_OK, "shutdown");
+    CHECK(fv_is_initialized() == 0, "is_initialized after shutdown");
+    CHECK(fv_rank(&rank) == FV_STATUS_NOT_INITIALIZED, "rank after shutdown");
+
+    if (failures == 0) printf("C-RANK-PASSED\n");
+    return failures == 0 ? 0 : 1;
+}

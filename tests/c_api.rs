@@ -1,0 +1,60 @@
+//! Compiles tests/c/capi_test.c with `cc` against include/ferrovod.h and libferrovod.so and
+//! runs it under `mpirun -np 2` and `-np 4`.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn target_dir() -> PathBuf {
+    // the test binary lives in target/<profile>/deps
+    let exe = std::env::current_exe().unwrap();
+    exe.parent().unwrap().parent().unwrap().to_path_buf()
+}
+
+#[test]
+fn c_program_runs_collectives_under_mpirun() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let libdir = target_dir();
+    assert!(
+        libdir.join("libferrovod.so").exists(),
+        "libferrovod.so not found in {}",
+        libdir.display()
+    );
+    let bin = std::env::temp_dir().join(format!("ferrovod-capi-test-{}", std::process::id()));
+    let status = Command::new("cc")
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1"])
+        .arg("-I")
+        .arg(root.join("include"))
+        .arg(root.join("tests/c/capi_test.c"))
+        .arg("-L")
+        .arg(&libdir)
+        .arg(format!("-Wl,-rpath,{}", libdir.display()))
+        .args(["-lferrovod", "-o"])
+        .arg(&bin)
+        .status()
+        .expect("cc");
+    assert!(status.success(), "compiling the C test failed");
+    for np in ["2", "4"] {
+        let out = Command::new("timeout")
+            .args([
+                "120",
+                "mpirun",
+                "-np",
+                np,
+                "--oversubscribe",
+                "--allow-run-as-root",
+            ])
+            .args(["--mca", "mpi_yield_when_idle", "1", "--bind-to", "none"])
+            .arg(&bin)
+            .output()
+            .expect("mpirun");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let passes = stdout.matches("C-RANK-PASSED").count();
+        assert!(
+            out.status.success() && passes.to_string() == np,
+            "np={np}: exit {}, {passes} ranks passed\n{stdout}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let _ = std::fs::remove_file(&bin);
+}
