@@ -12,6 +12,9 @@ pub struct Config {
     pub cycle_time: Duration,
     /// `HOROVOD_FUSION_THRESHOLD` in bytes (default 128 MiB).
     pub fusion_threshold: usize,
+    /// `FERROVOD_FUSION_DIRECT_BYTES` (default 64 KiB): tensors at least this large skip the
+    /// fusion buffer and are reduced in place.
+    pub fusion_direct_bytes: usize,
     /// `HOROVOD_CACHE_CAPACITY` (default 1024; 0 disables the response cache).
     pub cache_capacity: usize,
     /// `HOROVOD_STALL_CHECK_DISABLE`.
@@ -70,6 +73,7 @@ impl Config {
                 env_num("HOROVOD_CYCLE_TIME", 1.0f64).max(0.0) / 1000.0,
             ),
             fusion_threshold: env_num("HOROVOD_FUSION_THRESHOLD", 128usize * 1024 * 1024),
+            fusion_direct_bytes: env_num("FERROVOD_FUSION_DIRECT_BYTES", 64usize * 1024),
             cache_capacity: env_num("HOROVOD_CACHE_CAPACITY", 1024usize),
             stall_check: !env_bool("HOROVOD_STALL_CHECK_DISABLE"),
             stall_warn: Duration::from_secs_f64(warn),

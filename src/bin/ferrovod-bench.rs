@@ -1,1 +1,540 @@
-fn main() {}
+//! ferrovod-bench: allreduce through ferrovod against raw `MPI_Allreduce` on the same buffers,
+//! in the same run, printed nccl-tests style. Run under mpirun:
+//!
+//! ```text
+//! mpirun -np 2 target/release/ferrovod-bench all       # sweep + resnet50
+//! mpirun -np 2 target/release/ferrovod-bench sweep --min-bytes 1024 --max-bytes 67108864
+//! mpirun -np 2 target/release/ferrovod-bench resnet50 --steps 30 --json
+//! ```
+//!
+//! MPI is initialised by the benchmark (as mpi4py would); raw MPI is measured before ferrovod
+//! starts so that ferrovod's background thread cannot disturb it.
+
+use std::time::{Duration, Instant};
+
+use mpi::collective::SystemOperation;
+use mpi::topology::Communicator;
+use mpi::traits::*;
+
+use ferrovod::runtime::entry::{InputMem, OutputMem};
+use ferrovod::runtime::{self, OpSpec, TensorSpec};
+use ferrovod::{DataType, OpKind};
+
+struct Args {
+    mode: String,
+    min_bytes: usize,
+    max_bytes: usize,
+    iters: Option<usize>,
+    warmup: usize,
+    steps: usize,
+    json: bool,
+    data: Option<String>,
+}
+
+fn parse_args() -> Args {
+    let mut a = Args {
+        mode: "all".into(),
+        min_bytes: 1024,
+        max_bytes: 64 << 20,
+        iters: None,
+        warmup: 5,
+        steps: 30,
+        json: false,
+        data: None,
+    };
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let mut i = 0;
+    let num = |s: &str| -> usize {
+        let (n, mult) = match s.chars().last() {
+            Some('K') | Some('k') => (&s[..s.len() - 1], 1 << 10),
+            Some('M') | Some('m') => (&s[..s.len() - 1], 1 << 20),
+            Some('G') | Some('g') => (&s[..s.len() - 1], 1 << 30),
+            _ => (s, 1),
+        };
+        n.parse::<usize>()
+            .unwrap_or_else(|_| usage(&format!("not a number: {s}")))
+            * mult
+    };
+    while i < argv.len() {
+        let arg = argv[i].as_str();
+        let mut value = || {
+            i += 1;
+            argv.get(i)
+                .cloned()
+                .unwrap_or_else(|| usage(&format!("{arg} needs a value")))
+        };
+        match arg {
+            "sweep" | "resnet50" | "all" => a.mode = arg.to_string(),
+            "--min-bytes" => a.min_bytes = num(&value()),
+            "--max-bytes" => a.max_bytes = num(&value()),
+            "--iters" => a.iters = Some(num(&value())),
+            "--warmup" => a.warmup = num(&value()),
+            "--steps" => a.steps = num(&value()),
+            "--data" => a.data = Some(value()),
+            "--json" => a.json = true,
+            "-h" | "--help" => usage(""),
+            other => usage(&format!("unknown argument {other}")),
+        }
+        i += 1;
+    }
+    a
+}
+
+fn usage(err: &str) -> ! {
+    if !err.is_empty() {
+        eprintln!("ferrovod-bench: {err}");
+    }
+    eprintln!(
+        "usage: mpirun -np N ferrovod-bench [all|sweep|resnet50] [--min-bytes 1K] [--max-bytes 64M] [--iters N] [--warmup N] [--steps N] [--data resnet50_grads.tsv] [--json]"
+    );
+    std::process::exit(2)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+/// Current and peak resident memory of this process, in bytes.
+fn memory() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+            * 1024
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// One ferrovod allreduce of `data` (moved in, handed back), timed.
+fn ferrovod_allreduce(name: &str, data: Vec<u8>) -> (Vec<u8>, f64) {
+    let n = data.len() / 4;
+    let spec = OpSpec::new(
+        OpKind::Allreduce,
+        vec![TensorSpec {
+            name: name.to_string(),
+            dtype: DataType::F32,
+            shape: vec![n as i64],
+            input: InputMem::Owned(data),
+            output: OutputMem::InPlace,
+            splits: None,
+        }],
+    );
+    let rt = runtime::runtime().unwrap();
+    let t = Instant::now();
+    let h = rt.enqueue(spec).unwrap();
+    h.wait(None).unwrap();
+    let secs = t.elapsed().as_secs_f64();
+    let out = h.take_output(0).unwrap();
+    rt.handles.release(h.id).unwrap();
+    (out, secs)
+}
+
+fn ferrovod_barrier() {
+    let rt = runtime::runtime().unwrap();
+    let h = rt.enqueue(OpSpec::new(OpKind::Barrier, vec![])).unwrap();
+    h.wait(None).unwrap();
+    rt.handles.release(h.id).unwrap();
+}
+
+struct Row {
+    bytes: usize,
+    fv: f64,
+    mpi: f64,
+}
+
+fn sizes(a: &Args) -> Vec<usize> {
+    let mut v = Vec::new();
+    let mut s = a.min_bytes.max(4);
+    while s <= a.max_bytes {
+        v.push(s);
+        s *= 4;
+    }
+    v
+}
+
+fn iters_for(a: &Args, bytes: usize) -> usize {
+    a.iters
+        .unwrap_or_else(|| (256usize << 20).div_ceil(bytes).clamp(10, 200))
+}
+
+fn sweep_mpi(world: &mpi::topology::SimpleCommunicator, a: &Args) -> Vec<f64> {
+    sizes(a)
+        .into_iter()
+        .map(|bytes| {
+            let n = bytes / 4;
+            let send: Vec<f32> = (0..n).map(|i| (i % 13) as f32).collect();
+            let mut recv = vec![0f32; n];
+            let mut times = Vec::new();
+            world.barrier();
+            for it in 0..a.warmup + iters_for(a, bytes) {
+                let t = Instant::now();
+                world.all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
+                if it >= a.warmup {
+                    times.push(t.elapsed().as_secs_f64());
+                }
+            }
+            assert_eq!(recv[1], world.size() as f32, "raw MPI sum");
+            median(times)
+        })
+        .collect()
+}
+
+fn sweep_ferrovod(a: &Args, size: usize) -> Vec<f64> {
+    sizes(a)
+        .into_iter()
+        .map(|bytes| {
+            let n = bytes / 4;
+            let ones: Vec<u8> = (0..n)
+                .flat_map(|i| ((i % 13) as f32).to_le_bytes())
+                .collect();
+            let mut buf = ones.clone();
+            let mut times = Vec::new();
+            ferrovod_barrier();
+            for it in 0..a.warmup + iters_for(a, bytes) {
+                buf.copy_from_slice(&ones);
+                let (out, secs) = ferrovod_allreduce(&format!("sweep.{bytes}"), buf);
+                buf = out;
+                if it >= a.warmup {
+                    times.push(secs);
+                }
+            }
+            let v = f32::from_le_bytes(buf[4..8].try_into().unwrap());
+            assert_eq!(v, size as f32, "ferrovod sum");
+            median(times)
+        })
+        .collect()
+}
+
+fn print_sweep(rows: &[Row], size: usize, json: bool) {
+    let bus = 2.0 * (size as f64 - 1.0) / size as f64;
+    println!("#");
+    println!("# ferrovod-bench sweep: allreduce (sum), float32, np={size}; median time per call");
+    println!(
+        "# ferrovod: one named tensor through the runtime (negotiation + collective); mpi: MPI_Allreduce on the same bytes"
+    );
+    println!("#");
+    println!(
+        "# {:>12} {:>12} {:>8} | {:>10} {:>8} {:>8} | {:>10} {:>8} {:>8} | {:>8}",
+        "size(B)",
+        "count",
+        "type",
+        "fv(us)",
+        "algbw",
+        "busbw",
+        "mpi(us)",
+        "algbw",
+        "busbw",
+        "fv/mpi"
+    );
+    for r in rows {
+        let gb = |t: f64| r.bytes as f64 / t / 1e9;
+        println!(
+            "  {:>12} {:>12} {:>8} | {:>10.1} {:>8.2} {:>8.2} | {:>10.1} {:>8.2} {:>8.2} | {:>8.2}",
+            r.bytes,
+            r.bytes / 4,
+            "float",
+            r.fv * 1e6,
+            gb(r.fv),
+            gb(r.fv) * bus,
+            r.mpi * 1e6,
+            gb(r.mpi),
+            gb(r.mpi) * bus,
+            r.fv / r.mpi
+        );
+    }
+    if json {
+        for r in rows {
+            let gb = |t: f64| r.bytes as f64 / t / 1e9;
+            println!(
+                "{{\"bench\":\"sweep\",\"np\":{size},\"bytes\":{},\"count\":{},\"dtype\":\"float32\",\"ferrovod_us\":{:.3},\"ferrovod_algbw_gbs\":{:.4},\"ferrovod_busbw_gbs\":{:.4},\"mpi_us\":{:.3},\"mpi_algbw_gbs\":{:.4},\"mpi_busbw_gbs\":{:.4},\"ratio\":{:.4}}}",
+                r.bytes,
+                r.bytes / 4,
+                r.fv * 1e6,
+                gb(r.fv),
+                gb(r.fv) * bus,
+                r.mpi * 1e6,
+                gb(r.mpi),
+                gb(r.mpi) * bus,
+                r.fv / r.mpi
+            );
+        }
+    }
+}
+
+fn find_data(a: &Args) -> String {
+    if let Some(p) = &a.data {
+        return p.clone();
+    }
+    let candidates = [
+        std::env::var("FERROVOD_DATA_DIR")
+            .map(|d| format!("{d}/resnet50_grads.tsv"))
+            .unwrap_or_default(),
+        "../shared/data/resnet50_grads.tsv".into(),
+        "shared/data/resnet50_grads.tsv".into(),
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../shared/data/resnet50_grads.tsv"
+        )
+        .into(),
+    ];
+    candidates
+        .into_iter()
+        .find(|p| !p.is_empty() && std::path::Path::new(p).exists())
+        .unwrap_or_else(|| usage("resnet50_grads.tsv not found; pass --data PATH"))
+}
+
+/// (name, element count) in forward order.
+fn load_grads(path: &str) -> Vec<(String, usize)> {
+    std::fs::read_to_string(path)
+        .unwrap_or_else(|e| usage(&format!("{path}: {e}")))
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| {
+            let mut parts = l.split('\t');
+            let name = parts.next().unwrap().to_string();
+            let count = parts
+                .next()
+                .unwrap_or("1")
+                .split('x')
+                .map(|d| d.trim().parse::<usize>().unwrap())
+                .product();
+            (name, count)
+        })
+        .collect()
+}
+
+struct Resnet {
+    fv_steps: Vec<f64>,
+    mpi_steps: Vec<f64>,
+    rss_after_warmup: u64,
+    rss_end: u64,
+}
+
+fn resnet_mpi(world: &mpi::topology::SimpleCommunicator, a: &Args, total: usize) -> Vec<f64> {
+    let send: Vec<f32> = (0..total).map(|i| (i % 7) as f32).collect();
+    let mut recv = vec![0f32; total];
+    let mut times = Vec::new();
+    world.barrier();
+    for step in 0..a.warmup + a.steps {
+        let t = Instant::now();
+        world.all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
+        if step >= a.warmup {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    times
+}
+
+fn resnet_ferrovod(a: &Args, grads: &[(String, usize)], size: usize) -> Resnet {
+    let rt = runtime::runtime().unwrap();
+    // gradient buffers, reused every step (moved into the runtime and handed back)
+    let mut bufs: Vec<Option<Vec<u8>>> = grads
+        .iter()
+        .map(|(_, n)| {
+            Some(
+                (0..*n)
+                    .flat_map(|i| ((i % 7) as f32).to_le_bytes())
+                    .collect(),
+            )
+        })
+        .collect();
+    let mut times = Vec::new();
+    let mut rss_after_warmup = 0;
+    ferrovod_barrier();
+    for step in 0..a.warmup + a.steps {
+        if step == a.warmup {
+            rss_after_warmup = memory().0;
+        }
+        let t = Instant::now();
+        let mut handles = Vec::with_capacity(grads.len());
+        // backward order: the last layer's gradient is ready first
+        for (k, (name, n)) in grads.iter().enumerate().rev() {
+            let spec = OpSpec::new(
+                OpKind::Allreduce,
+                vec![TensorSpec {
+                    name: name.clone(),
+                    dtype: DataType::F32,
+                    shape: vec![*n as i64],
+                    input: InputMem::Owned(bufs[k].take().unwrap()),
+                    output: OutputMem::InPlace,
+                    splits: None,
+                }],
+            );
+            handles.push((k, rt.enqueue(spec).unwrap()));
+        }
+        for (k, h) in handles {
+            h.wait(None).unwrap();
+            bufs[k] = h.take_output(0);
+            rt.handles.release(h.id).unwrap();
+        }
+        let secs = t.elapsed().as_secs_f64();
+        if step >= a.warmup {
+            times.push(secs);
+        }
+        // values are sums of sums: reset a sample to keep them finite and check one element
+        let b = bufs[0].as_mut().unwrap();
+        let v = f32::from_le_bytes(b[4..8].try_into().unwrap());
+        assert_eq!(v, (size as f32).powi(1), "resnet50 allreduce result");
+        for (k, (_, n)) in grads.iter().enumerate() {
+            let b = bufs[k].as_mut().unwrap();
+            for (i, c) in b.chunks_exact_mut(4).enumerate().take(*n) {
+                c.copy_from_slice(&((i % 7) as f32).to_le_bytes());
+            }
+        }
+    }
+    Resnet {
+        fv_steps: times,
+        mpi_steps: Vec::new(),
+        rss_after_warmup,
+        rss_end: memory().0,
+    }
+}
+
+fn main() {
+    let a = parse_args();
+    let (universe, threading) = mpi::initialize_with_threading(mpi::Threading::Multiple)
+        .expect("MPI initialisation failed");
+    if threading != mpi::Threading::Multiple {
+        eprintln!("warning: MPI does not provide MPI_THREAD_MULTIPLE");
+    }
+    let world = universe.world();
+    let me = world.rank();
+    let size = world.size() as usize;
+    let do_sweep = a.mode == "all" || a.mode == "sweep";
+    let do_resnet = a.mode == "all" || a.mode == "resnet50";
+    let grads = if do_resnet {
+        load_grads(&find_data(&a))
+    } else {
+        Vec::new()
+    };
+    let total: usize = grads.iter().map(|(_, n)| n).sum();
+
+    // phase 1: raw MPI
+    let mpi_sweep = if do_sweep {
+        sweep_mpi(&world, &a)
+    } else {
+        Vec::new()
+    };
+    let mpi_resnet = if do_resnet {
+        resnet_mpi(&world, &a, total)
+    } else {
+        Vec::new()
+    };
+    let (rss_before_init, _) = memory();
+
+    // phase 2: ferrovod on the same MPI
+    runtime::init(Default::default()).expect("ferrovod init");
+    let fv_sweep = if do_sweep {
+        sweep_ferrovod(&a, size)
+    } else {
+        Vec::new()
+    };
+    let resnet = if do_resnet {
+        let mut r = resnet_ferrovod(&a, &grads, size);
+        r.mpi_steps = mpi_resnet;
+        Some(r)
+    } else {
+        None
+    };
+    ferrovod_barrier();
+    runtime::shutdown();
+    std::thread::sleep(Duration::from_millis(10));
+    let (_, peak) = memory();
+    let peaks = {
+        let mut all = vec![0u64; size];
+        world.all_gather_into(&peak, &mut all[..]);
+        all
+    };
+    if me != 0 {
+        return;
+    }
+    let cfg = ferrovod::config::Config::from_env();
+    println!(
+        "# ferrovod {} | np={size} | cycle {:?} | fusion threshold {} B | direct >= {} B | cache {}",
+        ferrovod::VERSION,
+        cfg.cycle_time,
+        cfg.fusion_threshold,
+        cfg.fusion_direct_bytes,
+        cfg.cache_capacity
+    );
+    if do_sweep {
+        let rows: Vec<Row> = sizes(&a)
+            .into_iter()
+            .zip(fv_sweep.iter().zip(&mpi_sweep))
+            .map(|(bytes, (fv, mpi))| Row {
+                bytes,
+                fv: *fv,
+                mpi: *mpi,
+            })
+            .collect();
+        print_sweep(&rows, size, a.json);
+    }
+    if let Some(r) = resnet {
+        let fv = median(r.fv_steps.clone());
+        let mpi = median(r.mpi_steps.clone());
+        let bytes = total * 4;
+        let bus = 2.0 * (size as f64 - 1.0) / size as f64;
+        println!("#");
+        println!(
+            "# resnet50: {} gradient tensors, {total} float32 values ({:.1} MiB) per step, submitted in backward order",
+            grads.len(),
+            bytes as f64 / (1 << 20) as f64
+        );
+        println!(
+            "# {:>10} {:>12} {:>10} {:>10} {:>10}",
+            "engine", "step(ms)", "min(ms)", "algbw", "busbw"
+        );
+        for (engine, steps) in [("ferrovod", &r.fv_steps), ("mpi", &r.mpi_steps)] {
+            let m = median(steps.clone());
+            let mn = steps.iter().cloned().fold(f64::MAX, f64::min);
+            let gb = bytes as f64 / m / 1e9;
+            println!(
+                "  {engine:>10} {:>12.2} {:>10.2} {:>10.2} {:>10.2}",
+                m * 1e3,
+                mn * 1e3,
+                gb,
+                gb * bus
+            );
+        }
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
+        println!(
+            "# memory (rank 0): RSS before ferrovod init {:.1} MiB, after {} warm-up steps {:.1} MiB, after {} more steps {:.1} MiB (growth {:+.1} MiB)",
+            mib(rss_before_init),
+            a.warmup,
+            mib(r.rss_after_warmup),
+            a.steps,
+            mib(r.rss_end),
+            mib(r.rss_end) - mib(r.rss_after_warmup)
+        );
+        println!(
+            "# peak RSS per rank (MiB, includes the benchmark's own {:.1} MiB of gradients and MPI's buffers): {}",
+            mib(bytes as u64 * 2),
+            peaks
+                .iter()
+                .map(|p| format!("{:.1}", mib(*p)))
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+        if a.json {
+            println!(
+                "{{\"bench\":\"resnet50\",\"np\":{size},\"tensors\":{},\"bytes\":{bytes},\"ferrovod_step_ms\":{:.4},\"mpi_step_ms\":{:.4},\"ratio\":{:.4},\"rss_growth_bytes\":{},\"peak_rss_bytes\":[{}]}}",
+                grads.len(),
+                fv * 1e3,
+                mpi * 1e3,
+                fv / mpi,
+                r.rss_end as i64 - r.rss_after_warmup as i64,
+                peaks
+                    .iter()
+                    .map(|p| p.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            );
+        }
+        println!("resnet50: ferrovod/mpi = {:.2}", fv / mpi);
+    }
+}

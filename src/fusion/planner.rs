@@ -31,8 +31,11 @@ fn fuses_at_all(r: &Response) -> bool {
 
 /// Greedy planning in response order: each batch starts at the first unassigned response and
 /// takes every later compatible response that still fits under `threshold` bytes (looking past
-/// incompatible ones). Batches run in the order of their first member.
-pub fn plan_batches(responses: &[Response], threshold: usize) -> Vec<Batch> {
+/// incompatible ones). A response of `direct_bytes` or more runs alone, in place: on host memory
+/// copying it through the fusion buffer costs more than the extra collective call.
+/// Batches run in the order of their first member.
+pub fn plan_batches(responses: &[Response], threshold: usize, direct_bytes: usize) -> Vec<Batch> {
+    let fuses = |r: &Response| fuses_at_all(r) && r.fused_bytes() < direct_bytes;
     let mut assigned = vec![false; responses.len()];
     let mut batches = Vec::new();
     for i in 0..responses.len() {
@@ -42,10 +45,10 @@ pub fn plan_batches(responses: &[Response], threshold: usize) -> Vec<Batch> {
         assigned[i] = true;
         let mut members = vec![i];
         let head = &responses[i];
-        if fuses_at_all(head) {
+        if fuses(head) {
             let mut bytes = head.fused_bytes();
             for j in i + 1..responses.len() {
-                if assigned[j] || !fusable(head, &responses[j]) {
+                if assigned[j] || !fusable(head, &responses[j]) || !fuses(&responses[j]) {
                     continue;
                 }
                 let b = responses[j].fused_bytes();
@@ -97,11 +100,11 @@ mod tests {
             resp("f", OpKind::Allreduce, DataType::F64, 5),
         ];
         assert_eq!(
-            members(&plan_batches(&rs, 80)),
+            members(&plan_batches(&rs, 80, usize::MAX)),
             vec![vec![0, 2], vec![1, 5], vec![3], vec![4]]
         );
         assert_eq!(
-            members(&plan_batches(&rs, 1 << 20)),
+            members(&plan_batches(&rs, 1 << 20, usize::MAX)),
             vec![vec![0, 2, 4], vec![1, 5], vec![3]]
         );
     }
@@ -113,10 +116,30 @@ mod tests {
             resp("b", OpKind::Allreduce, DataType::F32, 1),
             resp("c", OpKind::Allreduce, DataType::F32, 1),
         ];
-        assert_eq!(members(&plan_batches(&rs, 8)), vec![vec![0], vec![1, 2]]);
         assert_eq!(
-            members(&plan_batches(&rs, 0)),
+            members(&plan_batches(&rs, 8, usize::MAX)),
+            vec![vec![0], vec![1, 2]]
+        );
+        assert_eq!(
+            members(&plan_batches(&rs, 0, usize::MAX)),
             vec![vec![0], vec![1], vec![2]]
+        );
+    }
+
+    #[test]
+    fn large_responses_run_alone_in_place() {
+        let rs = vec![
+            resp("small0", OpKind::Allreduce, DataType::F32, 4),
+            resp("big", OpKind::Allreduce, DataType::F32, 1000),
+            resp("small1", OpKind::Allreduce, DataType::F32, 4),
+        ];
+        assert_eq!(
+            members(&plan_batches(&rs, 1 << 20, 4000)),
+            vec![vec![0, 2], vec![1]]
+        );
+        assert_eq!(
+            members(&plan_batches(&rs, 1 << 20, 4001)),
+            vec![vec![0, 1, 2]]
         );
     }
 
@@ -135,7 +158,7 @@ mod tests {
             resp("b", OpKind::Allreduce, DataType::F32, 1),
         ];
         assert_eq!(
-            members(&plan_batches(&rs, 1 << 20)),
+            members(&plan_batches(&rs, 1 << 20, usize::MAX)),
             vec![vec![0, 5], vec![1], vec![2], vec![3], vec![4]]
         );
     }
@@ -148,9 +171,12 @@ mod tests {
         b.name = "b".into();
         assert_eq!(a.fused_bytes(), 40);
         assert_eq!(
-            members(&plan_batches(&[a.clone(), b.clone()], 79)),
+            members(&plan_batches(&[a.clone(), b.clone()], 79, usize::MAX)),
             vec![vec![0], vec![1]]
         );
-        assert_eq!(members(&plan_batches(&[a, b], 80)), vec![vec![0, 1]]);
+        assert_eq!(
+            members(&plan_batches(&[a, b], 80, usize::MAX)),
+            vec![vec![0, 1]]
+        );
     }
 }

@@ -275,8 +275,8 @@ impl Background {
     }
 
     fn execute(&mut self, id: i32, responses: Vec<Response>) {
-        let threshold = self.rt.config.fusion_threshold;
-        let batches = plan_batches(&responses, threshold);
+        let cfg = &self.rt.config;
+        let batches = plan_batches(&responses, cfg.fusion_threshold, cfg.fusion_direct_bytes);
         for batch in batches {
             let resps: Vec<&Response> = batch.members.iter().map(|i| &responses[*i]).collect();
             let head = resps[0];
