@@ -7,6 +7,9 @@
 //! `fv_alloc_fn`) run on ferrovod's background thread and must not block on other ferrovod
 //! operations.
 #![allow(non_camel_case_types)]
+// C callers cannot mark calls unsafe; every pointer is null-checked before use and the
+// contracts are documented on each function instead.
+#![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 use std::cell::RefCell;
 use std::ffi::{CStr, c_char, c_void};
@@ -409,7 +412,7 @@ unsafe fn tensor_spec(t: &fv_tensor, kind: OpKind) -> Result<TensorSpec> {
             )));
         }
         OutputMem::Later
-    } else if t.output.is_null() || t.output as *const c_void == t.input {
+    } else if t.output.is_null() || std::ptr::eq(t.output, t.input) {
         OutputMem::InPlace
     } else {
         // SAFETY: the caller keeps `bytes` writable bytes at `output` valid until completion.
@@ -494,10 +497,8 @@ pub unsafe extern "C" fn fv_enqueue(op: *const fv_op, out: *mut fv_handle) -> St
                     // SAFETY: the caller's callback with its own user data.
                     unsafe { f(user.0, id, status) };
                 }
-                if auto_release {
-                    if let Ok(rt) = runtime::runtime() {
-                        let _ = rt.handles.release(id);
-                    }
+                if auto_release && let Ok(rt) = runtime::runtime() {
+                    let _ = rt.handles.release(id);
                 }
             }));
         }

@@ -789,7 +789,7 @@ fn random_order() {
         }
         let mut handles = Vec::new();
         for &k in &order {
-            if rng.next() % 8 == 0 {
+            if rng.next().is_multiple_of(8) {
                 std::thread::sleep(Duration::from_micros(rng.next() % 3000));
             }
             let len = 1 + (k * 37) % 300;
@@ -930,7 +930,7 @@ fn process_sets() {
     let me = rank();
     assert_eq!(rt.process_set_ids(), vec![0, 1, 2]);
     assert_eq!(rt.process_set_ranks(1), Some(vec![0, 2]));
-    let mine_set = if me % 2 == 0 { 1 } else { 2 };
+    let mine_set = if me.is_multiple_of(2) { 1 } else { 2 };
     assert_eq!(rt.process_set_rank(mine_set).unwrap(), (me / 2) as i32);
     assert_eq!(rt.process_set_rank(3 - mine_set).unwrap(), -1);
     // concurrent, same tensor name in both sets

@@ -150,6 +150,7 @@ pub fn allgather_batch(
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
     let mut src = 0;
     let mut dst = vec![0usize; ios.len()];
+    #[allow(clippy::needless_range_loop)] // walks a [tensor][rank] matrix rank-major
     for r in 0..size {
         for (i, io) in ios.iter_mut().enumerate() {
             let n = bytes[i][r];
@@ -211,6 +212,7 @@ pub fn reducescatter_batch(
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
     let mut dst = 0;
     let mut src = vec![0usize; ios.len()];
+    #[allow(clippy::needless_range_loop)] // walks a [tensor][rank] matrix rank-major
     for r in 0..size {
         for (i, io) in ios.iter().enumerate() {
             let n = seg[i][r];
@@ -243,10 +245,10 @@ pub fn broadcast(
     act: ActivitySink,
 ) -> Result<()> {
     let (input, output) = io.split_io();
-    if t.rank() == resp.root as usize {
-        if let Some(inp) = input {
-            output.copy_from_slice(inp);
-        }
+    if t.rank() == resp.root as usize
+        && let Some(inp) = input
+    {
+        output.copy_from_slice(inp);
     }
     act(Some("MPI_BCAST"));
     t.broadcast(output, resp.root as usize)?;

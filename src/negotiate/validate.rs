@@ -21,10 +21,10 @@ fn mismatch(text: String, name: &str, a: &Request, b: &Request) -> Option<String
 }
 
 /// First pair of requests (the first rank's and a later one) that differ in `key`.
-fn first_difference<'a, K: PartialEq>(
-    reqs: &'a [Request],
+fn first_difference<K: PartialEq>(
+    reqs: &[Request],
     key: impl Fn(&Request) -> K,
-) -> Option<(&'a Request, &'a Request)> {
+) -> Option<(&Request, &Request)> {
     let first = &reqs[0];
     let k0 = key(first);
     reqs[1..].iter().find(|r| key(r) != k0).map(|r| (first, r))
@@ -73,10 +73,8 @@ pub fn find_mismatch(reqs: &[Request], any_joined: bool) -> Option<String> {
             b,
         );
     }
-    if any_joined {
-        if let Some(text) = join_unsupported(kind) {
-            return Some(format!("{text} (tensor '{name}')"));
-        }
+    if any_joined && let Some(text) = join_unsupported(kind) {
+        return Some(format!("{text} (tensor '{name}')"));
     }
     match kind {
         OpKind::Allreduce | OpKind::Broadcast | OpKind::Reducescatter => {
@@ -171,18 +169,18 @@ pub fn find_mismatch(reqs: &[Request], any_joined: bool) -> Option<String> {
             );
         }
     }
-    if kind == OpKind::Broadcast {
-        if let Some((a, b)) = first_difference(reqs, |r| r.root) {
-            return mismatch(
-                format!(
-                    "Mismatched BROADCAST root ranks: One rank specified root rank {}, but another rank specified root rank {}.",
-                    a.root, b.root
-                ),
-                name,
-                a,
-                b,
-            );
-        }
+    if kind == OpKind::Broadcast
+        && let Some((a, b)) = first_difference(reqs, |r| r.root)
+    {
+        return mismatch(
+            format!(
+                "Mismatched BROADCAST root ranks: One rank specified root rank {}, but another rank specified root rank {}.",
+                a.root, b.root
+            ),
+            name,
+            a,
+            b,
+        );
     }
     if let Some((a, b)) = first_difference(reqs, |r| device_name(r.device)) {
         return mismatch(

@@ -168,12 +168,12 @@ impl Background {
             bg.create_set(sorted)?;
         }
         *rt.sets.write().expect("sets") = bg.all_sets.clone();
-        if topo.rank == 0 {
-            if let Some(path) = &rt.config.timeline {
-                match Timeline::create(path, rt.config.timeline_mark_cycles) {
-                    Ok(t) => bg.timeline = Some(t),
-                    Err(e) => tracing::error!("cannot write timeline {path}: {e}"),
-                }
+        if topo.rank == 0
+            && let Some(path) = &rt.config.timeline
+        {
+            match Timeline::create(path, rt.config.timeline_mark_cycles) {
+                Ok(t) => bg.timeline = Some(t),
+                Err(e) => tracing::error!("cannot write timeline {path}: {e}"),
             }
         }
         Ok(bg)

@@ -136,10 +136,10 @@ pub fn is_initialized() -> bool {
 /// a no-op, as in Horovod.
 pub fn init(opts: InitOptions) -> Result<()> {
     let mut global = lock_global();
-    if let Some(rt) = global.as_ref() {
-        if !rt.loop_ended.load(Ordering::SeqCst) {
-            return Ok(());
-        }
+    if let Some(rt) = global.as_ref()
+        && !rt.loop_ended.load(Ordering::SeqCst)
+    {
+        return Ok(());
     }
     if let Some(old) = global.take() {
         old.join_thread();
