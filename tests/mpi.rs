@@ -21,55 +21,36 @@ type Scenario = (
     bool,
 );
 
+const STALL_FAST: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+];
+
+#[rustfmt::skip]
 const SCENARIOS: &[Scenario] = &[
     ("collectives", 2, &[], true),
     ("collectives", 4, &[], true),
-    (
-        "collectives",
-        3,
-        &[
-            ("HOROVOD_CACHE_CAPACITY", "0"),
-            ("HOROVOD_FUSION_THRESHOLD", "0"),
-        ],
-        true,
-    ),
+    ("collectives", 3, &[("HOROVOD_CACHE_CAPACITY", "0"), ("HOROVOD_FUSION_THRESHOLD", "0")], true),
+    ("collectives", 2, &[("FERROVOD_FUSION_DIRECT_BYTES", "0")], true),
     ("random_order", 2, &[], true),
-    (
-        "random_order",
-        4,
-        &[
-            ("HOROVOD_CACHE_CAPACITY", "8"),
-            ("HOROVOD_FUSION_THRESHOLD", "4096"),
-        ],
-        true,
-    ),
+    ("random_order", 4, &[("HOROVOD_CACHE_CAPACITY", "8"), ("HOROVOD_FUSION_THRESHOLD", "4096")], true),
+    ("random_order", 2, &[("HOROVOD_MPI_THREADS_DISABLE", "1")], true),
     ("cache_changes", 2, &[("HOROVOD_CACHE_CAPACITY", "4")], true),
     ("join", 2, &[], true),
     ("join", 4, &[], true),
     ("process_sets", 4, &[], true),
+    ("topology", 4, &[("FERROVOD_LOCAL_SIZE", "2")], true),
     ("mismatches", 2, &[], true),
     ("mismatches", 4, &[], true),
     ("bad_arguments", 2, &[], true),
-    (
-        "stall",
-        2,
-        &[
-            ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
-            ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
-        ],
-        true,
-    ),
+    ("stall", 2, STALL_FAST, true),
+    ("stall_cached", 2, STALL_FAST, true),
     ("shutdown_pending", 2, &[], true),
     ("rank_exits", 2, &[], true),
     ("rank_killed", 2, &[], false),
     ("preinitialized_mpi", 4, &[], true),
     ("init_subset", 3, &[], true),
-    (
-        "timeline",
-        2,
-        &[("HOROVOD_TIMELINE_MARK_CYCLES", "1")],
-        true,
-    ),
+    ("timeline", 2, &[("HOROVOD_TIMELINE_MARK_CYCLES", "1")], true),
     ("large_counts", 2, &[], true),
 ];
 
@@ -213,6 +194,7 @@ fn check_timeline(path: &std::path::Path) -> Result<(), String> {
         "NEGOTIATE_ALLREDUCE",
         "\"ALLREDUCE\"",
         "MPI_ALLREDUCE",
+        "WAIT_FOR_DATA",
         "MEMCPY_IN_FUSION_BUFFER",
         "MEMCPY_OUT_FUSION_BUFFER",
         "NEGOTIATE_ALLGATHER",
@@ -248,6 +230,8 @@ fn run_rank(name: &str) {
         "mismatches" => mismatches(),
         "bad_arguments" => bad_arguments(),
         "stall" => stall(),
+        "stall_cached" => stall_cached(),
+        "topology" => topology(),
         "shutdown_pending" => shutdown_pending(),
         "rank_exits" => rank_exits(),
         "rank_killed" => rank_killed(),
@@ -1305,6 +1289,54 @@ fn stall() {
     assert!(err.to_string().contains("Missing ranks:"));
     runtime::shutdown();
     pass();
+}
+
+/// A name both ranks used before (so it is cached) that only rank 0 submits again: the cached
+/// vote goes stale, is sent to the coordinator, and the stall ends in an error on both ranks
+/// (rank 1 is waiting in a barrier that rank 0 never reaches).
+fn stall_cached() {
+    init();
+    let me = rank();
+    run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("cached.once", DataType::F32, &[1], &[1.0], false)],
+    ))
+    .unwrap();
+    let start = Instant::now();
+    let err = if me == 0 {
+        run(OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor("cached.once", DataType::F32, &[1], &[1.0], false)],
+        ))
+        .unwrap_err()
+    } else {
+        run(OpSpec::new(OpKind::Barrier, vec![])).unwrap_err()
+    };
+    let msg = err.to_string();
+    assert!(matches!(err, Error::ShutDown(_)), "{err:?}");
+    assert!(msg.contains("Missing ranks:"), "{msg}");
+    assert!(msg.contains("1: [cached.once]"), "{msg}");
+    assert!(msg.contains("0: [barrier.noname]"), "{msg}");
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        start.elapsed()
+    );
+    runtime::shutdown();
+    pass();
+}
+
+/// FERROVOD_LOCAL_SIZE=2 on 4 ranks emulates two hosts of two ranks each.
+fn topology() {
+    init();
+    let rt = runtime::runtime().unwrap();
+    let t = rt.topology().clone();
+    let r = t.rank;
+    assert_eq!((t.size, t.local_size, t.cross_size), (4, 2, 2));
+    assert_eq!((t.local_rank, t.cross_rank), (r % 2, r / 2));
+    assert!(t.is_homogeneous);
+    assert!(t.mpi_threads_supported);
+    finish_job();
 }
 
 /// One rank shuts down while the other has an operation pending.

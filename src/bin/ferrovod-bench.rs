@@ -7,18 +7,20 @@
 //! mpirun -np 2 target/release/ferrovod-bench resnet50 --steps 30 --json
 //! ```
 //!
-//! MPI is initialised by the benchmark (as mpi4py would); raw MPI is measured before ferrovod
-//! starts so that ferrovod's background thread cannot disturb it.
+//! MPI is initialised by the benchmark (as mpi4py would). The run is two rounds of raw MPI
+//! followed by ferrovod (initialised, measured, shut down), so ferrovod's background thread never
+//! disturbs the raw measurement; each side reports its better round.
 
 use std::time::{Duration, Instant};
 
-use mpi::collective::SystemOperation;
 use mpi::topology::Communicator;
 use mpi::traits::*;
 
 use ferrovod::runtime::entry::{InputMem, OutputMem};
 use ferrovod::runtime::{self, OpSpec, TensorSpec};
-use ferrovod::{DataType, OpKind};
+use ferrovod::transport::Transport;
+use ferrovod::transport::mpi::MpiComm;
+use ferrovod::{DataType, OpKind, ReduceOp};
 
 struct Args {
     mode: String,
@@ -162,23 +164,39 @@ fn iters_for(a: &Args, bytes: usize) -> usize {
         .unwrap_or_else(|| (256usize << 20).div_ceil(bytes).clamp(10, 200))
 }
 
-fn sweep_mpi(world: &mpi::topology::SimpleCommunicator, a: &Args) -> Vec<f64> {
+/// One raw in-place `MPI_Allreduce` (sum, float32) of `buf`, timed: through ferrovod's MPI
+/// transport, which is a direct call of `MPI_Allreduce(MPI_IN_PLACE, ...)`.
+fn mpi_allreduce(comm: &MpiComm, buf: &mut [u8]) -> f64 {
+    let t = Instant::now();
+    comm.allreduce(None, buf, DataType::F32, ReduceOp::Sum)
+        .expect("MPI_Allreduce");
+    t.elapsed().as_secs_f64()
+}
+
+fn f32_bytes(n: usize, modulo: usize) -> Vec<u8> {
+    (0..n)
+        .flat_map(|i| ((i % modulo) as f32).to_le_bytes())
+        .collect()
+}
+
+fn sweep_mpi(comm: &MpiComm, a: &Args) -> Vec<f64> {
     sizes(a)
         .into_iter()
         .map(|bytes| {
             let n = bytes / 4;
-            let send: Vec<f32> = (0..n).map(|i| (i % 13) as f32).collect();
-            let mut recv = vec![0f32; n];
+            let ones = f32_bytes(n, 13);
+            let mut buf = ones.clone();
             let mut times = Vec::new();
-            world.barrier();
+            comm.barrier().unwrap();
             for it in 0..a.warmup + iters_for(a, bytes) {
-                let t = Instant::now();
-                world.all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
+                buf.copy_from_slice(&ones);
+                let secs = mpi_allreduce(comm, &mut buf);
                 if it >= a.warmup {
-                    times.push(t.elapsed().as_secs_f64());
+                    times.push(secs);
                 }
             }
-            assert_eq!(recv[1], world.size() as f32, "raw MPI sum");
+            let v = f32::from_le_bytes(buf[4..8].try_into().unwrap());
+            assert_eq!(v, comm.size() as f32, "raw MPI sum");
             median(times)
         })
         .collect()
@@ -315,16 +333,14 @@ struct Resnet {
     rss_end: u64,
 }
 
-fn resnet_mpi(world: &mpi::topology::SimpleCommunicator, a: &Args, total: usize) -> Vec<f64> {
-    let send: Vec<f32> = (0..total).map(|i| (i % 7) as f32).collect();
-    let mut recv = vec![0f32; total];
+fn resnet_mpi(comm: &MpiComm, a: &Args, total: usize) -> Vec<f64> {
+    let mut buf = f32_bytes(total, 7);
     let mut times = Vec::new();
-    world.barrier();
+    comm.barrier().unwrap();
     for step in 0..a.warmup + a.steps {
-        let t = Instant::now();
-        world.all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
+        let secs = mpi_allreduce(comm, &mut buf);
         if step >= a.warmup {
-            times.push(t.elapsed().as_secs_f64());
+            times.push(secs);
         }
     }
     times
@@ -414,35 +430,56 @@ fn main() {
     };
     let total: usize = grads.iter().map(|(_, n)| n).sum();
 
-    // phase 1: raw MPI
-    let mpi_sweep = if do_sweep {
-        sweep_mpi(&world, &a)
-    } else {
-        Vec::new()
+    // Two rounds of (raw MPI, then ferrovod on the same MPI). Raw MPI never runs while
+    // ferrovod's background thread exists. Each side keeps its better round, so machine noise
+    // favours neither.
+    let raw = MpiComm::world().expect("MPI_Comm_dup");
+    let mut mpi_sweep: Vec<f64> = Vec::new();
+    let mut fv_sweep: Vec<f64> = Vec::new();
+    let mut resnet: Option<Resnet> = None;
+    let mut rss_before_init = 0;
+    let better = |old: &mut Vec<f64>, new: Vec<f64>| {
+        if old.is_empty() {
+            *old = new;
+        } else {
+            old.iter_mut().zip(new).for_each(|(o, n)| *o = o.min(n));
+        }
     };
-    let mpi_resnet = if do_resnet {
-        resnet_mpi(&world, &a, total)
-    } else {
-        Vec::new()
-    };
-    let (rss_before_init, _) = memory();
-
-    // phase 2: ferrovod on the same MPI
-    runtime::init(Default::default()).expect("ferrovod init");
-    let fv_sweep = if do_sweep {
-        sweep_ferrovod(&a, size)
-    } else {
-        Vec::new()
-    };
-    let resnet = if do_resnet {
-        let mut r = resnet_ferrovod(&a, &grads, size);
-        r.mpi_steps = mpi_resnet;
-        Some(r)
-    } else {
-        None
-    };
-    ferrovod_barrier();
-    runtime::shutdown();
+    for _round in 0..2 {
+        if do_sweep {
+            better(&mut mpi_sweep, sweep_mpi(&raw, &a));
+        }
+        let mpi_steps = if do_resnet {
+            resnet_mpi(&raw, &a, total)
+        } else {
+            Vec::new()
+        };
+        rss_before_init = memory().0;
+        runtime::init(Default::default()).expect("ferrovod init");
+        if do_sweep {
+            better(&mut fv_sweep, sweep_ferrovod(&a, size));
+        }
+        if do_resnet {
+            let mut r = resnet_ferrovod(&a, &grads, size);
+            r.mpi_steps = mpi_steps;
+            resnet = Some(match resnet.take() {
+                None => r,
+                Some(mut old) => {
+                    if median(r.fv_steps.clone()) < median(old.fv_steps.clone()) {
+                        old.fv_steps = r.fv_steps;
+                    }
+                    if median(r.mpi_steps.clone()) < median(old.mpi_steps.clone()) {
+                        old.mpi_steps = r.mpi_steps;
+                    }
+                    old.rss_after_warmup = r.rss_after_warmup;
+                    old.rss_end = r.rss_end;
+                    old
+                }
+            });
+        }
+        ferrovod_barrier();
+        runtime::shutdown();
+    }
     std::thread::sleep(Duration::from_millis(10));
     let (_, peak) = memory();
     let peaks = {
@@ -481,7 +518,7 @@ fn main() {
         let bus = 2.0 * (size as f64 - 1.0) / size as f64;
         println!("#");
         println!(
-            "# resnet50: {} gradient tensors, {total} float32 values ({:.1} MiB) per step, submitted in backward order",
+            "# resnet50: {} gradient tensors, {total} float32 values ({:.1} MiB) per step, submitted in backward order; mpi: one in-place MPI_Allreduce of the same bytes (better of two rounds each)",
             grads.len(),
             bytes as f64 / (1 << 20) as f64
         );

@@ -452,6 +452,8 @@ fn run_batch(
     };
     let t: &dyn Transport = &set.data;
     let head = resps[0];
+    // host memory is ready when enqueued; device requests will wait on their ready events here
+    sink(Some("WAIT_FOR_DATA"));
     let mut ios: Vec<&mut dyn TensorIo> =
         entries.iter_mut().map(|e| e as &mut dyn TensorIo).collect();
     match head.kind {
