@@ -45,6 +45,7 @@ const SCENARIOS: &[Scenario] = &[
     ("bad_arguments", 2, &[], true),
     ("stall", 2, STALL_FAST, true),
     ("stall_cached", 2, STALL_FAST, true),
+    ("alloc_failure", 2, &[], true),
     ("shutdown_pending", 2, &[], true),
     ("rank_exits", 2, &[], true),
     ("rank_killed", 2, &[], false),
@@ -232,6 +233,7 @@ fn run_rank(name: &str) {
         "stall" => stall(),
         "stall_cached" => stall_cached(),
         "topology" => topology(),
+        "alloc_failure" => alloc_failure(),
         "shutdown_pending" => shutdown_pending(),
         "rank_exits" => rank_exits(),
         "rank_killed" => rank_killed(),
@@ -1336,6 +1338,63 @@ fn topology() {
     assert_eq!((t.local_rank, t.cross_rank), (r % 2, r / 2));
     assert!(t.is_homogeneous);
     assert!(t.mpi_threads_supported);
+    finish_job();
+}
+
+struct FailingAllocator;
+
+impl ferrovod::runtime::entry::OutputAllocator for FailingAllocator {
+    fn allocate(
+        &mut self,
+        _index: usize,
+        _shape: &[i64],
+        bytes: usize,
+    ) -> Result<ferrovod::transport::memory::HostBuffer, Error> {
+        Err(Error::Aborted(format!(
+            "test allocator refuses {bytes} bytes"
+        )))
+    }
+}
+
+/// An output allocation that fails on one rank fails that rank's tensor only: the rank still
+/// takes part in the collective, so the others complete with correct values instead of hanging.
+fn alloc_failure() {
+    init();
+    let me = rank();
+    for kind in [OpKind::Allgather, OpKind::Reducescatter, OpKind::Alltoall] {
+        let name = format!("alloc.{}", kind.name());
+        let mut spec = OpSpec::new(
+            kind,
+            vec![tensor(&name, DataType::F32, &[2], &[1.0, 2.0], true)],
+        );
+        if me == 1 {
+            spec.allocator = Some(Arc::new(std::sync::Mutex::new(FailingAllocator)));
+        }
+        match run(spec) {
+            Ok(res) => {
+                assert_eq!(me, 0);
+                let want: Vec<f64> = match kind {
+                    OpKind::Allgather => vec![1.0, 2.0, 1.0, 2.0],
+                    OpKind::Reducescatter => vec![2.0], // row 0 summed over both ranks
+                    _ => vec![1.0, 1.0],
+                };
+                assert_close(&output(&res[0], DataType::F32), &want, &name);
+            }
+            Err(e) => {
+                assert_eq!(me, 1, "{e}");
+                // output sizes: allgather 2 ranks x 2 floats, reducescatter 1 row, alltoall 2 rows
+                let bytes = match kind {
+                    OpKind::Allgather => 16,
+                    OpKind::Reducescatter => 4,
+                    _ => 8,
+                };
+                assert_eq!(
+                    e,
+                    Error::Aborted(format!("test allocator refuses {bytes} bytes"))
+                );
+            }
+        }
+    }
     finish_job();
 }
 

@@ -233,7 +233,7 @@ fn print_sweep(rows: &[Row], size: usize, json: bool) {
     println!("#");
     println!("# ferrovod-bench sweep: allreduce (sum), float32, np={size}; median time per call");
     println!(
-        "# ferrovod: one named tensor through the runtime (negotiation + collective); mpi: MPI_Allreduce on the same bytes"
+        "# ferrovod: one named tensor through the runtime (negotiation + collective); mpi: in-place MPI_Allreduce on the same bytes (better of two rounds each)"
     );
     println!("#");
     println!(

@@ -42,6 +42,9 @@ pub struct TensorEntry {
     pub index: usize,
     out_shape: Vec<i64>,
     received_splits: Vec<i32>,
+    /// A failed output allocation: the tensor still takes part in the collective (through a
+    /// scratch buffer), so the other ranks are not left waiting, and then fails.
+    alloc_error: Option<Error>,
 }
 
 impl TensorEntry {
@@ -56,12 +59,17 @@ impl TensorEntry {
             handle: None,
             index: 0,
             received_splits: Vec::new(),
+            alloc_error: None,
         }
     }
 
     /// Finishes this tensor: hands its result (and library-owned output) to the handle.
     pub fn complete(self, outcome: Result<()>, value: Option<i32>) {
         let Some(handle) = self.handle else { return };
+        let outcome = match (outcome, self.alloc_error) {
+            (Ok(()), Some(e)) => Err(e),
+            (o, _) => o,
+        };
         let result = outcome.map(|()| {
             let output = match (self.output, self.input) {
                 (OutputMem::Owned(v), _) => Some(v),
@@ -103,26 +111,29 @@ impl TensorIo for TensorEntry {
 
     fn allocate_output(&mut self, shape: &[i64], bytes: usize) -> Result<()> {
         self.out_shape = shape.to_vec();
-        self.output = match &self.allocator {
-            Some(alloc) => {
-                let buf = alloc
-                    .lock()
-                    .map_err(|_| Error::Internal("output allocator poisoned".into()))?
-                    .allocate(self.index, shape, bytes)?;
-                if buf.len() < bytes {
-                    return Err(Error::InvalidArgument(format!(
-                        "output allocator returned {} bytes for tensor '{}', {} needed",
-                        buf.len(),
-                        self.request.name,
-                        bytes
-                    )));
-                }
-                let mut buf = buf;
-                buf.truncate(bytes);
-                OutputMem::Borrowed(buf)
-            }
-            None => OutputMem::Owned(vec![0u8; bytes]),
+        let allocated = match &self.allocator {
+            Some(alloc) => alloc
+                .lock()
+                .map_err(|_| Error::Internal("output allocator poisoned".into()))
+                .and_then(|mut a| a.allocate(self.index, shape, bytes))
+                .and_then(|mut buf| {
+                    if buf.len() < bytes {
+                        return Err(Error::Aborted(format!(
+                            "output allocator returned {} bytes for tensor '{}', {} needed",
+                            buf.len(),
+                            self.request.name,
+                            bytes
+                        )));
+                    }
+                    buf.truncate(bytes);
+                    Ok(OutputMem::Borrowed(buf))
+                }),
+            None => Ok(OutputMem::Owned(vec![0u8; bytes])),
         };
+        self.output = allocated.unwrap_or_else(|e| {
+            self.alloc_error = Some(e);
+            OutputMem::Owned(vec![0u8; bytes])
+        });
         Ok(())
     }
 
