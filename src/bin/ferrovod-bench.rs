@@ -356,7 +356,8 @@ fn resnet_mpi_each(comm: &MpiComm, a: &Args, grads: &[(String, usize)]) -> Vec<f
     for step in 0..a.warmup + a.steps {
         let t = Instant::now();
         for b in bufs.iter_mut().rev() {
-            comm.allreduce(None, b, DataType::F32, ReduceOp::Sum).expect("MPI_Allreduce");
+            comm.allreduce(None, b, DataType::F32, ReduceOp::Sum)
+                .expect("MPI_Allreduce");
         }
         if step >= a.warmup {
             times.push(t.elapsed().as_secs_f64());

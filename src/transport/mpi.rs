@@ -459,20 +459,46 @@ impl Transport for MpiComm {
     }
 
     fn and_words(&self, words: &mut [u64]) -> Result<()> {
-        // SAFETY: words is valid for words.len() u64 elements.
+        // Non-blocking, then polled with backoff: a rank waiting for slower peers in the
+        // per-cycle vote yields its core (often shared with the framework's threads) instead of
+        // spinning inside MPI.
+        // SAFETY: zeroed is a valid placeholder for the request out-parameter.
+        let mut req = unsafe { std::mem::zeroed::<ffi::MPI_Request>() };
+        // SAFETY: words stays valid and untouched until the request completes below.
         check(
             unsafe {
-                ffi::MPI_Allreduce(
+                ffi::MPI_Iallreduce(
                     in_place(),
                     words.as_mut_ptr().cast(),
                     words.len() as c_int,
                     ffi::RSMPI_UINT64_T,
                     ffi::RSMPI_BAND,
                     self.comm,
+                    &mut req,
                 )
             },
-            "MPI_Allreduce(BAND)",
-        )
+            "MPI_Iallreduce(BAND)",
+        )?;
+        let start = std::time::Instant::now();
+        loop {
+            let mut done: c_int = 0;
+            // SAFETY: req is the active request created above.
+            check(
+                unsafe { ffi::MPI_Test(&mut req, &mut done, ffi::RSMPI_STATUS_IGNORE) },
+                "MPI_Test",
+            )?;
+            if done != 0 {
+                return Ok(());
+            }
+            let waited = start.elapsed();
+            if waited < std::time::Duration::from_micros(50) {
+                std::hint::spin_loop();
+            } else if waited < std::time::Duration::from_millis(2) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(std::time::Duration::from_micros(100));
+            }
+        }
     }
 
     fn allgatherv(&self, send: Option<&[u8]>, recv: &mut [u8], counts: &[usize]) -> Result<()> {
