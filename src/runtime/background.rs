@@ -29,8 +29,47 @@ struct SetState {
     fusion: Vec<u8>,
 }
 
+/// Settings that change which collectives run, taken from rank 0 so that a rank launched with a
+/// different environment cannot make the ranks disagree.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Agreed {
+    fusion_threshold: usize,
+    fusion_direct_bytes: usize,
+    cache_capacity: usize,
+}
+
+impl Agreed {
+    fn from_rank0(world: &MpiComm, cfg: &crate::config::Config) -> Result<Agreed> {
+        let mine = [
+            cfg.fusion_threshold,
+            cfg.fusion_direct_bytes,
+            cfg.cache_capacity,
+        ];
+        let bytes: Vec<u8> = mine
+            .iter()
+            .flat_map(|v| (*v as u64).to_le_bytes())
+            .collect();
+        let got = world.broadcast_bytes(bytes, 0)?;
+        let v: Vec<usize> = got
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")) as usize)
+            .collect();
+        if v[..] != mine[..] {
+            tracing::warn!(
+                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY differ from rank 0's; using rank 0's values {v:?}"
+            );
+        }
+        Ok(Agreed {
+            fusion_threshold: v[0],
+            fusion_direct_bytes: v[1],
+            cache_capacity: v[2],
+        })
+    }
+}
+
 struct Background {
     rt: Arc<Runtime>,
+    agreed: Agreed,
     world: MpiComm,
     /// Sets this rank is a member of.
     member: BTreeMap<i32, SetState>,
@@ -47,6 +86,7 @@ pub(crate) fn run(
     rx: Receiver<Command>,
     ready: Sender<Result<()>>,
 ) {
+    super::ON_BACKGROUND_THREAD.with(|f| f.set(true));
     let (mpi_ours, multiple) = match init_mpi(!rt.config.mpi_threads_disable) {
         Ok(v) => v,
         Err(e) => {
@@ -73,7 +113,13 @@ pub(crate) fn run(
     }
 }
 
-fn make_set(id: i32, comm: MpiComm, ranks: Vec<i32>, rt: &Runtime) -> Result<SetState> {
+fn make_set(
+    id: i32,
+    comm: MpiComm,
+    ranks: Vec<i32>,
+    rt: &Runtime,
+    cache_capacity: usize,
+) -> Result<SetState> {
     let cfg = &rt.config;
     let set_rank = comm.rank();
     Ok(SetState {
@@ -83,7 +129,7 @@ fn make_set(id: i32, comm: MpiComm, ranks: Vec<i32>, rt: &Runtime) -> Result<Set
         negotiator: Negotiator::new(
             set_rank,
             ranks,
-            cfg.cache_capacity,
+            cache_capacity,
             StallPolicy {
                 enabled: cfg.stall_check,
                 warn_after: cfg.stall_warn,
@@ -144,7 +190,9 @@ impl Background {
         }
         let size = topo.size;
         let world_ranks: Vec<i32> = (0..size).collect();
+        let agreed = Agreed::from_rank0(&world, &rt.config)?;
         let mut bg = Background {
+            agreed,
             member: BTreeMap::new(),
             all_sets: BTreeMap::new(),
             next_set_id: 1,
@@ -153,8 +201,10 @@ impl Background {
             world: world.dup()?,
             rt: rt.clone(),
         };
-        bg.member
-            .insert(0, make_set(0, world, world_ranks.clone(), &rt)?);
+        bg.member.insert(
+            0,
+            make_set(0, world, world_ranks.clone(), &rt, agreed.cache_capacity)?,
+        );
         bg.all_sets.insert(0, world_ranks);
         for ranks in &opts.process_sets {
             let mut sorted = ranks.clone();
@@ -187,7 +237,13 @@ impl Background {
         let id = self.next_set_id;
         self.next_set_id += 1;
         if let Some(comm) = self.world.subset(&ranks)? {
-            let set = make_set(id, comm, ranks.clone(), &self.rt)?;
+            let set = make_set(
+                id,
+                comm,
+                ranks.clone(),
+                &self.rt,
+                self.agreed.cache_capacity,
+            )?;
             self.member.insert(id, set);
         }
         self.all_sets.insert(id, ranks);
@@ -275,8 +331,8 @@ impl Background {
     }
 
     fn execute(&mut self, id: i32, responses: Vec<Response>) {
-        let cfg = &self.rt.config;
-        let batches = plan_batches(&responses, cfg.fusion_threshold, cfg.fusion_direct_bytes);
+        let a = self.agreed;
+        let batches = plan_batches(&responses, a.fusion_threshold, a.fusion_direct_bytes);
         for batch in batches {
             let resps: Vec<&Response> = batch.members.iter().map(|i| &responses[*i]).collect();
             let head = resps[0];

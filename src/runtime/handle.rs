@@ -90,8 +90,17 @@ impl Handle {
         }
     }
 
-    /// Waits until completion or `timeout` (None: forever).
+    /// Waits until completion or `timeout` (None: forever). On the background thread (inside a
+    /// callback) an unfinished operation can never complete, so that is an error, not a hang.
     pub fn wait(&self, timeout: Option<Duration>) -> Result<()> {
+        if crate::runtime::on_background_thread() {
+            if let Some(done) = self.poll() {
+                return done;
+            }
+            return Err(Error::InvalidArgument(
+                "cannot wait for an operation from a ferrovod callback: the background thread would wait for itself".into(),
+            ));
+        }
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut s = self.state.lock().expect("handle lock");
         while s.remaining > 0 {

@@ -119,6 +119,16 @@ pub struct Runtime {
 
 static RUNTIME: Mutex<Option<Arc<Runtime>>> = Mutex::new(None);
 
+thread_local! {
+    static ON_BACKGROUND_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the caller is ferrovod's background thread (i.e. inside a completion callback or an
+/// output allocator), where waiting for other operations or joining the thread would deadlock.
+pub fn on_background_thread() -> bool {
+    ON_BACKGROUND_THREAD.with(|f| f.get())
+}
+
 fn lock_global() -> std::sync::MutexGuard<'static, Option<Arc<Runtime>>> {
     RUNTIME.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -186,6 +196,13 @@ pub fn init(opts: InitOptions) -> Result<()> {
 /// Stops the runtime on this rank and, through the next negotiation, on every rank; pending
 /// operations fail with the shut-down error. Idempotent.
 pub fn shutdown() {
+    if on_background_thread() {
+        // called from a callback: ask for the shutdown; the thread cannot join itself
+        if let Some(rt) = lock_global().as_ref() {
+            rt.send(Command::Shutdown).ok();
+        }
+        return;
+    }
     let rt = lock_global().take();
     if let Some(rt) = rt {
         rt.send(Command::Shutdown).ok();
