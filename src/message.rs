@@ -116,6 +116,23 @@ impl Request {
     pub fn num_elements(&self) -> i64 {
         self.shape.iter().product()
     }
+
+    /// A set-rank-0 host request with neutral parameters, for unit tests.
+    #[cfg(test)]
+    pub(crate) fn test(name: &str, kind: OpKind, dtype: DataType, shape: &[i64]) -> Request {
+        Request {
+            rank: 0,
+            kind,
+            dtype,
+            name: name.into(),
+            shape: shape.to_vec(),
+            root: 0,
+            device: CPU_DEVICE,
+            reduce_op: ReduceOp::Sum,
+            prescale: 1.0,
+            postscale: 1.0,
+        }
+    }
 }
 
 /// What all ranks agreed to do with one tensor (or the error they all report).

@@ -24,6 +24,27 @@ pub trait TensorIo {
 /// Receives the name of each phase as it starts (`None` when the last one ends): the timeline.
 pub type ActivitySink<'a> = &'a mut dyn FnMut(Option<&'static str>);
 
+/// Copies every tensor's input, in order, into consecutive bytes of `dst`.
+fn pack(ios: &[&mut dyn TensorIo], dst: &mut [u8]) {
+    let mut off = 0;
+    for io in ios {
+        let inp = io.input();
+        dst[off..off + inp.len()].copy_from_slice(inp);
+        off += inp.len();
+    }
+}
+
+/// Fills every tensor's output, in order, from consecutive bytes of `src`.
+fn unpack(src: &[u8], ios: &mut [&mut dyn TensorIo]) {
+    let mut off = 0;
+    for io in ios.iter_mut() {
+        let (_, out) = io.split_io();
+        let n = out.len();
+        out.copy_from_slice(&src[off..off + n]);
+        off += n;
+    }
+}
+
 /// The reduction the backend performs, and the factor applied after it.
 fn backend_op(op: ReduceOp, size: usize, postscale: f64) -> Result<(ReduceOp, f64)> {
     match op {
@@ -70,24 +91,13 @@ pub fn allreduce_batch(
     fusion.resize(total.max(fusion.len()), 0);
     let buf = &mut fusion[..total];
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
-    let mut off = 0;
-    for io in ios.iter() {
-        let inp = io.input();
-        buf[off..off + inp.len()].copy_from_slice(inp);
-        off += inp.len();
-    }
+    pack(ios, buf);
     act(Some("MPI_ALLREDUCE"));
     reduce::scale(buf, head.dtype, head.prescale)?;
     t.allreduce(None, buf, head.dtype, op)?;
     reduce::scale(buf, head.dtype, post)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-    let mut off = 0;
-    for io in ios.iter_mut() {
-        let (_, out) = io.split_io();
-        let n = out.len();
-        out.copy_from_slice(&buf[off..off + n]);
-        off += n;
-    }
+    unpack(buf, ios);
     act(None);
     Ok(())
 }
@@ -139,12 +149,8 @@ pub fn allgather_batch(
     fusion.resize(total.max(fusion.len()), 0);
     let buf = &mut fusion[..total];
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
-    let mut off: usize = counts[..me].iter().sum();
-    for io in ios.iter() {
-        let inp = io.input();
-        buf[off..off + inp.len()].copy_from_slice(inp);
-        off += inp.len();
-    }
+    let mine: usize = counts[..me].iter().sum();
+    pack(ios, &mut buf[mine..]);
     act(Some("MPI_ALLGATHER"));
     t.allgatherv(None, buf, &counts)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
@@ -226,13 +232,7 @@ pub fn reducescatter_batch(
     t.reduce_scatter(send, recv, &counts, head.dtype, op)?;
     reduce::scale(recv, head.dtype, post)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-    let mut off = 0;
-    for (i, io) in ios.iter_mut().enumerate() {
-        let n = seg[i][me];
-        let (_, out) = io.split_io();
-        out.copy_from_slice(&recv[off..off + n]);
-        off += n;
-    }
+    unpack(recv, ios);
     act(None);
     Ok(())
 }

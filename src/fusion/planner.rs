@@ -68,21 +68,10 @@ pub fn plan_batches(responses: &[Response], threshold: usize, direct_bytes: usiz
 mod tests {
     use super::*;
     use crate::dtype::DataType;
-    use crate::message::{ReduceOp, Request};
+    use crate::message::Request;
 
     fn resp(name: &str, kind: OpKind, dtype: DataType, elems: i64) -> Response {
-        Response::from_request(&Request {
-            rank: 0,
-            kind,
-            dtype,
-            name: name.into(),
-            shape: vec![elems],
-            root: 0,
-            device: -1,
-            reduce_op: ReduceOp::Sum,
-            prescale: 1.0,
-            postscale: 1.0,
-        })
+        Response::from_request(&Request::test(name, kind, dtype, &[elems]))
     }
 
     fn members(b: &[Batch]) -> Vec<Vec<usize>> {

@@ -167,21 +167,9 @@ impl ResponseCache {
 mod tests {
     use super::*;
     use crate::dtype::DataType;
-    use crate::message::ReduceOp;
 
     fn req(name: &str, shape: &[i64]) -> Request {
-        Request {
-            rank: 0,
-            kind: OpKind::Allreduce,
-            dtype: DataType::F32,
-            name: name.into(),
-            shape: shape.to_vec(),
-            root: 0,
-            device: -1,
-            reduce_op: ReduceOp::Sum,
-            prescale: 1.0,
-            postscale: 1.0,
-        }
+        Request::test(name, OpKind::Allreduce, DataType::F32, shape)
     }
 
     fn put(c: &mut ResponseCache, r: &Request) -> bool {

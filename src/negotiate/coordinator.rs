@@ -161,21 +161,9 @@ pub fn stall_report(stalled: &[Stalled], global_ranks: &[i32], seconds: u64) -> 
 mod tests {
     use super::*;
     use crate::dtype::DataType;
-    use crate::message::ReduceOp;
 
     fn req(name: &str, kind: OpKind) -> Request {
-        Request {
-            rank: 0,
-            kind,
-            dtype: DataType::F32,
-            name: name.into(),
-            shape: vec![2],
-            root: 0,
-            device: -1,
-            reduce_op: ReduceOp::Sum,
-            prescale: 1.0,
-            postscale: 1.0,
-        }
+        Request::test(name, kind, DataType::F32, &[2])
     }
 
     #[test]

@@ -226,15 +226,7 @@ mod tests {
     fn req(rank: i32, kind: OpKind, dtype: DataType, shape: &[i64]) -> Request {
         Request {
             rank,
-            kind,
-            dtype,
-            name: "t".into(),
-            shape: shape.to_vec(),
-            root: 0,
-            device: -1,
-            reduce_op: ReduceOp::Sum,
-            prescale: 1.0,
-            postscale: 1.0,
+            ..Request::test("t", kind, dtype, shape)
         }
     }
 

@@ -255,6 +255,12 @@ fn ints(v: &[usize]) -> Vec<c_int> {
     v.iter().map(|x| *x as c_int).collect()
 }
 
+#[derive(Clone, Copy)]
+enum Direction {
+    Send,
+    Recv,
+}
+
 /// One MPI communicator, owned (freed on drop).
 pub struct MpiComm {
     comm: ffi::MPI_Comm,
@@ -383,6 +389,34 @@ impl MpiComm {
             )?;
             MpiComm::wrap(out)
         }
+    }
+
+    /// Posts a non-blocking send or receive of `len` bytes at `buf` to/from `peer`.
+    /// The caller keeps the memory valid until the request completes.
+    fn post(
+        &self,
+        dir: Direction,
+        buf: *mut c_void,
+        len: usize,
+        peer: usize,
+        tag: usize,
+    ) -> Result<ffi::MPI_Request> {
+        // SAFETY: zeroed is a valid placeholder for the request out-parameter.
+        let mut req = unsafe { std::mem::zeroed::<ffi::MPI_Request>() };
+        let (n, peer, tag) = (len as c_int, peer as c_int, tag as c_int);
+        // SAFETY: buf is valid for len bytes until the request completes (caller's contract).
+        let rc = unsafe {
+            match dir {
+                Direction::Send => {
+                    ffi::MPI_Isend(buf, n, byte_type(), peer, tag, self.comm, &mut req)
+                }
+                Direction::Recv => {
+                    ffi::MPI_Irecv(buf, n, byte_type(), peer, tag, self.comm, &mut req)
+                }
+            }
+        };
+        check(rc, "MPI_Isend/MPI_Irecv")?;
+        Ok(req)
     }
 
     /// Allgather of one i64 per rank.
@@ -569,51 +603,13 @@ impl Transport for MpiComm {
         // Large: chunked point-to-point, all posted at once.
         let mut reqs: Vec<ffi::MPI_Request> = Vec::new();
         for r in 0..self.size {
-            for (k, c) in recv[rd[r]..rd[r] + recv_counts[r]]
-                .chunks_mut(MAX_COUNT)
-                .enumerate()
-            {
-                // SAFETY: zeroed is a valid placeholder; the chunk outlives the Waitall below.
-                let mut req = unsafe { std::mem::zeroed::<ffi::MPI_Request>() };
-                check(
-                    // SAFETY: c is valid for c.len() bytes until Waitall.
-                    unsafe {
-                        ffi::MPI_Irecv(
-                            ptr_mut(c),
-                            c.len() as c_int,
-                            byte_type(),
-                            r as c_int,
-                            k as c_int,
-                            self.comm,
-                            &mut req,
-                        )
-                    },
-                    "MPI_Irecv",
-                )?;
-                reqs.push(req);
+            let incoming = recv[rd[r]..rd[r] + recv_counts[r]].chunks_mut(MAX_COUNT);
+            for (k, c) in incoming.enumerate() {
+                reqs.push(self.post(Direction::Recv, ptr_mut(c), c.len(), r, k)?);
             }
-            for (k, c) in send[sd[r]..sd[r] + send_counts[r]]
-                .chunks(MAX_COUNT)
-                .enumerate()
-            {
-                // SAFETY: as above.
-                let mut req = unsafe { std::mem::zeroed::<ffi::MPI_Request>() };
-                check(
-                    // SAFETY: c is valid for c.len() bytes until Waitall.
-                    unsafe {
-                        ffi::MPI_Isend(
-                            ptr(c),
-                            c.len() as c_int,
-                            byte_type(),
-                            r as c_int,
-                            k as c_int,
-                            self.comm,
-                            &mut req,
-                        )
-                    },
-                    "MPI_Isend",
-                )?;
-                reqs.push(req);
+            let outgoing = send[sd[r]..sd[r] + send_counts[r]].chunks(MAX_COUNT);
+            for (k, c) in outgoing.enumerate() {
+                reqs.push(self.post(Direction::Send, ptr(c) as *mut c_void, c.len(), r, k)?);
             }
         }
         // SAFETY: every request was created above.
