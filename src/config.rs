@@ -31,6 +31,9 @@ pub struct Config {
     pub timeline_mark_cycles: bool,
     /// `FERROVOD_LOCAL_SIZE`: treat blocks of this many consecutive ranks as one node.
     pub local_size_override: Option<usize>,
+    /// `FERROVOD_MPI_MAX_COUNT`: largest count per MPI call before a transfer is split
+    /// (default 2^30; lowering it lets tests run the split paths with small tensors).
+    pub mpi_max_count: usize,
 }
 
 fn env_str(key: &str) -> Option<String> {
@@ -82,6 +85,7 @@ impl Config {
             timeline: env_str("HOROVOD_TIMELINE").filter(|t| t != "DYNAMIC"),
             timeline_mark_cycles: env_bool("HOROVOD_TIMELINE_MARK_CYCLES"),
             local_size_override: env_str("FERROVOD_LOCAL_SIZE").and_then(|v| v.parse().ok()),
+            mpi_max_count: env_num("FERROVOD_MPI_MAX_COUNT", crate::transport::mpi::MAX_COUNT),
         }
     }
 }

@@ -32,6 +32,8 @@ const SCENARIOS: &[Scenario] = &[
     ("collectives", 4, &[], true),
     ("collectives", 3, &[("HOROVOD_CACHE_CAPACITY", "0"), ("HOROVOD_FUSION_THRESHOLD", "0")], true),
     ("collectives", 2, &[("FERROVOD_FUSION_DIRECT_BYTES", "0")], true),
+    // tiny MPI call limit: every transfer takes the split paths built for >2^31 elements
+    ("collectives", 3, &[("FERROVOD_MPI_MAX_COUNT", "7")], true),
     ("random_order", 2, &[], true),
     ("random_order", 4, &[("HOROVOD_CACHE_CAPACITY", "8"), ("HOROVOD_FUSION_THRESHOLD", "4096")], true),
     ("random_order", 2, &[("HOROVOD_MPI_THREADS_DISABLE", "1")], true),

@@ -143,11 +143,12 @@ fn make_set(
 
 impl Background {
     fn start(rt: Arc<Runtime>, opts: &InitOptions, multiple: bool) -> Result<Background> {
+        let max_count = rt.config.mpi_max_count;
         let world = match &opts.comm {
-            Communicator::World => MpiComm::world()?,
-            Communicator::Fortran(h) => MpiComm::from_fortran(*h)?,
+            Communicator::World => MpiComm::world()?.with_max_count(max_count),
+            Communicator::Fortran(h) => MpiComm::from_fortran(*h)?.with_max_count(max_count),
             Communicator::Ranks(ranks) => {
-                let all = MpiComm::world()?;
+                let all = MpiComm::world()?.with_max_count(max_count);
                 let n = all.size() as i32;
                 if ranks.is_empty() || ranks.iter().any(|r| *r < 0 || *r >= n) {
                     return Err(Error::InvalidArgument(format!(

@@ -9,7 +9,9 @@ use crate::error::Result;
 use crate::message::ReduceOp;
 
 /// A communicator over which collectives run. Counts are bytes and 64-bit: a backend with
-/// 32-bit counts splits the work itself.
+/// 32-bit counts splits the work itself. Every rank must take the same path through each call:
+/// a choice that depends on data only one rank sees (e.g. its own alltoall counts) is agreed
+/// with the other ranks first.
 pub trait Transport {
     fn rank(&self) -> usize;
     fn size(&self) -> usize;

@@ -18,8 +18,9 @@ unsafe extern "C" {
     static FERROVOD_MPI_BYTE: ffi::MPI_Datatype;
 }
 
-/// Largest element count passed to one MPI call (MPI counts are C ints).
-const MAX_COUNT: usize = 1 << 30;
+/// Largest element count passed to one MPI call (MPI counts are C ints); larger transfers are
+/// split into several calls.
+pub const MAX_COUNT: usize = 1 << 30;
 
 fn in_place() -> *mut c_void {
     // SAFETY: a constant initialised at load time by the C shim.
@@ -247,8 +248,8 @@ fn displacements(counts: &[usize]) -> Vec<usize> {
         .collect()
 }
 
-fn fits_int(counts: &[usize]) -> bool {
-    counts.iter().sum::<usize>() <= i32::MAX as usize
+fn fits(counts: &[usize], limit: usize) -> bool {
+    counts.iter().sum::<usize>() <= limit
 }
 
 fn ints(v: &[usize]) -> Vec<c_int> {
@@ -266,6 +267,8 @@ pub struct MpiComm {
     comm: ffi::MPI_Comm,
     rank: usize,
     size: usize,
+    /// Largest count per MPI call (`MAX_COUNT`, lowered in tests to exercise the split paths).
+    max_count: usize,
 }
 
 // SAFETY: a communicator handle may be used from any thread; the runtime uses each from one
@@ -295,7 +298,19 @@ impl MpiComm {
             comm,
             rank: rank as usize,
             size: size as usize,
+            max_count: MAX_COUNT,
         })
+    }
+
+    /// Splits transfers above `n` elements into several MPI calls (and uses the split paths for
+    /// v-collectives above `n` bytes). Communicators derived from this one inherit it.
+    pub fn with_max_count(mut self, n: usize) -> MpiComm {
+        self.max_count = n.clamp(1, MAX_COUNT);
+        self
+    }
+
+    fn inherit(&self, c: MpiComm) -> MpiComm {
+        c.with_max_count(self.max_count)
     }
 
     fn dup_raw(comm: ffi::MPI_Comm) -> Result<MpiComm> {
@@ -327,7 +342,7 @@ impl MpiComm {
     }
 
     pub fn dup(&self) -> Result<MpiComm> {
-        MpiComm::dup_raw(self.comm)
+        MpiComm::dup_raw(self.comm).map(|c| self.inherit(c))
     }
 
     /// The sub-communicator of the given ranks (of this communicator), or None on ranks not in
@@ -348,7 +363,7 @@ impl MpiComm {
             if out == ffi::RSMPI_COMM_NULL {
                 return Ok(None);
             }
-            MpiComm::wrap(out).map(Some)
+            MpiComm::wrap(out).map(|c| Some(self.inherit(c)))
         }
     }
 
@@ -374,7 +389,7 @@ impl MpiComm {
                 ),
             };
             check(rc, "MPI_Comm_split_type")?;
-            MpiComm::wrap(out)
+            MpiComm::wrap(out).map(|c| self.inherit(c))
         }
     }
 
@@ -387,7 +402,7 @@ impl MpiComm {
                 ffi::MPI_Comm_split(self.comm, color, self.rank as c_int, &mut out),
                 "MPI_Comm_split",
             )?;
-            MpiComm::wrap(out)
+            MpiComm::wrap(out).map(|c| self.inherit(c))
         }
     }
 
@@ -419,6 +434,26 @@ impl MpiComm {
         Ok(req)
     }
 
+    /// The largest of every rank's `v`.
+    fn max_u64(&self, v: u64) -> Result<u64> {
+        let mut out = v;
+        // SAFETY: one u64 in place.
+        check(
+            unsafe {
+                ffi::MPI_Allreduce(
+                    in_place(),
+                    (&mut out as *mut u64).cast(),
+                    1,
+                    ffi::RSMPI_UINT64_T,
+                    ffi::RSMPI_MAX,
+                    self.comm,
+                )
+            },
+            "MPI_Allreduce(MAX)",
+        )?;
+        Ok(out)
+    }
+
     /// Allgather of one i64 per rank.
     pub fn allgather_i64(&self, v: i64) -> Result<Vec<i64>> {
         let mut out = vec![0u8; 8 * self.size];
@@ -430,7 +465,7 @@ impl MpiComm {
     }
 
     fn bcast_chunked(&self, data: &mut [u8], root: usize) -> Result<()> {
-        for chunk in data.chunks_mut(MAX_COUNT) {
+        for chunk in data.chunks_mut(self.max_count) {
             // SAFETY: chunk is valid for chunk.len() bytes; collective over the communicator.
             check(
                 unsafe {
@@ -468,7 +503,7 @@ impl Transport for MpiComm {
         let esz = dtype.size();
         let ty = native_type(dtype);
         let mop = mpi_op(dtype, op)?;
-        let step = MAX_COUNT * esz;
+        let step = self.max_count * esz;
         for (i, chunk) in data.chunks_mut(step).enumerate() {
             let src = match send {
                 Some(s) => ptr(&s[i * step..i * step + chunk.len()]),
@@ -537,7 +572,7 @@ impl Transport for MpiComm {
 
     fn allgatherv(&self, send: Option<&[u8]>, recv: &mut [u8], counts: &[usize]) -> Result<()> {
         let displs = displacements(counts);
-        if !fits_int(counts) {
+        if !fits(counts, self.max_count) {
             if let Some(s) = send {
                 recv[displs[self.rank]..displs[self.rank] + s.len()].copy_from_slice(s);
             }
@@ -581,7 +616,12 @@ impl Transport for MpiComm {
     ) -> Result<()> {
         let sd = displacements(send_counts);
         let rd = displacements(recv_counts);
-        if fits_int(send_counts) && fits_int(recv_counts) {
+        // Each rank sees only its own counts, so the choice of path is agreed first.
+        let mine = send_counts
+            .iter()
+            .sum::<usize>()
+            .max(recv_counts.iter().sum()) as u64;
+        if self.max_u64(mine)? <= self.max_count as u64 {
             // SAFETY: buffers hold the summed counts; all values fit in C ints.
             return check(
                 unsafe {
@@ -603,11 +643,11 @@ impl Transport for MpiComm {
         // Large: chunked point-to-point, all posted at once.
         let mut reqs: Vec<ffi::MPI_Request> = Vec::new();
         for r in 0..self.size {
-            let incoming = recv[rd[r]..rd[r] + recv_counts[r]].chunks_mut(MAX_COUNT);
+            let incoming = recv[rd[r]..rd[r] + recv_counts[r]].chunks_mut(self.max_count);
             for (k, c) in incoming.enumerate() {
                 reqs.push(self.post(Direction::Recv, ptr_mut(c), c.len(), r, k)?);
             }
-            let outgoing = send[sd[r]..sd[r] + send_counts[r]].chunks(MAX_COUNT);
+            let outgoing = send[sd[r]..sd[r] + send_counts[r]].chunks(self.max_count);
             for (k, c) in outgoing.enumerate() {
                 reqs.push(self.post(Direction::Send, ptr(c) as *mut c_void, c.len(), r, k)?);
             }
@@ -637,7 +677,7 @@ impl Transport for MpiComm {
         let ty = native_type(dtype);
         let mop = mpi_op(dtype, op)?;
         let elems: Vec<usize> = counts.iter().map(|c| c / esz).collect();
-        if fits_int(&elems) {
+        if fits(&elems, self.max_count) {
             // SAFETY: send holds sum(counts) bytes, recv counts[rank] bytes.
             return check(
                 unsafe {
@@ -655,7 +695,7 @@ impl Transport for MpiComm {
         }
         // Large: reduce each rank's segment to it, in chunks.
         let displs = displacements(counts);
-        let step = MAX_COUNT * esz;
+        let step = self.max_count * esz;
         for r in 0..self.size {
             let seg = &send[displs[r]..displs[r] + counts[r]];
             for (k, c) in seg.chunks(step).enumerate() {
