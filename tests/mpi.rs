@@ -41,6 +41,7 @@ const SCENARIOS: &[Scenario] = &[
     ("cache_changes", 2, &[("HOROVOD_CACHE_CAPACITY", "4")], true),
     ("join", 2, &[], true),
     ("join", 4, &[], true),
+    ("join", 3, &[("HOROVOD_CACHE_CAPACITY", "0")], true),
     ("process_sets", 4, &[], true),
     ("topology", 4, &[("FERROVOD_LOCAL_SIZE", "2")], true),
     ("mismatches", 2, &[], true),
@@ -905,6 +906,8 @@ fn join() {
                 );
             }
         }
+        // a barrier among the ranks that have not joined: joined ranks take part too
+        run(OpSpec::new(OpKind::Barrier, vec![])).unwrap();
         let err = run(OpSpec::new(
             OpKind::Allgather,
             vec![tensor("j.ag", DataType::F32, &[1], &[1.0], true)],

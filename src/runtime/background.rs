@@ -351,9 +351,17 @@ impl Background {
             for r in &resps {
                 match set.entries.remove(&r.name) {
                     Some(e) => entries.push(e),
-                    None if joined && r.kind == OpKind::Allreduce && r.error.is_none() => {
-                        let zeros = vec![0u8; r.num_elements() as usize * r.dtype.size()];
-                        let mut req = crate::message::Request {
+                    // A joined rank takes part in what the others run without it: allreduce
+                    // (contributing zeros) and barrier.
+                    None if joined
+                        && r.error.is_none()
+                        && matches!(r.kind, OpKind::Allreduce | OpKind::Barrier) =>
+                    {
+                        let bytes = match r.kind {
+                            OpKind::Allreduce => r.num_elements() as usize * r.dtype.size(),
+                            _ => 0,
+                        };
+                        let req = crate::message::Request {
                             rank: set.data.rank() as i32,
                             kind: r.kind,
                             dtype: r.dtype,
@@ -365,10 +373,9 @@ impl Background {
                             prescale: r.prescale,
                             postscale: r.postscale,
                         };
-                        req.rank = set.data.rank() as i32;
                         entries.push(TensorEntry::new(
                             req,
-                            InputMem::Owned(zeros),
+                            InputMem::Owned(vec![0u8; bytes]),
                             OutputMem::InPlace,
                         ));
                     }
