@@ -370,6 +370,11 @@ impl OutputAllocator for CAllocator {
     }
 }
 
+/// Whether two byte ranges of length `len` starting at `a` and `b` share a byte.
+fn overlaps(a: usize, b: usize, len: usize) -> bool {
+    len > 0 && a < b.saturating_add(len) && b < a.saturating_add(len)
+}
+
 /// # Safety
 /// `t` points to a valid `fv_tensor`.
 unsafe fn tensor_spec(t: &fv_tensor, kind: OpKind) -> Result<TensorSpec> {
@@ -414,6 +419,10 @@ unsafe fn tensor_spec(t: &fv_tensor, kind: OpKind) -> Result<TensorSpec> {
         OutputMem::Later
     } else if t.output.is_null() || std::ptr::eq(t.output, t.input) {
         OutputMem::InPlace
+    } else if overlaps(t.input as usize, t.output as usize, bytes) {
+        return Err(Error::InvalidArgument(format!(
+            "tensor '{name}': output overlaps input without being the same buffer"
+        )));
     } else {
         // SAFETY: the caller keeps `bytes` writable bytes at `output` valid until completion.
         OutputMem::Borrowed(unsafe { HostBuffer::from_raw(t.output.cast(), bytes) })
@@ -777,6 +786,18 @@ mod tests {
             committed == generated,
             "include/ferrovod.h is stale: run `FERROVOD_UPDATE_HEADER=1 cargo test committed_header`"
         );
+    }
+
+    #[test]
+    fn overlap_of_byte_ranges() {
+        use super::overlaps;
+        assert!(overlaps(100, 100, 8));
+        assert!(overlaps(100, 104, 8));
+        assert!(overlaps(104, 100, 8));
+        assert!(!overlaps(100, 108, 8));
+        assert!(!overlaps(108, 100, 8));
+        assert!(!overlaps(100, 100, 0));
+        assert!(!overlaps(usize::MAX - 4, 0, 8));
     }
 
     #[test]

@@ -49,6 +49,7 @@ const SCENARIOS: &[Scenario] = &[
     ("bad_arguments", 2, &[], true),
     ("stall", 2, STALL_FAST, true),
     ("stall_cached", 2, STALL_FAST, true),
+    ("stall_in_set", 3, STALL_FAST, true),
     ("alloc_failure", 2, &[], true),
     ("callbacks", 2, &[], true),
     ("shutdown_pending", 2, &[], true),
@@ -238,6 +239,7 @@ fn run_rank(name: &str) {
         "bad_arguments" => bad_arguments(),
         "stall" => stall(),
         "stall_cached" => stall_cached(),
+        "stall_in_set" => stall_in_set(),
         "topology" => topology(),
         "alloc_failure" => alloc_failure(),
         "callbacks" => callbacks(),
@@ -919,7 +921,25 @@ fn join() {
         );
         std::thread::sleep(Duration::from_millis(200));
     }
+    // rank 0 submits a last allreduce and its join back to back, so both can be agreed in one
+    // cycle: the joined ranks must still contribute to the allreduce
+    let last = (me == 0).then(|| {
+        let mine: Vec<f64> = (0..4).map(|i| val(i, me)).collect();
+        let h = submit(OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor("j.last", DataType::F32, &[4], &mine, false)],
+        ))
+        .unwrap();
+        (h, mine)
+    });
     let h = submit(OpSpec::new(OpKind::Join, vec![])).unwrap();
+    if let Some((g, mine)) = last {
+        assert_close(
+            &output(&finish(g).unwrap()[0], DataType::F32),
+            &mine,
+            "allreduce agreed with the join",
+        );
+    }
     h.wait(Some(Duration::from_secs(60))).unwrap();
     assert_eq!(h.value(), 0, "rank 0 joins last");
     // after the join everyone works normally again
@@ -1350,6 +1370,43 @@ fn stall_cached() {
     let msg = err.to_string();
     assert!(matches!(err, Error::ShutDown(_)), "{err:?}");
     assert!(msg.contains("Missing ranks:\n1: [cached.once]"), "{msg}");
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        start.elapsed()
+    );
+    runtime::shutdown();
+    pass();
+}
+
+/// A stall inside process set {0, 1}: rank 2, outside the set, must not be left waiting in the
+/// global vote; every rank ends with an error.
+fn stall_in_set() {
+    init();
+    let me = rank();
+    let rt = runtime::runtime().unwrap();
+    let h = rt.add_process_set(&[0, 1]).unwrap();
+    h.wait(None).unwrap();
+    let set = h.value();
+    let start = Instant::now();
+    if me == 0 {
+        let mut spec = OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor("set.only0", DataType::F32, &[1], &[1.0], false)],
+        );
+        spec.process_set = set;
+        let err = run(spec).unwrap_err();
+        assert!(
+            err.to_string().contains("Missing ranks:\n1: [set.only0]"),
+            "{err}"
+        );
+    }
+    // the whole job stops through the global set's next vote
+    while !rt.is_shut_down() && start.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let err = submit(OpSpec::new(OpKind::Barrier, vec![])).unwrap_err();
+    assert!(matches!(err, Error::ShutDown(_)), "{err:?}");
     assert!(
         start.elapsed() < Duration::from_secs(30),
         "took {:?}",

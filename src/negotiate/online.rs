@@ -150,6 +150,8 @@ impl Negotiator {
             vote.hits.extend(self.cache.allreduce_bits());
             vote.hits.sort_unstable();
             vote.hits.dedup();
+            // a bit this rank invalidates must not also count as its hit
+            vote.hits.retain(|b| !vote.invalid.contains(b));
         }
         let coordinator_check =
             stall_check_due && self.coordinator.as_ref().is_some_and(|c| c.has_pending());

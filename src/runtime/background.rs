@@ -9,7 +9,7 @@ use std::time::Instant;
 use crossbeam::channel::{Receiver, RecvTimeoutError, Sender};
 
 use crate::collective::{self, TensorIo};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, SHUT_DOWN_MESSAGE};
 use crate::fusion::planner::plan_batches;
 use crate::message::{OpKind, Response};
 use crate::negotiate::online::{Negotiator, StallPolicy};
@@ -36,14 +36,21 @@ struct Agreed {
     fusion_threshold: usize,
     fusion_direct_bytes: usize,
     cache_capacity: usize,
+    mpi_max_count: usize,
+    /// 0: nodes from MPI_COMM_TYPE_SHARED.
+    local_size_override: usize,
 }
 
 impl Agreed {
+    /// Rank 0's values everywhere. Call on a communicator still at the default MPI count limit,
+    /// so that this broadcast itself is split identically on every rank.
     fn from_rank0(world: &MpiComm, cfg: &crate::config::Config) -> Result<Agreed> {
         let mine = [
             cfg.fusion_threshold,
             cfg.fusion_direct_bytes,
             cfg.cache_capacity,
+            cfg.mpi_max_count,
+            cfg.local_size_override.unwrap_or(0),
         ];
         let bytes: Vec<u8> = mine
             .iter()
@@ -56,13 +63,15 @@ impl Agreed {
             .collect();
         if v[..] != mine[..] {
             tracing::warn!(
-                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY differ from rank 0's; using rank 0's values {v:?}"
+                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE differ from rank 0's; using rank 0's values {v:?}"
             );
         }
         Ok(Agreed {
             fusion_threshold: v[0],
             fusion_direct_bytes: v[1],
             cache_capacity: v[2],
+            mpi_max_count: v[3],
+            local_size_override: v[4],
         })
     }
 }
@@ -78,6 +87,8 @@ struct Background {
     next_set_id: i32,
     timeline: Option<Timeline>,
     want_shutdown: bool,
+    /// Why the job is stopping, when it is not a plain shutdown request.
+    reason: Option<String>,
 }
 
 pub(crate) fn run(
@@ -105,7 +116,10 @@ pub(crate) fn run(
         }
     };
     let _ = ready.send(Ok(()));
-    let reason = bg.run_loop(&rx);
+    // A panic in the loop must still fail this rank's pending operations rather than leave
+    // their waiters hanging.
+    let reason = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| bg.run_loop(&rx)))
+        .unwrap_or_else(|_| Some("internal error: ferrovod's background thread panicked".into()));
     bg.stop(&rx, reason);
     drop(bg);
     if mpi_ours {
@@ -143,12 +157,11 @@ fn make_set(
 
 impl Background {
     fn start(rt: Arc<Runtime>, opts: &InitOptions, multiple: bool) -> Result<Background> {
-        let max_count = rt.config.mpi_max_count;
         let world = match &opts.comm {
-            Communicator::World => MpiComm::world()?.with_max_count(max_count),
-            Communicator::Fortran(h) => MpiComm::from_fortran(*h)?.with_max_count(max_count),
+            Communicator::World => MpiComm::world()?,
+            Communicator::Fortran(h) => MpiComm::from_fortran(*h)?,
             Communicator::Ranks(ranks) => {
-                let all = MpiComm::world()?.with_max_count(max_count);
+                let all = MpiComm::world()?;
                 let n = all.size() as i32;
                 if ranks.is_empty() || ranks.iter().any(|r| *r < 0 || *r >= n) {
                     return Err(Error::InvalidArgument(format!(
@@ -163,7 +176,9 @@ impl Background {
                 })?
             }
         };
-        let local = world.split_local(rt.config.local_size_override)?;
+        let agreed = Agreed::from_rank0(&world, &rt.config)?;
+        let world = world.with_max_count(agreed.mpi_max_count);
+        let local = world.split_local(Some(agreed.local_size_override).filter(|n| *n > 0))?;
         let cross = world.split(local.rank() as i32)?;
         let local_sizes = world.allgather_i64(local.size() as i64)?;
         let topo = Topology {
@@ -191,7 +206,6 @@ impl Background {
         }
         let size = topo.size;
         let world_ranks: Vec<i32> = (0..size).collect();
-        let agreed = Agreed::from_rank0(&world, &rt.config)?;
         let mut bg = Background {
             agreed,
             member: BTreeMap::new(),
@@ -199,6 +213,7 @@ impl Background {
             next_set_id: 1,
             timeline: None,
             want_shutdown: false,
+            reason: None,
             world: world.dup()?,
             rt: rt.clone(),
         };
@@ -306,21 +321,27 @@ impl Background {
                     continue;
                 };
                 let want = id == 0 && self.want_shutdown;
-                let outcome = match set.negotiator.cycle(&set.ctrl, want, Instant::now()) {
-                    Ok(o) => o,
-                    Err(e) => {
-                        tracing::error!("negotiation failed: {e}");
-                        return Some(format!("ferrovod negotiation failed: {e}"));
-                    }
+                let outcome = set.negotiator.cycle(&set.ctrl, want, Instant::now());
+                let stop = match &outcome {
+                    Err(e) => Some(format!("ferrovod negotiation failed: {e}")),
+                    Ok(o) => o.shutdown.clone().filter(|r| r != SHUT_DOWN_MESSAGE),
                 };
-                if let Some(reason) = outcome.shutdown {
-                    return if reason == crate::error::SHUT_DOWN_MESSAGE {
-                        None
-                    } else {
-                        tracing::error!("{reason}");
-                        Some(reason)
-                    };
+                let plain_shutdown = matches!(&outcome, Ok(o) if o.shutdown.is_some());
+                if let Some(reason) = stop.as_ref() {
+                    tracing::error!("{reason}");
+                    self.reason.get_or_insert_with(|| reason.clone());
                 }
+                if id == 0 && (stop.is_some() || plain_shutdown) {
+                    return self.reason.clone();
+                }
+                if stop.is_some() {
+                    // Only this set's members know: stop using the set, and shut everyone
+                    // down through the global set's next vote.
+                    self.want_shutdown = true;
+                    self.drop_set(id, Error::ShutDown(self.reason.clone().unwrap_or_default()));
+                    continue;
+                }
+                let Ok(outcome) = outcome else { continue };
                 if !outcome.responses.is_empty() {
                     self.execute(id, outcome.responses);
                 }
@@ -346,15 +367,13 @@ impl Background {
             let Some(set) = self.member.get_mut(&id) else {
                 return;
             };
-            let joined = set.negotiator.is_joined();
             let mut entries: Vec<TensorEntry> = Vec::with_capacity(resps.len());
             for r in &resps {
                 match set.entries.remove(&r.name) {
                     Some(e) => entries.push(e),
-                    // A joined rank takes part in what the others run without it: allreduce
-                    // (contributing zeros) and barrier.
-                    None if joined
-                        && r.error.is_none()
+                    // Every agreed collective is run by every rank: a rank without the tensor
+                    // (it has joined) contributes zeros to allreduce and takes part in barrier.
+                    None if r.error.is_none()
                         && matches!(r.kind, OpKind::Allreduce | OpKind::Barrier) =>
                     {
                         let bytes = match r.kind {
@@ -383,18 +402,22 @@ impl Background {
                 }
             }
             if entries.len() != resps.len() {
-                // an error response for a tensor this rank never submitted, or a missing entry
-                if let Some(err) = &head.error {
-                    for e in entries {
-                        self.rt.finish_names(&[(id, e.request.name.clone())]);
-                        e.complete(Err(Error::Precondition(err.clone())), None);
-                    }
-                } else if !entries.is_empty() {
-                    let err = Error::Internal("missing local tensor for an agreed response".into());
-                    for e in entries {
-                        self.rt.finish_names(&[(id, e.request.name.clone())]);
-                        e.complete(Err(err.clone()), None);
-                    }
+                // Only error responses (nothing runs) or kinds the coordinator refuses while a
+                // rank has joined can lack a local tensor; anything else is a bug, reported here.
+                if head.error.is_none() {
+                    tracing::error!(
+                        "internal error: no local tensor for agreed {} '{}'",
+                        head.kind.name(),
+                        head.name
+                    );
+                }
+                let err = match &head.error {
+                    Some(m) => Error::Precondition(m.clone()),
+                    None => Error::Internal("missing local tensor for an agreed response".into()),
+                };
+                for e in entries {
+                    self.rt.finish_names(&[(id, e.request.name.clone())]);
+                    e.complete(Err(err.clone()), None);
                 }
                 continue;
             }
@@ -447,13 +470,7 @@ impl Background {
                     )))
                 } else {
                     self.all_sets.remove(&id);
-                    if let Some(set) = self.member.remove(&id) {
-                        let err = Error::Aborted(format!("process set {id} was removed"));
-                        for (name, e) in set.entries {
-                            self.rt.finish_names(&[(id, name)]);
-                            e.complete(Err(err.clone()), None);
-                        }
-                    }
+                    self.drop_set(id, Error::Aborted(format!("process set {id} was removed")));
                     Ok(id)
                 }
             }
@@ -464,6 +481,16 @@ impl Background {
             match outcome {
                 Ok(id) => e.complete(Ok(()), Some(id)),
                 Err(err) => e.complete(Err(err), None),
+            }
+        }
+    }
+
+    /// Stops using set `id` on this rank, failing its pending tensors with `err`.
+    fn drop_set(&mut self, id: i32, err: Error) {
+        if let Some(set) = self.member.remove(&id) {
+            for (name, e) in set.entries {
+                self.rt.finish_names(&[(id, name)]);
+                e.complete(Err(err.clone()), None);
             }
         }
     }

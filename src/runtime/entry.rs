@@ -126,6 +126,18 @@ impl TensorIo for TensorEntry {
                         )));
                     }
                     buf.truncate(bytes);
+                    let input = input_slice(&self.input);
+                    let (i0, o0) = (input.as_ptr() as usize, buf.as_ptr() as usize);
+                    let disjoint = bytes == 0
+                        || input.is_empty()
+                        || o0 >= i0 + input.len()
+                        || i0 >= o0 + bytes;
+                    if !disjoint {
+                        return Err(Error::Aborted(format!(
+                            "output allocator returned memory overlapping the input of tensor '{}'",
+                            self.request.name
+                        )));
+                    }
                     Ok(OutputMem::Borrowed(buf))
                 }),
             None => Ok(OutputMem::Owned(vec![0u8; bytes])),

@@ -145,14 +145,26 @@ pub fn is_initialized() -> bool {
 /// Starts the runtime (MPI, communicators, background thread). A second call while running is
 /// a no-op, as in Horovod.
 pub fn init(opts: InitOptions) -> Result<()> {
-    let mut global = lock_global();
-    if let Some(rt) = global.as_ref()
-        && !rt.loop_ended.load(Ordering::SeqCst)
-    {
-        return Ok(());
+    if on_background_thread() {
+        return Err(Error::InvalidArgument(
+            "init cannot be called from a ferrovod callback".into(),
+        ));
     }
-    if let Some(old) = global.take() {
+    // A runtime whose loop ended (another rank shut down) is joined before starting anew;
+    // never while holding the global lock, which its callbacks may need.
+    let old = {
+        let mut global = lock_global();
+        match global.as_ref() {
+            Some(rt) if !rt.loop_ended.load(Ordering::SeqCst) => return Ok(()),
+            _ => global.take(),
+        }
+    };
+    if let Some(old) = old {
         old.join_thread();
+    }
+    let mut global = lock_global();
+    if global.is_some() {
+        return Ok(()); // another thread initialised meanwhile
     }
     crate::config::init_logging();
     let config = Config::from_env();
@@ -513,6 +525,7 @@ impl Runtime {
 
     /// Registers a process set on every rank (all ranks must call it with the same ranks).
     pub fn add_process_set(&self, ranks: &[i32]) -> Result<Arc<Handle>> {
+        refuse_on_background_thread("add_process_set")?;
         let size = self.topology().size;
         let mut sorted = ranks.to_vec();
         sorted.sort_unstable();
@@ -534,6 +547,7 @@ impl Runtime {
 
     /// Removes a process set on every rank (all ranks must call it).
     pub fn remove_process_set(&self, id: i32) -> Result<Arc<Handle>> {
+        refuse_on_background_thread("remove_process_set")?;
         if id == 0 {
             return Err(Error::InvalidArgument(
                 "The global process set (id 0) cannot be removed.".into(),
@@ -591,6 +605,16 @@ impl Runtime {
         }
         Ok(handle)
     }
+}
+
+/// Collective calls that block until all ranks agree cannot run inside a callback.
+fn refuse_on_background_thread(what: &str) -> Result<()> {
+    if on_background_thread() {
+        return Err(Error::InvalidArgument(format!(
+            "{what} cannot be called from a ferrovod callback"
+        )));
+    }
+    Ok(())
 }
 
 fn unknown_set() -> Error {

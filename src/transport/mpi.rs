@@ -530,33 +530,35 @@ impl Transport for MpiComm {
     fn and_words(&self, words: &mut [u64]) -> Result<()> {
         // Non-blocking, then polled with backoff: a rank waiting for slower peers in the
         // per-cycle vote yields its core (often shared with the framework's threads) instead of
-        // spinning inside MPI.
+        // spinning inside MPI. The request works on a buffer of its own, leaked if MPI fails
+        // so that MPI can never write to freed memory.
+        let mut buf: Box<[u64]> = words.into();
         // SAFETY: zeroed is a valid placeholder for the request out-parameter.
         let mut req = unsafe { std::mem::zeroed::<ffi::MPI_Request>() };
-        // SAFETY: words stays valid and untouched until the request completes below.
-        check(
-            unsafe {
-                ffi::MPI_Iallreduce(
-                    in_place(),
-                    words.as_mut_ptr().cast(),
-                    words.len() as c_int,
-                    ffi::RSMPI_UINT64_T,
-                    ffi::RSMPI_BAND,
-                    self.comm,
-                    &mut req,
-                )
-            },
-            "MPI_Iallreduce(BAND)",
-        )?;
+        // SAFETY: buf stays valid until the request completes (or forever, if it fails).
+        let rc = unsafe {
+            ffi::MPI_Iallreduce(
+                in_place(),
+                buf.as_mut_ptr().cast(),
+                buf.len() as c_int,
+                ffi::RSMPI_UINT64_T,
+                ffi::RSMPI_BAND,
+                self.comm,
+                &mut req,
+            )
+        };
+        check(rc, "MPI_Iallreduce(BAND)")?;
         let start = std::time::Instant::now();
         loop {
             let mut done: c_int = 0;
             // SAFETY: req is the active request created above.
-            check(
-                unsafe { ffi::MPI_Test(&mut req, &mut done, ffi::RSMPI_STATUS_IGNORE) },
-                "MPI_Test",
-            )?;
+            let rc = unsafe { ffi::MPI_Test(&mut req, &mut done, ffi::RSMPI_STATUS_IGNORE) };
+            if let Err(e) = check(rc, "MPI_Test") {
+                Box::leak(buf);
+                return Err(e);
+            }
             if done != 0 {
+                words.copy_from_slice(&buf);
                 return Ok(());
             }
             let waited = start.elapsed();
@@ -640,17 +642,32 @@ impl Transport for MpiComm {
                 "MPI_Alltoallv",
             );
         }
-        // Large: chunked point-to-point, all posted at once.
+        // Large: chunked point-to-point, all posted at once. If posting fails part way, the
+        // requests already posted are cancelled and completed before returning, so none of
+        // them outlives the buffers.
         let mut reqs: Vec<ffi::MPI_Request> = Vec::new();
-        for r in 0..self.size {
-            let incoming = recv[rd[r]..rd[r] + recv_counts[r]].chunks_mut(self.max_count);
-            for (k, c) in incoming.enumerate() {
-                reqs.push(self.post(Direction::Recv, ptr_mut(c), c.len(), r, k)?);
+        let mut posted = || -> Result<()> {
+            for r in 0..self.size {
+                let incoming = recv[rd[r]..rd[r] + recv_counts[r]].chunks_mut(self.max_count);
+                for (k, c) in incoming.enumerate() {
+                    reqs.push(self.post(Direction::Recv, ptr_mut(c), c.len(), r, k)?);
+                }
+                let outgoing = send[sd[r]..sd[r] + send_counts[r]].chunks(self.max_count);
+                for (k, c) in outgoing.enumerate() {
+                    reqs.push(self.post(Direction::Send, ptr(c) as *mut c_void, c.len(), r, k)?);
+                }
             }
-            let outgoing = send[sd[r]..sd[r] + send_counts[r]].chunks(self.max_count);
-            for (k, c) in outgoing.enumerate() {
-                reqs.push(self.post(Direction::Send, ptr(c) as *mut c_void, c.len(), r, k)?);
+            Ok(())
+        };
+        if let Err(e) = posted() {
+            for req in reqs.iter_mut() {
+                // SAFETY: each request was posted above and is still active.
+                unsafe {
+                    ffi::MPI_Cancel(req);
+                    ffi::MPI_Wait(req, ffi::RSMPI_STATUS_IGNORE);
+                }
             }
+            return Err(e);
         }
         // SAFETY: every request was created above.
         check(

@@ -106,6 +106,13 @@ int main(void) {
         CHECK(fv_enqueue(&op, &h) == FV_STATUS_INVALID_ARGUMENT, "bad dtype");
         op.kind = 99;
         CHECK(fv_enqueue(&op, &h) == FV_STATUS_INVALID_ARGUMENT, "bad kind");
+        float buf[5] = {0};
+        t.dtype = FV_DTYPE_F32;
+        t.input = buf;
+        t.output = buf + 1; /* overlaps the input without being it */
+        op.kind = FV_OP_KIND_ALLREDUCE;
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_INVALID_ARGUMENT, "overlapping output");
+        CHECK(strstr(last_error(), "overlaps") != NULL, "%s", last_error());
     }
 
     /* allreduce, in place, waited on by handle */
