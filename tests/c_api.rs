@@ -4,16 +4,17 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-fn target_dir() -> PathBuf {
-    // the test binary lives in target/<profile>/deps
+/// target/<profile>/deps: where this test binary lives and where `cargo test` builds the
+/// library's cdylib for it (target/<profile>/libferrovod.so is only refreshed by `cargo build`).
+fn deps_dir() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
-    exe.parent().unwrap().parent().unwrap().to_path_buf()
+    exe.parent().unwrap().to_path_buf()
 }
 
 #[test]
 fn c_program_runs_collectives_under_mpirun() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let libdir = target_dir();
+    let libdir = deps_dir();
     assert!(
         libdir.join("libferrovod.so").exists(),
         "libferrovod.so not found in {}",
@@ -27,6 +28,9 @@ fn c_program_runs_collectives_under_mpirun() {
         .arg(root.join("tests/c/capi_test.c"))
         .arg("-L")
         .arg(&libdir)
+        // DT_RPATH (not RUNPATH): found before LD_LIBRARY_PATH, which cargo points at
+        // target/<profile>, where a stale copy of the library may sit
+        .arg("-Wl,--disable-new-dtags")
         .arg(format!("-Wl,-rpath,{}", libdir.display()))
         .args(["-lferrovod", "-o"])
         .arg(&bin)
@@ -45,6 +49,7 @@ fn c_program_runs_collectives_under_mpirun() {
             ])
             .args(["--mca", "mpi_yield_when_idle", "1", "--bind-to", "none"])
             .arg(&bin)
+            .env_remove("LD_LIBRARY_PATH")
             .output()
             .expect("mpirun");
         let stdout = String::from_utf8_lossy(&out.stdout);
