@@ -1,0 +1,452 @@
+"""ctypes binding of the ferrovod C API (include/ferrovod.h).
+
+Thin by design: argument marshalling and error mapping only. Negotiation, fusion, validation and
+the collectives live in the Rust library; framework layers (TensorFlow, Keras, the `horovod`
+package) build on the functions here.
+"""
+
+import ctypes
+import os
+import threading
+
+import numpy as np
+
+from ferrovod.exceptions import (
+    FerrovodError,
+    HorovodInternalError,
+    InvalidArgumentError,
+    PreconditionError,
+    ShutDownError,
+)
+
+# fv_status
+OK, UNKNOWN, PRECONDITION, ABORTED, INVALID_ARGUMENT, IN_PROGRESS = 0, 1, 2, 3, 4, 5
+NOT_INITIALIZED, SHUT_DOWN, TIMEOUT, INTERNAL = 6, 7, 8, 9
+
+# fv_op_kind
+ALLREDUCE, ALLGATHER, BROADCAST, JOIN, ALLTOALL, BARRIER, REDUCESCATTER = 0, 1, 2, 3, 5, 6, 7
+
+# fv_reduce_op (Horovod's values)
+AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT = 0, 1, 2, 3, 4, 5
+
+CPU_DEVICE = -1
+
+NOT_INITIALIZED_MESSAGE = "Horovod has not been initialized; use hvd.init()."
+
+_DTYPES = {
+    np.dtype(np.uint8): 0,
+    np.dtype(np.int8): 1,
+    np.dtype(np.uint16): 2,
+    np.dtype(np.int16): 3,
+    np.dtype(np.int32): 4,
+    np.dtype(np.int64): 5,
+    np.dtype(np.float16): 6,
+    np.dtype(np.float32): 7,
+    np.dtype(np.float64): 8,
+    np.dtype(np.bool_): 9,
+}
+BFLOAT16 = 10
+
+
+def dtype_code(dtype):
+    """The fv_dtype of a numpy dtype (bfloat16 from ml_dtypes, as TensorFlow uses, included)."""
+    dtype = np.dtype(dtype)
+    if dtype in _DTYPES:
+        return _DTYPES[dtype]
+    if dtype.name == "bfloat16":
+        return BFLOAT16
+    raise InvalidArgumentError("Tensor type %s is not supported." % dtype)
+
+
+class _Tensor(ctypes.Structure):
+    _fields_ = [
+        ("name", ctypes.c_char_p),
+        ("dtype", ctypes.c_int32),
+        ("ndim", ctypes.c_int32),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("input", ctypes.c_void_p),
+        ("output", ctypes.c_void_p),
+        ("splits", ctypes.POINTER(ctypes.c_int32)),
+        ("nsplits", ctypes.c_int32),
+    ]
+
+
+DONE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int32)
+ALLOC_FN = ctypes.CFUNCTYPE(
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_int32,
+    ctypes.c_int32,
+    ctypes.POINTER(ctypes.c_int64),
+    ctypes.c_uint64,
+)
+
+
+class _Op(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int32),
+        ("reduce_op", ctypes.c_int32),
+        ("prescale", ctypes.c_double),
+        ("postscale", ctypes.c_double),
+        ("root_rank", ctypes.c_int32),
+        ("process_set", ctypes.c_int32),
+        ("device", ctypes.c_int32),
+        ("tensors", ctypes.POINTER(_Tensor)),
+        ("num_tensors", ctypes.c_int32),
+        ("done", DONE_FN),
+        ("done_user_data", ctypes.c_void_p),
+        ("alloc", ALLOC_FN),
+        ("alloc_user_data", ctypes.c_void_p),
+    ]
+
+
+class _InitOptions(ctypes.Structure):
+    _fields_ = [
+        ("ranks", ctypes.POINTER(ctypes.c_int32)),
+        ("num_ranks", ctypes.c_int32),
+        ("use_fortran_comm", ctypes.c_int32),
+        ("fortran_comm", ctypes.c_int32),
+        ("process_set_ranks", ctypes.POINTER(ctypes.c_int32)),
+        ("process_set_sizes", ctypes.POINTER(ctypes.c_int32)),
+        ("num_process_sets", ctypes.c_int32),
+    ]
+
+
+def library_path():
+    """The shared library installed beside this module by `pip install`."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in sorted(os.listdir(here)):
+        if name.startswith("libferrovod") and name.endswith(".so"):
+            return os.path.join(here, name)
+    raise ImportError(
+        "ferrovod's shared library was not found in %s; reinstall with `pip install .`" % here
+    )
+
+
+def _load():
+    # RTLD_GLOBAL: the TensorFlow op library resolves the fv_* symbols from this library.
+    lib = ctypes.CDLL(library_path(), mode=ctypes.RTLD_GLOBAL)
+    i32p = ctypes.POINTER(ctypes.c_int32)
+    sigs = {
+        "fv_last_error": (ctypes.c_int32, [ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
+        "fv_init": (ctypes.c_int32, [ctypes.POINTER(_InitOptions)]),
+        "fv_shutdown": (ctypes.c_int32, []),
+        "fv_is_initialized": (ctypes.c_int32, []),
+        "fv_version": (ctypes.c_char_p, []),
+        "fv_built_with": (ctypes.c_int32, [ctypes.c_char_p]),
+        "fv_enqueue": (ctypes.c_int32, [ctypes.POINTER(_Op), ctypes.POINTER(ctypes.c_uint64)]),
+        "fv_poll": (ctypes.c_int32, [ctypes.c_uint64, i32p]),
+        "fv_wait": (ctypes.c_int32, [ctypes.c_uint64, ctypes.c_double]),
+        "fv_release": (ctypes.c_int32, [ctypes.c_uint64]),
+        "fv_handle_error": (ctypes.c_int32, [ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
+        "fv_handle_output": (ctypes.c_int32, [ctypes.c_uint64, ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_uint64)]),
+        "fv_handle_shape": (ctypes.c_int32, [ctypes.c_uint64, ctypes.c_int32, ctypes.POINTER(ctypes.c_int64), ctypes.c_int32, i32p]),
+        "fv_handle_received_splits": (ctypes.c_int32, [ctypes.c_uint64, ctypes.c_int32, i32p, ctypes.c_int32, i32p]),
+        "fv_handle_value": (ctypes.c_int32, [ctypes.c_uint64, i32p]),
+        "fv_add_process_set": (ctypes.c_int32, [i32p, ctypes.c_int32, i32p]),
+        "fv_remove_process_set": (ctypes.c_int32, [ctypes.c_int32]),
+        "fv_process_set_ids": (ctypes.c_int32, [i32p, ctypes.c_int32, i32p]),
+        "fv_process_set_ranks": (ctypes.c_int32, [ctypes.c_int32, i32p, ctypes.c_int32, i32p]),
+        "fv_process_set_size": (ctypes.c_int32, [ctypes.c_int32, i32p]),
+        "fv_process_set_rank": (ctypes.c_int32, [ctypes.c_int32, i32p]),
+    }
+    for name in ("fv_rank", "fv_size", "fv_local_rank", "fv_local_size", "fv_cross_rank",
+                 "fv_cross_size", "fv_is_homogeneous", "fv_mpi_threads_supported"):
+        sigs[name] = (ctypes.c_int32, [i32p])
+    for name, (res, args) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype = res
+        fn.argtypes = args
+    return lib
+
+
+LIB = _load()
+
+
+def last_error():
+    buf = ctypes.create_string_buffer(4096)
+    LIB.fv_last_error(buf, len(buf), None)
+    return buf.value.decode("utf-8", "replace")
+
+
+def error_for(status, message):
+    """The exception for a failed status (one mapping, used by every binding)."""
+    if status == INVALID_ARGUMENT:
+        return InvalidArgumentError(message)
+    if status == PRECONDITION:
+        return PreconditionError(message)
+    if status == NOT_INITIALIZED:
+        return ValueError(message or NOT_INITIALIZED_MESSAGE)
+    if status == SHUT_DOWN:
+        return ShutDownError(message)
+    if status == TIMEOUT:
+        return TimeoutError(message)
+    if status in (UNKNOWN, ABORTED, INTERNAL):
+        return HorovodInternalError(message)
+    return FerrovodError(message)
+
+
+def check(status):
+    if status != OK:
+        raise error_for(status, last_error())
+
+
+def _i32_array(values):
+    return (ctypes.c_int32 * len(values))(*values)
+
+
+def init(ranks=None, fortran_comm=None, process_sets=None):
+    """Starts ferrovod on all ranks, on `ranks` of MPI_COMM_WORLD, or on a communicator given by
+    its Fortran handle (mpi4py: `comm.py2f()`). `process_sets`: lists of ranks."""
+    opts = _InitOptions()
+    keep = []
+    if fortran_comm is not None:
+        opts.use_fortran_comm = 1
+        opts.fortran_comm = int(fortran_comm)
+    elif ranks is not None:
+        arr = _i32_array([int(r) for r in ranks])
+        keep.append(arr)
+        opts.ranks = arr
+        opts.num_ranks = len(arr)
+    if process_sets:
+        flat = [int(r) for ps in process_sets for r in ps]
+        sizes = [len(ps) for ps in process_sets]
+        fa, sa = _i32_array(flat), _i32_array(sizes)
+        keep.extend([fa, sa])
+        opts.process_set_ranks = fa
+        opts.process_set_sizes = sa
+        opts.num_process_sets = len(sizes)
+    check(LIB.fv_init(ctypes.byref(opts)))
+
+
+def shutdown():
+    check(LIB.fv_shutdown())
+
+
+def is_initialized():
+    return bool(LIB.fv_is_initialized())
+
+
+def _query(fn):
+    out = ctypes.c_int32()
+    status = fn(ctypes.byref(out))
+    if status == NOT_INITIALIZED:
+        raise ValueError(NOT_INITIALIZED_MESSAGE)
+    check(status)
+    return out.value
+
+
+def rank():
+    return _query(LIB.fv_rank)
+
+
+def size():
+    return _query(LIB.fv_size)
+
+
+def local_rank():
+    return _query(LIB.fv_local_rank)
+
+
+def local_size():
+    return _query(LIB.fv_local_size)
+
+
+def cross_rank():
+    return _query(LIB.fv_cross_rank)
+
+
+def cross_size():
+    return _query(LIB.fv_cross_size)
+
+
+def is_homogeneous():
+    return bool(_query(LIB.fv_is_homogeneous))
+
+
+def mpi_threads_supported():
+    return bool(_query(LIB.fv_mpi_threads_supported))
+
+
+def version():
+    return LIB.fv_version().decode()
+
+
+def built_with(what):
+    return bool(LIB.fv_built_with(what.encode()))
+
+
+def _list(fn, *args):
+    buf = (ctypes.c_int32 * 4096)()
+    n = ctypes.c_int32()
+    check(fn(*args, buf, len(buf), ctypes.byref(n)))
+    return list(buf[: n.value])
+
+
+def process_set_ids():
+    return _list(LIB.fv_process_set_ids)
+
+
+def process_set_ranks(set_id):
+    return _list(LIB.fv_process_set_ranks, int(set_id))
+
+
+def process_set_size(set_id):
+    out = ctypes.c_int32()
+    check(LIB.fv_process_set_size(int(set_id), ctypes.byref(out)))
+    return out.value
+
+
+def process_set_rank(set_id):
+    out = ctypes.c_int32()
+    check(LIB.fv_process_set_rank(int(set_id), ctypes.byref(out)))
+    return out.value
+
+
+def add_process_set(ranks):
+    arr = _i32_array(sorted(int(r) for r in ranks))
+    out = ctypes.c_int32()
+    check(LIB.fv_add_process_set(arr, len(arr), ctypes.byref(out)))
+    return out.value
+
+
+def remove_process_set(set_id):
+    check(LIB.fv_remove_process_set(int(set_id)))
+
+
+class Handle:
+    """An enqueued operation. Keeps its numpy inputs and outputs alive until completion."""
+
+    def __init__(self, hid, keep, outputs, kind):
+        self.id = hid
+        self._keep = keep
+        self._outputs = outputs
+        self._kind = kind
+        self._released = False
+
+    def poll(self):
+        done = ctypes.c_int32()
+        check(LIB.fv_poll(self.id, ctypes.byref(done)))
+        return bool(done.value)
+
+    def _error(self):
+        buf = ctypes.create_string_buffer(4096)
+        LIB.fv_handle_error(self.id, buf, len(buf), None)
+        return buf.value.decode("utf-8", "replace")
+
+    def _library_output(self, index, dtype):
+        ptr = ctypes.c_void_p()
+        nbytes = ctypes.c_uint64()
+        check(LIB.fv_handle_output(self.id, index, ctypes.byref(ptr), ctypes.byref(nbytes)))
+        shape = (ctypes.c_int64 * 32)()
+        ndim = ctypes.c_int32()
+        check(LIB.fv_handle_shape(self.id, index, shape, 32, ctypes.byref(ndim)))
+        dims = tuple(shape[: ndim.value])
+        raw = ctypes.string_at(ptr.value, nbytes.value) if nbytes.value else b""
+        return np.frombuffer(raw, dtype=dtype).reshape(dims).copy()
+
+    def received_splits(self, index=0):
+        buf = (ctypes.c_int32 * 65536)()
+        n = ctypes.c_int32()
+        check(LIB.fv_handle_received_splits(self.id, index, buf, len(buf), ctypes.byref(n)))
+        return np.array(buf[: n.value], dtype=np.int32)
+
+    def value(self):
+        out = ctypes.c_int32()
+        check(LIB.fv_handle_value(self.id, ctypes.byref(out)))
+        return out.value
+
+    def wait(self, timeout=None):
+        """Blocks (without holding the GIL) until completion; returns the outputs."""
+        status = LIB.fv_wait(self.id, -1.0 if timeout is None else float(timeout))
+        if status == TIMEOUT:
+            raise TimeoutError("operation %d did not complete in %s s" % (self.id, timeout))
+        try:
+            if status != OK:
+                raise error_for(status, self._error() or last_error())
+            results = []
+            for i, out in enumerate(self._outputs):
+                if isinstance(out, np.ndarray):
+                    results.append(out)
+                elif out is not None:
+                    results.append(self._library_output(i, out))
+                else:
+                    results.append(None)
+            if self._kind == ALLTOALL:
+                return [(r, self.received_splits(i)) for i, r in enumerate(results)]
+            return results
+        finally:
+            self.release()
+
+    def release(self):
+        if not self._released:
+            self._released = True
+            LIB.fv_release(self.id)
+            self._keep = None
+
+
+_name_lock = threading.Lock()
+_name_counter = [0]
+
+
+def auto_name(prefix):
+    """`<prefix>.noname.<n>`: unnamed ops must then be issued in the same order on every rank."""
+    with _name_lock:
+        _name_counter[0] += 1
+        return "%s.noname.%d" % (prefix, _name_counter[0])
+
+
+def enqueue(kind, arrays, names, reduce_op=SUM, prescale=1.0, postscale=1.0, root_rank=0,
+            process_set=0, splits=None, inplace=False):
+    """Enqueues one operation over numpy `arrays` (one name each) and returns a Handle.
+
+    Allreduce/broadcast write a new array (or the input itself with `inplace=True`);
+    allgather/alltoall/reducescatter outputs are allocated by ferrovod and copied out on wait.
+    """
+    arrays = [np.ascontiguousarray(a) for a in arrays]
+    n = len(arrays)
+    tensors = (_Tensor * max(n, 1))()
+    keep = [tensors]
+    outputs = []
+    later = kind in (ALLGATHER, ALLTOALL, REDUCESCATTER)
+    for i, (a, name) in enumerate(zip(arrays, names)):
+        shape = (ctypes.c_int64 * max(a.ndim, 1))(*a.shape)
+        bname = name.encode()
+        keep.extend([a, shape, bname])
+        t = tensors[i]
+        t.name = bname
+        t.dtype = dtype_code(a.dtype)
+        t.ndim = a.ndim
+        t.shape = shape
+        t.input = a.ctypes.data
+        if later:
+            t.output = None
+            outputs.append(a.dtype)
+        elif inplace:
+            t.output = a.ctypes.data
+            outputs.append(a)
+        else:
+            out = np.empty_like(a)
+            keep.append(out)
+            t.output = out.ctypes.data
+            outputs.append(out)
+        if splits is not None and kind == ALLTOALL:
+            s = _i32_array([int(x) for x in np.asarray(splits).reshape(-1)])
+            keep.append(s)
+            t.splits = s
+            t.nsplits = len(s)
+    if kind in (JOIN, BARRIER):
+        outputs = [None]
+    op = _Op()
+    op.kind = kind
+    op.reduce_op = reduce_op
+    op.prescale = prescale
+    op.postscale = postscale
+    op.root_rank = root_rank
+    op.process_set = process_set
+    op.device = CPU_DEVICE
+    op.tensors = tensors
+    op.num_tensors = n
+    hid = ctypes.c_uint64()
+    check(LIB.fv_enqueue(ctypes.byref(op), ctypes.byref(hid)))
+    return Handle(hid.value, keep, outputs, kind)

@@ -1,0 +1,96 @@
+"""Run under `mpirun -np 2` (and 4): the horovod.common API and ferrovod's Python core on numpy
+arrays, checked against values each rank computes itself."""
+
+import numpy as np
+import pytest
+
+from ferrovod import _core
+from ferrovod.exceptions import InvalidArgumentError, PreconditionError
+from horovod.common import process_sets as ps
+from horovod.common.basics import HorovodBasics
+from horovod.runner.common.util.env import get_env_rank_and_size
+
+hvd = HorovodBasics()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def initialized():
+    hvd.init()
+    yield
+    _core.enqueue(_core.BARRIER, [], []).wait()
+
+
+def test_topology_matches_launcher():
+    rank, size = get_env_rank_and_size()
+    assert (hvd.rank(), hvd.size()) == (rank, size)
+    assert hvd.local_rank() == rank and hvd.local_size() == size
+    assert hvd.cross_rank() == 0 and hvd.cross_size() == 1
+    assert hvd.is_homogeneous() and hvd.mpi_threads_supported() and hvd.mpi_built()
+    assert hvd.nccl_built() == 0 and not hvd.gloo_built()
+    assert (hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max, hvd.Product) == (0, 1, 2, 3, 4, 5)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int32, np.int64, np.float16, np.float32, np.float64])
+def test_allreduce_sum_and_average(dtype):
+    r, n = hvd.rank(), hvd.size()
+    x = (np.arange(12) % 5 + r).astype(dtype).reshape(3, 4)
+    want = sum((np.arange(12) % 5 + k) for k in range(n)).reshape(3, 4)
+    (got,) = _core.enqueue(_core.ALLREDUCE, [x], ["sum.%s" % np.dtype(dtype).name]).wait()
+    np.testing.assert_array_equal(got, want.astype(dtype))
+    (avg,) = _core.enqueue(_core.ALLREDUCE, [x], ["avg.%s" % np.dtype(dtype).name], reduce_op=_core.AVERAGE).wait()
+    np.testing.assert_allclose(avg.astype(np.float64), np.trunc(want / n) if np.dtype(dtype).kind in "iu" else want / n, rtol=1e-3)
+
+
+def test_allgather_alltoall_broadcast_reducescatter():
+    r, n = hvd.rank(), hvd.size()
+    (g,) = _core.enqueue(_core.ALLGATHER, [np.full((r + 1, 2), r, np.int32)], ["ag"]).wait()
+    np.testing.assert_array_equal(g, np.concatenate([np.full((k + 1, 2), k, np.int32) for k in range(n)]))
+    x = np.arange(n * 2, dtype=np.float32) + 100 * r
+    ((a, splits),) = _core.enqueue(_core.ALLTOALL, [x], ["a2a"]).wait()
+    np.testing.assert_array_equal(splits, np.full(n, 2))
+    np.testing.assert_array_equal(a, np.concatenate([np.arange(2 * r, 2 * r + 2) + 100 * k for k in range(n)]).astype(np.float32))
+    (b,) = _core.enqueue(_core.BROADCAST, [np.full(3, r, np.int64)], ["bc"], root_rank=n - 1).wait()
+    np.testing.assert_array_equal(b, np.full(3, n - 1))
+    rows = 2 * n + 1
+    (rs,) = _core.enqueue(_core.REDUCESCATTER, [np.ones((rows, 2), np.float64)], ["rs"]).wait()
+    assert rs.shape == (rows // n + (1 if r < rows % n else 0), 2)
+    np.testing.assert_array_equal(rs, np.full(rs.shape, n))
+
+
+def test_errors_map_to_exception_types():
+    r = hvd.rank()
+    with pytest.raises(PreconditionError, match="Mismatched ALLREDUCE tensor shapes"):
+        _core.enqueue(_core.ALLREDUCE, [np.ones(r + 1, np.float32)], ["mismatch"]).wait()
+    h = _core.enqueue(_core.ALLREDUCE, [np.ones(1, np.float32)], ["dup"])
+    with pytest.raises(InvalidArgumentError, match="same name as another tensor"):
+        _core.enqueue(_core.ALLREDUCE, [np.ones(1, np.float32)], ["dup"])
+    h.wait()
+    with pytest.raises(InvalidArgumentError, match="not supported"):
+        _core.enqueue(_core.ALLREDUCE, [np.array(["a"])], ["str"])
+
+
+def test_process_sets():
+    r, n = hvd.rank(), hvd.size()
+    assert ps.global_process_set.ranks == list(range(n))
+    assert ps.global_process_set.size() == n and ps.global_process_set.included()
+    lower = ps.add_process_set([0])
+    assert lower.process_set_id is not None and lower.ranks == [0]
+    assert lower.included() == (r == 0)
+    assert lower.rank() == (0 if r == 0 else -1)
+    with pytest.raises(ValueError):
+        ps.add_process_set(lower)
+    if r == 0:
+        (x,) = _core.enqueue(_core.ALLREDUCE, [np.ones(2, np.float32)], ["solo"], process_set=lower.process_set_id).wait()
+        np.testing.assert_array_equal(x, np.ones(2))
+    assert ps.remove_process_set(lower)
+    assert lower.process_set_id is None
+    assert not ps.remove_process_set(ps.global_process_set)
+
+
+def test_join_returns_last_rank():
+    r, n = hvd.rank(), hvd.size()
+    if r == 0:
+        (x,) = _core.enqueue(_core.ALLREDUCE, [np.full(3, 5.0, np.float32)], ["joinee"]).wait()
+        np.testing.assert_array_equal(x, np.full(3, 5.0))  # the joined ranks added zeros
+    h = _core.enqueue(_core.JOIN, [], [])
+    h.wait()
