@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates the virtual environment .venv and installs ferrovod's Python packages into it
-# (`pip install .` builds the Rust library through setuptools-rust), plus what the tests use.
+# (`pip install .` builds the Rust library through setuptools-rust), plus TensorFlow and pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -8,5 +8,7 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q pytest
+.venv/bin/python -m pip install -q pytest "tensorflow-cpu==2.21.0"
 .venv/bin/python -m pip install -q .
+# compile the TensorFlow op library now (it is cached per TensorFlow version), not in every rank
+.venv/bin/python -c "import ferrovod.tensorflow"

@@ -1,0 +1,425 @@
+// TensorFlow ops over ferrovod's C API (include/ferrovod.h). Op names and attributes are
+// Horovod's, so graphs and code that look for them keep working. Every collective is an
+// AsyncOpKernel: it enqueues and returns; ferrovod's completion callback (on its background
+// thread) sets the status and calls `done`, so no TensorFlow thread blocks.
+//
+// Built by ferrovod/tensorflow/build.py against the installed TensorFlow's headers. The fv_*
+// symbols are resolved at load time from libferrovod, which ferrovod._core loads RTLD_GLOBAL.
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ferrovod.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace ferrovod_tf {
+
+using ::tensorflow::AsyncOpKernel;
+using ::tensorflow::DataType;
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+namespace errors = ::tensorflow::errors;
+using ::tensorflow::shape_inference::InferenceContext;
+
+int32_t DtypeCode(DataType t) {
+  switch (t) {
+    case ::tensorflow::DT_UINT8: return FV_DTYPE_U8;
+    case ::tensorflow::DT_INT8: return FV_DTYPE_I8;
+    case ::tensorflow::DT_UINT16: return FV_DTYPE_U16;
+    case ::tensorflow::DT_INT16: return FV_DTYPE_I16;
+    case ::tensorflow::DT_INT32: return FV_DTYPE_I32;
+    case ::tensorflow::DT_INT64: return FV_DTYPE_I64;
+    case ::tensorflow::DT_HALF: return FV_DTYPE_F16;
+    case ::tensorflow::DT_BFLOAT16: return FV_DTYPE_BF16;
+    case ::tensorflow::DT_FLOAT: return FV_DTYPE_F32;
+    case ::tensorflow::DT_DOUBLE: return FV_DTYPE_F64;
+    case ::tensorflow::DT_BOOL: return FV_DTYPE_BOOL;
+    default: return -1;
+  }
+}
+
+// ferrovod status → TensorFlow status (Horovod's mapping: mismatches are FailedPrecondition,
+// enqueue-time rejections InvalidArgument).
+absl::Status ToStatus(int32_t code, const std::string& msg) {
+  switch (code) {
+    case FV_STATUS_OK: return absl::OkStatus();
+    case FV_STATUS_PRECONDITION: return errors::FailedPrecondition(msg);
+    case FV_STATUS_ABORTED: return errors::Aborted(msg);
+    case FV_STATUS_INVALID_ARGUMENT: return errors::InvalidArgument(msg);
+    case FV_STATUS_NOT_INITIALIZED: return errors::FailedPrecondition(msg);
+    default: return errors::Unknown(msg);
+  }
+}
+
+std::string LastError() {
+  char buf[4096];
+  fv_last_error(buf, sizeof buf, nullptr);
+  return buf;
+}
+
+// The node name (optionally without its name scope) is the rendezvous name, as in Horovod.
+std::string TensorName(const OpKernel& k, bool ignore_name_scope) {
+  std::string n = k.name();
+  if (ignore_name_scope) {
+    auto pos = n.rfind('/');
+    if (pos != std::string::npos) n = n.substr(pos + 1);
+  }
+  return n;
+}
+
+// Everything one enqueued op needs until completion; freed by the completion callback.
+struct Pending {
+  OpKernelContext* ctx;
+  AsyncOpKernel::DoneCallback done;
+  std::vector<Tensor> keep;                // inputs (refcounted buffers stay alive)
+  std::vector<std::string> names;
+  std::vector<std::vector<int64_t>> shapes;
+  std::vector<int32_t> splits;
+  std::vector<fv_tensor> tensors;
+  bool splits_output = false;              // alltoall: second output = received splits
+  bool join_output = false;                // join: output = last joined rank
+};
+
+void OnDone(void* user, fv_handle h, int32_t code) {
+  std::unique_ptr<Pending> p(static_cast<Pending*>(user));
+  if (code != FV_STATUS_OK) {
+    char buf[4096] = {0};
+    fv_handle_error(h, buf, sizeof buf, nullptr);
+    p->ctx->SetStatus(ToStatus(code, buf));
+  } else if (p->splits_output) {
+    std::vector<int32_t> got(4096);
+    int32_t n = 0;
+    fv_handle_received_splits(h, 0, got.data(), static_cast<int32_t>(got.size()), &n);
+    Tensor* out = nullptr;
+    auto s = p->ctx->allocate_output(1, TensorShape({n}), &out);
+    if (s.ok()) std::memcpy(out->flat<int32_t>().data(), got.data(), sizeof(int32_t) * n);
+    p->ctx->SetStatus(s);
+  } else if (p->join_output) {
+    int32_t last = -1;
+    fv_handle_value(h, &last);
+    Tensor* out = nullptr;
+    auto s = p->ctx->allocate_output(0, TensorShape({}), &out);
+    if (s.ok()) out->scalar<int32_t>()() = last;
+    p->ctx->SetStatus(s);
+  }
+  p->done();
+}
+
+// Output `index` of the op allocated once ferrovod knows its shape (allgather, alltoall,
+// reducescatter), on ferrovod's background thread.
+void* AllocOutput(void* user, int32_t index, int32_t ndim, const int64_t* shape, uint64_t bytes) {
+  auto* p = static_cast<Pending*>(user);
+  TensorShape ts;
+  for (int i = 0; i < ndim; ++i) ts.AddDim(shape[i]);
+  Tensor* out = nullptr;
+  if (!p->ctx->allocate_output(index, ts, &out).ok()) return nullptr;
+  (void)bytes;
+  return const_cast<char*>(out->tensor_data().data());
+}
+
+class CollectiveOp : public AsyncOpKernel {
+ public:
+  CollectiveOp(OpKernelConstruction* c, int32_t kind) : AsyncOpKernel(c), kind_(kind) {
+    if (c->HasAttr("reduce_op")) OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op_));
+    if (c->HasAttr("prescale_factor")) OP_REQUIRES_OK(c, c->GetAttr("prescale_factor", &prescale_));
+    if (c->HasAttr("postscale_factor")) OP_REQUIRES_OK(c, c->GetAttr("postscale_factor", &postscale_));
+    if (c->HasAttr("root_rank")) OP_REQUIRES_OK(c, c->GetAttr("root_rank", &root_rank_));
+    if (c->HasAttr("ignore_name_scope")) OP_REQUIRES_OK(c, c->GetAttr("ignore_name_scope", &ignore_name_scope_));
+    if (c->HasAttr("process_set_id")) OP_REQUIRES_OK(c, c->GetAttr("process_set_id", &process_set_));
+    if (c->HasAttr("num_tensors")) OP_REQUIRES_OK(c, c->GetAttr("num_tensors", &num_tensors_));
+  }
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    auto p = std::make_unique<Pending>();
+    p->ctx = ctx;
+    p->done = done;
+    const bool later = kind_ == FV_OP_KIND_ALLGATHER || kind_ == FV_OP_KIND_ALLTOALL ||
+                       kind_ == FV_OP_KIND_REDUCESCATTER;
+    const bool no_tensors = kind_ == FV_OP_KIND_JOIN || kind_ == FV_OP_KIND_BARRIER;
+    const int n = no_tensors ? 0 : num_tensors_;
+    std::string base = TensorName(*this, ignore_name_scope_);
+    p->names.reserve(n);
+    p->shapes.reserve(n);
+    p->tensors.resize(n);
+    for (int i = 0; i < n; ++i) {
+      const Tensor& in = ctx->input(i);
+      int32_t dt = DtypeCode(in.dtype());
+      OP_REQUIRES_ASYNC(ctx, dt >= 0,
+                        errors::InvalidArgument("ferrovod does not support dtype ",
+                                                ::tensorflow::DataTypeString(in.dtype())),
+                        done);
+      p->keep.push_back(in);
+      p->names.push_back(n > 1 ? base + "_" + std::to_string(i + 1) + "of" + std::to_string(n) : base);
+      std::vector<int64_t> dims;
+      for (int d = 0; d < in.dims(); ++d) dims.push_back(in.dim_size(d));
+      p->shapes.push_back(dims);
+      fv_tensor& t = p->tensors[i];
+      std::memset(&t, 0, sizeof t);
+      t.dtype = dt;
+      t.ndim = static_cast<int32_t>(dims.size());
+      t.input = in.tensor_data().data();
+      if (!later) {
+        Tensor* out = nullptr;
+        OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(i, in.shape(), &out), done);
+        t.output = const_cast<char*>(out->tensor_data().data());
+      }
+    }
+    if (kind_ == FV_OP_KIND_ALLTOALL) {
+      const Tensor& s = ctx->input(1);
+      auto flat = s.flat<int32_t>();
+      p->splits.assign(flat.data(), flat.data() + flat.size());
+      p->splits_output = true;
+      if (!p->splits.empty()) {
+        p->tensors[0].splits = p->splits.data();
+        p->tensors[0].nsplits = static_cast<int32_t>(p->splits.size());
+      }
+    }
+    p->join_output = kind_ == FV_OP_KIND_JOIN;
+    for (int i = 0; i < n; ++i) {  // pointers into vectors that no longer grow
+      p->tensors[i].name = p->names[i].c_str();
+      p->tensors[i].shape = p->shapes[i].data();
+    }
+    fv_op op;
+    std::memset(&op, 0, sizeof op);
+    op.kind = kind_;
+    op.reduce_op = reduce_op_;
+    op.prescale = prescale_;
+    op.postscale = postscale_;
+    op.root_rank = root_rank_;
+    op.process_set = process_set_;
+    op.device = FV_CPU_DEVICE;
+    op.tensors = p->tensors.data();
+    op.num_tensors = n;
+    op.done = OnDone;
+    op.done_user_data = p.get();
+    if (later) {
+      op.alloc = AllocOutput;
+      op.alloc_user_data = p.get();
+    }
+    Pending* raw = p.release();
+    int32_t code = fv_enqueue(&op, nullptr);
+    if (code != FV_STATUS_OK) {
+      std::unique_ptr<Pending> back(raw);
+      ctx->SetStatus(ToStatus(code, LastError()));
+      done();
+    }
+  }
+
+ private:
+  int32_t kind_;
+  int reduce_op_ = FV_REDUCE_OP_SUM;
+  float prescale_ = 1.0f;
+  float postscale_ = 1.0f;
+  int root_rank_ = 0;
+  bool ignore_name_scope_ = false;
+  int process_set_ = 0;
+  int num_tensors_ = 1;
+};
+
+template <int32_t Kind>
+class KindOp : public CollectiveOp {
+ public:
+  explicit KindOp(OpKernelConstruction* c) : CollectiveOp(c, Kind) {}
+};
+
+// Size/rank queries as ops (scalar int32, computed when the op runs).
+template <fv_status (*Fn)(int32_t*)>
+class QueryOp : public OpKernel {
+ public:
+  explicit QueryOp(OpKernelConstruction* c) : OpKernel(c) {}
+  void Compute(OpKernelContext* ctx) override {
+    int32_t v = -1;
+    int32_t code = Fn(&v);
+    OP_REQUIRES(ctx, code == FV_STATUS_OK, ToStatus(code, LastError()));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int32_t>()() = v;
+  }
+};
+
+class ProcessSetQueryOp : public OpKernel {
+ public:
+  ProcessSetQueryOp(OpKernelConstruction* c, bool included) : OpKernel(c), included_(included) {
+    OP_REQUIRES_OK(c, c->GetAttr("process_set_id", &process_set_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    int32_t v = -1;
+    int32_t code = included_ ? fv_process_set_rank(process_set_, &v) : fv_process_set_size(process_set_, &v);
+    OP_REQUIRES(ctx, code == FV_STATUS_OK, ToStatus(code, LastError()));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int32_t>()() = included_ ? (v >= 0 ? 1 : 0) : v;
+  }
+
+ private:
+  bool included_;
+  int process_set_ = 0;
+};
+
+class SizeOp : public ProcessSetQueryOp {
+ public:
+  explicit SizeOp(OpKernelConstruction* c) : ProcessSetQueryOp(c, false) {}
+};
+
+class IncludedOp : public ProcessSetQueryOp {
+ public:
+  explicit IncludedOp(OpKernelConstruction* c) : ProcessSetQueryOp(c, true) {}
+};
+
+absl::Status SameShapes(InferenceContext* c) {
+  for (int i = 0; i < c->num_outputs(); ++i) c->set_output(i, c->input(i));
+  return absl::OkStatus();
+}
+
+absl::Status FirstDimUnknown(InferenceContext* c) {
+  for (int i = 0; i < c->num_outputs(); ++i) {
+    ::tensorflow::shape_inference::ShapeHandle out;
+    if (c->RankKnown(c->input(i)) && c->Rank(c->input(i)) > 0) {
+      TF_RETURN_IF_ERROR(c->ReplaceDim(c->input(i), 0, c->UnknownDim(), &out));
+    } else {
+      out = c->UnknownShape();
+    }
+    c->set_output(i, out);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Scalar(InferenceContext* c) {
+  c->set_output(0, c->Scalar());
+  return absl::OkStatus();
+}
+
+}  // namespace ferrovod_tf
+
+using namespace ferrovod_tf;  // NOLINT: registration macros below
+
+#define FV_REDUCE_TYPES "T: {uint8, int8, int32, int64, float16, bfloat16, float32, float64}"
+#define FV_ALL_TYPES "T: {uint8, int8, uint16, int16, int32, int64, float16, bfloat16, float32, float64, bool}"
+
+REGISTER_OP("HorovodAllreduce")
+    .Attr(FV_REDUCE_TYPES)
+    .Attr("reduce_op: int")
+    .Attr("prescale_factor: float")
+    .Attr("postscale_factor: float")
+    .Attr("ignore_name_scope: bool = False")
+    .Attr("process_set_id: int = 0")
+    .Input("tensor: T")
+    .Output("sum: T")
+    .SetShapeFn(SameShapes);
+REGISTER_KERNEL_BUILDER(Name("HorovodAllreduce").Device(::tensorflow::DEVICE_CPU), KindOp<FV_OP_KIND_ALLREDUCE>);
+
+REGISTER_OP("HorovodGroupedAllreduce")
+    .Attr(FV_REDUCE_TYPES)
+    .Attr("reduce_op: int")
+    .Attr("prescale_factor: float")
+    .Attr("postscale_factor: float")
+    .Attr("num_tensors: int")
+    .Attr("ignore_name_scope: bool = False")
+    .Attr("process_set_id: int = 0")
+    .Input("tensors: num_tensors*T")
+    .Output("sum: num_tensors*T")
+    .SetShapeFn(SameShapes);
+REGISTER_KERNEL_BUILDER(Name("HorovodGroupedAllreduce").Device(::tensorflow::DEVICE_CPU), KindOp<FV_OP_KIND_ALLREDUCE>);
+
+REGISTER_OP("HorovodAllgather")
+    .Attr(FV_ALL_TYPES)
+    .Attr("ignore_name_scope: bool = False")
+    .Attr("process_set_id: int = 0")
+    .Input("tensor: T")
+    .Output("output: T")
+    .SetShapeFn(FirstDimUnknown);
+REGISTER_KERNEL_BUILDER(Name("HorovodAllgather").Device(::tensorflow::DEVICE_CPU), KindOp<FV_OP_KIND_ALLGATHER>);
+
+REGISTER_OP("HorovodGroupedAllgather")
+    .Attr(FV_ALL_TYPES)
+    .Attr("num_tensors: int")
+    .Attr("ignore_name_scope: bool = False")
+    .Attr("process_set_id: int = 0")
+    .Input("tensors: num_tensors*T")
+    .Output("output: num_tensors*T")
+    .SetShapeFn(FirstDimUnknown);
+REGISTER_KERNEL_BUILDER(Name("HorovodGroupedAllgather").Device(::tensorflow::DEVICE_CPU), KindOp<FV_OP_KIND_ALLGATHER>);
+
+REGISTER_OP("HorovodBroadcast")
+    .Attr(FV_ALL_TYPES)
+    .Attr("root_rank: int")
+    .Attr("ignore_name_scope: bool = False")
+    .Attr("process_set_id: int = 0")
+    .Input("tensor: T")
+    .Output("output: T")
+    .SetShapeFn(SameShapes);
+REGISTER_KERNEL_BUILDER(Name("HorovodBroadcast").Device(::tensorflow::DEVICE_CPU), KindOp<FV_OP_KIND_BROADCAST>);
+
+REGISTER_OP("HorovodAlltoall")
+    .Attr(FV_ALL_TYPES)
+    .Attr("ignore_name_scope: bool = False")
+    .Attr("process_set_id: int = 0")
+    .Input("tensor: T")
+    .Input("splits: int32")
+    .Output("output: T")
+    .Output("received_splits: int32")
+    .SetShapeFn([](InferenceContext* c) {
+      ::tensorflow::shape_inference::ShapeHandle out;
+      if (c->RankKnown(c->input(0)) && c->Rank(c->input(0)) > 0) {
+        TF_RETURN_IF_ERROR(c->ReplaceDim(c->input(0), 0, c->UnknownDim(), &out));
+      } else {
+        out = c->UnknownShape();
+      }
+      c->set_output(0, out);
+      c->set_output(1, c->Vector(c->UnknownDim()));
+      return absl::OkStatus();
+    });
+REGISTER_KERNEL_BUILDER(Name("HorovodAlltoall").Device(::tensorflow::DEVICE_CPU), KindOp<FV_OP_KIND_ALLTOALL>);
+
+REGISTER_OP("HorovodReducescatter")
+    .Attr("T: {int32, int64, float16, bfloat16, float32, float64}")
+    .Attr("reduce_op: int")
+    .Attr("prescale_factor: float = 1.0")
+    .Attr("postscale_factor: float = 1.0")
+    .Attr("ignore_name_scope: bool = False")
+    .Attr("process_set_id: int = 0")
+    .Input("tensor: T")
+    .Output("output: T")
+    .SetShapeFn(FirstDimUnknown);
+REGISTER_KERNEL_BUILDER(Name("HorovodReducescatter").Device(::tensorflow::DEVICE_CPU), KindOp<FV_OP_KIND_REDUCESCATTER>);
+
+REGISTER_OP("HorovodGroupedReducescatter")
+    .Attr("T: {int32, int64, float16, bfloat16, float32, float64}")
+    .Attr("reduce_op: int")
+    .Attr("prescale_factor: float = 1.0")
+    .Attr("postscale_factor: float = 1.0")
+    .Attr("num_tensors: int")
+    .Attr("ignore_name_scope: bool = False")
+    .Attr("process_set_id: int = 0")
+    .Input("tensors: num_tensors*T")
+    .Output("output: num_tensors*T")
+    .SetShapeFn(FirstDimUnknown);
+REGISTER_KERNEL_BUILDER(Name("HorovodGroupedReducescatter").Device(::tensorflow::DEVICE_CPU), KindOp<FV_OP_KIND_REDUCESCATTER>);
+
+REGISTER_OP("HorovodJoin").Output("last_joined_rank: int32").SetIsStateful().SetShapeFn(Scalar);
+REGISTER_KERNEL_BUILDER(Name("HorovodJoin").Device(::tensorflow::DEVICE_CPU), KindOp<FV_OP_KIND_JOIN>);
+
+REGISTER_OP("HorovodBarrier").Attr("process_set_id: int = 0").SetIsStateful();
+REGISTER_KERNEL_BUILDER(Name("HorovodBarrier").Device(::tensorflow::DEVICE_CPU), KindOp<FV_OP_KIND_BARRIER>);
+
+REGISTER_OP("HorovodSize").Attr("process_set_id: int = 0").Output("size: int32").SetIsStateful().SetShapeFn(Scalar);
+REGISTER_KERNEL_BUILDER(Name("HorovodSize").Device(::tensorflow::DEVICE_CPU), SizeOp);
+
+REGISTER_OP("HorovodProcessSetIncluded").Attr("process_set_id: int = 0").Output("included: int32").SetIsStateful().SetShapeFn(Scalar);
+REGISTER_KERNEL_BUILDER(Name("HorovodProcessSetIncluded").Device(::tensorflow::DEVICE_CPU), IncludedOp);
+
+REGISTER_OP("HorovodLocalSize").Output("local_size: int32").SetIsStateful().SetShapeFn(Scalar);
+REGISTER_KERNEL_BUILDER(Name("HorovodLocalSize").Device(::tensorflow::DEVICE_CPU), QueryOp<fv_local_size>);
+
+REGISTER_OP("HorovodRank").Output("rank: int32").SetIsStateful().SetShapeFn(Scalar);
+REGISTER_KERNEL_BUILDER(Name("HorovodRank").Device(::tensorflow::DEVICE_CPU), QueryOp<fv_rank>);
+
+REGISTER_OP("HorovodLocalRank").Output("local_rank: int32").SetIsStateful().SetShapeFn(Scalar);
+REGISTER_KERNEL_BUILDER(Name("HorovodLocalRank").Device(::tensorflow::DEVICE_CPU), QueryOp<fv_local_rank>);

@@ -1,0 +1,234 @@
+"""TensorFlow ops over ferrovod (Horovod's `horovod/tensorflow/mpi_ops.py` API): the raw
+collectives, their gradients, and the process-level functions. Higher-level helpers
+(DistributedOptimizer, compression, IndexedSlices) build on these."""
+
+import re
+
+import tensorflow as tf
+from tensorflow.python.framework import ops
+
+from ferrovod import _core
+from ferrovod.tensorflow.build import op_library_path
+from horovod.common.basics import HorovodBasics as _HorovodBasics
+from horovod.common.process_sets import global_process_set
+
+MPI_LIB = tf.load_op_library(op_library_path())
+
+_basics = _HorovodBasics(__file__)
+
+init = _basics.init
+shutdown = _basics.shutdown
+is_initialized = _basics.is_initialized
+start_timeline = _basics.start_timeline
+stop_timeline = _basics.stop_timeline
+size = _basics.size
+local_size = _basics.local_size
+cross_size = _basics.cross_size
+rank = _basics.rank
+local_rank = _basics.local_rank
+cross_rank = _basics.cross_rank
+is_homogeneous = _basics.is_homogeneous
+mpi_threads_supported = _basics.mpi_threads_supported
+mpi_enabled = _basics.mpi_enabled
+mpi_built = _basics.mpi_built
+gloo_enabled = _basics.gloo_enabled
+gloo_built = _basics.gloo_built
+nccl_built = _basics.nccl_built
+ddl_built = _basics.ddl_built
+ccl_built = _basics.ccl_built
+cuda_built = _basics.cuda_built
+rocm_built = _basics.rocm_built
+
+Average = _basics.Average
+Sum = _basics.Sum
+Adasum = _basics.Adasum
+Min = _basics.Min
+Max = _basics.Max
+Product = _basics.Product
+
+
+def _normalize_name(name):
+    """Node names may not contain ':' and other characters tensor names have."""
+    return re.sub("[^a-zA-Z0-9_]", "_", name)
+
+
+def _executing_eagerly():
+    return tf.executing_eagerly()
+
+
+def _name(prefix, tensor, name):
+    if name is None and not _executing_eagerly():
+        name = "%s_%s" % (prefix, _normalize_name(tensor.name))
+    return name
+
+
+def _allreduce(tensor, name=None, op=Sum, prescale_factor=1.0, postscale_factor=1.0,
+               ignore_name_scope=False, process_set=global_process_set):
+    """Reduces `tensor` across the process set (no averaging convenience: `op` as given)."""
+    return MPI_LIB.horovod_allreduce(
+        tensor, name=_name("HorovodAllreduce", tensor, name), reduce_op=op,
+        prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+        ignore_name_scope=ignore_name_scope, process_set_id=process_set.process_set_id)
+
+
+@ops.RegisterGradient("HorovodAllreduce")
+def _allreduce_grad(op, grad):
+    reduce_op = op.get_attr("reduce_op")
+    if reduce_op not in (Sum, Average):
+        raise NotImplementedError("The gradient of an allreduce with op %d is not defined" % reduce_op)
+    return _allreduce(grad, op=reduce_op, prescale_factor=op.get_attr("prescale_factor"),
+                      postscale_factor=op.get_attr("postscale_factor"),
+                      ignore_name_scope=op.get_attr("ignore_name_scope"),
+                      process_set=_process_set(op))
+
+
+def _process_set(op):
+    from horovod.common.process_sets import _registered
+
+    set_id = op.get_attr("process_set_id")
+    return _registered.get(set_id, global_process_set)
+
+
+def _grouped_allreduce(tensors, name=None, op=Sum, prescale_factor=1.0, postscale_factor=1.0,
+                       ignore_name_scope=False, process_set=global_process_set):
+    if name is None and not _executing_eagerly():
+        name = _normalize_name("HorovodGroupedAllreduce_%s_%s" % (tensors[0].name, tensors[-1].name))
+    return MPI_LIB.horovod_grouped_allreduce(
+        tensors, name=name, reduce_op=op, prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor, ignore_name_scope=ignore_name_scope,
+        process_set_id=process_set.process_set_id)
+
+
+@ops.RegisterGradient("HorovodGroupedAllreduce")
+def _grouped_allreduce_grad(op, *grads):
+    return _grouped_allreduce(list(grads), op=op.get_attr("reduce_op"),
+                              prescale_factor=op.get_attr("prescale_factor"),
+                              postscale_factor=op.get_attr("postscale_factor"),
+                              ignore_name_scope=op.get_attr("ignore_name_scope"),
+                              process_set=_process_set(op))
+
+
+def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """Concatenates every rank's `tensor` along the first dimension, which may differ per rank."""
+    return MPI_LIB.horovod_allgather(
+        tensor, name=_name("HorovodAllgather", tensor, name), ignore_name_scope=ignore_name_scope,
+        process_set_id=process_set.process_set_id)
+
+
+@ops.RegisterGradient("HorovodAllgather")
+def _allgather_grad(op, grad):
+    """Average the gradient over ranks, then keep this rank's rows."""
+    process_set = _process_set(op)
+    grad = _allreduce(grad, op=Average, process_set=process_set)
+    with tf.device("/cpu:0"):
+        d = tf.shape(op.inputs[0])[:1]
+        sizes = allgather(d, process_set=process_set)
+    splits = tf.split(grad, num_or_size_splits=sizes, axis=0)
+    return splits[process_set.rank()]
+
+
+def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
+    if name is None and not _executing_eagerly():
+        name = _normalize_name("HorovodGroupedAllgather_%s_%s" % (tensors[0].name, tensors[-1].name))
+    return MPI_LIB.horovod_grouped_allgather(
+        tensors, name=name, ignore_name_scope=ignore_name_scope,
+        process_set_id=process_set.process_set_id)
+
+
+def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """`root_rank`'s tensor (a global rank) on every rank of the process set."""
+    return MPI_LIB.horovod_broadcast(
+        tensor, name=_name("HorovodBroadcast", tensor, name), root_rank=root_rank,
+        ignore_name_scope=ignore_name_scope, process_set_id=process_set.process_set_id)
+
+
+@ops.RegisterGradient("HorovodBroadcast")
+def _broadcast_grad(op, grad):
+    root_rank = op.get_attr("root_rank")
+    process_set = _process_set(op)
+    grad_reduced = _allreduce(grad, op=Average, process_set=process_set)
+    if rank() != root_rank:
+        return grad_reduced * 0
+    return grad_reduced
+
+
+def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """Scatters rows of `tensor` to the ranks (`splits[i]` rows to rank i, or evenly) and gathers
+    what they send; returns (output, received_splits)."""
+    if splits is None:
+        splits_ = tf.convert_to_tensor([], dtype=tf.int32)
+    else:
+        splits_ = tf.convert_to_tensor(splits, dtype=tf.int32)
+    return MPI_LIB.horovod_alltoall(
+        tensor, splits=splits_, name=_name("HorovodAlltoall", tensor, name),
+        ignore_name_scope=ignore_name_scope, process_set_id=process_set.process_set_id)
+
+
+@ops.RegisterGradient("HorovodAlltoall")
+def _alltoall_grad(op, grad_wrt_output, grad_wrt_received_splits):
+    recvsplits = op.outputs[1]
+    grad_wrt_tensor, _ = alltoall(grad_wrt_output, splits=recvsplits, process_set=_process_set(op))
+    return [grad_wrt_tensor, None]
+
+
+def reducescatter(tensor, name=None, op=Average, ignore_name_scope=False,
+                  process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    """Reduces `tensor` and leaves each rank its slice of rows (remainder to the lowest ranks)."""
+    return MPI_LIB.horovod_reducescatter(
+        tensor, name=_name("HorovodReducescatter", tensor, name), reduce_op=op,
+        prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+        ignore_name_scope=ignore_name_scope, process_set_id=process_set.process_set_id)
+
+
+@ops.RegisterGradient("HorovodReducescatter")
+def _reducescatter_grad(op, grad):
+    process_set = _process_set(op)
+    if op.get_attr("reduce_op") == Sum:
+        grad *= process_set.size()
+    grad *= op.get_attr("prescale_factor") * op.get_attr("postscale_factor")
+    return allgather(grad, process_set=process_set)
+
+
+def grouped_reducescatter(tensors, name=None, op=Average, ignore_name_scope=False,
+                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    if name is None and not _executing_eagerly():
+        name = _normalize_name("HorovodGroupedReducescatter_%s_%s" % (tensors[0].name, tensors[-1].name))
+    return MPI_LIB.horovod_grouped_reducescatter(
+        tensors, name=name, reduce_op=op, prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor, ignore_name_scope=ignore_name_scope,
+        process_set_id=process_set.process_set_id)
+
+
+def join():
+    """Waits until every rank has joined; joined ranks contribute zeros to allreduces. Returns
+    the last rank to join."""
+    return MPI_LIB.horovod_join()
+
+
+def barrier(process_set=global_process_set):
+    return MPI_LIB.horovod_barrier(process_set_id=process_set.process_set_id)
+
+
+def size_op(process_set_id=0, name=None):
+    return MPI_LIB.horovod_size(process_set_id=process_set_id, name=name)
+
+
+def process_set_included_op(process_set_id=0, name=None):
+    return MPI_LIB.horovod_process_set_included(process_set_id=process_set_id, name=name)
+
+
+def local_size_op(name=None):
+    return MPI_LIB.horovod_local_size(name=name)
+
+
+def rank_op(name=None):
+    return MPI_LIB.horovod_rank(name=name)
+
+
+def local_rank_op(name=None):
+    return MPI_LIB.horovod_local_rank(name=name)
+
+
+for _op_type in ("HorovodSize", "HorovodProcessSetIncluded", "HorovodLocalSize", "HorovodRank",
+                 "HorovodLocalRank", "HorovodJoin", "HorovodBarrier"):
+    ops.NotDifferentiable(_op_type)

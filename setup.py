@@ -1,0 +1,21 @@
+"""Build hook: ships the C header beside the TensorFlow op source, which ferrovod.tensorflow
+compiles against the installed TensorFlow on first import. Everything else is in
+pyproject.toml (setuptools + setuptools-rust)."""
+
+import os
+import shutil
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+
+class BuildPyWithHeader(build_py):
+    def run(self):
+        super().run()
+        here = os.path.dirname(os.path.abspath(__file__))
+        target = os.path.join(self.build_lib, "ferrovod", "tensorflow")
+        os.makedirs(target, exist_ok=True)
+        shutil.copy(os.path.join(here, "include", "ferrovod.h"), target)
+
+
+setup(cmdclass={"build_py": BuildPyWithHeader})
