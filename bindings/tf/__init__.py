@@ -1,6 +1,13 @@
 """Horovod's TensorFlow API on ferrovod (`import ferrovod.tensorflow as hvd`; the `horovod`
 package maps `horovod.tensorflow` here)."""
 
+from ferrovod.tensorflow.compression import Compression  # noqa: F401
+from ferrovod.tensorflow.functions import (  # noqa: F401
+    allgather_object,
+    broadcast_object,
+    broadcast_variables,
+)
+from ferrovod.tensorflow.gradient_tape import DistributedGradientTape  # noqa: F401
 from ferrovod.tensorflow.mpi_ops import *  # noqa: F401,F403
 from ferrovod.tensorflow.mpi_ops import (  # noqa: F401
     _allreduce,
@@ -8,9 +15,11 @@ from ferrovod.tensorflow.mpi_ops import (  # noqa: F401
     _grouped_allreduce,
     _normalize_name,
 )
+from ferrovod.tensorflow.reduction import allreduce, grouped_allreduce  # noqa: F401
 from horovod.common.process_sets import (  # noqa: F401
     ProcessSet,
     add_process_set,
     global_process_set,
     remove_process_set,
 )
+from horovod.common.util import check_extension  # noqa: F401

@@ -1,0 +1,9 @@
+"""`import horovod.tensorflow as hvd` — Horovod's TensorFlow API, implemented by ferrovod."""
+
+from ferrovod.tensorflow import *  # noqa: F401,F403
+from ferrovod.tensorflow import (  # noqa: F401
+    _allreduce,
+    _executing_eagerly,
+    _grouped_allreduce,
+    _normalize_name,
+)

@@ -1,0 +1,113 @@
+"""DistributedGradientTape: a tf.GradientTape whose gradients are averaged over the ranks."""
+
+import tensorflow as tf
+
+from ferrovod.tensorflow.compression import Compression
+from ferrovod.tensorflow.mpi_ops import Average, Sum, _normalize_name, size
+from ferrovod.tensorflow.reduction import allreduce, grouped_allreduce
+from horovod.common.process_sets import global_process_set
+from horovod.common.util import split_list
+
+
+def _reduce_gradients(grads, sources, op, compression, sparse_as_dense, gradient_predivide_factor,
+                      num_groups, groups, process_set, device_dense, device_sparse,
+                      use_generic_names, local_sources=()):
+    """Allreduces `grads` (None entries and local sources are left alone), in groups if asked."""
+    if op == Average and gradient_predivide_factor != 1.0:
+        prescale, postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
+    elif gradient_predivide_factor != 1.0:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    else:
+        prescale = postscale = 1.0
+    if process_set.included() is False:
+        return grads
+    local_ids = {id(s) for s in local_sources}
+    work = []
+    for i, (g, s) in enumerate(zip(grads, sources)):
+        if g is None or id(s) in local_ids:
+            continue
+        if sparse_as_dense and isinstance(g, tf.IndexedSlices):
+            g = tf.convert_to_tensor(g)
+        label = "grad_%d" % i if use_generic_names else _normalize_name(getattr(s, "name", "grad_%d" % i))
+        work.append((i, g, "DistributedGradientTape_Allreduce_%s" % label))
+    out = list(grads)
+    if groups is not None or num_groups > 0:
+        if groups is not None:
+            ids = {id(v): k for k, grp in enumerate(groups) for v in grp}
+            buckets = {}
+            for item in work:
+                buckets.setdefault(ids.get(id(sources[item[0]]), -1 - item[0]), []).append(item)
+            parts = list(buckets.values())
+        else:
+            parts = [p for p in split_list(work, num_groups) if p]
+        for part in parts:
+            dense = [x for x in part if not isinstance(x[1], tf.IndexedSlices)]
+            if dense:
+                reduced = grouped_allreduce([x[1] for x in dense], op=op, compression=compression,
+                                            prescale_factor=prescale, postscale_factor=postscale,
+                                            process_set=process_set, device_dense=device_dense,
+                                            name=dense[0][2] + "_group")
+                for (i, _, _), r in zip(dense, reduced):
+                    out[i] = r
+            for i, g, name in (x for x in part if isinstance(x[1], tf.IndexedSlices)):
+                out[i] = allreduce(g, op=op, compression=compression, process_set=process_set,
+                                   device_sparse=device_sparse, name=name)
+        return out
+    for i, g, name in work:
+        out[i] = allreduce(g, op=op, compression=compression, name=name, prescale_factor=prescale,
+                           postscale_factor=postscale, process_set=process_set,
+                           device_dense=device_dense, device_sparse=device_sparse)
+    return out
+
+
+class _DistributedGradientTape(tf.GradientTape):
+    def __init__(self, tape, device_dense, device_sparse, compression, sparse_as_dense, op,
+                 gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients,
+                 persistent=False, watch_accessed_variables=True):
+        if hasattr(tape, "_watch_accessed_variables"):
+            super().__init__(persistent, tape._watch_accessed_variables)
+        else:
+            super().__init__(persistent)
+        self._tape = tape._tape
+        self._recording = tape._recording
+        self._persistent = tape._persistent
+        self._options = dict(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
+                             gradient_predivide_factor=gradient_predivide_factor,
+                             num_groups=num_groups, groups=groups, process_set=process_set,
+                             device_dense=device_dense, device_sparse=device_sparse)
+        self._scale_local_gradients = scale_local_gradients
+        self._local_sources = []
+
+    def register_local_source(self, source):
+        """`source`'s gradient stays local (not allreduced)."""
+        self._local_sources.append(source)
+
+    def gradient(self, target, sources, output_gradients=None, use_generic_names=False):
+        grads = super().gradient(target, sources, output_gradients)
+        flat_sources = tf.nest.flatten(sources)
+        flat_grads = tf.nest.flatten(grads)
+        if size() > 1:
+            flat_grads = _reduce_gradients(flat_grads, flat_sources, use_generic_names=use_generic_names,
+                                           local_sources=self._local_sources, **self._options)
+            if self._scale_local_gradients and self._local_sources and self._options["op"] == Average:
+                ps_size = self._options["process_set"].size()
+                local_ids = {id(s) for s in self._local_sources}
+                flat_grads = [g / ps_size if (g is not None and id(s) in local_ids) else g
+                              for g, s in zip(flat_grads, flat_sources)]
+        return tf.nest.pack_sequence_as(grads, flat_grads)
+
+
+def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=Compression.none,
+                            sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0,
+                            num_groups=0, groups=None, process_set=global_process_set,
+                            scale_local_gradients=True):
+    """Wraps a tf.GradientTape so that `gradient()` returns gradients averaged (or summed, with
+    `op=Sum`) over the ranks of `process_set`."""
+    if op not in (Average, Sum):
+        raise NotImplementedError("ferrovod supports op=Average or op=Sum for DistributedGradientTape")
+    if groups is not None and not isinstance(groups, (int, list)):
+        raise ValueError("groups should be an int or a list of lists of variables")
+    if isinstance(groups, int):
+        num_groups, groups = groups, None
+    return _DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
+               gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients)

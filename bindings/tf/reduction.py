@@ -1,0 +1,76 @@
+"""Horovod's user-facing allreduce: averaging semantics, compression, tf.IndexedSlices."""
+
+import tensorflow as tf
+
+from ferrovod.tensorflow.compression import Compression
+from ferrovod.tensorflow.mpi_ops import (
+    Adasum,
+    Average,
+    Sum,
+    _allreduce,
+    _grouped_allreduce,
+    allgather,
+)
+from horovod.common.process_sets import global_process_set
+from horovod.common.util import get_average_backwards_compatibility_fun
+
+
+class _ReduceOps:
+    Average, Sum, Adasum = Average, Sum, Adasum
+
+
+_op_from = get_average_backwards_compatibility_fun(_ReduceOps)
+
+
+def _check_op(op):
+    if op == Adasum:
+        raise NotImplementedError("Adasum is not supported by ferrovod.")
+
+
+def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none,
+              op=None, prescale_factor=1.0, postscale_factor=1.0, name=None,
+              process_set=global_process_set, ignore_name_scope=False):
+    """Reduces `tensor` over the process set (Average by default). tf.IndexedSlices are
+    gathered (values and indices) instead, for Sum and Average only."""
+    op = _op_from(op, average)
+    _check_op(op)
+    if isinstance(tensor, tf.IndexedSlices):
+        if op not in (Average, Sum):
+            raise NotImplementedError("Only Sum and Average are supported with tf.IndexedSlices")
+        if prescale_factor != 1.0 or postscale_factor != 1.0:
+            raise NotImplementedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
+        with tf.device(device_sparse):
+            values = allgather(tensor.values, name=None if name is None else name + "_values",
+                               ignore_name_scope=ignore_name_scope, process_set=process_set)
+            indices = allgather(tensor.indices, name=None if name is None else name + "_indices",
+                                ignore_name_scope=ignore_name_scope, process_set=process_set)
+            if op == Average:
+                values = tf.math.divide(values, tf.cast(process_set.size(), values.dtype))
+            return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
+    with tf.device(device_dense):
+        compressed, ctx = compression.compress(tensor)
+        reduced = _allreduce(compressed, name=name, op=op, prescale_factor=prescale_factor,
+                             postscale_factor=postscale_factor, ignore_name_scope=ignore_name_scope,
+                             process_set=process_set)
+        return compression.decompress(reduced, ctx)
+
+
+def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
+                      compression=Compression.none, op=None, prescale_factor=1.0,
+                      postscale_factor=1.0, process_set=global_process_set,
+                      ignore_name_scope=False, name=None):
+    """Allreduce of several tensors, negotiated and completed together."""
+    if not tensors:
+        return tensors
+    op = _op_from(op, average)
+    _check_op(op)
+    if any(isinstance(t, tf.IndexedSlices) for t in tensors):
+        return [allreduce(t, op=op, compression=compression, process_set=process_set,
+                          device_dense=device_dense, device_sparse=device_sparse,
+                          ignore_name_scope=ignore_name_scope) for t in tensors]
+    with tf.device(device_dense):
+        pairs = [compression.compress(t) for t in tensors]
+        reduced = _grouped_allreduce([p[0] for p in pairs], name=name, op=op,
+                                     prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                                     ignore_name_scope=ignore_name_scope, process_set=process_set)
+        return [compression.decompress(t, ctx) for t, (_, ctx) in zip(reduced, pairs)]

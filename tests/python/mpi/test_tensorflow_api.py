@@ -1,0 +1,107 @@
+"""`import horovod.tensorflow as hvd` under mpirun: allreduce semantics (average, compression,
+IndexedSlices), variables and objects, DistributedGradientTape against a single-process
+reference."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import horovod.tensorflow as hvd  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def initialized():
+    hvd.init()
+    yield
+    hvd.barrier()
+
+
+def test_allreduce_defaults_to_average_and_honours_average_flag():
+    r, n = hvd.rank(), hvd.size()
+    x = tf.constant([float(r), 2.0 * r])
+    np.testing.assert_allclose(hvd.allreduce(x).numpy(), [(n - 1) / 2, (n - 1)])
+    np.testing.assert_allclose(hvd.allreduce(x, op=hvd.Sum).numpy(), [n * (n - 1) / 2, n * (n - 1)])
+    with pytest.warns(DeprecationWarning):
+        np.testing.assert_allclose(hvd.allreduce(x, average=False).numpy(), [n * (n - 1) / 2, n * (n - 1)])
+    with pytest.raises(ValueError, match="supersedes average"):
+        hvd.allreduce(x, average=True, op=hvd.Sum)
+
+
+def test_fp16_compression_keeps_dtype():
+    r, n = hvd.rank(), hvd.size()
+    x = tf.constant(np.arange(4, dtype=np.float32) + r)
+    y = hvd.allreduce(x, op=hvd.Sum, compression=hvd.Compression.fp16)
+    assert y.dtype == tf.float32
+    np.testing.assert_allclose(y.numpy(), sum(np.arange(4) + k for k in range(n)))
+    i = hvd.allreduce(tf.constant([r], tf.int32), op=hvd.Sum, compression=hvd.Compression.fp16)
+    assert i.dtype == tf.int32 and int(i.numpy()[0]) == n * (n - 1) // 2
+
+
+def test_indexed_slices_are_gathered():
+    r, n = hvd.rank(), hvd.size()
+    s = tf.IndexedSlices(values=tf.fill([1, 2], float(r + 1)), indices=tf.constant([r]), dense_shape=tf.constant([n, 2]))
+    out = hvd.allreduce(s, op=hvd.Average)
+    assert isinstance(out, tf.IndexedSlices)
+    dense = tf.convert_to_tensor(out).numpy()
+    np.testing.assert_allclose(dense, np.array([[k + 1, k + 1] for k in range(n)], np.float32) / n)
+    with pytest.raises(NotImplementedError):
+        hvd.allreduce(s, op=hvd.Max)
+
+
+def test_grouped_allreduce():
+    r, n = hvd.rank(), hvd.size()
+    outs = hvd.grouped_allreduce([tf.constant([float(r)]), tf.constant([1.0, 2.0])], op=hvd.Sum)
+    np.testing.assert_allclose(outs[0].numpy(), [n * (n - 1) / 2])
+    np.testing.assert_allclose(outs[1].numpy(), [n, 2 * n])
+
+
+def test_broadcast_variables_and_objects():
+    r = hvd.rank()
+    vs = [tf.Variable(np.full(3, r, np.float32), name="bv0"), tf.Variable(np.int64(r * 10), name="bv1")]
+    hvd.broadcast_variables(vs, root_rank=0)
+    np.testing.assert_array_equal(vs[0].numpy(), np.zeros(3))
+    assert int(vs[1].numpy()) == 0
+    obj = {"rank": r, "payload": list(range(r + 3))} if r == 1 else None
+    got = hvd.broadcast_object(obj, root_rank=1, name="obj")
+    assert got == {"rank": 1, "payload": [0, 1, 2, 3]}
+    everyone = hvd.allgather_object({"r": r, "pad": "x" * r}, name="objs")
+    assert everyone == [{"r": k, "pad": "x" * k} for k in range(hvd.size())]
+
+
+def test_distributed_gradient_tape_matches_single_process_on_concatenated_batches():
+    r, n = hvd.rank(), hvd.size()
+    rng = np.random.RandomState(0)
+    w0 = rng.randn(3, 1).astype(np.float32)
+    xs = rng.randn(4 * n, 3).astype(np.float32)
+    ys = rng.randn(4 * n, 1).astype(np.float32)
+
+    def loss(w, x, y):
+        return tf.reduce_mean((tf.matmul(x, w) - y) ** 2)
+
+    w = tf.Variable(w0)
+    with tf.GradientTape() as tape:
+        l = loss(w, xs[4 * r:4 * r + 4], ys[4 * r:4 * r + 4])
+    tape = hvd.DistributedGradientTape(tape)
+    (g,) = tape.gradient(l, [w])
+    ref = tf.Variable(w0)
+    with tf.GradientTape() as t2:
+        l2 = loss(ref, xs, ys)
+    (g_ref,) = t2.gradient(l2, [ref])
+    np.testing.assert_allclose(g.numpy(), g_ref.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_tape_groups_and_predivide():
+    r, n = hvd.rank(), hvd.size()
+    a = tf.Variable([1.0, 2.0], name="ga")
+    b = tf.Variable([3.0], name="gb")
+    with tf.GradientTape() as tape:
+        l = tf.reduce_sum(a * (r + 1)) + tf.reduce_sum(b * (r + 1))
+    tape = hvd.DistributedGradientTape(tape, groups=1, gradient_predivide_factor=2.0)
+    ga, gb = tape.gradient(l, [a, b])
+    mean = sum(k + 1 for k in range(n)) / n
+    np.testing.assert_allclose(ga.numpy(), [mean, mean], rtol=1e-6)
+    np.testing.assert_allclose(gb.numpy(), [mean], rtol=1e-6)
