@@ -28,7 +28,9 @@ def _reduce_gradients(grads, sources, op, compression, sparse_as_dense, gradient
             continue
         if sparse_as_dense and isinstance(g, tf.IndexedSlices):
             g = tf.convert_to_tensor(g)
-        label = "grad_%d" % i if use_generic_names else _normalize_name(getattr(s, "name", "grad_%d" % i))
+        # the index keeps names unique (Keras 3 variable names such as "kernel" repeat)
+        path = getattr(s, "path", None) or getattr(s, "name", None)
+        label = "grad_%d" % i if use_generic_names or path is None else "%d_%s" % (i, _normalize_name(path))
         work.append((i, g, "DistributedGradientTape_Allreduce_%s" % label))
     out = list(grads)
     if groups is not None or num_groups > 0:
