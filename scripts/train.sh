@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The main job: set up everything on a fresh machine, then train a Keras model on
+# scikit-learn's digits across 4 local ranks through `import horovod.tensorflow.keras as hvd`
+# and `horovodrun`. Prints per-epoch progress, final accuracy and samples/s.
+# NP=2 bash scripts/train.sh trains on 2 ranks; extra arguments go to the example.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup-python.sh
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 TF_CPP_MIN_LOG_LEVEL=2
+.venv/bin/horovodrun -np "${NP:-4}" .venv/bin/python examples/keras_digits.py "$@"
