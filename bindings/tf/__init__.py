@@ -8,6 +8,11 @@ from ferrovod.tensorflow.functions import (  # noqa: F401
     broadcast_variables,
 )
 from ferrovod.tensorflow.gradient_tape import DistributedGradientTape  # noqa: F401
+from ferrovod.tensorflow.legacy_optimizer import (  # noqa: F401
+    BroadcastGlobalVariablesHook,
+    DistributedOptimizer,
+    broadcast_global_variables,
+)
 from ferrovod.tensorflow.mpi_ops import *  # noqa: F401,F403
 from ferrovod.tensorflow.mpi_ops import (  # noqa: F401
     _allreduce,

@@ -2,6 +2,18 @@
 
 from ferrovod.tensorflow import *  # noqa: F401,F403
 from ferrovod.tensorflow import (  # noqa: F401
+    BroadcastGlobalVariablesHook,
+    Compression,
+    DistributedGradientTape,
+    DistributedOptimizer,
+    allgather_object,
+    allreduce,
+    broadcast_global_variables,
+    broadcast_object,
+    broadcast_variables,
+    grouped_allreduce,
+)
+from ferrovod.tensorflow import (  # noqa: F401
     _allreduce,
     _executing_eagerly,
     _grouped_allreduce,

@@ -105,3 +105,26 @@ def test_gradient_tape_groups_and_predivide():
     mean = sum(k + 1 for k in range(n)) / n
     np.testing.assert_allclose(ga.numpy(), [mean, mean], rtol=1e-6)
     np.testing.assert_allclose(gb.numpy(), [mean], rtol=1e-6)
+
+
+def test_tf1_graph_training_with_distributed_optimizer_and_hook():
+    """tf.compat.v1 graph training: the wrapped optimizer averages gradients; the hook and
+    broadcast_global_variables give every rank rank 0's initial values."""
+    r, n = hvd.rank(), hvd.size()
+    graph = tf.Graph()
+    with graph.as_default():
+        w = tf.compat.v1.get_variable("w", initializer=tf.constant([float(r + 1), 0.0]))
+        x = tf.constant([[1.0, float(r)]])
+        loss = tf.reduce_sum(tf.matmul(x, tf.reshape(w, [2, 1])))
+        opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.5))
+        train = opt.minimize(loss)
+        hook = hvd.BroadcastGlobalVariablesHook(0)
+        with tf.compat.v1.train.MonitoredTrainingSession(hooks=[hook]) as sess:
+            start = sess.run(w)
+            sess.run(train)
+            after = sess.run(w)
+    np.testing.assert_allclose(start, [1.0, 0.0])  # rank 0's initial value everywhere
+    # d loss / d w = x; averaged over ranks: [1, mean(r)]
+    np.testing.assert_allclose(after, [1.0 - 0.5, -0.5 * (n - 1) / 2], rtol=1e-6)
+    with pytest.raises(RuntimeError, match="eager"):
+        hvd.broadcast_global_variables(0)

@@ -1,0 +1,97 @@
+"""TensorFlow 1 style training (tf.compat.v1): DistributedOptimizer for
+tf.compat.v1.train.Optimizer, broadcast_global_variables and BroadcastGlobalVariablesHook."""
+
+import tensorflow as tf
+
+from ferrovod.tensorflow.compression import Compression
+from ferrovod.tensorflow.functions import broadcast_variables
+from ferrovod.tensorflow.gradient_tape import _reduce_gradients
+from ferrovod.tensorflow.mpi_ops import Average, size
+from horovod.common.process_sets import global_process_set
+
+
+class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
+    """Delegates to the wrapped optimizer; `compute_gradients` averages the gradients over the
+    ranks first."""
+
+    def __init__(self, optimizer, name, use_locking, options):
+        self._optimizer = optimizer
+        self._options = options
+        super().__init__(name=name or "Distributed" + type(optimizer).__name__, use_locking=use_locking)
+
+    def compute_gradients(self, *args, **kwargs):
+        pairs = self._optimizer.compute_gradients(*args, **kwargs)
+        if size() <= 1:
+            return pairs
+        grads, variables = zip(*pairs) if pairs else ((), ())
+        reduced = _reduce_gradients(list(grads), list(variables), use_generic_names=False, **self._options)
+        return list(zip(reduced, variables))
+
+    def apply_gradients(self, *args, **kwargs):
+        return self._optimizer.apply_gradients(*args, **kwargs)
+
+    def get_slot(self, *args, **kwargs):
+        return self._optimizer.get_slot(*args, **kwargs)
+
+    def get_slot_names(self, *args, **kwargs):
+        return self._optimizer.get_slot_names(*args, **kwargs)
+
+    def variables(self, *args, **kwargs):
+        return self._optimizer.variables(*args, **kwargs)
+
+
+def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="", device_sparse="",
+                         compression=Compression.none, sparse_as_dense=False, backward_passes_per_step=1,
+                         op=Average, gradient_predivide_factor=1.0, average_aggregated_gradients=False,
+                         num_groups=0, groups=None, process_set=global_process_set,
+                         scale_local_gradients=True):
+    """Horovod's DistributedOptimizer: a tf.compat.v1 optimizer is wrapped here; a Keras
+    optimizer is handed to `horovod.tensorflow.keras.DistributedOptimizer`."""
+    if isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        if backward_passes_per_step != 1:
+            raise NotImplementedError("backward_passes_per_step > 1 is not supported by ferrovod yet")
+        if isinstance(groups, int):
+            num_groups, groups = groups, None
+        options = dict(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
+                       gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
+                       groups=groups, process_set=process_set, device_dense=device_dense,
+                       device_sparse=device_sparse)
+        return _DistributedOptimizer(optimizer, name, use_locking, options)
+    from ferrovod.tensorflow.keras import DistributedOptimizer as KerasDistributedOptimizer
+
+    return KerasDistributedOptimizer(
+        optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
+        compression=compression, sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor, op=op,
+        backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
+        groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients)
+
+
+def broadcast_global_variables(root_rank):
+    """Graph mode: an op that assigns `root_rank`'s values to all global variables."""
+    if tf.executing_eagerly():
+        raise RuntimeError(
+            "hvd.broadcast_global_variables() does not support eager execution. "
+            "Please use `hvd.broadcast_variables(<model/optimizer variables>)` instead."
+        )
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
+
+
+class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
+    """Broadcasts the global variables from `root_rank` once the session is created
+    (tf.compat.v1.train.MonitoredTrainingSession)."""
+
+    def __init__(self, root_rank, device=""):
+        super().__init__()
+        self.root_rank = root_rank
+        self.bcast_op = None
+        self.device = device
+
+    def begin(self):
+        if not self.bcast_op or self.bcast_op.graph != tf.compat.v1.get_default_graph():
+            with tf.device(self.device):
+                self.bcast_op = broadcast_global_variables(self.root_rank)
+
+    def after_create_session(self, session, coord):
+        session.run(self.bcast_op)
