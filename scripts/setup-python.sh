@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q pytest "tensorflow-cpu==2.21.0" scikit-learn
+.venv/bin/python -m pip install -q pytest "tensorflow-cpu==2.21.0" "tf_keras==2.21.0" scikit-learn
 .venv/bin/python -m pip install -q .
 # compile the TensorFlow op library now (it is cached per TensorFlow version), not in every rank
 .venv/bin/python -c "import ferrovod.tensorflow"

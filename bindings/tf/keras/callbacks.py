@@ -1,11 +1,27 @@
-"""Horovod's Keras callbacks."""
+"""Horovod's Keras callbacks. They are Keras 3 callbacks that tf_keras (Keras 2) accepts as
+well, so one set serves `horovod.tensorflow.keras`, `horovod.keras` and tf_keras models."""
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 
-class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+class _Callback(keras.callbacks.Callback):
+    """Adds what tf_keras's CallbackList asks of a callback."""
+
+    _supports_tf_logs = False
+
+    def _implements_train_batch_hooks(self):
+        return True
+
+    def _implements_test_batch_hooks(self):
+        return False
+
+    def _implements_predict_batch_hooks(self):
+        return False
+
+
+class BroadcastGlobalVariablesCallback(_Callback):
     """Broadcasts the model's and optimizer's variables from `root_rank` at the end of the first
     batch (when the optimizer's slots exist), so every rank starts from the same state."""
 
@@ -31,7 +47,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.broadcast_done = True
 
 
-class MetricAverageCallback(keras.callbacks.Callback):
+class MetricAverageCallback(_Callback):
     """Averages the epoch's metrics over the ranks (in sorted order of their names)."""
 
     def __init__(self, device=""):
@@ -63,7 +79,7 @@ def _get_lr(optimizer):
     return float(lr.numpy() if hasattr(lr, "numpy") else lr)
 
 
-class LearningRateScheduleCallback(keras.callbacks.Callback):
+class LearningRateScheduleCallback(_Callback):
     """Sets lr = initial_lr × multiplier(epoch) between `start_epoch` and `end_epoch`;
     `staircase=False` uses the fractional epoch (per batch). With momentum_correction, momentum
     is scaled by new_lr / old_lr for the step where lr changes."""
