@@ -9,6 +9,24 @@ from horovod.common.process_sets import global_process_set
 from horovod.common.util import split_list
 
 
+def gradient_options(what, op, compression, sparse_as_dense, gradient_predivide_factor, num_groups,
+                     groups, process_set, device_dense, device_sparse, backward_passes_per_step=1):
+    """Checks the arguments shared by DistributedGradientTape and the DistributedOptimizers and
+    returns them as keyword arguments for `_reduce_gradients`."""
+    if op not in (Average, Sum):
+        raise NotImplementedError("ferrovod supports op=Average or op=Sum for %s" % what)
+    if backward_passes_per_step != 1:
+        raise NotImplementedError("backward_passes_per_step > 1 is not supported by ferrovod yet")
+    if groups is not None and not isinstance(groups, (int, list)):
+        raise ValueError("groups should be an int or a list of lists of variables")
+    if isinstance(groups, int):
+        num_groups, groups = groups, None
+    return dict(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
+                gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
+                groups=groups, process_set=process_set, device_dense=device_dense,
+                device_sparse=device_sparse)
+
+
 def _reduce_gradients(grads, sources, op, compression, sparse_as_dense, gradient_predivide_factor,
                       num_groups, groups, process_set, device_dense, device_sparse,
                       use_generic_names, local_sources=()):
@@ -63,9 +81,7 @@ def _reduce_gradients(grads, sources, op, compression, sparse_as_dense, gradient
 
 
 class _DistributedGradientTape(tf.GradientTape):
-    def __init__(self, tape, device_dense, device_sparse, compression, sparse_as_dense, op,
-                 gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients,
-                 persistent=False, watch_accessed_variables=True):
+    def __init__(self, tape, options, scale_local_gradients, persistent=False):
         if hasattr(tape, "_watch_accessed_variables"):
             super().__init__(persistent, tape._watch_accessed_variables)
         else:
@@ -73,10 +89,7 @@ class _DistributedGradientTape(tf.GradientTape):
         self._tape = tape._tape
         self._recording = tape._recording
         self._persistent = tape._persistent
-        self._options = dict(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
-                             gradient_predivide_factor=gradient_predivide_factor,
-                             num_groups=num_groups, groups=groups, process_set=process_set,
-                             device_dense=device_dense, device_sparse=device_sparse)
+        self._options = options
         self._scale_local_gradients = scale_local_gradients
         self._local_sources = []
 
@@ -105,11 +118,7 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
                             scale_local_gradients=True):
     """Wraps a tf.GradientTape so that `gradient()` returns gradients averaged (or summed, with
     `op=Sum`) over the ranks of `process_set`."""
-    if op not in (Average, Sum):
-        raise NotImplementedError("ferrovod supports op=Average or op=Sum for DistributedGradientTape")
-    if groups is not None and not isinstance(groups, (int, list)):
-        raise ValueError("groups should be an int or a list of lists of variables")
-    if isinstance(groups, int):
-        num_groups, groups = groups, None
-    return _DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
-               gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients)
+    options = gradient_options("DistributedGradientTape", op, compression, sparse_as_dense,
+                               gradient_predivide_factor, num_groups, groups, process_set,
+                               device_dense, device_sparse)
+    return _DistributedGradientTape(gradtape, options, scale_local_gradients)

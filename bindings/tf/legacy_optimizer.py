@@ -5,7 +5,7 @@ import tensorflow as tf
 
 from ferrovod.tensorflow.compression import Compression
 from ferrovod.tensorflow.functions import broadcast_variables
-from ferrovod.tensorflow.gradient_tape import _reduce_gradients
+from ferrovod.tensorflow.gradient_tape import _reduce_gradients, gradient_options
 from ferrovod.tensorflow.mpi_ops import Average, size
 from horovod.common.process_sets import global_process_set
 
@@ -48,14 +48,9 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     """Horovod's DistributedOptimizer: a tf.compat.v1 optimizer is wrapped here; a Keras
     optimizer is handed to `horovod.tensorflow.keras.DistributedOptimizer`."""
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
-        if backward_passes_per_step != 1:
-            raise NotImplementedError("backward_passes_per_step > 1 is not supported by ferrovod yet")
-        if isinstance(groups, int):
-            num_groups, groups = groups, None
-        options = dict(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
-                       gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
-                       groups=groups, process_set=process_set, device_dense=device_dense,
-                       device_sparse=device_sparse)
+        options = gradient_options("DistributedOptimizer", op, compression, sparse_as_dense,
+                                   gradient_predivide_factor, num_groups, groups, process_set,
+                                   device_dense, device_sparse, backward_passes_per_step)
         return _DistributedOptimizer(optimizer, name, use_locking, options)
     from ferrovod.tensorflow.keras import DistributedOptimizer as KerasDistributedOptimizer
 

@@ -31,7 +31,7 @@ from ferrovod.tensorflow import (  # noqa: F401
     stop_timeline,
 )
 from ferrovod.tensorflow import allreduce as _tf_allreduce
-from ferrovod.tensorflow.gradient_tape import _reduce_gradients
+from ferrovod.tensorflow.gradient_tape import _reduce_gradients, gradient_options
 from ferrovod.tensorflow.keras import callbacks  # noqa: F401
 from horovod.common.process_sets import (  # noqa: F401
     ProcessSet,
@@ -84,16 +84,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          process_set=global_process_set, scale_local_gradients=True):
     """Wraps a Keras optimizer so that gradients are averaged over the ranks before they are
     applied. Works with Keras 3 optimizers and tf_keras (Keras 2) ones."""
-    if op not in (Average, Sum):
-        raise NotImplementedError("ferrovod supports op=Average or op=Sum for DistributedOptimizer")
-    if backward_passes_per_step != 1:
-        raise NotImplementedError("backward_passes_per_step > 1 is not supported by ferrovod yet")
-    if isinstance(groups, int):
-        num_groups, groups = groups, None
-    options = dict(op=op, compression=compression, sparse_as_dense=sparse_as_dense,
-                   gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
-                   groups=groups, process_set=process_set, device_dense=device_dense,
-                   device_sparse=device_sparse)
+    options = gradient_options("DistributedOptimizer", op, compression, sparse_as_dense,
+                               gradient_predivide_factor, num_groups, groups, process_set,
+                               device_dense, device_sparse, backward_passes_per_step)
     if getattr(optimizer, "_ferrovod_distributed", False):
         return optimizer
     cls = _wrap_optimizer_class(optimizer.__class__, options, backward_passes_per_step,
