@@ -12,6 +12,8 @@ cargo build --release
 cargo test --release
 
 bash scripts/setup-python.sh
+# a test that desynchronises the ranks fails within a minute instead of the 600 s default
+export HOROVOD_STALL_CHECK_TIME_SECONDS=20 HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=60 TF_CPP_MIN_LOG_LEVEL=2
 py=(.venv/bin/python -m pytest -q -p no:cacheprovider --color=no)
 for np in 2 4; do
   timeout 600 mpirun -np "$np" --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 \

@@ -2,8 +2,10 @@
 package maps `horovod.tensorflow` here)."""
 
 from ferrovod.tensorflow.compression import Compression  # noqa: F401
+from ferrovod.tensorflow import util  # noqa: F401
 from ferrovod.tensorflow.functions import (  # noqa: F401
     allgather_object,
+    broadcast_,
     broadcast_object,
     broadcast_variables,
 )

@@ -29,6 +29,14 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
     return None
 
 
+def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
+    """In-place broadcast: assigns `root_rank`'s values to `variables` and returns them."""
+    for i, var in enumerate(variables):
+        label = name + "_%d" % i if name else "HorovodBroadcast_%s" % _normalize_name(var.name)
+        var.assign(broadcast(tf.convert_to_tensor(var), root_rank, name=label, process_set=process_set))
+    return variables
+
+
 def _to_bytes_tensor(obj):
     buf = io.BytesIO()
     cloudpickle.dump(obj, buf)

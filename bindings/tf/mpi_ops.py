@@ -79,7 +79,16 @@ def _allreduce_grad(op, grad):
     return _allreduce(grad, op=reduce_op, prescale_factor=op.get_attr("prescale_factor"),
                       postscale_factor=op.get_attr("postscale_factor"),
                       ignore_name_scope=op.get_attr("ignore_name_scope"),
-                      process_set=_process_set(op))
+                      process_set=_process_set(op), name=_grad_name(op, "_grad"))
+
+
+def _grad_name(op, suffix):
+    """Graph mode: name gradient collectives after their forward op, so every rank agrees even
+    where the gradient graphs' other node names differ (e.g. shape-dependent helper ops)."""
+    name = getattr(op, "name", None)  # tf.function's backward may hand in a mock op
+    if _executing_eagerly() or not name:
+        return None
+    return _normalize_name(name) + suffix
 
 
 def _process_set(op):
@@ -105,7 +114,7 @@ def _grouped_allreduce_grad(op, *grads):
                               prescale_factor=op.get_attr("prescale_factor"),
                               postscale_factor=op.get_attr("postscale_factor"),
                               ignore_name_scope=op.get_attr("ignore_name_scope"),
-                              process_set=_process_set(op))
+                              process_set=_process_set(op), name=_grad_name(op, "_grad"))
 
 
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
@@ -119,11 +128,16 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
 def _allgather_grad(op, grad):
     """Average the gradient over ranks, then keep this rank's rows."""
     process_set = _process_set(op)
-    grad = _allreduce(grad, op=Average, process_set=process_set)
+    grad = _allreduce(grad, op=Average, process_set=process_set, name=_grad_name(op, "_grad"))
+    return _own_rows(grad, op.inputs[0], process_set, _grad_name(op, "_grad_sizes"))
+
+
+def _own_rows(grad, tensor, process_set, name=None):
+    """This rank's rows of an allgathered gradient (every rank's first dimension may differ)."""
     with tf.device("/cpu:0"):
-        d = tf.shape(op.inputs[0])[:1]
-        sizes = allgather(d, process_set=process_set)
-    splits = tf.split(grad, num_or_size_splits=sizes, axis=0)
+        d = tf.shape(tensor)[:1]
+        sizes = allgather(d, process_set=process_set, name=name)
+    splits = tf.split(grad, num_or_size_splits=sizes, axis=0, num=process_set.size())
     return splits[process_set.rank()]
 
 
@@ -133,6 +147,15 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
     return MPI_LIB.horovod_grouped_allgather(
         tensors, name=name, ignore_name_scope=ignore_name_scope,
         process_set_id=process_set.process_set_id)
+
+
+@ops.RegisterGradient("HorovodGroupedAllgather")
+def _grouped_allgather_grad(op, *grads):
+    process_set = _process_set(op)
+    grads = _grouped_allreduce(list(grads), op=Average, process_set=process_set,
+                               name=_grad_name(op, "_grad"))
+    return [_own_rows(g, t, process_set, _grad_name(op, "_grad_sizes_%d" % i))
+            for i, (g, t) in enumerate(zip(grads, op.inputs))]
 
 
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=global_process_set):
@@ -146,7 +169,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
 def _broadcast_grad(op, grad):
     root_rank = op.get_attr("root_rank")
     process_set = _process_set(op)
-    grad_reduced = _allreduce(grad, op=Average, process_set=process_set)
+    grad_reduced = _allreduce(grad, op=Average, process_set=process_set, name=_grad_name(op, "_grad"))
     if rank() != root_rank:
         return grad_reduced * 0
     return grad_reduced
@@ -154,20 +177,23 @@ def _broadcast_grad(op, grad):
 
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Scatters rows of `tensor` to the ranks (`splits[i]` rows to rank i, or evenly) and gathers
-    what they send; returns (output, received_splits)."""
+    what they send; returns the output, and with `splits` given (output, received_splits)."""
     if splits is None:
         splits_ = tf.convert_to_tensor([], dtype=tf.int32)
     else:
         splits_ = tf.convert_to_tensor(splits, dtype=tf.int32)
-    return MPI_LIB.horovod_alltoall(
+    output, received_splits = MPI_LIB.horovod_alltoall(
         tensor, splits=splits_, name=_name("HorovodAlltoall", tensor, name),
         ignore_name_scope=ignore_name_scope, process_set_id=process_set.process_set_id)
+    # as Horovod: the received splits only when splits were given
+    return output if splits is None else (output, received_splits)
 
 
 @ops.RegisterGradient("HorovodAlltoall")
 def _alltoall_grad(op, grad_wrt_output, grad_wrt_received_splits):
     recvsplits = op.outputs[1]
-    grad_wrt_tensor, _ = alltoall(grad_wrt_output, splits=recvsplits, process_set=_process_set(op))
+    grad_wrt_tensor, _ = alltoall(grad_wrt_output, splits=recvsplits, process_set=_process_set(op),
+                                  name=_grad_name(op, "_grad"))
     return [grad_wrt_tensor, None]
 
 
@@ -186,7 +212,7 @@ def _reducescatter_grad(op, grad):
     if op.get_attr("reduce_op") == Sum:
         grad *= process_set.size()
     grad *= op.get_attr("prescale_factor") * op.get_attr("postscale_factor")
-    return allgather(grad, process_set=process_set)
+    return allgather(grad, process_set=process_set, name=_grad_name(op, "_grad"))
 
 
 def grouped_reducescatter(tensors, name=None, op=Average, ignore_name_scope=False,
@@ -197,6 +223,16 @@ def grouped_reducescatter(tensors, name=None, op=Average, ignore_name_scope=Fals
         tensors, name=name, reduce_op=op, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, ignore_name_scope=ignore_name_scope,
         process_set_id=process_set.process_set_id)
+
+
+@ops.RegisterGradient("HorovodGroupedReducescatter")
+def _grouped_reducescatter_grad(op, *grads):
+    process_set = _process_set(op)
+    factor = op.get_attr("prescale_factor") * op.get_attr("postscale_factor")
+    if op.get_attr("reduce_op") == Sum:
+        factor *= process_set.size()
+    return grouped_allgather([g * factor for g in grads], process_set=process_set,
+                             name=_grad_name(op, "_grad"))
 
 
 def join():

@@ -8,10 +8,12 @@ from ferrovod.tensorflow import (  # noqa: F401
     DistributedOptimizer,
     allgather_object,
     allreduce,
+    broadcast_,
     broadcast_global_variables,
     broadcast_object,
     broadcast_variables,
     grouped_allreduce,
+    util,
 )
 from ferrovod.tensorflow import (  # noqa: F401
     _allreduce,
