@@ -30,11 +30,14 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
 
 
 def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
-    """In-place broadcast: assigns `root_rank`'s values to `variables` and returns them."""
+    """In-place broadcast: assigns `root_rank`'s values to `variables`. Returns the assigned
+    variables (eager) or tensors that run the assignment when evaluated (graph mode)."""
+    out = []
     for i, var in enumerate(variables):
         label = name + "_%d" % i if name else "HorovodBroadcast_%s" % _normalize_name(var.name)
-        var.assign(broadcast(tf.convert_to_tensor(var), root_rank, name=label, process_set=process_set))
-    return variables
+        value = broadcast(tf.convert_to_tensor(var), root_rank, name=label, process_set=process_set)
+        out.append(var.assign(value))
+    return out
 
 
 def _to_bytes_tensor(obj):
