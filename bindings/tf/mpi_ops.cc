@@ -278,16 +278,20 @@ absl::Status SameShapes(InferenceContext* c) {
   return absl::OkStatus();
 }
 
-absl::Status FirstDimUnknown(InferenceContext* c) {
-  for (int i = 0; i < c->num_outputs(); ++i) {
-    ::tensorflow::shape_inference::ShapeHandle out;
-    if (c->RankKnown(c->input(i)) && c->Rank(c->input(i)) > 0) {
-      TF_RETURN_IF_ERROR(c->ReplaceDim(c->input(i), 0, c->UnknownDim(), &out));
-    } else {
-      out = c->UnknownShape();
-    }
-    c->set_output(i, out);
+// Output `out` has input `in`'s shape with an unknown first dimension.
+absl::Status RowsUnknown(InferenceContext* c, int in, int out) {
+  ::tensorflow::shape_inference::ShapeHandle shape;
+  if (c->RankKnown(c->input(in)) && c->Rank(c->input(in)) > 0) {
+    TF_RETURN_IF_ERROR(c->ReplaceDim(c->input(in), 0, c->UnknownDim(), &shape));
+  } else {
+    shape = c->UnknownShape();
   }
+  c->set_output(out, shape);
+  return absl::OkStatus();
+}
+
+absl::Status FirstDimUnknown(InferenceContext* c) {
+  for (int i = 0; i < c->num_outputs(); ++i) TF_RETURN_IF_ERROR(RowsUnknown(c, i, i));
   return absl::OkStatus();
 }
 
@@ -366,13 +370,7 @@ REGISTER_OP("HorovodAlltoall")
     .Output("output: T")
     .Output("received_splits: int32")
     .SetShapeFn([](InferenceContext* c) {
-      ::tensorflow::shape_inference::ShapeHandle out;
-      if (c->RankKnown(c->input(0)) && c->Rank(c->input(0)) > 0) {
-        TF_RETURN_IF_ERROR(c->ReplaceDim(c->input(0), 0, c->UnknownDim(), &out));
-      } else {
-        out = c->UnknownShape();
-      }
-      c->set_output(0, out);
+      TF_RETURN_IF_ERROR(RowsUnknown(c, 0, 0));
       c->set_output(1, c->Vector(c->UnknownDim()));
       return absl::OkStatus();
     });

@@ -62,6 +62,13 @@ def _name(prefix, tensor, name):
     return name
 
 
+def _group_name(prefix, tensors, name):
+    """Graph mode default name of a grouped op: from its first and last tensor."""
+    if name is None and not _executing_eagerly():
+        name = _normalize_name("%s_%s_%s" % (prefix, tensors[0].name, tensors[-1].name))
+    return name
+
+
 def _allreduce(tensor, name=None, op=Sum, prescale_factor=1.0, postscale_factor=1.0,
                ignore_name_scope=False, process_set=global_process_set):
     """Reduces `tensor` across the process set (no averaging convenience: `op` as given)."""
@@ -100,8 +107,7 @@ def _process_set(op):
 
 def _grouped_allreduce(tensors, name=None, op=Sum, prescale_factor=1.0, postscale_factor=1.0,
                        ignore_name_scope=False, process_set=global_process_set):
-    if name is None and not _executing_eagerly():
-        name = _normalize_name("HorovodGroupedAllreduce_%s_%s" % (tensors[0].name, tensors[-1].name))
+    name = _group_name("HorovodGroupedAllreduce", tensors, name)
     return MPI_LIB.horovod_grouped_allreduce(
         tensors, name=name, reduce_op=op, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, ignore_name_scope=ignore_name_scope,
@@ -142,8 +148,7 @@ def _own_rows(grad, tensor, process_set, name=None):
 
 
 def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
-    if name is None and not _executing_eagerly():
-        name = _normalize_name("HorovodGroupedAllgather_%s_%s" % (tensors[0].name, tensors[-1].name))
+    name = _group_name("HorovodGroupedAllgather", tensors, name)
     return MPI_LIB.horovod_grouped_allgather(
         tensors, name=name, ignore_name_scope=ignore_name_scope,
         process_set_id=process_set.process_set_id)
@@ -217,8 +222,7 @@ def _reducescatter_grad(op, grad):
 
 def grouped_reducescatter(tensors, name=None, op=Average, ignore_name_scope=False,
                           process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
-    if name is None and not _executing_eagerly():
-        name = _normalize_name("HorovodGroupedReducescatter_%s_%s" % (tensors[0].name, tensors[-1].name))
+    name = _group_name("HorovodGroupedReducescatter", tensors, name)
     return MPI_LIB.horovod_grouped_reducescatter(
         tensors, name=name, reduce_op=op, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, ignore_name_scope=ignore_name_scope,
