@@ -71,24 +71,6 @@ impl Negotiator {
         }
     }
 
-    /// Whether this rank has joined and is waiting for the others.
-    pub fn is_joined(&self) -> bool {
-        self.self_joined
-    }
-
-    pub fn has_pending(&self) -> bool {
-        !self.waiting.is_empty() || !self.sent.is_empty() || self.self_joined
-    }
-
-    /// Requests not yet answered (for failing them at shutdown).
-    pub fn pending_names(&self) -> Vec<String> {
-        self.waiting
-            .iter()
-            .map(|w| w.req.name.clone())
-            .chain(self.sent.keys().cloned())
-            .collect()
-    }
-
     pub fn submit(&mut self, req: Request, now: Instant) {
         self.waiting.push(Waiting { req, since: now });
     }
