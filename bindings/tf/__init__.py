@@ -9,7 +9,10 @@ from ferrovod.tensorflow.functions import (  # noqa: F401
     broadcast_object,
     broadcast_variables,
 )
-from ferrovod.tensorflow.gradient_tape import DistributedGradientTape  # noqa: F401
+from ferrovod.tensorflow.gradient_tape import (  # noqa: F401
+    DistributedGradientTape,
+    PartialDistributedGradientTape,
+)
 from ferrovod.tensorflow.legacy_optimizer import (  # noqa: F401
     BroadcastGlobalVariablesHook,
     DistributedOptimizer,
@@ -30,3 +33,16 @@ from horovod.common.process_sets import (  # noqa: F401
     remove_process_set,
 )
 from horovod.common.util import check_extension  # noqa: F401
+
+
+def __getattr__(name):
+    # imported on first use: they load Keras, which `import horovod.tensorflow` should not
+    if name == "SyncBatchNormalization":
+        from ferrovod.tensorflow.sync_batch_norm import SyncBatchNormalization
+
+        return SyncBatchNormalization
+    if name == "elastic":
+        import importlib
+
+        return importlib.import_module("ferrovod.tensorflow.elastic")
+    raise AttributeError("module %r has no attribute %r" % (__name__, name))

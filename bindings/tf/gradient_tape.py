@@ -10,13 +10,11 @@ from horovod.common.util import split_list
 
 
 def gradient_options(what, op, compression, sparse_as_dense, gradient_predivide_factor, num_groups,
-                     groups, process_set, device_dense, device_sparse, backward_passes_per_step=1):
+                     groups, process_set, device_dense, device_sparse):
     """Checks the arguments shared by DistributedGradientTape and the DistributedOptimizers and
     returns them as keyword arguments for `_reduce_gradients`."""
     if op not in (Average, Sum):
         raise NotImplementedError("ferrovod supports op=Average or op=Sum for %s" % what)
-    if backward_passes_per_step != 1:
-        raise NotImplementedError("backward_passes_per_step > 1 is not supported by ferrovod yet")
     if groups is not None and not isinstance(groups, (int, list)):
         raise ValueError("groups should be an int or a list of lists of variables")
     if isinstance(groups, int):
@@ -105,11 +103,34 @@ class _DistributedGradientTape(tf.GradientTape):
             flat_grads = _reduce_gradients(flat_grads, flat_sources, use_generic_names=use_generic_names,
                                            local_sources=self._local_sources, **self._options)
             if self._scale_local_gradients and self._local_sources and self._options["op"] == Average:
-                ps_size = self._options["process_set"].size()
-                local_ids = {id(s) for s in self._local_sources}
-                flat_grads = [g / ps_size if (g is not None and id(s) in local_ids) else g
-                              for g, s in zip(flat_grads, flat_sources)]
+                flat_grads = scale_local_gradients(flat_grads, flat_sources, self._local_sources,
+                                                   self._options["process_set"].size())
         return tf.nest.pack_sequence_as(grads, flat_grads)
+
+    def get_local_and_global_gradients(self, target, sources, output_gradients=None,
+                                       use_generic_names=False):
+        """`gradient()` split into ([(local source, gradient)], [(other source, gradient)])."""
+        grads = self.gradient(target, sources, output_gradients, use_generic_names)
+        local_ids = {id(s) for s in self._local_sources}
+        local, shared = [], []
+        for s, g in zip(tf.nest.flatten(sources), tf.nest.flatten(grads)):
+            (local if id(s) in local_ids else shared).append((s, g))
+        return local, shared
+
+
+def scale_local_gradients(grads, sources, local_sources, factor):
+    """Divides the gradients of rank-local sources by `factor`, so that a model-parallel layer's
+    update matches the averaged data-parallel ones (Horovod's scale_local_gradients)."""
+    local_ids = {id(s) for s in local_sources}
+    out = []
+    for g, s in zip(grads, sources):
+        if g is not None and id(s) in local_ids:
+            if isinstance(g, tf.IndexedSlices):
+                g = tf.IndexedSlices(g.values / factor, g.indices, g.dense_shape)
+            else:
+                g = g / factor
+        out.append(g)
+    return out
 
 
 def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=Compression.none,
@@ -122,3 +143,29 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
                                gradient_predivide_factor, num_groups, groups, process_set,
                                device_dense, device_sparse)
     return _DistributedGradientTape(gradtape, options, scale_local_gradients)
+
+
+def local_layer_variables(local_layers):
+    """The trainable variables of `local_layers` (one Keras layer, a list of them, or None)."""
+    if local_layers is None:
+        return []
+    if not isinstance(local_layers, (list, tuple)):
+        local_layers = [local_layers]
+    if not all(hasattr(layer, "trainable_weights") for layer in local_layers):
+        raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
+    return [v for layer in local_layers for v in layer.trainable_weights]
+
+
+def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="",
+                                   compression=Compression.none, sparse_as_dense=False, op=Average,
+                                   gradient_predivide_factor=1.0, num_groups=0, groups=None,
+                                   process_set=global_process_set, local_layers=None,
+                                   scale_local_gradients=True):
+    """A DistributedGradientTape whose `local_layers` (model-parallel parts) keep their local
+    gradients."""
+    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression,
+                                   sparse_as_dense, op, gradient_predivide_factor, num_groups,
+                                   groups, process_set, scale_local_gradients)
+    for var in local_layer_variables(local_layers):
+        tape.register_local_source(var)
+    return tape

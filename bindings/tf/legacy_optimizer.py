@@ -5,6 +5,7 @@ import tensorflow as tf
 
 from ferrovod.tensorflow.compression import Compression
 from ferrovod.tensorflow.functions import broadcast_variables
+from ferrovod.tensorflow.gradient_aggregation import LocalGradientAggregator
 from ferrovod.tensorflow.gradient_tape import _reduce_gradients, gradient_options
 from ferrovod.tensorflow.mpi_ops import Average, size
 from horovod.common.process_sets import global_process_set
@@ -14,21 +15,34 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
     """Delegates to the wrapped optimizer; `compute_gradients` averages the gradients over the
     ranks first."""
 
-    def __init__(self, optimizer, name, use_locking, options):
+    def __init__(self, optimizer, name, use_locking, options, aggregator):
         self._optimizer = optimizer
         self._options = options
+        self._aggregator = aggregator
         super().__init__(name=name or "Distributed" + type(optimizer).__name__, use_locking=use_locking)
 
     def compute_gradients(self, *args, **kwargs):
         pairs = self._optimizer.compute_gradients(*args, **kwargs)
-        if size() <= 1:
-            return pairs
         grads, variables = zip(*pairs) if pairs else ((), ())
-        reduced = _reduce_gradients(list(grads), list(variables), use_generic_names=False, **self._options)
+
+        def allreduce(grads):
+            if size() <= 1:
+                return grads
+            return _reduce_gradients(grads, list(variables), use_generic_names=False, **self._options)
+
+        if self._aggregator is not None:
+            reduced = self._aggregator.reduce(list(grads), allreduce)
+        else:
+            reduced = allreduce(list(grads))
         return list(zip(reduced, variables))
 
-    def apply_gradients(self, *args, **kwargs):
-        return self._optimizer.apply_gradients(*args, **kwargs)
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        if self._aggregator is None:
+            return self._optimizer.apply_gradients(grads_and_vars, global_step, name)
+        pairs = list(grads_and_vars)
+        return self._aggregator.apply(
+            [g for g, _ in pairs], lambda: self._optimizer.apply_gradients(pairs, global_step, name),
+            iterations=global_step)
 
     def get_slot(self, *args, **kwargs):
         return self._optimizer.get_slot(*args, **kwargs)
@@ -50,8 +64,12 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         options = gradient_options("DistributedOptimizer", op, compression, sparse_as_dense,
                                    gradient_predivide_factor, num_groups, groups, process_set,
-                                   device_dense, device_sparse, backward_passes_per_step)
-        return _DistributedOptimizer(optimizer, name, use_locking, options)
+                                   device_dense, device_sparse)
+        aggregator = None
+        if backward_passes_per_step != 1:
+            aggregator = LocalGradientAggregator(backward_passes_per_step, average_aggregated_gradients,
+                                                 sparse_as_dense)
+        return _DistributedOptimizer(optimizer, name, use_locking, options, aggregator)
     from ferrovod.tensorflow.keras import DistributedOptimizer as KerasDistributedOptimizer
 
     return KerasDistributedOptimizer(

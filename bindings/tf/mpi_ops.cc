@@ -137,6 +137,13 @@ class CollectiveOp : public AsyncOpKernel {
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    // Shape inference and grappler's constant folding run kernels outside any step to
+    // precompute values from constant inputs. A collective must run in every step, on every
+    // rank alike, so it refuses there: TensorFlow then leaves the node to run time.
+    OP_REQUIRES_ASYNC(ctx, ctx->step_container() != nullptr,
+                      errors::Unavailable("ferrovod collectives are not evaluated while a graph is "
+                                          "being optimised"),
+                      done);
     auto p = std::make_unique<Pending>();
     p->ctx = ctx;
     p->done = done;

@@ -92,9 +92,15 @@ def _allreduce_grad(op, grad):
 def _grad_name(op, suffix):
     """Graph mode: name gradient collectives after their forward op, so every rank agrees even
     where the gradient graphs' other node names differ (e.g. shape-dependent helper ops)."""
-    name = getattr(op, "name", None)  # tf.function's backward may hand in a mock op
-    if _executing_eagerly() or not name:
+    if _executing_eagerly():
         return None
+    name = getattr(op, "name", None)
+    if not name:
+        # GradientTape hands in a stand-in op without a name; its outputs are the forward op's
+        try:
+            name = op.outputs[0].op.name
+        except (AttributeError, IndexError, TypeError):
+            return None
     return _normalize_name(name) + suffix
 
 
@@ -114,9 +120,17 @@ def _grouped_allreduce(tensors, name=None, op=Sum, prescale_factor=1.0, postscal
         process_set_id=process_set.process_set_id)
 
 
+def _output_dtype_grads(op, grads):
+    """The incoming gradients cast to their outputs' dtype: TensorFlow may hand a grouped op's
+    gradient function a caller-supplied gradient of another dtype next to its own zero-filled
+    ones, and a grouped collective carries a single dtype."""
+    return [g if g.dtype == out.dtype else tf.cast(g, out.dtype)
+            for g, out in zip(map(tf.convert_to_tensor, grads), op.outputs)]
+
+
 @ops.RegisterGradient("HorovodGroupedAllreduce")
 def _grouped_allreduce_grad(op, *grads):
-    return _grouped_allreduce(list(grads), op=op.get_attr("reduce_op"),
+    return _grouped_allreduce(_output_dtype_grads(op, grads), op=op.get_attr("reduce_op"),
                               prescale_factor=op.get_attr("prescale_factor"),
                               postscale_factor=op.get_attr("postscale_factor"),
                               ignore_name_scope=op.get_attr("ignore_name_scope"),
@@ -157,7 +171,7 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
 @ops.RegisterGradient("HorovodGroupedAllgather")
 def _grouped_allgather_grad(op, *grads):
     process_set = _process_set(op)
-    grads = _grouped_allreduce(list(grads), op=Average, process_set=process_set,
+    grads = _grouped_allreduce(_output_dtype_grads(op, grads), op=Average, process_set=process_set,
                                name=_grad_name(op, "_grad"))
     return [_own_rows(g, t, process_set, _grad_name(op, "_grad_sizes_%d" % i))
             for i, (g, t) in enumerate(zip(grads, op.inputs))]
@@ -235,7 +249,8 @@ def _grouped_reducescatter_grad(op, *grads):
     factor = op.get_attr("prescale_factor") * op.get_attr("postscale_factor")
     if op.get_attr("reduce_op") == Sum:
         factor *= process_set.size()
-    return grouped_allgather([g * factor for g in grads], process_set=process_set,
+    return grouped_allgather([g * factor for g in _output_dtype_grads(op, grads)],
+                             process_set=process_set,
                              name=_grad_name(op, "_grad"))
 
 

@@ -6,6 +6,7 @@ from ferrovod.tensorflow import (  # noqa: F401
     Compression,
     DistributedGradientTape,
     DistributedOptimizer,
+    PartialDistributedGradientTape,
     allgather_object,
     allreduce,
     broadcast_,
@@ -21,3 +22,13 @@ from ferrovod.tensorflow import (  # noqa: F401
     _grouped_allreduce,
     _normalize_name,
 )
+
+
+def __getattr__(name):
+    if name == "elastic":
+        import importlib
+
+        return importlib.import_module("horovod.tensorflow.elastic")
+    import ferrovod.tensorflow
+
+    return getattr(ferrovod.tensorflow, name)

@@ -31,8 +31,14 @@ from ferrovod.tensorflow import (  # noqa: F401
     stop_timeline,
 )
 from ferrovod.tensorflow import allreduce as _tf_allreduce
-from ferrovod.tensorflow.gradient_tape import _reduce_gradients, gradient_options
-from ferrovod.tensorflow.keras import callbacks  # noqa: F401
+from ferrovod.tensorflow.gradient_aggregation import LocalGradientAggregator
+from ferrovod.tensorflow.gradient_tape import (
+    _reduce_gradients,
+    gradient_options,
+    local_layer_variables,
+    scale_local_gradients,
+)
+from ferrovod.tensorflow.keras import callbacks, elastic  # noqa: F401
 from horovod.common.process_sets import (  # noqa: F401
     ProcessSet,
     add_process_set,
@@ -41,30 +47,48 @@ from horovod.common.process_sets import (  # noqa: F401
 )
 
 
-def _wrap_optimizer_class(base, options, backward_passes_per_step, average_aggregated_gradients):
-    """A subclass of the optimizer's own class whose gradients are allreduced before they are
-    applied (Keras 3: `apply`; tf_keras: `apply_gradients`)."""
+def _wrap_optimizer_class(base, options, scale_local):
+    """A subclass of the optimizer's own class whose gradients are allreduced (after local
+    aggregation, with backward_passes_per_step > 1) before they are applied (Keras 3: `apply`;
+    tf_keras: `apply_gradients`)."""
 
     def reduce(self, grads, variables):
-        grads = list(grads)
-        variables = list(variables)
         if size() <= 1:
             return grads
-        return _reduce_gradients(grads, variables, use_generic_names=False,
-                                 local_sources=self._ferrovod_local_vars, **options)
+        local = self._ferrovod_local_vars
+        grads = _reduce_gradients(list(grads), variables, use_generic_names=False, local_sources=local,
+                                  **options)
+        if scale_local and local and options["op"] == Average:
+            grads = scale_local_gradients(grads, variables, local, options["process_set"].size())
+        return grads
+
+    def reduce_and_apply(self, grads, variables, apply_fn):
+        aggregator = self._agg_helper
+        if aggregator is None:
+            return apply_fn(reduce(self, grads, variables))
+        grads = aggregator.reduce(list(grads), lambda gs: reduce(self, gs, variables))
+        return aggregator.apply(grads, lambda: apply_fn(grads), self.iterations)
 
     namespace = {"_ferrovod_distributed": True}
     if hasattr(base, "stateless_apply"):  # Keras 3
         def apply(self, grads, trainable_variables=None):
-            variables = trainable_variables if trainable_variables is not None else self._trainable_variables
-            return super(cls, self).apply(reduce(self, grads, variables), trainable_variables)
+            variables = list(trainable_variables if trainable_variables is not None
+                             else self._trainable_variables)
+            if not self.built:
+                # outside the tf.cond of local aggregation, which must not create variables
+                with tf.init_scope():
+                    self.build(variables)
+            return reduce_and_apply(self, grads, variables,
+                                    lambda gs: super(cls, self).apply(gs, trainable_variables))
 
         namespace["apply"] = apply
     else:
         def apply_gradients(self, grads_and_vars, *args, **kwargs):
             pairs = list(grads_and_vars)
-            reduced = reduce(self, [g for g, _ in pairs], [v for _, v in pairs])
-            return super(cls, self).apply_gradients(list(zip(reduced, [v for _, v in pairs])), *args, **kwargs)
+            variables = [v for _, v in pairs]
+            return reduce_and_apply(
+                self, [g for g, _ in pairs], variables,
+                lambda gs: super(cls, self).apply_gradients(list(zip(gs, variables)), *args, **kwargs))
 
         namespace["apply_gradients"] = apply_gradients
 
@@ -86,14 +110,36 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     applied. Works with Keras 3 optimizers and tf_keras (Keras 2) ones."""
     options = gradient_options("DistributedOptimizer", op, compression, sparse_as_dense,
                                gradient_predivide_factor, num_groups, groups, process_set,
-                               device_dense, device_sparse, backward_passes_per_step)
+                               device_dense, device_sparse)
     if getattr(optimizer, "_ferrovod_distributed", False):
         return optimizer
-    cls = _wrap_optimizer_class(optimizer.__class__, options, backward_passes_per_step,
-                                average_aggregated_gradients)
-    config = optimizer.get_config()
-    wrapped = cls.from_config(config)
+    cls = _wrap_optimizer_class(optimizer.__class__, options, scale_local_gradients)
+    wrapped = cls.from_config(optimizer.get_config())
     wrapped._ferrovod_local_vars = []
+    wrapped._agg_helper = None
+    if backward_passes_per_step != 1:
+        wrapped._agg_helper = LocalGradientAggregator(
+            backward_passes_per_step, average_aggregated_gradients, sparse_as_dense)
+    return wrapped
+
+
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                                compression=Compression.none, sparse_as_dense=False,
+                                gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
+                                average_aggregated_gradients=False, groups=None,
+                                process_set=global_process_set, local_layers=None,
+                                scale_local_gradients=True):
+    """A DistributedOptimizer whose `local_layers` (model-parallel parts) keep their local
+    gradients."""
+    wrapped = DistributedOptimizer(
+        optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
+        compression=compression, sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor, op=op,
+        backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients, groups=groups,
+        process_set=process_set, scale_local_gradients=scale_local_gradients)
+    for var in local_layer_variables(local_layers):
+        wrapped.register_local_var(var)
     return wrapped
 
 
