@@ -7,6 +7,7 @@ from ferrovod.tensorflow.functions import (  # noqa: F401
     allgather_object,
     broadcast_,
     broadcast_object,
+    broadcast_object_fn,
     broadcast_variables,
 )
 from ferrovod.tensorflow.gradient_tape import (  # noqa: F401

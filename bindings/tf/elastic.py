@@ -3,7 +3,7 @@ horovod.common.elastic for what ferrovod's fixed MPI world means for elastic job
 
 import tensorflow as tf
 
-from ferrovod.tensorflow.functions import broadcast_object, broadcast_variables
+from ferrovod.tensorflow.functions import broadcast_object, broadcast_variables, optimizer_variables
 from ferrovod.tensorflow.mpi_ops import init, rank, shutdown
 from horovod.common.elastic import ObjectState, run_fn
 
@@ -57,8 +57,7 @@ class TensorFlowKerasState(TensorFlowState):
     def _keras_variables(self):
         variables = list(self.model.variables)
         if self.optimizer is not None:
-            slots = self.optimizer.variables
-            variables += list(slots() if callable(slots) else slots)  # tf_keras legacy: a method
+            variables += optimizer_variables(self.optimizer)
         return variables
 
     def sync(self):

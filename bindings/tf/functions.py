@@ -29,6 +29,13 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
     return None
 
 
+def optimizer_variables(optimizer):
+    """An optimizer's variables: a property in Keras 3 and tf_keras's new optimizers, a method in
+    tf_keras's legacy ones."""
+    found = optimizer.variables
+    return list(found() if callable(found) else found)
+
+
 def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     """In-place broadcast: assigns `root_rank`'s values to `variables`. Returns the assigned
     variables (eager) or tensors that run the assignment when evaluated (graph mode)."""
@@ -60,6 +67,30 @@ def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=glob
         payload = np.zeros(int(sz[0]), np.uint8)
     data = _run(broadcast(tf.constant(payload), root_rank, name=name + ".t", process_set=process_set), session)
     return cloudpickle.loads(np.asarray(data).tobytes())
+
+
+def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global_process_set):
+    """A function `f(obj)` returning `root_rank`'s `obj` on every rank. In graph mode the
+    broadcast ops are built once, fed through placeholders on each call."""
+    name = name or "broadcast_object_fn"
+    if tf.executing_eagerly():
+        return lambda obj: broadcast_object(obj, root_rank, name=name, process_set=process_set)
+    size_in = tf.compat.v1.placeholder(tf.int32, [1], name="bcast_object_size")
+    size_out = broadcast(size_in, root_rank, name=name + ".sz", process_set=process_set)
+    data_in = tf.compat.v1.placeholder(tf.uint8, [None], name="bcast_object_data")
+    data_out = broadcast(data_in, root_rank, name=name + ".t", process_set=process_set)
+
+    def bcast(obj):
+        sess = session or tf.compat.v1.get_default_session() or tf.compat.v1.Session()
+        payload = _to_bytes_tensor(obj) if rank() == root_rank else None
+        n = len(payload) if payload is not None else 0
+        n = int(sess.run(size_out, feed_dict={size_in: [n]})[0])
+        if payload is None:
+            payload = np.zeros(n, np.uint8)
+        data = sess.run(data_out, feed_dict={data_in: payload})
+        return cloudpickle.loads(np.asarray(data).tobytes())
+
+    return bcast
 
 
 def allgather_object(obj, session=None, name=None, process_set=global_process_set):

@@ -22,9 +22,11 @@ class _ReduceOps:
 _op_from = get_average_backwards_compatibility_fun(_ReduceOps)
 
 
-def _check_op(op):
+def _check_op(op, process_set):
     if op == Adasum:
         raise NotImplementedError("Adasum is not supported by ferrovod.")
+    if process_set.process_set_id != 0:
+        process_set.size()  # as Horovod: ValueError for a set that was never registered
 
 
 def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none,
@@ -33,7 +35,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
     """Reduces `tensor` over the process set (Average by default). tf.IndexedSlices are
     gathered (values and indices) instead, for Sum and Average only."""
     op = _op_from(op, average)
-    _check_op(op)
+    _check_op(op, process_set)
     if isinstance(tensor, tf.IndexedSlices):
         if op not in (Average, Sum):
             raise NotImplementedError("Only Sum and Average are supported with tf.IndexedSlices")
@@ -63,7 +65,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
     if not tensors:
         return tensors
     op = _op_from(op, average)
-    _check_op(op)
+    _check_op(op, process_set)
     if any(isinstance(t, tf.IndexedSlices) for t in tensors):
         return [allreduce(t, op=op, compression=compression, process_set=process_set,
                           device_dense=device_dense, device_sparse=device_sparse,

@@ -109,3 +109,6 @@ class HorovodBasics:
 
     def rocm_built(self):
         return False
+
+    def sycl_built(self):
+        return False

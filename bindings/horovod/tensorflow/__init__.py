@@ -12,6 +12,7 @@ from ferrovod.tensorflow import (  # noqa: F401
     broadcast_,
     broadcast_global_variables,
     broadcast_object,
+    broadcast_object_fn,
     broadcast_variables,
     grouped_allreduce,
     util,

@@ -62,11 +62,17 @@ def _wrap_optimizer_class(base, options, scale_local):
             grads = scale_local_gradients(grads, variables, local, options["process_set"].size())
         return grads
 
-    def reduce_and_apply(self, grads, variables, apply_fn):
+    def reduced_grads(self, grads, variables):
+        """Allreduced gradients, or with local aggregation the running sums until the last pass."""
         aggregator = self._agg_helper
         if aggregator is None:
-            return apply_fn(reduce(self, grads, variables))
-        grads = aggregator.reduce(list(grads), lambda gs: reduce(self, gs, variables))
+            return reduce(self, grads, variables)
+        return aggregator.reduce(list(grads), lambda gs: reduce(self, gs, variables))
+
+    def apply_reduced(self, grads, apply_fn):
+        aggregator = self._agg_helper
+        if aggregator is None:
+            return apply_fn(grads)
         return aggregator.apply(grads, lambda: apply_fn(grads), self.iterations)
 
     namespace = {"_ferrovod_distributed": True}
@@ -78,19 +84,32 @@ def _wrap_optimizer_class(base, options, scale_local):
                 # outside the tf.cond of local aggregation, which must not create variables
                 with tf.init_scope():
                     self.build(variables)
-            return reduce_and_apply(self, grads, variables,
-                                    lambda gs: super(cls, self).apply(gs, trainable_variables))
+            return apply_reduced(self, reduced_grads(self, grads, variables),
+                                 lambda gs: super(cls, self).apply(gs, trainable_variables))
 
         namespace["apply"] = apply
     else:
         def apply_gradients(self, grads_and_vars, *args, **kwargs):
             pairs = list(grads_and_vars)
-            variables = [v for _, v in pairs]
-            return reduce_and_apply(
-                self, [g for g, _ in pairs], variables,
+            grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
+            if getattr(self, "_ferrovod_reduced", False):
+                self._ferrovod_reduced = False  # _compute_gradients already reduced them
+            else:
+                grads = reduced_grads(self, grads, variables)
+            return apply_reduced(
+                self, grads,
                 lambda gs: super(cls, self).apply_gradients(list(zip(gs, variables)), *args, **kwargs))
 
         namespace["apply_gradients"] = apply_gradients
+
+    if hasattr(base, "_compute_gradients"):  # tf_keras legacy optimizers: reduce here, as Horovod
+        def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
+            pairs = super(cls, self)._compute_gradients(loss, var_list, grad_loss=grad_loss, tape=tape)
+            grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
+            self._ferrovod_reduced = True
+            return list(zip(reduced_grads(self, grads, variables), variables))
+
+        namespace["_compute_gradients"] = _compute_gradients
 
     def register_local_var(self, var):
         """`var`'s gradient stays local (model-parallel layers)."""

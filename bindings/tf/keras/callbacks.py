@@ -35,13 +35,13 @@ class BroadcastGlobalVariablesCallback(_Callback):
     def on_batch_end(self, batch, logs=None):
         if self.broadcast_done:
             return
-        from ferrovod.tensorflow.functions import broadcast_variables
+        from ferrovod.tensorflow.functions import broadcast_variables, optimizer_variables
 
         local = {id(v) for v in self.local_variables}
         variables = [v for v in self.model.variables if id(v) not in local]
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None:
-            variables += [v for v in optimizer.variables if id(v) not in local]
+            variables += [v for v in optimizer_variables(optimizer) if id(v) not in local]
         with tf.device(self.device):
             broadcast_variables(variables, root_rank=self.root_rank)
         self.broadcast_done = True

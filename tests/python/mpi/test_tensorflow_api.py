@@ -72,6 +72,18 @@ def test_broadcast_variables_and_objects():
     assert everyone == [{"r": k, "pad": "x" * k} for k in range(hvd.size())]
 
 
+def test_broadcast_object_fn_eager_and_graph():
+    r = hvd.rank()
+    assert hvd.broadcast_object_fn(root_rank=1, name="objfn")(("from", r)) == ("from", 1)
+    graph = tf.Graph()
+    with graph.as_default():
+        bcast = hvd.broadcast_object_fn(root_rank=0, name="objfn_graph")
+        with tf.compat.v1.Session(graph=graph):
+            # the same ops serve several objects of different sizes
+            assert bcast({"r": r}) == {"r": 0}
+            assert bcast(list(range(5 + r))) == list(range(5))
+
+
 def test_distributed_gradient_tape_matches_single_process_on_concatenated_batches():
     r, n = hvd.rank(), hvd.size()
     rng = np.random.RandomState(0)

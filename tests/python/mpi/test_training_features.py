@@ -43,14 +43,16 @@ def passes_shard(a, r, n, b, passes):
     return np.concatenate(out)
 
 
-@pytest.mark.parametrize("flavour", ["keras3", "tf_keras"])
+@pytest.mark.parametrize("flavour", ["keras3", "tf_keras", "tf_keras_legacy"])
 def test_backward_passes_per_step_matches_larger_batches(flavour):
     """Two local passes averaged, then averaged over n ranks == one process on 2*n*b rows; the
-    optimizer's iteration count still advances on every pass."""
+    optimizer's iteration count still advances on every pass. (tf_keras's legacy optimizers
+    reduce in `_compute_gradients`, the others in `apply`/`apply_gradients`.)"""
     r, n = hvd.rank(), hvd.size()
     b, passes, global_steps = 3, 2, 3
     x, y = regression_data(n * b * passes * global_steps)
     lib = keras if flavour == "keras3" else tf_keras
+    sgd = tf_keras.optimizers.legacy.SGD if flavour == "tf_keras_legacy" else lib.optimizers.SGD
 
     def model():
         lib.utils.set_random_seed(11)
@@ -58,7 +60,7 @@ def test_backward_passes_per_step_matches_larger_batches(flavour):
                                lib.layers.Dense(1)])
 
     dist = model()
-    opt = hvd_keras.DistributedOptimizer(lib.optimizers.SGD(0.1), backward_passes_per_step=passes,
+    opt = hvd_keras.DistributedOptimizer(sgd(0.1), backward_passes_per_step=passes,
                                          average_aggregated_gradients=True)
     dist.compile(optimizer=opt, loss="mse")
     dist.fit(passes_shard(x, r, n, b, passes), passes_shard(y, r, n, b, passes), batch_size=b,
@@ -67,7 +69,7 @@ def test_backward_passes_per_step_matches_larger_batches(flavour):
     assert int(opt._agg_helper.counter.numpy()) == 0
 
     ref = model()
-    ref.compile(optimizer=lib.optimizers.SGD(0.1), loss="mse")
+    ref.compile(optimizer=sgd(0.1), loss="mse")
     ref.fit(x, y, batch_size=n * b * passes, epochs=1, shuffle=False, verbose=0)
     for got, want in zip(dist.get_weights(), ref.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
@@ -111,6 +113,42 @@ def test_backward_passes_per_step_rejects_sparse_without_dense():
             [tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]), tf.constant([3, 2]))], lambda g: g)
     with pytest.raises(ValueError):
         hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=0)
+
+
+def test_tf_keras_legacy_compute_gradients_returns_reduced_gradients():
+    """As in Horovod, a wrapped legacy optimizer's `_compute_gradients` returns the averaged
+    gradients (local layers: this rank's, divided by n), and `apply_gradients` does not reduce
+    them again."""
+    r, n = hvd.rank(), hvd.size()
+    tf_keras.utils.set_random_seed(20 + r)
+    model = tf_keras.Sequential([tf_keras.layers.Dense(2, input_shape=(3,)), tf_keras.layers.Dense(1)])
+    x = np.full((2, 3), r + 1.0, np.float32)
+    loss = lambda: tf.reduce_sum(model(x))  # noqa: E731
+    variables = model.trainable_variables
+    with tf.GradientTape() as tape:
+        value = loss()
+    plain = tape.gradient(value, variables)
+    mean = gathered_mean(plain)
+    opt = hvd_keras.PartialDistributedOptimizer(tf_keras.optimizers.legacy.SGD(1.0),
+                                                local_layers=[model.layers[0]])
+    with tf.GradientTape() as tape:
+        value = loss()
+    pairs = opt._compute_gradients(value, variables, tape=tape)
+    local_ids = {id(v) for v in model.layers[0].trainable_weights}
+    for (g, v), p, m in zip(pairs, plain, mean):
+        want = p.numpy() / n if id(v) in local_ids else m
+        np.testing.assert_allclose(g.numpy(), want, rtol=1e-5, atol=1e-6)
+    before = [v.numpy() for v in variables]
+    opt.apply_gradients(pairs)
+    for v, w0, (g, _) in zip(variables, before, pairs):
+        np.testing.assert_allclose(v.numpy(), w0 - g.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_allreduce_on_an_unregistered_process_set_is_a_value_error():
+    fake = hvd.ProcessSet([0])
+    fake.process_set_id = 1000
+    with pytest.raises(ValueError):
+        hvd.allreduce(tf.ones(2), process_set=fake)
 
 
 def gathered_mean(grads):
