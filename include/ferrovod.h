@@ -169,6 +169,45 @@ typedef struct fv_init_options {
 } fv_init_options;
 
 /*
+ Counters since init of what negotiation and data movement cost this process (see
+ `fv_read_metrics`).
+ */
+typedef struct fv_metrics {
+  /*
+   Background-loop cycles run.
+   */
+  uint64_t cycles;
+  /*
+   Collectives issued only to agree which tensors are ready (votes, coordinator rounds).
+   */
+  uint64_t control_collectives;
+  /*
+   Bytes of those control messages this rank sent or received.
+   */
+  uint64_t control_bytes;
+  /*
+   Nanoseconds spent negotiating, including waiting there for other ranks.
+   */
+  uint64_t negotiation_ns;
+  /*
+   Collectives that moved tensor data (one per executed batch).
+   */
+  uint64_t data_collectives;
+  /*
+   Tensor bytes this rank handed to them.
+   */
+  uint64_t data_bytes;
+  /*
+   Batches that packed more than one tensor.
+   */
+  uint64_t fused_batches;
+  /*
+   Tensors completed by data collectives.
+   */
+  uint64_t tensors;
+} fv_metrics;
+
+/*
  One tensor of an operation.
  */
 typedef struct fv_tensor {
@@ -334,6 +373,11 @@ fv_status fv_is_homogeneous(int32_t *out);
  1 if MPI provides MPI_THREAD_MULTIPLE.
  */
 fv_status fv_mpi_threads_supported(int32_t *out);
+
+/*
+ Reads the counters into `*out`.
+ */
+fv_status fv_read_metrics(struct fv_metrics *out);
 
 /*
  The library version, a static NUL-terminated string.

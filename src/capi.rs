@@ -317,6 +317,50 @@ pub extern "C" fn fv_mpi_threads_supported(out: *mut i32) -> Status {
     topology_value(out, |t| i32::from(t.mpi_threads_supported))
 }
 
+/// Counters since init of what negotiation and data movement cost this process (see
+/// `fv_read_metrics`).
+#[repr(C)]
+pub struct fv_metrics {
+    /// Background-loop cycles run.
+    pub cycles: u64,
+    /// Collectives issued only to agree which tensors are ready (votes, coordinator rounds).
+    pub control_collectives: u64,
+    /// Bytes of those control messages this rank sent or received.
+    pub control_bytes: u64,
+    /// Nanoseconds spent negotiating, including waiting there for other ranks.
+    pub negotiation_ns: u64,
+    /// Collectives that moved tensor data (one per executed batch).
+    pub data_collectives: u64,
+    /// Tensor bytes this rank handed to them.
+    pub data_bytes: u64,
+    /// Batches that packed more than one tensor.
+    pub fused_batches: u64,
+    /// Tensors completed by data collectives.
+    pub tensors: u64,
+}
+
+/// Reads the counters into `*out`.
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_read_metrics(out: *mut fv_metrics) -> Status {
+    guard(|| {
+        let m = runtime::runtime()?.metrics.snapshot();
+        put(
+            out,
+            fv_metrics {
+                cycles: m.cycles,
+                control_collectives: m.control_collectives,
+                control_bytes: m.control_bytes,
+                negotiation_ns: m.negotiation_ns,
+                data_collectives: m.data_collectives,
+                data_bytes: m.data_bytes,
+                fused_batches: m.fused_batches,
+                tensors: m.tensors,
+            },
+            "out",
+        )
+    })
+}
+
 /// The library version, a static NUL-terminated string.
 #[unsafe(no_mangle)]
 pub extern "C" fn fv_version() -> *const c_char {

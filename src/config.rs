@@ -6,6 +6,47 @@ use std::time::Duration;
 /// ferrovod turns a stall into an error on every rank after ten minutes.
 pub const DEFAULT_STALL_SHUTDOWN_SECONDS: u64 = 600;
 
+/// How ranks agree on which tensors are ready (`FERROVOD_NEGOTIATION`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NegotiationMode {
+    /// Horovod's scheme, kept as the baseline: per cycle a bitwise-AND allreduce of cache hits
+    /// and a bitwise-OR allreduce of invalid bits and status flags, plus a coordinator round
+    /// (gather requests, broadcast responses) when a name is new.
+    Horovod,
+    /// One bitwise-AND allreduce per cycle carries hits, invalid bits and flags; the
+    /// coordinator only for first sight of a name. The default.
+    Online,
+}
+
+impl NegotiationMode {
+    pub fn parse(s: &str) -> Option<NegotiationMode> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "horovod" => Some(NegotiationMode::Horovod),
+            "online" => Some(NegotiationMode::Online),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            NegotiationMode::Horovod => "horovod",
+            NegotiationMode::Online => "online",
+        }
+    }
+
+    /// Code agreed across ranks (rank 0's value wins).
+    pub fn code(self) -> usize {
+        self as usize
+    }
+
+    pub fn from_code(code: usize) -> NegotiationMode {
+        match code {
+            0 => NegotiationMode::Horovod,
+            _ => NegotiationMode::Online,
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct Config {
     /// `HOROVOD_CYCLE_TIME` (milliseconds, fractional allowed; default 1).
@@ -34,6 +75,8 @@ pub struct Config {
     /// `FERROVOD_MPI_MAX_COUNT`: largest count per MPI call before a transfer is split
     /// (default 2^30; lowering it lets tests run the split paths with small tensors).
     pub mpi_max_count: usize,
+    /// `FERROVOD_NEGOTIATION`: horovod | online (default).
+    pub negotiation: NegotiationMode,
 }
 
 fn env_str(key: &str) -> Option<String> {
@@ -86,6 +129,13 @@ impl Config {
             timeline_mark_cycles: env_bool("HOROVOD_TIMELINE_MARK_CYCLES"),
             local_size_override: env_str("FERROVOD_LOCAL_SIZE").and_then(|v| v.parse().ok()),
             mpi_max_count: env_num("FERROVOD_MPI_MAX_COUNT", crate::transport::mpi::MAX_COUNT),
+            negotiation: match env_str("FERROVOD_NEGOTIATION") {
+                None => NegotiationMode::Online,
+                Some(v) => NegotiationMode::parse(&v).unwrap_or_else(|| {
+                    tracing::warn!("ignoring FERROVOD_NEGOTIATION={v}: expected horovod or online");
+                    NegotiationMode::Online
+                }),
+            },
         }
     }
 }

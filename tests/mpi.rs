@@ -37,6 +37,9 @@ const SCENARIOS: &[Scenario] = &[
     ("random_order", 2, &[], true),
     ("random_order", 4, &[("HOROVOD_CACHE_CAPACITY", "8"), ("HOROVOD_FUSION_THRESHOLD", "4096")], true),
     ("random_order", 2, &[("HOROVOD_MPI_THREADS_DISABLE", "1")], true),
+    ("random_order", 3, &[("FERROVOD_NEGOTIATION", "horovod")], true),
+    ("metrics", 2, &[], true),
+    ("metrics", 3, &[("FERROVOD_NEGOTIATION", "horovod")], true),
     ("env_differs", 2, &[], true),
     ("cache_changes", 2, &[("HOROVOD_CACHE_CAPACITY", "4")], true),
     ("join", 2, &[], true),
@@ -250,6 +253,7 @@ fn run_rank(name: &str) {
         "init_subset" => init_subset(),
         "timeline" => timeline(),
         "large_counts" => large_counts(),
+        "metrics" => metrics(),
         other => panic!("unknown scenario {other}"),
     }
 }
@@ -831,6 +835,67 @@ fn random_order_steps() {
             );
         }
     }
+}
+
+/// The counters: data bytes and tensors exactly what was submitted; every cycle issued its
+/// mode's votes (two in the horovod mode, one otherwise), plus coordinator rounds for new names.
+fn metrics() {
+    init();
+    let rt = runtime::runtime().unwrap();
+    let horovod = std::env::var("FERROVOD_NEGOTIATION").as_deref() == Ok("horovod");
+    let me = rank();
+    let before = rt.metrics.snapshot();
+    let (steps, count, len) = (4, 12, 50usize);
+    for step in 0..steps {
+        let handles: Vec<_> = (0..count)
+            .map(|k| {
+                let mine: Vec<f64> = (0..len).map(|i| val(i + k + step, me)).collect();
+                submit(OpSpec::new(
+                    OpKind::Allreduce,
+                    vec![tensor(
+                        &format!("m{k}"),
+                        DataType::F32,
+                        &[len as i64],
+                        &mine,
+                        false,
+                    )],
+                ))
+                .unwrap()
+            })
+            .collect();
+        for h in handles {
+            finish(h).unwrap();
+        }
+    }
+    let after = rt.metrics.snapshot();
+    let d = |f: fn(&runtime::metrics::MetricsSnapshot) -> u64| f(&after) - f(&before);
+    assert_eq!(d(|m| m.tensors), (steps * count) as u64);
+    assert_eq!(d(|m| m.data_bytes), (steps * count * len * 4) as u64);
+    let batches = d(|m| m.data_collectives);
+    assert!(
+        (1..=(steps * count) as u64).contains(&batches),
+        "{batches} batches"
+    );
+    assert!(d(|m| m.fused_batches) <= batches);
+    let cycles = d(|m| m.cycles);
+    let votes = if horovod { 2 } else { 1 };
+    let control = d(|m| m.control_collectives);
+    // each cycle votes; the first sight of the 12 names adds coordinator rounds (gather + bcast)
+    assert!(
+        control >= votes * cycles,
+        "{control} control collectives in {cycles} cycles"
+    );
+    assert!(
+        control <= votes * cycles + 2 * cycles,
+        "{control} in {cycles} cycles"
+    );
+    assert!(
+        control > votes * cycles,
+        "new names need a coordinator round"
+    );
+    assert!(d(|m| m.control_bytes) >= 8 * control);
+    assert!(d(|m| m.negotiation_ns) > 0);
+    finish_job();
 }
 
 /// Cached names whose shape or op changes, and more names than the cache holds.

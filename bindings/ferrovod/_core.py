@@ -112,6 +112,12 @@ class _InitOptions(ctypes.Structure):
     ]
 
 
+class _Metrics(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in (
+        "cycles", "control_collectives", "control_bytes", "negotiation_ns", "data_collectives",
+        "data_bytes", "fused_batches", "tensors")]
+
+
 def library_path():
     """The shared library installed beside this module by `pip install`."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -149,6 +155,7 @@ def _load():
         "fv_process_set_ranks": (ctypes.c_int32, [ctypes.c_int32, i32p, ctypes.c_int32, i32p]),
         "fv_process_set_size": (ctypes.c_int32, [ctypes.c_int32, i32p]),
         "fv_process_set_rank": (ctypes.c_int32, [ctypes.c_int32, i32p]),
+        "fv_read_metrics": (ctypes.c_int32, [ctypes.POINTER(_Metrics)]),
     }
     for name in ("fv_rank", "fv_size", "fv_local_rank", "fv_local_size", "fv_cross_rank",
                  "fv_cross_size", "fv_is_homogeneous", "fv_mpi_threads_supported"):
@@ -234,6 +241,14 @@ def _query(fn):
         raise ValueError(NOT_INITIALIZED_MESSAGE)
     check(status)
     return out.value
+
+
+def metrics():
+    """Counters since init: cycles, control collectives and bytes, negotiation time, data
+    collectives and bytes, fused batches, tensors (a dict; see fv_read_metrics in ferrovod.h)."""
+    out = _Metrics()
+    check(LIB.fv_read_metrics(ctypes.byref(out)))
+    return {name: int(getattr(out, name)) for name, _ in _Metrics._fields_}
 
 
 def rank():

@@ -39,6 +39,7 @@ ccl_built = _basics.ccl_built
 cuda_built = _basics.cuda_built
 rocm_built = _basics.rocm_built
 sycl_built = _basics.sycl_built
+metrics = _basics.metrics
 
 Average = _basics.Average
 Sum = _basics.Sum

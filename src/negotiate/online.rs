@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use crate::config::NegotiationMode;
 use crate::error::Result;
 use crate::message::{OpKind, Request, Response};
 use crate::negotiate::cache::{Lookup, ResponseCache};
@@ -28,6 +29,8 @@ pub struct CycleOutcome {
     pub shutdown: Option<String>,
     /// Control collectives this cycle issued (for metrics).
     pub control_collectives: u32,
+    /// Bytes this rank contributed to them.
+    pub control_bytes: u64,
 }
 
 struct Waiting {
@@ -49,6 +52,7 @@ pub struct Negotiator {
     last_stall_check: Instant,
     /// Global ranks of the set, for reports.
     global_ranks: Vec<i32>,
+    mode: NegotiationMode,
 }
 
 impl Negotiator {
@@ -56,6 +60,7 @@ impl Negotiator {
         set_rank: usize,
         global_ranks: Vec<i32>,
         cache_capacity: usize,
+        mode: NegotiationMode,
         stall: StallPolicy,
     ) -> Self {
         Negotiator {
@@ -68,6 +73,7 @@ impl Negotiator {
             stall,
             last_stall_check: Instant::now(),
             global_ranks,
+            mode,
         }
     }
 
@@ -139,12 +145,25 @@ impl Negotiator {
             stall_check_due && self.coordinator.as_ref().is_some_and(|c| c.has_pending());
         vote.uncached = !to_send.is_empty() || !self.cache.enabled() || coordinator_check;
 
-        // 2. one AND allreduce
+        // 2. the vote: one AND allreduce (Horovod: an AND and an OR allreduce)
         let bits = self.cache.num_bits();
-        let mut words = ready_bitmap::encode(&vote, bits);
-        ctrl.and_words(&mut words)?;
-        out.control_collectives += 1;
-        let agreed = ready_bitmap::decode(&words, bits);
+        let agreed = match self.mode {
+            NegotiationMode::Online => {
+                let mut words = ready_bitmap::encode(&vote, bits);
+                ctrl.and_words(&mut words)?;
+                out.control_collectives += 1;
+                out.control_bytes += 8 * words.len() as u64;
+                ready_bitmap::decode(&words, bits)
+            }
+            NegotiationMode::Horovod => {
+                let (mut hits, mut flags) = ready_bitmap::encode_split(&vote, bits);
+                ctrl.and_words(&mut hits)?;
+                ctrl.or_words(&mut flags)?;
+                out.control_collectives += 2;
+                out.control_bytes += 8 * (hits.len() + flags.len()) as u64;
+                ready_bitmap::decode_split(&hits, &flags, bits)
+            }
+        };
 
         // 3. apply the agreement identically everywhere
         for &bit in &agreed.invalid {
@@ -183,6 +202,7 @@ impl Negotiator {
         }
         let gathered = ctrl.gather_bytes(&mine, 0)?;
         out.control_collectives += 1;
+        out.control_bytes += mine.len() as u64;
         let reply = match self.coordinator.as_mut() {
             Some(coord) => {
                 let lists = gathered
@@ -224,6 +244,7 @@ impl Negotiator {
         };
         let reply = ctrl.broadcast_bytes(reply, 0)?;
         out.control_collectives += 1;
+        out.control_bytes += reply.len() as u64;
         if stall_check_due {
             self.last_stall_check = now;
         }

@@ -74,6 +74,33 @@ pub fn decode(words: &[u64], num_bits: usize) -> Agreement {
     }
 }
 
+/// Horovod's form of the same vote, for the baseline mode: a hit vector for a bitwise-AND
+/// allreduce and a vector of status flags and invalid bits (not inverted) for a bitwise-OR
+/// allreduce.
+pub fn encode_split(vote: &Vote, num_bits: usize) -> (Vec<u64>, Vec<u64>) {
+    let mut hits = vec![0u64; num_bits.div_ceil(64).max(1)];
+    for &b in &vote.hits {
+        set(&mut hits, b, true);
+    }
+    let mut flags = vec![0u64; (FLAGS + num_bits).div_ceil(64)];
+    set(&mut flags, FLAG_SHUTDOWN, vote.shutdown);
+    set(&mut flags, FLAG_UNCACHED, vote.uncached);
+    for &b in &vote.invalid {
+        set(&mut flags, FLAGS + b, true);
+    }
+    (hits, flags)
+}
+
+/// Decodes the AND of every rank's hit vector and the OR of their flag vectors.
+pub fn decode_split(hits: &[u64], flags: &[u64], num_bits: usize) -> Agreement {
+    Agreement {
+        any_shutdown: get(flags, FLAG_SHUTDOWN),
+        any_uncached: get(flags, FLAG_UNCACHED),
+        common_hits: (0..num_bits).filter(|b| get(hits, *b)).collect(),
+        invalid: (0..num_bits).filter(|b| get(flags, FLAGS + b)).collect(),
+    }
+}
+
 /// The AND a bitwise-AND allreduce computes; used by tests and single-rank runs.
 pub fn and_all(votes: &[Vec<u64>]) -> Vec<u64> {
     let mut out = votes[0].clone();
@@ -118,6 +145,40 @@ mod tests {
                 invalid: vec![3, 64],
             }
         );
+    }
+
+    #[test]
+    fn split_vote_agrees_with_the_single_vote() {
+        let n = 130;
+        let votes = [
+            Vote {
+                shutdown: false,
+                uncached: true,
+                hits: vec![1, 5, 70, 129],
+                invalid: vec![3],
+            },
+            Vote {
+                shutdown: false,
+                uncached: false,
+                hits: vec![5, 70, 128, 129],
+                invalid: vec![64, 129],
+            },
+            Vote::default(),
+        ];
+        for k in 1..=votes.len() {
+            let vs = &votes[..k];
+            let single = decode(
+                &and_all(&vs.iter().map(|v| encode(v, n)).collect::<Vec<_>>()),
+                n,
+            );
+            let (mut hits, mut flags) = encode_split(&vs[0], n);
+            for v in &vs[1..] {
+                let (h, f) = encode_split(v, n);
+                hits.iter_mut().zip(h).for_each(|(o, x)| *o &= x);
+                flags.iter_mut().zip(f).for_each(|(o, x)| *o |= x);
+            }
+            assert_eq!(decode_split(&hits, &flags, n), single, "{k} ranks");
+        }
     }
 
     #[test]

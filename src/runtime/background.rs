@@ -9,6 +9,7 @@ use std::time::Instant;
 use crossbeam::channel::{Receiver, RecvTimeoutError, Sender};
 
 use crate::collective::{self, TensorIo};
+use crate::config::NegotiationMode;
 use crate::error::{Error, Result, SHUT_DOWN_MESSAGE};
 use crate::fusion::planner::plan_batches;
 use crate::message::{OpKind, Response};
@@ -39,6 +40,7 @@ struct Agreed {
     mpi_max_count: usize,
     /// 0: nodes from MPI_COMM_TYPE_SHARED.
     local_size_override: usize,
+    negotiation: NegotiationMode,
 }
 
 impl Agreed {
@@ -51,6 +53,7 @@ impl Agreed {
             cfg.cache_capacity,
             cfg.mpi_max_count,
             cfg.local_size_override.unwrap_or(0),
+            cfg.negotiation.code(),
         ];
         let bytes: Vec<u8> = mine
             .iter()
@@ -63,7 +66,7 @@ impl Agreed {
             .collect();
         if v[..] != mine[..] {
             tracing::warn!(
-                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE differ from rank 0's; using rank 0's values {v:?}"
+                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION differ from rank 0's; using rank 0's values {v:?}"
             );
         }
         Ok(Agreed {
@@ -72,6 +75,7 @@ impl Agreed {
             cache_capacity: v[2],
             mpi_max_count: v[3],
             local_size_override: v[4],
+            negotiation: NegotiationMode::from_code(v[5]),
         })
     }
 }
@@ -132,7 +136,7 @@ fn make_set(
     comm: MpiComm,
     ranks: Vec<i32>,
     rt: &Runtime,
-    cache_capacity: usize,
+    agreed: &Agreed,
 ) -> Result<SetState> {
     let cfg = &rt.config;
     let set_rank = comm.rank();
@@ -143,7 +147,8 @@ fn make_set(
         negotiator: Negotiator::new(
             set_rank,
             ranks,
-            cache_capacity,
+            agreed.cache_capacity,
+            agreed.negotiation,
             StallPolicy {
                 enabled: cfg.stall_check,
                 warn_after: cfg.stall_warn,
@@ -217,10 +222,8 @@ impl Background {
             world: world.dup()?,
             rt: rt.clone(),
         };
-        bg.member.insert(
-            0,
-            make_set(0, world, world_ranks.clone(), &rt, agreed.cache_capacity)?,
-        );
+        bg.member
+            .insert(0, make_set(0, world, world_ranks.clone(), &rt, &agreed)?);
         bg.all_sets.insert(0, world_ranks);
         for ranks in &opts.process_sets {
             let mut sorted = ranks.clone();
@@ -253,13 +256,7 @@ impl Background {
         let id = self.next_set_id;
         self.next_set_id += 1;
         if let Some(comm) = self.world.subset(&ranks)? {
-            let set = make_set(
-                id,
-                comm,
-                ranks.clone(),
-                &self.rt,
-                self.agreed.cache_capacity,
-            )?;
+            let set = make_set(id, comm, ranks.clone(), &self.rt, &self.agreed)?;
             self.member.insert(id, set);
         }
         self.all_sets.insert(id, ranks);
@@ -321,7 +318,15 @@ impl Background {
                     continue;
                 };
                 let want = id == 0 && self.want_shutdown;
-                let outcome = set.negotiator.cycle(&set.ctrl, want, Instant::now());
+                let started = Instant::now();
+                let outcome = set.negotiator.cycle(&set.ctrl, want, started);
+                if let Ok(o) = &outcome {
+                    self.rt.metrics.add_negotiation(
+                        o.control_collectives.into(),
+                        o.control_bytes,
+                        started.elapsed(),
+                    );
+                }
                 let stop = match &outcome {
                     Err(e) => Some(format!("ferrovod negotiation failed: {e}")),
                     Ok(o) => o.shutdown.clone().filter(|r| r != SHUT_DOWN_MESSAGE),
@@ -431,7 +436,17 @@ impl Background {
             }
             let outcome = match &head.error {
                 Some(msg) => Err(Error::Precondition(msg.clone())),
-                None => run_batch(set, &resps, &mut entries, timeline, &names),
+                None => {
+                    let bytes: usize = entries
+                        .iter()
+                        .filter(|e| !matches!(e.request.kind, OpKind::Barrier | OpKind::Join))
+                        .map(|e| e.request.num_elements() as usize * e.request.dtype.size())
+                        .sum();
+                    self.rt
+                        .metrics
+                        .add_batch(entries.len() as u64, bytes as u64);
+                    run_batch(set, &resps, &mut entries, timeline, &names)
+                }
             };
             if let Some(t) = timeline.as_mut() {
                 for (n, r) in names.iter().zip(&resps) {

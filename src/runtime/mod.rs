@@ -4,6 +4,7 @@
 pub mod background;
 pub mod entry;
 pub mod handle;
+pub mod metrics;
 pub mod timeline;
 
 use std::collections::{BTreeMap, HashSet};
@@ -51,6 +52,9 @@ pub enum Communicator {
 #[derive(Clone, Debug, Default)]
 pub struct InitOptions {
     pub comm: Communicator,
+    /// Settings to use instead of the environment's (Rust callers such as the benchmark, which
+    /// compares configurations within one process).
+    pub config: Option<Config>,
     /// Static process sets (ranks of ferrovod's world), registered as ids 1, 2, ... in order;
     /// a duplicate list gets the id of its first occurrence.
     pub process_sets: Vec<Vec<i32>>,
@@ -115,6 +119,7 @@ pub struct Runtime {
     loop_ended: AtomicBool,
     shutdown_reason: Mutex<Option<String>>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    pub metrics: metrics::Metrics,
 }
 
 static RUNTIME: Mutex<Option<Arc<Runtime>>> = Mutex::new(None);
@@ -167,7 +172,7 @@ pub fn init(opts: InitOptions) -> Result<()> {
         return Ok(()); // another thread initialised meanwhile
     }
     crate::config::init_logging();
-    let config = Config::from_env();
+    let config = opts.config.clone().unwrap_or_else(Config::from_env);
     let (tx, rx) = unbounded();
     let rt = Arc::new(Runtime {
         config: config.clone(),
@@ -179,6 +184,7 @@ pub fn init(opts: InitOptions) -> Result<()> {
         loop_ended: AtomicBool::new(false),
         shutdown_reason: Mutex::new(None),
         thread: Mutex::new(None),
+        metrics: metrics::Metrics::default(),
     });
     let (ready_tx, ready_rx) = crossbeam::channel::bounded(1);
     let rt2 = rt.clone();

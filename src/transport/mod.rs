@@ -29,6 +29,9 @@ pub trait Transport {
     /// Bitwise AND of `words` across ranks: the negotiation's vote.
     fn and_words(&self, words: &mut [u64]) -> Result<()>;
 
+    /// Bitwise OR of `words` across ranks (Horovod's second vote, kept for its baseline mode).
+    fn or_words(&self, words: &mut [u64]) -> Result<()>;
+
     /// Rank r contributes `counts[r]` bytes; `recv` gets them in rank order. With `send` None,
     /// this rank's bytes are already at their place in `recv`.
     fn allgatherv(&self, send: Option<&[u8]>, recv: &mut [u8], counts: &[usize]) -> Result<()>;

@@ -285,6 +285,51 @@ impl Drop for MpiComm {
 }
 
 impl MpiComm {
+    /// Bitwise reduction of the vote words: non-blocking, then polled with backoff, so that a
+    /// rank waiting for slower peers yields its core (often shared with the framework's
+    /// threads) instead of spinning inside MPI. The request works on a buffer of its own,
+    /// leaked if MPI fails so that MPI can never write to freed memory.
+    fn bitwise_words(&self, words: &mut [u64], op: ffi::MPI_Op, what: &str) -> Result<()> {
+        let mut buf: Box<[u64]> = words.into();
+        // SAFETY: zeroed is a valid placeholder for the request out-parameter.
+        let mut req = unsafe { std::mem::zeroed::<ffi::MPI_Request>() };
+        // SAFETY: buf stays valid until the request completes (or forever, if it fails).
+        let rc = unsafe {
+            ffi::MPI_Iallreduce(
+                in_place(),
+                buf.as_mut_ptr().cast(),
+                buf.len() as c_int,
+                ffi::RSMPI_UINT64_T,
+                op,
+                self.comm,
+                &mut req,
+            )
+        };
+        check(rc, what)?;
+        let start = std::time::Instant::now();
+        loop {
+            let mut done: c_int = 0;
+            // SAFETY: req is the active request created above.
+            let rc = unsafe { ffi::MPI_Test(&mut req, &mut done, ffi::RSMPI_STATUS_IGNORE) };
+            if let Err(e) = check(rc, "MPI_Test") {
+                Box::leak(buf);
+                return Err(e);
+            }
+            if done != 0 {
+                words.copy_from_slice(&buf);
+                return Ok(());
+            }
+            let waited = start.elapsed();
+            if waited < std::time::Duration::from_micros(50) {
+                std::hint::spin_loop();
+            } else if waited < std::time::Duration::from_millis(2) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(std::time::Duration::from_micros(100));
+            }
+        }
+    }
+
     fn wrap(comm: ffi::MPI_Comm) -> Result<MpiComm> {
         let mut rank: c_int = 0;
         let mut size: c_int = 0;
@@ -528,48 +573,13 @@ impl Transport for MpiComm {
     }
 
     fn and_words(&self, words: &mut [u64]) -> Result<()> {
-        // Non-blocking, then polled with backoff: a rank waiting for slower peers in the
-        // per-cycle vote yields its core (often shared with the framework's threads) instead of
-        // spinning inside MPI. The request works on a buffer of its own, leaked if MPI fails
-        // so that MPI can never write to freed memory.
-        let mut buf: Box<[u64]> = words.into();
-        // SAFETY: zeroed is a valid placeholder for the request out-parameter.
-        let mut req = unsafe { std::mem::zeroed::<ffi::MPI_Request>() };
-        // SAFETY: buf stays valid until the request completes (or forever, if it fails).
-        let rc = unsafe {
-            ffi::MPI_Iallreduce(
-                in_place(),
-                buf.as_mut_ptr().cast(),
-                buf.len() as c_int,
-                ffi::RSMPI_UINT64_T,
-                ffi::RSMPI_BAND,
-                self.comm,
-                &mut req,
-            )
-        };
-        check(rc, "MPI_Iallreduce(BAND)")?;
-        let start = std::time::Instant::now();
-        loop {
-            let mut done: c_int = 0;
-            // SAFETY: req is the active request created above.
-            let rc = unsafe { ffi::MPI_Test(&mut req, &mut done, ffi::RSMPI_STATUS_IGNORE) };
-            if let Err(e) = check(rc, "MPI_Test") {
-                Box::leak(buf);
-                return Err(e);
-            }
-            if done != 0 {
-                words.copy_from_slice(&buf);
-                return Ok(());
-            }
-            let waited = start.elapsed();
-            if waited < std::time::Duration::from_micros(50) {
-                std::hint::spin_loop();
-            } else if waited < std::time::Duration::from_millis(2) {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(std::time::Duration::from_micros(100));
-            }
-        }
+        // SAFETY: reading a constant initialised by rsmpi's shim.
+        self.bitwise_words(words, unsafe { ffi::RSMPI_BAND }, "MPI_Iallreduce(BAND)")
+    }
+
+    fn or_words(&self, words: &mut [u64]) -> Result<()> {
+        // SAFETY: reading a constant initialised by rsmpi's shim.
+        self.bitwise_words(words, unsafe { ffi::RSMPI_BOR }, "MPI_Iallreduce(BOR)")
     }
 
     fn allgatherv(&self, send: Option<&[u8]>, recv: &mut [u8], counts: &[usize]) -> Result<()> {

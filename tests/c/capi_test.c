@@ -72,6 +72,8 @@ int main(void) {
     fv_handle h = 0;
 
     /* misuse before init */
+    struct fv_metrics m0, m1;
+    CHECK(fv_read_metrics(&m0) == FV_STATUS_NOT_INITIALIZED, "metrics before init");
     CHECK(fv_rank(&rank) == FV_STATUS_NOT_INITIALIZED, "rank before init");
     CHECK(strcmp(last_error(), "Horovod has not been initialized; use hvd.init().") == 0, "%s", last_error());
     CHECK(fv_is_initialized() == 0, "is_initialized before init");
@@ -245,6 +247,18 @@ int main(void) {
         CHECK(fv_remove_process_set(0) == FV_STATUS_INVALID_ARGUMENT, "remove global set");
         CHECK(fv_remove_process_set(1) == FV_STATUS_OK, "remove set: %s", last_error());
     }
+
+    /* metrics: a barrier adds no data bytes and at least one negotiation cycle */
+    CHECK(fv_read_metrics(NULL) == FV_STATUS_INVALID_ARGUMENT, "metrics null");
+    CHECK(fv_read_metrics(&m0) == FV_STATUS_OK, "metrics: %s", last_error());
+    {
+        struct fv_op op = op_of(FV_OP_KIND_BARRIER, NULL, 0);
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_OK && fv_wait(h, 60.0) == FV_STATUS_OK, "barrier");
+        fv_release(h);
+    }
+    CHECK(fv_read_metrics(&m1) == FV_STATUS_OK, "metrics");
+    CHECK(m1.cycles > m0.cycles && m1.control_collectives > m0.control_collectives, "cycles counted");
+    CHECK(m1.data_bytes == m0.data_bytes && m1.tensors >= m0.tensors && m0.tensors > 0, "data counters");
 
     /* barrier, then shut down */
     {

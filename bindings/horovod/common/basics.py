@@ -112,3 +112,8 @@ class HorovodBasics:
 
     def sycl_built(self):
         return False
+
+    def metrics(self):
+        """ferrovod's counters since init (a dict): control collectives and bytes, negotiation
+        time in ns, data collectives and bytes, fused batches, tensors, cycles."""
+        return _core.metrics()

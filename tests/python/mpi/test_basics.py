@@ -61,10 +61,17 @@ def test_errors_map_to_exception_types():
     r = hvd.rank()
     with pytest.raises(PreconditionError, match="Mismatched ALLREDUCE tensor shapes"):
         _core.enqueue(_core.ALLREDUCE, [np.ones(r + 1, np.float32)], ["mismatch"]).wait()
-    h = _core.enqueue(_core.ALLREDUCE, [np.ones(1, np.float32)], ["dup"])
+    # "dup<r>" cannot complete before every rank submits it, and rank r submits the others'
+    # names only after its duplicate attempt: the first one is surely still in flight
+    n = hvd.size()
+    mine = _core.enqueue(_core.ALLREDUCE, [np.ones(1, np.float32)], ["dup%d" % r])
     with pytest.raises(InvalidArgumentError, match="same name as another tensor"):
-        _core.enqueue(_core.ALLREDUCE, [np.ones(1, np.float32)], ["dup"])
-    h.wait()
+        _core.enqueue(_core.ALLREDUCE, [np.ones(1, np.float32)], ["dup%d" % r])
+    others = [_core.enqueue(_core.ALLREDUCE, [np.ones(1, np.float32)], ["dup%d" % k])
+              for k in range(n) if k != r]
+    for h in [mine] + others:
+        (x,) = h.wait()
+        np.testing.assert_array_equal(x, [float(n)])
     with pytest.raises(InvalidArgumentError, match="not supported"):
         _core.enqueue(_core.ALLREDUCE, [np.array(["a"])], ["str"])
 
@@ -94,3 +101,18 @@ def test_join_returns_last_rank():
         np.testing.assert_array_equal(x, np.full(3, 5.0))  # the joined ranks added zeros
     h = _core.enqueue(_core.JOIN, [], [])
     h.wait()
+
+
+def test_metrics_count_this_process_traffic():
+    before = hvd.metrics()
+    assert set(before) == {"cycles", "control_collectives", "control_bytes", "negotiation_ns",
+                           "data_collectives", "data_bytes", "fused_batches", "tensors"}
+    hs = [_core.enqueue(_core.ALLREDUCE, [np.ones(25, np.float32)], ["metrics.%d" % k])
+          for k in range(3)]
+    for h in hs:
+        h.wait()
+    after = hvd.metrics()
+    assert after["tensors"] - before["tensors"] == 3
+    assert after["data_bytes"] - before["data_bytes"] == 3 * 25 * 4
+    assert after["control_collectives"] > before["control_collectives"]
+    assert after["cycles"] > before["cycles"]

@@ -1,0 +1,100 @@
+//! Counters of what agreeing and moving data cost this process, kept by the background thread
+//! and readable at any time (C API `fv_metrics`, Python `hvd.metrics()`), so the cost of each
+//! negotiation mode can be measured in real training, not only in benchmarks.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+#[derive(Default)]
+pub struct Metrics {
+    cycles: AtomicU64,
+    control_collectives: AtomicU64,
+    control_bytes: AtomicU64,
+    negotiation_ns: AtomicU64,
+    data_collectives: AtomicU64,
+    data_bytes: AtomicU64,
+    fused_batches: AtomicU64,
+    tensors: AtomicU64,
+}
+
+/// A copy of the counters at one moment. Every field counts from init.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MetricsSnapshot {
+    /// Background-loop cycles run.
+    pub cycles: u64,
+    /// Collectives issued only to agree (votes, coordinator gathers and broadcasts).
+    pub control_collectives: u64,
+    /// Bytes this rank contributed to them.
+    pub control_bytes: u64,
+    /// Time spent in negotiation, including waiting there for other ranks.
+    pub negotiation_ns: u64,
+    /// Collectives that moved tensor data (one per executed batch).
+    pub data_collectives: u64,
+    /// Tensor bytes this rank handed to them.
+    pub data_bytes: u64,
+    /// Batches that packed more than one tensor into the fusion buffer.
+    pub fused_batches: u64,
+    /// Tensors completed by data collectives.
+    pub tensors: u64,
+}
+
+impl Metrics {
+    pub(crate) fn add_negotiation(&self, collectives: u64, bytes: u64, took: Duration) {
+        self.cycles.fetch_add(1, Ordering::Relaxed);
+        self.control_collectives
+            .fetch_add(collectives, Ordering::Relaxed);
+        self.control_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.negotiation_ns
+            .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    pub(crate) fn add_batch(&self, tensors: u64, bytes: u64) {
+        self.data_collectives.fetch_add(1, Ordering::Relaxed);
+        self.data_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.tensors.fetch_add(tensors, Ordering::Relaxed);
+        if tensors > 1 {
+            self.fused_batches.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    pub fn snapshot(&self) -> MetricsSnapshot {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        MetricsSnapshot {
+            cycles: get(&self.cycles),
+            control_collectives: get(&self.control_collectives),
+            control_bytes: get(&self.control_bytes),
+            negotiation_ns: get(&self.negotiation_ns),
+            data_collectives: get(&self.data_collectives),
+            data_bytes: get(&self.data_bytes),
+            fused_batches: get(&self.fused_batches),
+            tensors: get(&self.tensors),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_accumulate() {
+        let m = Metrics::default();
+        m.add_negotiation(1, 16, Duration::from_micros(3));
+        m.add_negotiation(3, 100, Duration::from_micros(7));
+        m.add_batch(1, 40);
+        m.add_batch(4, 400);
+        assert_eq!(
+            m.snapshot(),
+            MetricsSnapshot {
+                cycles: 2,
+                control_collectives: 4,
+                control_bytes: 116,
+                negotiation_ns: 10_000,
+                data_collectives: 2,
+                data_bytes: 440,
+                fused_batches: 1,
+                tensors: 5,
+            }
+        );
+    }
+}
