@@ -16,6 +16,9 @@ pub enum NegotiationMode {
     /// One bitwise-AND allreduce per cycle carries hits, invalid bits and flags; the
     /// coordinator only for first sight of a name. The default.
     Online,
+    /// Online while a plan is learned (or loaded from `FERROVOD_PLAN_FILE`), then no control
+    /// collective at all: each planned batch runs when its tensors are ready locally.
+    Offline,
 }
 
 impl NegotiationMode {
@@ -23,6 +26,7 @@ impl NegotiationMode {
         match s.trim().to_ascii_lowercase().as_str() {
             "horovod" => Some(NegotiationMode::Horovod),
             "online" => Some(NegotiationMode::Online),
+            "offline" => Some(NegotiationMode::Offline),
             _ => None,
         }
     }
@@ -31,6 +35,7 @@ impl NegotiationMode {
         match self {
             NegotiationMode::Horovod => "horovod",
             NegotiationMode::Online => "online",
+            NegotiationMode::Offline => "offline",
         }
     }
 
@@ -42,6 +47,7 @@ impl NegotiationMode {
     pub fn from_code(code: usize) -> NegotiationMode {
         match code {
             0 => NegotiationMode::Horovod,
+            2 => NegotiationMode::Offline,
             _ => NegotiationMode::Online,
         }
     }
@@ -75,8 +81,16 @@ pub struct Config {
     /// `FERROVOD_MPI_MAX_COUNT`: largest count per MPI call before a transfer is split
     /// (default 2^30; lowering it lets tests run the split paths with small tensors).
     pub mpi_max_count: usize,
-    /// `FERROVOD_NEGOTIATION`: horovod | online (default).
+    /// `FERROVOD_NEGOTIATION`: horovod | online (default) | offline.
     pub negotiation: NegotiationMode,
+    /// `FERROVOD_PLAN_FILE`: offline mode loads its plan from here when the file exists, and
+    /// rank 0 writes the plan it learns here.
+    pub plan_file: Option<String>,
+    /// `FERROVOD_PLAN_WARMUP_STEPS` (default 5): identical steps seen before a plan is frozen.
+    pub plan_warmup_steps: usize,
+    /// `FERROVOD_PLAN_ESCAPE_MS` (default 1000): how long a rank holding tensors of later
+    /// batches waits for the next batch before leaving offline mode.
+    pub plan_escape: Duration,
 }
 
 fn env_str(key: &str) -> Option<String> {
@@ -132,10 +146,17 @@ impl Config {
             negotiation: match env_str("FERROVOD_NEGOTIATION") {
                 None => NegotiationMode::Online,
                 Some(v) => NegotiationMode::parse(&v).unwrap_or_else(|| {
-                    tracing::warn!("ignoring FERROVOD_NEGOTIATION={v}: expected horovod or online");
+                    tracing::warn!(
+                        "ignoring FERROVOD_NEGOTIATION={v}: expected horovod, online or offline"
+                    );
                     NegotiationMode::Online
                 }),
             },
+            plan_file: env_str("FERROVOD_PLAN_FILE"),
+            plan_warmup_steps: env_num("FERROVOD_PLAN_WARMUP_STEPS", 5usize).max(1),
+            plan_escape: Duration::from_secs_f64(
+                env_num("FERROVOD_PLAN_ESCAPE_MS", 1000.0f64).max(0.0) / 1000.0,
+            ),
         }
     }
 }

@@ -27,18 +27,69 @@ const STALL_FAST: &[(&str, &str)] = &[
 ];
 
 #[rustfmt::skip]
+const OFFLINE: &[(&str, &str)] = &[
+    ("FERROVOD_NEGOTIATION", "offline"),
+    ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+];
+
+const OFFLINE_STALL: &[(&str, &str)] = &[
+    ("FERROVOD_NEGOTIATION", "offline"),
+    ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+    ("FERROVOD_PLAN_ESCAPE_MS", "200"),
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+];
+
 const SCENARIOS: &[Scenario] = &[
     ("collectives", 2, &[], true),
     ("collectives", 4, &[], true),
-    ("collectives", 3, &[("HOROVOD_CACHE_CAPACITY", "0"), ("HOROVOD_FUSION_THRESHOLD", "0")], true),
-    ("collectives", 2, &[("FERROVOD_FUSION_DIRECT_BYTES", "0")], true),
+    (
+        "collectives",
+        3,
+        &[
+            ("HOROVOD_CACHE_CAPACITY", "0"),
+            ("HOROVOD_FUSION_THRESHOLD", "0"),
+        ],
+        true,
+    ),
+    (
+        "collectives",
+        2,
+        &[("FERROVOD_FUSION_DIRECT_BYTES", "0")],
+        true,
+    ),
     // tiny MPI call limit: every transfer takes the split paths built for >2^31 elements
     ("collectives", 3, &[("FERROVOD_MPI_MAX_COUNT", "7")], true),
     ("random_order", 2, &[], true),
-    ("random_order", 4, &[("HOROVOD_CACHE_CAPACITY", "8"), ("HOROVOD_FUSION_THRESHOLD", "4096")], true),
-    ("random_order", 2, &[("HOROVOD_MPI_THREADS_DISABLE", "1")], true),
-    ("random_order", 3, &[("FERROVOD_NEGOTIATION", "horovod")], true),
+    (
+        "random_order",
+        4,
+        &[
+            ("HOROVOD_CACHE_CAPACITY", "8"),
+            ("HOROVOD_FUSION_THRESHOLD", "4096"),
+        ],
+        true,
+    ),
+    (
+        "random_order",
+        2,
+        &[("HOROVOD_MPI_THREADS_DISABLE", "1")],
+        true,
+    ),
+    (
+        "random_order",
+        3,
+        &[("FERROVOD_NEGOTIATION", "horovod")],
+        true,
+    ),
     ("metrics", 2, &[], true),
+    ("offline_steps", 2, OFFLINE, true),
+    ("offline_steps", 4, OFFLINE, true),
+    ("offline_save", 3, OFFLINE, true),
+    ("offline_load", 3, OFFLINE, true),
+    ("offline_stale_plan", 2, OFFLINE, true),
+    ("offline_diverge", 2, OFFLINE, true),
+    ("offline_skip", 2, OFFLINE_STALL, true),
     ("metrics", 3, &[("FERROVOD_NEGOTIATION", "horovod")], true),
     ("env_differs", 2, &[], true),
     ("cache_changes", 2, &[("HOROVOD_CACHE_CAPACITY", "4")], true),
@@ -60,7 +111,12 @@ const SCENARIOS: &[Scenario] = &[
     ("rank_killed", 2, &[], false),
     ("preinitialized_mpi", 4, &[], true),
     ("init_subset", 3, &[], true),
-    ("timeline", 2, &[("HOROVOD_TIMELINE_MARK_CYCLES", "1")], true),
+    (
+        "timeline",
+        2,
+        &[("HOROVOD_TIMELINE_MARK_CYCLES", "1")],
+        true,
+    ),
     ("large_counts", 2, &[], true),
 ];
 
@@ -72,6 +128,9 @@ fn main() {
     }
     let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     let exe = std::env::current_exe().unwrap();
+    // shared by the scenarios of this run (a plan file written by one and read by the next)
+    let shared = std::env::temp_dir().join(format!("ferrovod-test-{}-shared", std::process::id()));
+    std::fs::create_dir_all(&shared).unwrap();
     let mut failed = Vec::new();
     let mut ran = 0;
     for (name, np, env, expect_ok) in SCENARIOS {
@@ -91,10 +150,11 @@ fn main() {
             "--allow-run-as-root",
         ])
         .args(["--mca", "mpi_yield_when_idle", "1", "--bind-to", "none"])
-        .args(["-x", "FERROVOD_TEST_DIR"])
+        .args(["-x", "FERROVOD_TEST_DIR", "-x", "FERROVOD_TEST_SHARED"])
         .arg(&exe)
         .arg(name)
         .env("FERROVOD_TEST_DIR", &dir)
+        .env("FERROVOD_TEST_SHARED", &shared)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
         if *name == "timeline" {
@@ -254,6 +314,12 @@ fn run_rank(name: &str) {
         "timeline" => timeline(),
         "large_counts" => large_counts(),
         "metrics" => metrics(),
+        "offline_steps" => offline_steps(),
+        "offline_save" => offline_save(),
+        "offline_load" => offline_load(),
+        "offline_stale_plan" => offline_stale_plan(),
+        "offline_diverge" => offline_diverge(),
+        "offline_skip" => offline_skip(),
         other => panic!("unknown scenario {other}"),
     }
 }
@@ -896,6 +962,285 @@ fn metrics() {
     assert!(d(|m| m.control_bytes) >= 8 * control);
     assert!(d(|m| m.negotiation_ns) > 0);
     finish_job();
+}
+
+/// The tensors of one simulated step: (name, length, dtype).
+fn step_tensors(count: usize, extra: &[&str], grow: usize) -> Vec<(String, usize, DataType)> {
+    let mut names: Vec<(String, usize, DataType)> = (0..count)
+        .map(|k| {
+            let len = if k % 7 == 3 {
+                20_000
+            } else {
+                1 + (k * 37) % 300
+            } + grow * (k % 2);
+            let dtype = [DataType::F32, DataType::F64, DataType::I32, DataType::BF16][k % 4];
+            (format!("p.{k}"), len, dtype)
+        })
+        .collect();
+    for (i, x) in extra.iter().enumerate() {
+        names.push((x.to_string(), 5 + i, DataType::F32));
+    }
+    names
+}
+
+/// One training-like step: `count` allreduces (mixed dtypes, some fused, some large enough to
+/// run alone) submitted in a per-rank random order with jitter, all checked against sums each
+/// rank computes itself. `extra` adds tensors after the usual ones; `len_of` may change shapes.
+fn offline_step(rng: &mut Lcg, step: usize, count: usize, extra: &[&str], grow: usize) {
+    let n = size();
+    let me = rank();
+    let names = step_tensors(count, extra, grow);
+    let mut order: Vec<usize> = (0..count).collect();
+    for i in (1..count).rev() {
+        order.swap(i, rng.next() as usize % (i + 1));
+    }
+    order.extend(count..names.len());
+    let mut handles = Vec::new();
+    for &k in &order {
+        if rng.next().is_multiple_of(6) {
+            std::thread::sleep(Duration::from_micros(rng.next() % 2000));
+        }
+        let (name, len, dtype) = &names[k];
+        let mine: Vec<f64> = (0..*len).map(|i| val(i + k + step, me)).collect();
+        let h = submit(OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor(name, *dtype, &[*len as i64], &mine, false)],
+        ))
+        .unwrap();
+        handles.push((k, h));
+    }
+    for (k, h) in handles {
+        let (_, len, dtype) = &names[k];
+        let res = finish(h).unwrap();
+        let want: Vec<f64> = (0..*len)
+            .map(|i| (0..n).map(|r| val(i + k + step, r)).sum())
+            .collect();
+        assert_close(
+            &output(&res[0], *dtype),
+            &want,
+            &format!("step {step} tensor {k}"),
+        );
+    }
+}
+
+fn control_collectives() -> u64 {
+    runtime::runtime()
+        .unwrap()
+        .metrics
+        .snapshot()
+        .control_collectives
+}
+
+/// Random orders and jitter: identical, correct results; once the plan is frozen (after two
+/// agreeing steps), steps issue no control collective at all.
+fn offline_steps() {
+    init();
+    let mut rng = Lcg(0x51ed + rank() as u64 * 31);
+    for step in 0..5 {
+        offline_step(&mut rng, step, 24, &[], 0);
+    }
+    let before = control_collectives();
+    for step in 5..15 {
+        offline_step(&mut rng, step, 24, &[], 0);
+    }
+    assert_eq!(
+        control_collectives() - before,
+        0,
+        "steady-state steps negotiated"
+    );
+    finish_job();
+}
+
+fn plan_path() -> std::path::PathBuf {
+    std::path::PathBuf::from(std::env::var("FERROVOD_TEST_SHARED").unwrap()).join("plan.bin")
+}
+
+fn init_with_plan_file() {
+    let mut cfg = ferrovod::config::Config::from_env();
+    cfg.plan_file = Some(plan_path().to_string_lossy().into_owned());
+    runtime::init(runtime::InitOptions {
+        config: Some(cfg),
+        ..Default::default()
+    })
+    .expect("init");
+}
+
+/// Learns a plan and writes it (rank 0) to the shared plan file, for `offline_load`.
+fn offline_save() {
+    init_with_plan_file();
+    let mut rng = Lcg(7 + rank() as u64);
+    for step in 0..6 {
+        offline_step(&mut rng, step, 16, &[], 0);
+    }
+    let before = control_collectives();
+    offline_step(&mut rng, 6, 16, &[], 0);
+    assert_eq!(control_collectives(), before, "frozen");
+    if rank() == 0 {
+        let bytes = std::fs::read(plan_path()).expect("plan file written");
+        let plan = ferrovod::negotiate::plan::Plan::decode(&bytes).unwrap();
+        assert_eq!(plan.num_tensors(), 16);
+    }
+    finish_job();
+}
+
+/// A new run with the saved plan: no control collective from the very first step.
+fn offline_load() {
+    init_with_plan_file();
+    let before = control_collectives();
+    let mut rng = Lcg(99 + rank() as u64);
+    for step in 0..4 {
+        offline_step(&mut rng, step, 16, &[], 0);
+    }
+    assert_eq!(
+        control_collectives(),
+        before,
+        "the loaded plan ran without negotiation"
+    );
+    finish_job();
+}
+
+/// A plan file from another model: the first tensor is not in it, offline mode falls back to
+/// online negotiation, results stay right, and a new plan is learned and frozen.
+fn offline_stale_plan() {
+    let other: Vec<ferrovod::message::Response> = (0..3)
+        .map(|k| {
+            let req = ferrovod::message::Request {
+                rank: 0,
+                kind: OpKind::Allreduce,
+                dtype: DataType::F32,
+                name: format!("other.model.{k}"),
+                shape: vec![10],
+                root: 0,
+                device: ferrovod::message::CPU_DEVICE,
+                reduce_op: ReduceOp::Sum,
+                prescale: 1.0,
+                postscale: 1.0,
+            };
+            ferrovod::message::Response::from_request(&req)
+        })
+        .collect();
+    let stale = ferrovod::negotiate::plan::Plan::from_step(&other, 1 << 20, 1 << 20);
+    let path = plan_path().with_file_name("stale.bin");
+    if std::env::var("OMPI_COMM_WORLD_RANK").as_deref() == Ok("0") {
+        std::fs::write(&path, stale.encode()).unwrap();
+    }
+    // MPI is not initialised yet: the other ranks wait for the file itself
+    while !path.exists() {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let mut cfg = ferrovod::config::Config::from_env();
+    cfg.plan_file = Some(path.to_string_lossy().into_owned());
+    runtime::init(runtime::InitOptions {
+        config: Some(cfg),
+        ..Default::default()
+    })
+    .expect("init");
+    let mut rng = Lcg(3 + rank() as u64);
+    for step in 0..6 {
+        offline_step(&mut rng, step, 12, &[], 0);
+    }
+    let before = control_collectives();
+    offline_step(&mut rng, 6, 12, &[], 0);
+    assert_eq!(control_collectives(), before, "a new plan was frozen");
+    if rank() == 0 {
+        let plan = ferrovod::negotiate::plan::Plan::decode(&std::fs::read(&path).unwrap()).unwrap();
+        assert_eq!(plan.num_tensors(), 12, "the stale plan file was replaced");
+    }
+    finish_job();
+}
+
+/// After the plan froze: a new tensor, a changed shape and another kind of collective each
+/// fall back to online negotiation with correct results, and the plan is learned again.
+fn offline_diverge() {
+    init();
+    let me = rank();
+    let mut rng = Lcg(11 + me as u64);
+    let mut step = 0;
+    let warm = |rng: &mut Lcg, step: &mut usize| {
+        for _ in 0..4 {
+            offline_step(rng, *step, 10, &[], 0);
+            *step += 1;
+        }
+        let before = control_collectives();
+        offline_step(rng, *step, 10, &[], 0);
+        *step += 1;
+        assert_eq!(control_collectives(), before, "frozen at step {step}");
+    };
+    warm(&mut rng, &mut step);
+    // a tensor the plan does not hold
+    let before = control_collectives();
+    offline_step(&mut rng, step, 10, &["brand.new"], 0);
+    step += 1;
+    assert!(control_collectives() > before, "fell back to online");
+    warm(&mut rng, &mut step);
+    // a changed shape
+    offline_step(&mut rng, step, 10, &[], 3);
+    step += 1;
+    warm(&mut rng, &mut step);
+    // a broadcast between steps
+    let mine = [me as f64 + 1.0, 2.0];
+    let res = run(OpSpec::new(
+        OpKind::Broadcast,
+        vec![tensor("between.steps", DataType::F64, &[2], &mine, false)],
+    ))
+    .unwrap();
+    assert_close(&output(&res[0], DataType::F64), &[1.0, 2.0], "broadcast");
+    warm(&mut rng, &mut step);
+    finish_job();
+}
+
+/// After the plan froze, rank 1 skips one tensor of a step: it escapes after
+/// FERROVOD_PLAN_ESCAPE_MS, online negotiation takes over, and the stall inspector ends the
+/// job with an error naming the tensor on every rank, within the stall timeout.
+fn offline_skip() {
+    init();
+    let me = rank();
+    let mut rng = Lcg(5 + me as u64);
+    for step in 0..5 {
+        offline_step(&mut rng, step, 8, &[], 0);
+    }
+    let start = Instant::now();
+    let mut handles = Vec::new();
+    for (k, (name, len, dtype)) in step_tensors(8, &[], 0).into_iter().enumerate() {
+        if me == 1 && k == 2 {
+            continue;
+        }
+        let mine: Vec<f64> = (0..len).map(|i| val(i, me)).collect();
+        handles.push(
+            submit(OpSpec::new(
+                OpKind::Allreduce,
+                vec![tensor(&name, dtype, &[len as i64], &mine, false)],
+            ))
+            .unwrap(),
+        );
+    }
+    let mut errors = Vec::new();
+    for h in handles {
+        if let Err(e) = finish(h) {
+            errors.push(e.to_string());
+        }
+    }
+    if errors.is_empty() {
+        // rank 1 holds no stalled tensor: its next operation fails with the job's stall report
+        errors.push(
+            run(OpSpec::new(OpKind::Barrier, vec![]))
+                .unwrap_err()
+                .to_string(),
+        );
+    }
+    let msg = &errors[0];
+    assert!(
+        msg.contains("Missing ranks:") && msg.contains("p.2"),
+        "{msg}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        start.elapsed()
+    );
+    runtime::shutdown();
+    pass();
 }
 
 /// Cached names whose shape or op changes, and more names than the cache holds.

@@ -102,6 +102,78 @@ pub fn allreduce_batch(
     Ok(())
 }
 
+/// Allreduce of one offline-plan batch with an escape flag appended to the fusion buffer: the
+/// flag is reduced with the data, so every rank learns whether any rank raised it. `ios` None:
+/// this rank lacks the batch's tensors and contributes zeros (and must raise the flag).
+/// Returns whether the flag came back raised; then the outputs are left untouched.
+pub fn allreduce_flagged(
+    t: &dyn Transport,
+    resps: &[Response],
+    ios: Option<&mut [&mut dyn TensorIo]>,
+    fusion: &mut Vec<u8>,
+    raise: bool,
+    act: ActivitySink,
+) -> Result<bool> {
+    let head = &resps[0];
+    let dtype = head.dtype;
+    let (op, post) = backend_op(head.reduce_op, t.size(), head.postscale)?;
+    let data: usize = resps
+        .iter()
+        .map(|r| byte_len(r.num_elements(), dtype))
+        .sum();
+    let total = data + dtype.size();
+    fusion.resize(total.max(fusion.len()), 0);
+    let buf = &mut fusion[..total];
+    act(Some("MEMCPY_IN_FUSION_BUFFER"));
+    let ios = match ios {
+        Some(ios) => {
+            pack(ios, &mut buf[..data]);
+            Some(ios)
+        }
+        None => {
+            buf[..data].fill(0);
+            None
+        }
+    };
+    reduce::scale(&mut buf[..data], dtype, head.prescale)?;
+    // Sum and Max see 1 where a rank raised the flag; Min and Product see 0
+    let one_means_raised = matches!(op, ReduceOp::Sum | ReduceOp::Max);
+    let flag = &mut buf[data..];
+    if raise == one_means_raised {
+        flag.copy_from_slice(&one(dtype));
+    } else {
+        flag.fill(0);
+    }
+    act(Some("MPI_ALLREDUCE"));
+    t.allreduce(None, buf, dtype, op)?;
+    let zero = buf[data..].iter().all(|b| *b == 0);
+    if zero == one_means_raised {
+        if let Some(ios) = ios {
+            reduce::scale(&mut buf[..data], dtype, post)?;
+            act(Some("MEMCPY_OUT_FUSION_BUFFER"));
+            unpack(&buf[..data], ios);
+        }
+        act(None);
+        return Ok(false);
+    }
+    act(None);
+    Ok(true)
+}
+
+/// The value 1 of `dtype`, little-endian.
+fn one(dtype: DataType) -> Vec<u8> {
+    match dtype {
+        DataType::U8 | DataType::I8 | DataType::Bool => vec![1],
+        DataType::U16 | DataType::I16 => 1u16.to_le_bytes().to_vec(),
+        DataType::I32 => 1i32.to_le_bytes().to_vec(),
+        DataType::I64 => 1i64.to_le_bytes().to_vec(),
+        DataType::F16 => half::f16::ONE.to_le_bytes().to_vec(),
+        DataType::BF16 => half::bf16::ONE.to_le_bytes().to_vec(),
+        DataType::F32 => 1f32.to_le_bytes().to_vec(),
+        DataType::F64 => 1f64.to_le_bytes().to_vec(),
+    }
+}
+
 /// Allgather of one or more tensors with the same dtype; first dimensions may differ per rank.
 /// Fused layout in the buffer: rank-major, then tensor order.
 pub fn allgather_batch(

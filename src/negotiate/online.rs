@@ -81,6 +81,20 @@ impl Negotiator {
         self.waiting.push(Waiting { req, since: now });
     }
 
+    /// Takes the requests not yet agreed or sent to the coordinator (offline mode takes them
+    /// over when its plan freezes).
+    pub fn take_waiting(&mut self) -> Vec<Request> {
+        std::mem::take(&mut self.waiting)
+            .into_iter()
+            .map(|w| w.req)
+            .collect()
+    }
+
+    /// Requests sent to the coordinator and not answered yet.
+    pub fn has_sent(&self) -> bool {
+        !self.sent.is_empty()
+    }
+
     /// Runs one negotiation cycle over `ctrl`. All members of the set must call this the same
     /// number of times, in the same order relative to other sets.
     pub fn cycle(
@@ -148,7 +162,8 @@ impl Negotiator {
         // 2. the vote: one AND allreduce (Horovod: an AND and an OR allreduce)
         let bits = self.cache.num_bits();
         let agreed = match self.mode {
-            NegotiationMode::Online => {
+            // offline mode negotiates online until its plan is frozen
+            NegotiationMode::Online | NegotiationMode::Offline => {
                 let mut words = ready_bitmap::encode(&vote, bits);
                 ctrl.and_words(&mut words)?;
                 out.control_collectives += 1;

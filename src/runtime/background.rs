@@ -1,7 +1,7 @@
 //! The background thread: MPI setup, then one cycle after another — take new submissions,
 //! negotiate per process set, fuse, execute, complete — until every rank agrees to stop.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -13,7 +13,9 @@ use crate::config::NegotiationMode;
 use crate::error::{Error, Result, SHUT_DOWN_MESSAGE};
 use crate::fusion::planner::plan_batches;
 use crate::message::{OpKind, Response};
+use crate::negotiate::offline::{EscapePolicy, Next, OfflineQueue};
 use crate::negotiate::online::{Negotiator, StallPolicy};
+use crate::negotiate::plan::{Plan, PlanRecorder};
 use crate::runtime::entry::{InputMem, OutputMem, TensorEntry};
 use crate::runtime::timeline::Timeline;
 use crate::runtime::{Command, Communicator, InitOptions, Runtime, Topology};
@@ -80,6 +82,21 @@ impl Agreed {
     }
 }
 
+/// Offline negotiation of the global set (`FERROVOD_NEGOTIATION=offline`).
+enum Offline {
+    /// Another negotiation mode.
+    Off,
+    /// Negotiating online while learning a plan from the agreed responses.
+    Learning(PlanRecorder),
+    /// A plan is agreed; online until the step in progress has run these names.
+    Armed {
+        plan: Plan,
+        remaining: HashSet<String>,
+    },
+    /// Running the plan without control collectives.
+    Frozen(OfflineQueue),
+}
+
 struct Background {
     rt: Arc<Runtime>,
     agreed: Agreed,
@@ -93,6 +110,7 @@ struct Background {
     want_shutdown: bool,
     /// Why the job is stopping, when it is not a plain shutdown request.
     reason: Option<String>,
+    offline: Offline,
 }
 
 pub(crate) fn run(
@@ -219,6 +237,7 @@ impl Background {
             timeline: None,
             want_shutdown: false,
             reason: None,
+            offline: Offline::Off,
             world: world.dup()?,
             rt: rt.clone(),
         };
@@ -237,6 +256,9 @@ impl Background {
             bg.create_set(sorted)?;
         }
         *rt.sets.write().expect("sets") = bg.all_sets.clone();
+        if agreed.negotiation == NegotiationMode::Offline {
+            bg.offline = bg.initial_offline()?;
+        }
         if topo.rank == 0
             && let Some(path) = &rt.config.timeline
         {
@@ -278,6 +300,15 @@ impl Background {
                     return;
                 };
                 let now = Instant::now();
+                if set == 0
+                    && let Offline::Frozen(q) = &mut self.offline
+                {
+                    for e in entries {
+                        q.submit(e.request.clone());
+                        state.entries.insert(e.request.name.clone(), e);
+                    }
+                    return;
+                }
                 for e in entries {
                     if let Some(t) = self.timeline.as_mut() {
                         t.begin(
@@ -318,6 +349,15 @@ impl Background {
                     continue;
                 };
                 let want = id == 0 && self.want_shutdown;
+                if id == 0 && matches!(self.offline, Offline::Frozen(_)) {
+                    if let Err(e) = self.run_offline(want) {
+                        let reason = format!("ferrovod offline negotiation failed: {e}");
+                        tracing::error!("{reason}");
+                        self.reason.get_or_insert(reason);
+                        return self.reason.clone();
+                    }
+                    continue;
+                }
                 let started = Instant::now();
                 let outcome = set.negotiator.cycle(&set.ctrl, want, started);
                 if let Ok(o) = &outcome {
@@ -347,13 +387,285 @@ impl Background {
                     continue;
                 }
                 let Ok(outcome) = outcome else { continue };
+                if id == 0 && !matches!(self.offline, Offline::Off) {
+                    self.learn(&outcome.responses);
+                }
                 if !outcome.responses.is_empty() {
                     self.execute(id, outcome.responses);
+                }
+                if id == 0
+                    && let Err(e) = self.maybe_freeze()
+                {
+                    let reason = format!("ferrovod offline negotiation failed: {e}");
+                    tracing::error!("{reason}");
+                    self.reason.get_or_insert(reason);
+                    return self.reason.clone();
                 }
             }
             if let Some(t) = self.timeline.as_mut() {
                 t.flush();
             }
+        }
+    }
+
+    fn escape_policy(&self) -> EscapePolicy {
+        let cfg = &self.rt.config;
+        EscapePolicy {
+            out_of_order: cfg.plan_escape,
+            foreign: (cfg.cycle_time * 5).max(std::time::Duration::from_millis(5)),
+        }
+    }
+
+    /// Offline mode at init: the plan file's plan if every rank loaded the same one, else
+    /// learning. One allgather of plan hashes.
+    fn initial_offline(&self) -> Result<Offline> {
+        let cfg = &self.rt.config;
+        let loaded = cfg
+            .plan_file
+            .as_ref()
+            .and_then(|path| match std::fs::read(path) {
+                Ok(bytes) => Plan::decode(&bytes)
+                    .inspect_err(|e| tracing::warn!("ignoring plan file {path}: {e}"))
+                    .ok(),
+                Err(_) => None,
+            });
+        let mine = loaded.as_ref().map_or(0, |p| p.hash() as i64);
+        let all = self.world.allgather_i64(mine)?;
+        let learn = Offline::Learning(PlanRecorder::new(cfg.plan_warmup_steps));
+        match loaded {
+            Some(plan) if all.iter().all(|h| *h == mine) && self.all_sets.len() == 1 => {
+                tracing::info!(
+                    "offline negotiation: running the plan from {} ({} tensors in {} batches)",
+                    cfg.plan_file.as_deref().unwrap_or(""),
+                    plan.num_tensors(),
+                    plan.batches.len()
+                );
+                Ok(Offline::Frozen(OfflineQueue::new(
+                    plan,
+                    self.escape_policy(),
+                )))
+            }
+            _ => {
+                if all.iter().any(|h| *h != 0) {
+                    tracing::warn!(
+                        "offline negotiation: the plan file is missing, unreadable or different on some ranks; learning a new plan"
+                    );
+                }
+                Ok(learn)
+            }
+        }
+    }
+
+    /// Feeds the global set's agreed responses to the plan being learned (identically on every
+    /// rank, so every rank arms and freezes at the same response).
+    fn learn(&mut self, responses: &[Response]) {
+        let warmup = self.rt.config.plan_warmup_steps;
+        let single_set = self.all_sets.len() == 1;
+        let (threshold, direct) = (
+            self.agreed.fusion_threshold,
+            self.agreed.fusion_direct_bytes,
+        );
+        for r in responses {
+            self.offline = match std::mem::replace(&mut self.offline, Offline::Off) {
+                Offline::Learning(mut rec) => match rec.observe(r) {
+                    // offline mode needs the global set alone: another set's votes could
+                    // interleave with a plan batch differently on different ranks
+                    Some(step) if single_set => {
+                        let plan = Plan::from_step(&step, threshold, direct);
+                        let mut remaining: HashSet<String> = plan
+                            .batches
+                            .iter()
+                            .flatten()
+                            .map(|x| x.name.clone())
+                            .collect();
+                        remaining.remove(&r.name);
+                        Offline::Armed { plan, remaining }
+                    }
+                    _ => Offline::Learning(rec),
+                },
+                Offline::Armed {
+                    plan,
+                    mut remaining,
+                } => {
+                    if remaining.remove(&r.name) {
+                        Offline::Armed { plan, remaining }
+                    } else {
+                        let mut rec = PlanRecorder::new(warmup);
+                        rec.observe(r);
+                        Offline::Learning(rec)
+                    }
+                }
+                other => other,
+            };
+        }
+    }
+
+    /// Freezes an armed plan once its step has run: all ranks compare plan hashes (one
+    /// allgather), then the global set runs the plan. Rank 0 writes `FERROVOD_PLAN_FILE`.
+    fn maybe_freeze(&mut self) -> Result<()> {
+        if !matches!(&self.offline, Offline::Armed { remaining, .. } if remaining.is_empty()) {
+            return Ok(());
+        }
+        let Offline::Armed { plan, .. } = std::mem::replace(&mut self.offline, Offline::Off) else {
+            unreachable!("checked above");
+        };
+        let policy = self.escape_policy();
+        let warmup = self.rt.config.plan_warmup_steps;
+        let Some(set) = self.member.get_mut(&0) else {
+            return Ok(());
+        };
+        let started = Instant::now();
+        let hash = plan.hash() as i64;
+        let all = set.ctrl.allgather_i64(hash)?;
+        self.rt
+            .metrics
+            .add_negotiation(1, 8 * all.len() as u64, started.elapsed());
+        if all.iter().any(|h| *h != hash) {
+            tracing::warn!("offline negotiation: ranks learned different plans; staying online");
+            self.offline = Offline::Learning(PlanRecorder::new(warmup));
+            return Ok(());
+        }
+        if set.ctrl.rank() == 0
+            && let Some(path) = &self.rt.config.plan_file
+        {
+            let tmp = format!("{path}.tmp{}", std::process::id());
+            if let Err(e) =
+                std::fs::write(&tmp, plan.encode()).and_then(|_| std::fs::rename(&tmp, path))
+            {
+                tracing::warn!("cannot write plan file {path}: {e}");
+            }
+        }
+        tracing::info!(
+            "offline negotiation: plan frozen ({} tensors in {} batches)",
+            plan.num_tensors(),
+            plan.batches.len()
+        );
+        let mut q = OfflineQueue::new(plan, policy);
+        for req in set.negotiator.take_waiting() {
+            q.submit(req);
+        }
+        if set.negotiator.has_sent() {
+            // a request waits for a coordinator round: only online negotiation can finish it
+            q.request_escape();
+        }
+        self.offline = Offline::Frozen(q);
+        Ok(())
+    }
+
+    /// Runs every plan batch that is ready (or that this rank must escape from). When a flag
+    /// comes back raised, hands all pending work back to online negotiation.
+    fn run_offline(&mut self, want_shutdown: bool) -> Result<()> {
+        let warmup = self.rt.config.plan_warmup_steps;
+        loop {
+            let Offline::Frozen(q) = &mut self.offline else {
+                return Ok(());
+            };
+            if want_shutdown {
+                q.request_escape();
+            }
+            let (batch, raise, have) = match q.next(Instant::now()) {
+                Next::Run { batch, escape } => (batch, escape, true),
+                Next::Dummy { batch } => (batch, true, false),
+                Next::Wait => return Ok(()),
+            };
+            let resps = q.plan().batches[batch].clone();
+            let Some(set) = self.member.get_mut(&0) else {
+                return Ok(());
+            };
+            let mut entries: Vec<TensorEntry> = if have {
+                resps
+                    .iter()
+                    .filter_map(|r| set.entries.remove(&r.name))
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            let names: Vec<String> = resps.iter().map(|r| r.name.clone()).collect();
+            let timeline = &mut self.timeline;
+            if have && let Some(t) = timeline.as_mut() {
+                for n in &names {
+                    t.begin(n, "ALLREDUCE");
+                }
+            }
+            let escaped = {
+                let mut open = false;
+                let mut sink = |act: Option<&'static str>| {
+                    if have && let Some(t) = timeline.as_mut() {
+                        for n in &names {
+                            if open {
+                                t.end(n, None);
+                            }
+                            if let Some(a) = act {
+                                t.begin(n, a);
+                            }
+                        }
+                    }
+                    open = act.is_some();
+                };
+                let mut ios: Vec<&mut dyn TensorIo> =
+                    entries.iter_mut().map(|e| e as &mut dyn TensorIo).collect();
+                let ios = if have { Some(&mut ios[..]) } else { None };
+                collective::allreduce_flagged(
+                    &set.data,
+                    &resps,
+                    ios,
+                    &mut set.fusion,
+                    raise,
+                    &mut sink,
+                )
+            };
+            if have && let Some(t) = timeline.as_mut() {
+                for (n, r) in names.iter().zip(&resps) {
+                    let shape = format!("{:?}", r.shape);
+                    t.end(n, Some((r.dtype.name(), &shape)));
+                }
+            }
+            let escaped = match escaped {
+                Ok(flag) => flag,
+                Err(e) => {
+                    for e2 in entries {
+                        self.rt.finish_names(&[(0, e2.request.name.clone())]);
+                        e2.complete(Err(e.clone()), None);
+                    }
+                    return Err(e);
+                }
+            };
+            if !escaped {
+                let bytes: usize = resps
+                    .iter()
+                    .map(|r| r.num_elements() as usize * r.dtype.size())
+                    .sum();
+                self.rt
+                    .metrics
+                    .add_batch(entries.len() as u64, bytes as u64);
+                q.complete_batch();
+                for e in entries {
+                    self.rt.finish_names(&[(0, e.request.name.clone())]);
+                    e.complete(Ok(()), None);
+                }
+                continue;
+            }
+            // someone raised the flag: this batch did not count; everyone goes online
+            for e in entries {
+                set.entries.insert(e.request.name.clone(), e);
+            }
+            let Offline::Frozen(q) = std::mem::replace(
+                &mut self.offline,
+                Offline::Learning(PlanRecorder::new(warmup)),
+            ) else {
+                unreachable!("frozen above");
+            };
+            tracing::info!(
+                "offline negotiation: left the plan at batch {batch}; negotiating online"
+            );
+            let now = Instant::now();
+            for req in q.into_requests() {
+                if let Some(t) = self.timeline.as_mut() {
+                    t.begin(&req.name, &format!("NEGOTIATE_{}", req.kind.name()));
+                }
+                set.negotiator.submit(req, now);
+            }
+            return Ok(());
         }
     }
 

@@ -1,0 +1,285 @@
+//! Offline negotiation's plan: the allreduces of one training step, in an agreed order and
+//! grouped into fusion batches. It is learned from the responses online negotiation agreed on
+//! (identical on every rank, so every rank learns the same plan at the same point), or loaded
+//! from a file; once frozen, each batch runs when its tensors are ready locally.
+
+use std::collections::HashSet;
+
+use crate::error::{Error, Result};
+use crate::fusion::planner::plan_batches;
+use crate::message::{OpKind, Request, Response};
+use crate::negotiate::wire::{self, ResponseList};
+
+/// One step's allreduces, batch by batch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    pub batches: Vec<Vec<Response>>,
+}
+
+const FILE_MAGIC: &[u8; 8] = b"FVPLAN01";
+
+impl Plan {
+    /// Groups one step's responses (in agreed order) into batches with the fusion planner.
+    pub fn from_step(step: &[Response], fusion_threshold: usize, direct_bytes: usize) -> Plan {
+        let batches = plan_batches(step, fusion_threshold, direct_bytes)
+            .into_iter()
+            .map(|b| b.members.iter().map(|i| step[*i].clone()).collect())
+            .collect();
+        Plan { batches }
+    }
+
+    pub fn num_tensors(&self) -> usize {
+        self.batches.iter().map(Vec::len).sum()
+    }
+
+    /// Where `name` sits: (batch, index in batch).
+    pub fn position(&self, name: &str) -> Option<(usize, usize)> {
+        self.batches
+            .iter()
+            .enumerate()
+            .find_map(|(b, batch)| batch.iter().position(|r| r.name == name).map(|i| (b, i)))
+    }
+
+    /// Whether `req` is the plan's tensor of that name, unchanged (kind, dtype, shape, op,
+    /// scales, device).
+    pub fn accepts(&self, req: &Request) -> bool {
+        self.position(&req.name).is_some_and(|(b, i)| {
+            let r = &self.batches[b][i];
+            r.kind == req.kind
+                && r.dtype == req.dtype
+                && r.shape == req.shape
+                && r.reduce_op == req.reduce_op
+                && r.prescale == req.prescale
+                && r.postscale == req.postscale
+                && r.device == req.device
+        })
+    }
+
+    /// The plan as bytes: a magic tag, the batch sizes, then the responses in wire format.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = FILE_MAGIC.to_vec();
+        out.extend((self.batches.len() as u64).to_le_bytes());
+        for b in &self.batches {
+            out.extend((b.len() as u64).to_le_bytes());
+        }
+        out.extend(wire::encode_responses(&ResponseList {
+            responses: self.batches.iter().flatten().cloned().collect(),
+            joined: Vec::new(),
+            shutdown: None,
+        }));
+        out
+    }
+
+    pub fn decode(buf: &[u8]) -> Result<Plan> {
+        let bad = |what: &str| Error::InvalidArgument(format!("not a ferrovod plan: {what}"));
+        let rest = buf.strip_prefix(FILE_MAGIC).ok_or_else(|| bad("magic"))?;
+        let word = |b: &[u8], at: usize| -> Result<usize> {
+            b.get(at..at + 8)
+                .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")) as usize)
+                .ok_or_else(|| bad("truncated"))
+        };
+        let n = word(rest, 0)?;
+        if n > rest.len() / 8 {
+            return Err(bad("batch count"));
+        }
+        let sizes = (0..n)
+            .map(|k| word(rest, 8 + 8 * k))
+            .collect::<Result<Vec<_>>>()?;
+        let list = wire::decode_responses(&rest[8 + 8 * n..])?;
+        if sizes.iter().sum::<usize>() != list.responses.len() || sizes.contains(&0) {
+            return Err(bad("batch sizes"));
+        }
+        let mut it = list.responses.into_iter();
+        let batches = sizes
+            .iter()
+            .map(|s| it.by_ref().take(*s).collect())
+            .collect();
+        let plan = Plan { batches };
+        if !plan.is_valid() {
+            return Err(bad("contents"));
+        }
+        Ok(plan)
+    }
+
+    /// Allreduces of distinct names only, each batch of one dtype, op and scale.
+    fn is_valid(&self) -> bool {
+        let mut names = HashSet::new();
+        self.batches.iter().all(|b| {
+            let h = &b[0];
+            b.iter().all(|r| {
+                eligible(r)
+                    && names.insert(r.name.clone())
+                    && r.dtype == h.dtype
+                    && r.reduce_op == h.reduce_op
+                    && r.prescale == h.prescale
+                    && r.postscale == h.postscale
+            })
+        })
+    }
+
+    /// FNV-1a of the encoding: what ranks compare before trusting a plan.
+    pub fn hash(&self) -> u64 {
+        self.encode().iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ *b as u64).wrapping_mul(0x100_0000_01b3)
+        })
+    }
+}
+
+/// Responses a plan may hold: error-free allreduces of numeric data on the host, with a
+/// reduction that an escape flag can ride along with.
+pub fn eligible(r: &Response) -> bool {
+    r.kind == OpKind::Allreduce
+        && r.error.is_none()
+        && r.dtype != crate::dtype::DataType::Bool
+        && r.device == crate::message::CPU_DEVICE
+        && r.reduce_op != crate::message::ReduceOp::Adasum
+}
+
+/// Learns the plan from agreed responses. A step ends where a name comes back; a plan is
+/// frozen once `warmup` consecutive steps held the same tensors (in any order). Pure: every
+/// rank feeds the same responses and freezes at the same one.
+pub struct PlanRecorder {
+    warmup: usize,
+    current: Vec<Response>,
+    current_names: HashSet<String>,
+    last: Option<Vec<Response>>,
+    stable: usize,
+}
+
+impl PlanRecorder {
+    pub fn new(warmup: usize) -> PlanRecorder {
+        PlanRecorder {
+            warmup: warmup.max(1),
+            current: Vec::new(),
+            current_names: HashSet::new(),
+            last: None,
+            stable: 0,
+        }
+    }
+
+    /// Feeds one agreed response; returns a finished step that `warmup` steps in a row agreed
+    /// on (the latest, in its order).
+    pub fn observe(&mut self, r: &Response) -> Option<Vec<Response>> {
+        if !eligible(r) {
+            // process-set changes, joins, other collectives: not a steady training step
+            if r.kind != OpKind::Allreduce || r.error.is_some() {
+                self.reset();
+            }
+            return None;
+        }
+        let mut done = None;
+        if self.current_names.contains(&r.name) {
+            let step = std::mem::take(&mut self.current);
+            self.current_names.clear();
+            let same = self.last.as_ref().is_some_and(|l| same_tensors(l, &step));
+            self.stable = if same { self.stable + 1 } else { 1 };
+            if self.stable >= self.warmup {
+                done = Some(step.clone());
+            }
+            self.last = Some(step);
+        }
+        self.current_names.insert(r.name.clone());
+        self.current.push(r.clone());
+        done
+    }
+
+    pub fn reset(&mut self) {
+        self.current.clear();
+        self.current_names.clear();
+        self.last = None;
+        self.stable = 0;
+    }
+}
+
+fn same_tensors(a: &[Response], b: &[Response]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let key = |r: &Response| {
+        (
+            r.name.clone(),
+            r.dtype as i32,
+            r.shape.clone(),
+            r.reduce_op as i32,
+            r.prescale.to_bits(),
+            r.postscale.to_bits(),
+        )
+    };
+    let mut x: Vec<_> = a.iter().map(key).collect();
+    let mut y: Vec<_> = b.iter().map(key).collect();
+    x.sort();
+    y.sort();
+    x == y
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::DataType;
+
+    fn resp(name: &str, n: i64) -> Response {
+        Response::from_request(&Request::test(name, OpKind::Allreduce, DataType::F32, &[n]))
+    }
+
+    fn feed(rec: &mut PlanRecorder, names: &[&str]) -> Option<Vec<Response>> {
+        let mut out = None;
+        for n in names {
+            if let Some(s) = rec.observe(&resp(n, 4)) {
+                out = Some(s);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn freezes_after_warmup_identical_steps_in_any_order() {
+        let mut rec = PlanRecorder::new(3);
+        assert!(feed(&mut rec, &["a", "b", "c"]).is_none());
+        assert!(feed(&mut rec, &["b", "a", "c"]).is_none()); // ends step 1
+        assert!(feed(&mut rec, &["c", "a", "b"]).is_none()); // ends step 2 (same set)
+        // the first name of step 4 ends step 3: three steps agreed
+        let step = feed(&mut rec, &["a"]).expect("frozen");
+        let names: Vec<_> = step.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, ["c", "a", "b"]);
+    }
+
+    #[test]
+    fn a_changed_step_restarts_the_count() {
+        let mut rec = PlanRecorder::new(2);
+        assert!(feed(&mut rec, &["a", "b", "a", "b", "x"]).is_none());
+        // steps: [a,b], [a,b,x] differ; then [a,b,x] again is the second agreeing step
+        assert!(feed(&mut rec, &["a", "b", "x"]).is_none());
+        assert!(feed(&mut rec, &["a"]).is_some());
+        let mut rec = PlanRecorder::new(2);
+        feed(&mut rec, &["a", "b", "a", "b"]);
+        let mut bcast = resp("bcast", 4);
+        bcast.kind = OpKind::Broadcast;
+        assert!(rec.observe(&bcast).is_none()); // another collective: start over
+        assert!(feed(&mut rec, &["a"]).is_none());
+    }
+
+    #[test]
+    fn encodes_decodes_hashes_and_accepts() {
+        let step: Vec<Response> = (0..5).map(|k| resp(&format!("g{k}"), 10 + k)).collect();
+        let plan = Plan::from_step(&step, 200, 1 << 20);
+        assert_eq!(plan.num_tensors(), 5);
+        assert!(plan.batches.len() > 1, "threshold splits the step");
+        let back = Plan::decode(&plan.encode()).unwrap();
+        assert_eq!(back, plan);
+        assert_eq!(back.hash(), plan.hash());
+        let mut other = plan.clone();
+        other.batches[0][0].shape = vec![99];
+        assert_ne!(other.hash(), plan.hash());
+        let mut req = Request::test("g2", OpKind::Allreduce, DataType::F32, &[12]);
+        assert!(plan.accepts(&req));
+        req.shape = vec![13];
+        assert!(!plan.accepts(&req));
+        req.name = "new".into();
+        assert!(!plan.accepts(&req));
+        assert!(Plan::decode(b"FVPLAN01").is_err());
+        assert!(Plan::decode(b"garbage").is_err());
+        let mut bytes = plan.encode();
+        bytes.truncate(bytes.len() - 3);
+        assert!(Plan::decode(&bytes).is_err());
+    }
+}
