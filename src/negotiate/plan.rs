@@ -21,10 +21,32 @@ const FILE_MAGIC: &[u8; 8] = b"FVPLAN01";
 impl Plan {
     /// Groups one step's responses (in agreed order) into batches with the fusion planner.
     pub fn from_step(step: &[Response], fusion_threshold: usize, direct_bytes: usize) -> Plan {
-        let batches = plan_batches(step, fusion_threshold, direct_bytes)
-            .into_iter()
-            .map(|b| b.members.iter().map(|i| step[*i].clone()).collect())
-            .collect();
+        Plan::from_cycles(step, &vec![0; step.len()], fusion_threshold, direct_bytes)
+    }
+
+    /// As `from_step`, but fusing only responses agreed in the same negotiation cycle
+    /// (`cycle[i]` for `step[i]`): a batch then holds tensors that were ready at about the same
+    /// time, so its communication still overlaps the rest of the backward pass.
+    pub fn from_cycles(
+        step: &[Response],
+        cycle: &[u64],
+        fusion_threshold: usize,
+        direct_bytes: usize,
+    ) -> Plan {
+        let mut batches = Vec::new();
+        let mut start = 0;
+        while start < step.len() {
+            let end = (start..step.len())
+                .find(|&i| cycle[i] != cycle[start])
+                .unwrap_or(step.len());
+            let group = &step[start..end];
+            batches.extend(
+                plan_batches(group, fusion_threshold, direct_bytes)
+                    .into_iter()
+                    .map(|b| b.members.iter().map(|i| group[*i].clone()).collect()),
+            );
+            start = end;
+        }
         Plan { batches }
     }
 
@@ -141,6 +163,7 @@ pub fn eligible(r: &Response) -> bool {
 pub struct PlanRecorder {
     warmup: usize,
     current: Vec<Response>,
+    cycles: Vec<u64>,
     current_names: HashSet<String>,
     last: Option<Vec<Response>>,
     stable: usize,
@@ -151,15 +174,17 @@ impl PlanRecorder {
         PlanRecorder {
             warmup: warmup.max(1),
             current: Vec::new(),
+            cycles: Vec::new(),
             current_names: HashSet::new(),
             last: None,
             stable: 0,
         }
     }
 
-    /// Feeds one agreed response; returns a finished step that `warmup` steps in a row agreed
-    /// on (the latest, in its order).
-    pub fn observe(&mut self, r: &Response) -> Option<Vec<Response>> {
+    /// Feeds one agreed response (agreed in negotiation cycle `cycle`); returns a finished
+    /// step that `warmup` steps in a row agreed on (the latest, in its order, with each
+    /// response's cycle).
+    pub fn observe(&mut self, r: &Response, cycle: u64) -> Option<(Vec<Response>, Vec<u64>)> {
         if !eligible(r) {
             // process-set changes, joins, other collectives: not a steady training step
             if r.kind != OpKind::Allreduce || r.error.is_some() {
@@ -170,21 +195,24 @@ impl PlanRecorder {
         let mut done = None;
         if self.current_names.contains(&r.name) {
             let step = std::mem::take(&mut self.current);
+            let cycles = std::mem::take(&mut self.cycles);
             self.current_names.clear();
             let same = self.last.as_ref().is_some_and(|l| same_tensors(l, &step));
             self.stable = if same { self.stable + 1 } else { 1 };
             if self.stable >= self.warmup {
-                done = Some(step.clone());
+                done = Some((step.clone(), cycles));
             }
             self.last = Some(step);
         }
         self.current_names.insert(r.name.clone());
         self.current.push(r.clone());
+        self.cycles.push(cycle);
         done
     }
 
     pub fn reset(&mut self) {
         self.current.clear();
+        self.cycles.clear();
         self.current_names.clear();
         self.last = None;
         self.stable = 0;
@@ -223,8 +251,8 @@ mod tests {
 
     fn feed(rec: &mut PlanRecorder, names: &[&str]) -> Option<Vec<Response>> {
         let mut out = None;
-        for n in names {
-            if let Some(s) = rec.observe(&resp(n, 4)) {
+        for (i, n) in names.iter().enumerate() {
+            if let Some((s, _)) = rec.observe(&resp(n, 4), i as u64) {
                 out = Some(s);
             }
         }
@@ -254,8 +282,23 @@ mod tests {
         feed(&mut rec, &["a", "b", "a", "b"]);
         let mut bcast = resp("bcast", 4);
         bcast.kind = OpKind::Broadcast;
-        assert!(rec.observe(&bcast).is_none()); // another collective: start over
+        assert!(rec.observe(&bcast, 0).is_none()); // another collective: start over
         assert!(feed(&mut rec, &["a"]).is_none());
+    }
+
+    #[test]
+    fn batches_never_span_cycles() {
+        let step: Vec<Response> = (0..6).map(|k| resp(&format!("g{k}"), 4)).collect();
+        let plan = Plan::from_cycles(&step, &[0, 0, 1, 1, 1, 2], 1 << 20, 1 << 20);
+        let names: Vec<Vec<&str>> = plan
+            .batches
+            .iter()
+            .map(|b| b.iter().map(|r| r.name.as_str()).collect())
+            .collect();
+        assert_eq!(
+            names,
+            [vec!["g0", "g1"], vec!["g2", "g3", "g4"], vec!["g5"]]
+        );
     }
 
     #[test]

@@ -111,6 +111,8 @@ struct Background {
     /// Why the job is stopping, when it is not a plain shutdown request.
     reason: Option<String>,
     offline: Offline,
+    /// Cycles whose responses the plan learner has seen (it fuses within a cycle only).
+    learn_cycles: u64,
 }
 
 pub(crate) fn run(
@@ -238,6 +240,7 @@ impl Background {
             want_shutdown: false,
             reason: None,
             offline: Offline::Off,
+            learn_cycles: 0,
             world: world.dup()?,
             rt: rt.clone(),
         };
@@ -461,17 +464,19 @@ impl Background {
     fn learn(&mut self, responses: &[Response]) {
         let warmup = self.rt.config.plan_warmup_steps;
         let single_set = self.all_sets.len() == 1;
+        self.learn_cycles += 1;
+        let cycle = self.learn_cycles;
         let (threshold, direct) = (
             self.agreed.fusion_threshold,
             self.agreed.fusion_direct_bytes,
         );
         for r in responses {
             self.offline = match std::mem::replace(&mut self.offline, Offline::Off) {
-                Offline::Learning(mut rec) => match rec.observe(r) {
+                Offline::Learning(mut rec) => match rec.observe(r, cycle) {
                     // offline mode needs the global set alone: another set's votes could
                     // interleave with a plan batch differently on different ranks
-                    Some(step) if single_set => {
-                        let plan = Plan::from_step(&step, threshold, direct);
+                    Some((step, cycles)) if single_set => {
+                        let plan = Plan::from_cycles(&step, &cycles, threshold, direct);
                         let mut remaining: HashSet<String> = plan
                             .batches
                             .iter()
@@ -491,7 +496,7 @@ impl Background {
                         Offline::Armed { plan, remaining }
                     } else {
                         let mut rec = PlanRecorder::new(warmup);
-                        rec.observe(r);
+                        rec.observe(r, cycle);
                         Offline::Learning(rec)
                     }
                 }

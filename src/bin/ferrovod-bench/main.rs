@@ -5,11 +5,14 @@
 //! mpirun -np 2 target/release/ferrovod-bench all       # sweep + resnet50
 //! mpirun -np 2 target/release/ferrovod-bench sweep --min-bytes 1024 --max-bytes 67108864
 //! mpirun -np 2 target/release/ferrovod-bench resnet50 --steps 30 --json
+//! mpirun -np 8 --oversubscribe target/release/ferrovod-bench negotiation   # see negotiation.rs
 //! ```
 //!
 //! MPI is initialised by the benchmark (as mpi4py would). The run is two rounds of raw MPI
 //! followed by ferrovod (initialised, measured, shut down), so ferrovod's background thread never
 //! disturbs the raw measurement; each side reports its better round.
+
+mod negotiation;
 
 use std::time::{Duration, Instant};
 
@@ -31,6 +34,9 @@ struct Args {
     steps: usize,
     json: bool,
     data: Option<String>,
+    backward_ms: f64,
+    scale: usize,
+    warmup_given: bool,
 }
 
 fn parse_args() -> Args {
@@ -43,6 +49,9 @@ fn parse_args() -> Args {
         steps: 30,
         json: false,
         data: None,
+        backward_ms: 20.0,
+        scale: 64,
+        warmup_given: false,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -66,11 +75,21 @@ fn parse_args() -> Args {
                 .unwrap_or_else(|| usage(&format!("{arg} needs a value")))
         };
         match arg {
-            "sweep" | "resnet50" | "all" => a.mode = arg.to_string(),
+            "sweep" | "resnet50" | "all" | "negotiation" => a.mode = arg.to_string(),
             "--min-bytes" => a.min_bytes = num(&value()),
             "--max-bytes" => a.max_bytes = num(&value()),
             "--iters" => a.iters = Some(num(&value())),
-            "--warmup" => a.warmup = num(&value()),
+            "--warmup" => {
+                a.warmup = num(&value());
+                a.warmup_given = true;
+            }
+            "--backward-ms" => {
+                let v = value();
+                a.backward_ms = v
+                    .parse()
+                    .unwrap_or_else(|_| usage(&format!("not a number: {v}")));
+            }
+            "--scale" => a.scale = num(&value()).max(1),
             "--steps" => a.steps = num(&value()),
             "--data" => a.data = Some(value()),
             "--json" => a.json = true,
@@ -87,7 +106,7 @@ fn usage(err: &str) -> ! {
         eprintln!("ferrovod-bench: {err}");
     }
     eprintln!(
-        "usage: mpirun -np N ferrovod-bench [all|sweep|resnet50] [--min-bytes 1K] [--max-bytes 64M] [--iters N] [--warmup N] [--steps N] [--data resnet50_grads.tsv] [--json]"
+        "usage: mpirun -np N ferrovod-bench [all|sweep|resnet50|negotiation] [--min-bytes 1K] [--max-bytes 64M] [--iters N] [--warmup N] [--steps N] [--data resnet50_grads.tsv] [--backward-ms 20] [--scale 64] [--json]"
     );
     std::process::exit(2)
 }
@@ -285,25 +304,26 @@ fn print_sweep(rows: &[Row], size: usize, json: bool) {
 }
 
 fn find_data(a: &Args) -> String {
-    if let Some(p) = &a.data {
-        return p.clone();
+    match &a.data {
+        Some(p) => p.clone(),
+        None => find_data_file("resnet50_grads.tsv"),
     }
+}
+
+/// A gradient shape set from `../shared/data` (or `FERROVOD_DATA_DIR`).
+fn find_data_file(file: &str) -> String {
     let candidates = [
         std::env::var("FERROVOD_DATA_DIR")
-            .map(|d| format!("{d}/resnet50_grads.tsv"))
+            .map(|d| format!("{d}/{file}"))
             .unwrap_or_default(),
-        "../shared/data/resnet50_grads.tsv".into(),
-        "shared/data/resnet50_grads.tsv".into(),
-        concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../shared/data/resnet50_grads.tsv"
-        )
-        .into(),
+        format!("../shared/data/{file}"),
+        format!("shared/data/{file}"),
+        format!("{}/../shared/data/{file}", env!("CARGO_MANIFEST_DIR")),
     ];
     candidates
         .into_iter()
         .find(|p| !p.is_empty() && std::path::Path::new(p).exists())
-        .unwrap_or_else(|| usage("resnet50_grads.tsv not found; pass --data PATH"))
+        .unwrap_or_else(|| usage(&format!("{file} not found; set FERROVOD_DATA_DIR")))
 }
 
 /// (name, element count) in forward order.
@@ -440,6 +460,18 @@ fn main() {
         eprintln!("warning: MPI does not provide MPI_THREAD_MULTIPLE");
     }
     let world = universe.world();
+    if a.mode == "negotiation" {
+        let opts = negotiation::Options {
+            steps: a.steps,
+            // offline mode learns its plan in FERROVOD_PLAN_WARMUP_STEPS (5) agreeing steps
+            warmup: if a.warmup_given { a.warmup } else { 10 },
+            backward_ms: a.backward_ms,
+            scale: a.scale,
+            json: a.json,
+        };
+        negotiation::run(&opts, |file| load_grads(&find_data_file(file)));
+        return;
+    }
     let me = world.rank();
     let size = world.size() as usize;
     let do_sweep = a.mode == "all" || a.mode == "sweep";
