@@ -90,6 +90,7 @@ const SCENARIOS: &[Scenario] = &[
     ("offline_stale_plan", 2, OFFLINE, true),
     ("offline_diverge", 2, OFFLINE, true),
     ("offline_skip", 2, OFFLINE_STALL, true),
+    ("offline_stall", 2, OFFLINE_STALL, false),
     ("metrics", 3, &[("FERROVOD_NEGOTIATION", "horovod")], true),
     ("env_differs", 2, &[], true),
     ("cache_changes", 2, &[("HOROVOD_CACHE_CAPACITY", "4")], true),
@@ -180,8 +181,13 @@ fn main() {
                         ),
                     )
                 } else {
+                    // a scenario that prints a marker must print it before the job fails
+                    let marker = match *name {
+                        "offline_stall" => "OFFLINE-STALL-REPORTED",
+                        _ => "",
+                    };
                     (
-                        !status.success(),
+                        !status.success() && stdout.contains(marker),
                         format!("expected the job to fail, exit {status}\n{stdout}\n{stderr}"),
                     )
                 }
@@ -320,6 +326,7 @@ fn run_rank(name: &str) {
         "offline_stale_plan" => offline_stale_plan(),
         "offline_diverge" => offline_diverge(),
         "offline_skip" => offline_skip(),
+        "offline_stall" => offline_stall(),
         other => panic!("unknown scenario {other}"),
     }
 }
@@ -1241,6 +1248,47 @@ fn offline_skip() {
     );
     runtime::shutdown();
     pass();
+}
+
+/// After the plan froze, rank 1 stops submitting altogether (it holds nothing, so it cannot
+/// escape): rank 0 waits inside a plan batch, warns, and after the stall shutdown time fails its
+/// tensors with the stall report; it leaves MPI unfinalized, so the job ends instead of hanging
+/// when rank 0 exits. The harness expects the job to fail and rank 0's report in the output.
+fn offline_stall() {
+    init();
+    let me = rank();
+    let mut rng = Lcg(17 + me as u64);
+    for step in 0..5 {
+        offline_step(&mut rng, step, 8, &[], 0);
+    }
+    if me == 1 {
+        std::thread::sleep(Duration::from_secs(120));
+        return;
+    }
+    let start = Instant::now();
+    let handles: Vec<_> = step_tensors(8, &[], 0)
+        .into_iter()
+        .map(|(name, len, dtype)| {
+            let mine = vec![1.0; len];
+            submit(OpSpec::new(
+                OpKind::Allreduce,
+                vec![tensor(&name, dtype, &[len as i64], &mine, false)],
+            ))
+            .unwrap()
+        })
+        .collect();
+    let errors: Vec<String> = handles
+        .into_iter()
+        .filter_map(|h| finish(h).err().map(|e| e.to_string()))
+        .collect();
+    assert!(!errors.is_empty());
+    assert!(
+        errors[0].contains("Stalled: offline plan batch"),
+        "{}",
+        errors[0]
+    );
+    assert!(start.elapsed() < Duration::from_secs(30));
+    println!("OFFLINE-STALL-REPORTED");
 }
 
 /// Cached names whose shape or op changes, and more names than the cache holds.

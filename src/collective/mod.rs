@@ -102,18 +102,33 @@ pub fn allreduce_batch(
     Ok(())
 }
 
+/// How long a collective may wait for the other ranks, and who hears about long waits.
+pub struct Wait<'a> {
+    pub limit: Option<std::time::Duration>,
+    pub slow: &'a mut dyn FnMut(std::time::Duration),
+}
+
+/// How a flagged batch ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flagged {
+    /// Completed; `raised`: some rank raised the flag (then the outputs are left untouched).
+    Done { raised: bool },
+    /// The other ranks did not join within the wait limit.
+    TimedOut,
+}
+
 /// Allreduce of one offline-plan batch with an escape flag appended to the fusion buffer: the
 /// flag is reduced with the data, so every rank learns whether any rank raised it. `ios` None:
 /// this rank lacks the batch's tensors and contributes zeros (and must raise the flag).
-/// Returns whether the flag came back raised; then the outputs are left untouched.
 pub fn allreduce_flagged(
     t: &dyn Transport,
     resps: &[Response],
     ios: Option<&mut [&mut dyn TensorIo]>,
     fusion: &mut Vec<u8>,
     raise: bool,
+    wait: Wait,
     act: ActivitySink,
-) -> Result<bool> {
+) -> Result<Flagged> {
     let head = &resps[0];
     let dtype = head.dtype;
     let (op, post) = backend_op(head.reduce_op, t.size(), head.postscale)?;
@@ -145,7 +160,14 @@ pub fn allreduce_flagged(
         flag.fill(0);
     }
     act(Some("MPI_ALLREDUCE"));
-    t.allreduce(None, buf, dtype, op)?;
+    let mut owned = std::mem::take(fusion);
+    owned.truncate(total);
+    let Some(reduced) = t.allreduce_owned_within(owned, dtype, op, wait.limit, wait.slow)? else {
+        act(None);
+        return Ok(Flagged::TimedOut);
+    };
+    *fusion = reduced;
+    let buf = &mut fusion[..total];
     let zero = buf[data..].iter().all(|b| *b == 0);
     if zero == one_means_raised {
         if let Some(ios) = ios {
@@ -154,10 +176,10 @@ pub fn allreduce_flagged(
             unpack(&buf[..data], ios);
         }
         act(None);
-        return Ok(false);
+        return Ok(Flagged::Done { raised: false });
     }
     act(None);
-    Ok(true)
+    Ok(Flagged::Done { raised: true })
 }
 
 /// The value 1 of `dtype`, little-endian.

@@ -90,6 +90,11 @@ impl Negotiator {
             .collect()
     }
 
+    /// Whether some rank of the set has joined (as the coordinator last announced; agreed).
+    pub fn any_joined(&self) -> bool {
+        !self.joined.is_empty()
+    }
+
     /// Requests sent to the coordinator and not answered yet.
     pub fn has_sent(&self) -> bool {
         !self.sent.is_empty()

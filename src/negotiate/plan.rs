@@ -147,12 +147,17 @@ impl Plan {
     }
 }
 
-/// Responses a plan may hold: error-free allreduces of numeric data on the host, with a
-/// reduction that an escape flag can ride along with.
+/// Responses a plan may hold: error-free allreduces on the host of 32/64-bit integers or
+/// floats (16-bit floats included), with a reduction the escape flag can ride along with. An
+/// 8- or 16-bit integer flag could wrap to zero when 256 (or 65,536) ranks raise it at once.
 pub fn eligible(r: &Response) -> bool {
+    use crate::dtype::DataType as D;
     r.kind == OpKind::Allreduce
         && r.error.is_none()
-        && r.dtype != crate::dtype::DataType::Bool
+        && matches!(
+            r.dtype,
+            D::I32 | D::I64 | D::F16 | D::BF16 | D::F32 | D::F64
+        )
         && r.device == crate::message::CPU_DEVICE
         && r.reduce_op != crate::message::ReduceOp::Adasum
 }
@@ -186,10 +191,9 @@ impl PlanRecorder {
     /// response's cycle).
     pub fn observe(&mut self, r: &Response, cycle: u64) -> Option<(Vec<Response>, Vec<u64>)> {
         if !eligible(r) {
-            // process-set changes, joins, other collectives: not a steady training step
-            if r.kind != OpKind::Allreduce || r.error.is_some() {
-                self.reset();
-            }
+            // other collectives, joins, process-set changes, allreduces a plan cannot hold:
+            // a step containing them cannot run from a plan
+            self.reset();
             return None;
         }
         let mut done = None;

@@ -43,6 +43,8 @@ struct Agreed {
     /// 0: nodes from MPI_COMM_TYPE_SHARED.
     local_size_override: usize,
     negotiation: NegotiationMode,
+    /// Offline mode: agreeing steps before a plan freezes (decides when a collective runs).
+    plan_warmup_steps: usize,
 }
 
 impl Agreed {
@@ -56,6 +58,7 @@ impl Agreed {
             cfg.mpi_max_count,
             cfg.local_size_override.unwrap_or(0),
             cfg.negotiation.code(),
+            cfg.plan_warmup_steps,
         ];
         let bytes: Vec<u8> = mine
             .iter()
@@ -68,7 +71,7 @@ impl Agreed {
             .collect();
         if v[..] != mine[..] {
             tracing::warn!(
-                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION differ from rank 0's; using rank 0's values {v:?}"
+                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS differ from rank 0's; using rank 0's values {v:?}"
             );
         }
         Ok(Agreed {
@@ -78,6 +81,7 @@ impl Agreed {
             mpi_max_count: v[3],
             local_size_override: v[4],
             negotiation: NegotiationMode::from_code(v[5]),
+            plan_warmup_steps: v[6],
         })
     }
 }
@@ -113,6 +117,9 @@ struct Background {
     offline: Offline,
     /// Cycles whose responses the plan learner has seen (it fuses within a cycle only).
     learn_cycles: u64,
+    /// A collective was abandoned after a stall: MPI must not be finalized (it would wait for
+    /// it), and the job ends when this process exits.
+    mpi_unclean: bool,
 }
 
 pub(crate) fn run(
@@ -145,9 +152,14 @@ pub(crate) fn run(
     let reason = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| bg.run_loop(&rx)))
         .unwrap_or_else(|_| Some("internal error: ferrovod's background thread panicked".into()));
     bg.stop(&rx, reason);
+    let unclean = bg.mpi_unclean;
     drop(bg);
-    if mpi_ours {
+    if mpi_ours && !unclean {
         finalize_mpi();
+    } else if unclean {
+        tracing::error!(
+            "a collective never completed: MPI is left unfinalized, so that mpirun ends the job when this process exits"
+        );
     }
 }
 
@@ -241,6 +253,7 @@ impl Background {
             reason: None,
             offline: Offline::Off,
             learn_cycles: 0,
+            mpi_unclean: false,
             world: world.dup()?,
             rt: rt.clone(),
         };
@@ -434,7 +447,7 @@ impl Background {
             });
         let mine = loaded.as_ref().map_or(0, |p| p.hash() as i64);
         let all = self.world.allgather_i64(mine)?;
-        let learn = Offline::Learning(PlanRecorder::new(cfg.plan_warmup_steps));
+        let learn = Offline::Learning(PlanRecorder::new(self.agreed.plan_warmup_steps));
         match loaded {
             Some(plan) if all.iter().all(|h| *h == mine) && self.all_sets.len() == 1 => {
                 tracing::info!(
@@ -462,8 +475,14 @@ impl Background {
     /// Feeds the global set's agreed responses to the plan being learned (identically on every
     /// rank, so every rank arms and freezes at the same response).
     fn learn(&mut self, responses: &[Response]) {
-        let warmup = self.rt.config.plan_warmup_steps;
-        let single_set = self.all_sets.len() == 1;
+        let warmup = self.agreed.plan_warmup_steps;
+        // offline mode needs the global set alone (another set's votes could interleave with
+        // a plan batch differently on different ranks), and no joined rank
+        let joined = self
+            .member
+            .get(&0)
+            .is_some_and(|s| s.negotiator.any_joined());
+        let single_set = self.all_sets.len() == 1 && !joined;
         self.learn_cycles += 1;
         let cycle = self.learn_cycles;
         let (threshold, direct) = (
@@ -473,8 +492,6 @@ impl Background {
         for r in responses {
             self.offline = match std::mem::replace(&mut self.offline, Offline::Off) {
                 Offline::Learning(mut rec) => match rec.observe(r, cycle) {
-                    // offline mode needs the global set alone: another set's votes could
-                    // interleave with a plan batch differently on different ranks
                     Some((step, cycles)) if single_set => {
                         let plan = Plan::from_cycles(&step, &cycles, threshold, direct);
                         let mut remaining: HashSet<String> = plan
@@ -515,7 +532,7 @@ impl Background {
             unreachable!("checked above");
         };
         let policy = self.escape_policy();
-        let warmup = self.rt.config.plan_warmup_steps;
+        let warmup = self.agreed.plan_warmup_steps;
         let Some(set) = self.member.get_mut(&0) else {
             return Ok(());
         };
@@ -547,6 +564,9 @@ impl Background {
         );
         let mut q = OfflineQueue::new(plan, policy);
         for req in set.negotiator.take_waiting() {
+            if let Some(t) = self.timeline.as_mut() {
+                t.end(&req.name, None);
+            }
             q.submit(req);
         }
         if set.negotiator.has_sent() {
@@ -560,7 +580,13 @@ impl Background {
     /// Runs every plan batch that is ready (or that this rank must escape from). When a flag
     /// comes back raised, hands all pending work back to online negotiation.
     fn run_offline(&mut self, want_shutdown: bool) -> Result<()> {
-        let warmup = self.rt.config.plan_warmup_steps;
+        let warmup = self.agreed.plan_warmup_steps;
+        let cfg = &self.rt.config;
+        let stall = StallPolicy {
+            enabled: cfg.stall_check,
+            warn_after: cfg.stall_warn,
+            shutdown_after: cfg.stall_shutdown,
+        };
         loop {
             let Offline::Frozen(q) = &mut self.offline else {
                 return Ok(());
@@ -610,12 +636,29 @@ impl Background {
                 let mut ios: Vec<&mut dyn TensorIo> =
                     entries.iter_mut().map(|e| e as &mut dyn TensorIo).collect();
                 let ios = if have { Some(&mut ios[..]) } else { None };
+                let mut warned = false;
+                let mut slow = |waited: std::time::Duration| {
+                    if stall.enabled && waited >= stall.warn_after && !warned {
+                        warned = true;
+                        tracing::warn!(
+                            "offline negotiation: plan batch {batch} ({}) has waited {} s for other ranks; a rank has not submitted these tensors or stopped submitting",
+                            names.join(", "),
+                            waited.as_secs()
+                        );
+                    }
+                };
+                let wait = collective::Wait {
+                    limit: (stall.enabled && stall.shutdown_after > std::time::Duration::ZERO)
+                        .then_some(stall.shutdown_after),
+                    slow: &mut slow,
+                };
                 collective::allreduce_flagged(
                     &set.data,
                     &resps,
                     ios,
                     &mut set.fusion,
                     raise,
+                    wait,
                     &mut sink,
                 )
             };
@@ -626,7 +669,20 @@ impl Background {
                 }
             }
             let escaped = match escaped {
-                Ok(flag) => flag,
+                Ok(collective::Flagged::Done { raised }) => raised,
+                Ok(collective::Flagged::TimedOut) => {
+                    self.mpi_unclean = true;
+                    let e = Error::ShutDown(format!(
+                        "Stalled: offline plan batch {batch} ({}) waited longer than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={} for other ranks; a rank has not submitted these tensors or stopped submitting. Shutting down.",
+                        names.join(", "),
+                        stall.shutdown_after.as_secs()
+                    ));
+                    for e2 in entries {
+                        self.rt.finish_names(&[(0, e2.request.name.clone())]);
+                        e2.complete(Err(e.clone()), None);
+                    }
+                    return Err(e);
+                }
                 Err(e) => {
                     for e2 in entries {
                         self.rt.finish_names(&[(0, e2.request.name.clone())]);

@@ -32,6 +32,19 @@ pub trait Transport {
     /// Bitwise OR of `words` across ranks (Horovod's second vote, kept for its baseline mode).
     fn or_words(&self, words: &mut [u64]) -> Result<()>;
 
+    /// In-place allreduce of an owned buffer that waits at most `limit` (and reports long waits
+    /// to `slow`): the buffer comes back when the collective completed; `None` when the limit
+    /// passed first — the operation then stays posted and keeps the buffer, which is never
+    /// freed, so that the backend can never write into released memory.
+    fn allreduce_owned_within(
+        &self,
+        data: Vec<u8>,
+        dtype: DataType,
+        op: ReduceOp,
+        limit: Option<std::time::Duration>,
+        slow: &mut dyn FnMut(std::time::Duration),
+    ) -> Result<Option<Vec<u8>>>;
+
     /// Rank r contributes `counts[r]` bytes; `recv` gets them in rank order. With `send` None,
     /// this rank's bytes are already at their place in `recv`.
     fn allgatherv(&self, send: Option<&[u8]>, recv: &mut [u8], counts: &[usize]) -> Result<()>;

@@ -118,6 +118,43 @@ pub fn finalize_mpi() {
     }
 }
 
+/// Waits for `req` by polling with backoff (spin, then yield, then 100 us sleeps), so a rank
+/// waiting for slower peers gives its core to the framework's threads instead of spinning
+/// inside MPI. Returns false if `limit` passed first (the request is then still active);
+/// `slow` is told how long it has waited, about once a second.
+fn wait_polled(
+    req: &mut ffi::MPI_Request,
+    limit: Option<std::time::Duration>,
+    slow: &mut dyn FnMut(std::time::Duration),
+) -> Result<bool> {
+    let start = std::time::Instant::now();
+    let mut next_report = std::time::Duration::from_secs(1);
+    loop {
+        let mut done: c_int = 0;
+        // SAFETY: req is an active request of this process.
+        let rc = unsafe { ffi::MPI_Test(req, &mut done, ffi::RSMPI_STATUS_IGNORE) };
+        check(rc, "MPI_Test")?;
+        if done != 0 {
+            return Ok(true);
+        }
+        let waited = start.elapsed();
+        if limit.is_some_and(|l| waited >= l) {
+            return Ok(false);
+        }
+        if waited >= next_report {
+            slow(waited);
+            next_report += std::time::Duration::from_secs(1);
+        }
+        if waited < std::time::Duration::from_micros(50) {
+            std::hint::spin_loop();
+        } else if waited < std::time::Duration::from_millis(2) {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(std::time::Duration::from_micros(100));
+        }
+    }
+}
+
 fn native_type(dtype: DataType) -> ffi::MPI_Datatype {
     // SAFETY: reading constants initialised by rsmpi's shim.
     unsafe {
@@ -306,26 +343,14 @@ impl MpiComm {
             )
         };
         check(rc, what)?;
-        let start = std::time::Instant::now();
-        loop {
-            let mut done: c_int = 0;
-            // SAFETY: req is the active request created above.
-            let rc = unsafe { ffi::MPI_Test(&mut req, &mut done, ffi::RSMPI_STATUS_IGNORE) };
-            if let Err(e) = check(rc, "MPI_Test") {
-                Box::leak(buf);
-                return Err(e);
-            }
-            if done != 0 {
+        match wait_polled(&mut req, None, &mut |_| {}) {
+            Ok(_) => {
                 words.copy_from_slice(&buf);
-                return Ok(());
+                Ok(())
             }
-            let waited = start.elapsed();
-            if waited < std::time::Duration::from_micros(50) {
-                std::hint::spin_loop();
-            } else if waited < std::time::Duration::from_millis(2) {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(std::time::Duration::from_micros(100));
+            Err(e) => {
+                Box::leak(buf);
+                Err(e)
             }
         }
     }
@@ -580,6 +605,51 @@ impl Transport for MpiComm {
     fn or_words(&self, words: &mut [u64]) -> Result<()> {
         // SAFETY: reading a constant initialised by rsmpi's shim.
         self.bitwise_words(words, unsafe { ffi::RSMPI_BOR }, "MPI_Iallreduce(BOR)")
+    }
+
+    fn allreduce_owned_within(
+        &self,
+        mut data: Vec<u8>,
+        dtype: DataType,
+        op: ReduceOp,
+        limit: Option<std::time::Duration>,
+        slow: &mut dyn FnMut(std::time::Duration),
+    ) -> Result<Option<Vec<u8>>> {
+        let esz = dtype.size();
+        if data.len() / esz > self.max_count {
+            // split transfers stay blocking
+            self.allreduce(None, &mut data, dtype, op)?;
+            return Ok(Some(data));
+        }
+        let ty = native_type(dtype);
+        let mop = mpi_op(dtype, op)?;
+        // SAFETY: zeroed is a valid placeholder for the request out-parameter.
+        let mut req = unsafe { std::mem::zeroed::<ffi::MPI_Request>() };
+        // SAFETY: data covers len/esz elements of `ty` and outlives the request: it is returned
+        // only once the request completed, and leaked otherwise.
+        let rc = unsafe {
+            ffi::MPI_Iallreduce(
+                in_place(),
+                ptr_mut(&mut data),
+                (data.len() / esz) as c_int,
+                ty,
+                mop,
+                self.comm,
+                &mut req,
+            )
+        };
+        check(rc, "MPI_Iallreduce")?;
+        match wait_polled(&mut req, limit, slow) {
+            Ok(true) => Ok(Some(data)),
+            Ok(false) => {
+                std::mem::forget(data);
+                Ok(None)
+            }
+            Err(e) => {
+                std::mem::forget(data);
+                Err(e)
+            }
+        }
     }
 
     fn allgatherv(&self, send: Option<&[u8]>, recv: &mut [u8], counts: &[usize]) -> Result<()> {
