@@ -19,4 +19,8 @@ for np in 2 4; do
   timeout 600 mpirun -np "$np" --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 \
     "${py[@]}" tests/python/mpi
 done
+# the same suite with offline negotiation: plans freeze, and every other collective escapes
+FERROVOD_NEGOTIATION=offline FERROVOD_PLAN_WARMUP_STEPS=2 timeout 600 mpirun -np 2 \
+  --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 \
+  -x FERROVOD_NEGOTIATION -x FERROVOD_PLAN_WARMUP_STEPS "${py[@]}" tests/python/mpi
 timeout 600 "${py[@]}" tests/python/single

@@ -84,6 +84,7 @@ const SCENARIOS: &[Scenario] = &[
     ),
     ("metrics", 2, &[], true),
     ("offline_steps", 2, OFFLINE, true),
+    ("random_order", 3, OFFLINE, true),
     ("offline_steps", 4, OFFLINE, true),
     ("offline_save", 3, OFFLINE, true),
     ("offline_load", 3, OFFLINE, true),
