@@ -91,6 +91,9 @@ pub struct Config {
     /// `FERROVOD_PLAN_ESCAPE_MS` (default 1000): how long a rank holding tensors of later
     /// batches waits for the next batch before leaving offline mode.
     pub plan_escape: Duration,
+    /// `FERROVOD_CHANNELS` (or Perseus's `PERSEUS_ALLREDUCE_STREAMS`; default 1): fused batches
+    /// that may be in flight at once, each on its own duplicated communicator.
+    pub channels: usize,
 }
 
 fn env_str(key: &str) -> Option<String> {
@@ -157,6 +160,11 @@ impl Config {
             plan_escape: Duration::from_secs_f64(
                 env_num("FERROVOD_PLAN_ESCAPE_MS", 1000.0f64).max(0.0) / 1000.0,
             ),
+            channels: env_num(
+                "FERROVOD_CHANNELS",
+                env_num("PERSEUS_ALLREDUCE_STREAMS", 1usize),
+            )
+            .clamp(1, 64),
         }
     }
 }

@@ -93,6 +93,33 @@ const SCENARIOS: &[Scenario] = &[
     ("offline_skip", 2, OFFLINE_STALL, true),
     ("offline_stall", 2, OFFLINE_STALL, false),
     ("metrics", 3, &[("FERROVOD_NEGOTIATION", "horovod")], true),
+    (
+        "random_order",
+        4,
+        &[
+            ("FERROVOD_CHANNELS", "3"),
+            ("HOROVOD_FUSION_THRESHOLD", "2048"),
+        ],
+        true,
+    ),
+    ("collectives", 2, &[("FERROVOD_CHANNELS", "2")], true),
+    ("join", 3, &[("FERROVOD_CHANNELS", "2")], true),
+    (
+        "process_sets",
+        4,
+        &[("PERSEUS_ALLREDUCE_STREAMS", "2")],
+        true,
+    ),
+    (
+        "offline_steps",
+        2,
+        &[
+            ("FERROVOD_NEGOTIATION", "offline"),
+            ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+            ("FERROVOD_CHANNELS", "2"),
+        ],
+        true,
+    ),
     ("env_differs", 2, &[], true),
     ("cache_changes", 2, &[("HOROVOD_CACHE_CAPACITY", "4")], true),
     ("join", 2, &[], true),

@@ -16,6 +16,7 @@ use crate::message::{OpKind, Response};
 use crate::negotiate::offline::{EscapePolicy, Next, OfflineQueue};
 use crate::negotiate::online::{Negotiator, StallPolicy};
 use crate::negotiate::plan::{Plan, PlanRecorder};
+use crate::runtime::channel::{self, Channel, Job};
 use crate::runtime::entry::{InputMem, OutputMem, TensorEntry};
 use crate::runtime::timeline::Timeline;
 use crate::runtime::{Command, Communicator, InitOptions, Runtime, Topology};
@@ -30,6 +31,10 @@ struct SetState {
     negotiator: Negotiator,
     entries: HashMap<String, TensorEntry>,
     fusion: Vec<u8>,
+    /// With more than one channel: the workers batches are handed to, and the next batch's
+    /// number (identical on every rank).
+    channels: Vec<Channel>,
+    batch_seq: u64,
 }
 
 /// Settings that change which collectives run, taken from rank 0 so that a rank launched with a
@@ -45,6 +50,8 @@ struct Agreed {
     negotiation: NegotiationMode,
     /// Offline mode: agreeing steps before a plan freezes (decides when a collective runs).
     plan_warmup_steps: usize,
+    /// Channels per set (1 unless every rank has MPI_THREAD_MULTIPLE).
+    channels: usize,
 }
 
 impl Agreed {
@@ -59,6 +66,7 @@ impl Agreed {
             cfg.local_size_override.unwrap_or(0),
             cfg.negotiation.code(),
             cfg.plan_warmup_steps,
+            cfg.channels,
         ];
         let bytes: Vec<u8> = mine
             .iter()
@@ -71,7 +79,7 @@ impl Agreed {
             .collect();
         if v[..] != mine[..] {
             tracing::warn!(
-                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS differ from rank 0's; using rank 0's values {v:?}"
+                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS differ from rank 0's; using rank 0's values {v:?}"
             );
         }
         Ok(Agreed {
@@ -82,6 +90,7 @@ impl Agreed {
             local_size_override: v[4],
             negotiation: NegotiationMode::from_code(v[5]),
             plan_warmup_steps: v[6],
+            channels: v[7],
         })
     }
 }
@@ -120,6 +129,18 @@ struct Background {
     /// A collective was abandoned after a stall: MPI must not be finalized (it would wait for
     /// it), and the job ends when this process exits.
     mpi_unclean: bool,
+    /// Batches handed to channels and not back yet: their tensors, to fail them if a channel
+    /// never returns at shutdown.
+    in_channels: HashMap<u64, Vec<Pending>>,
+    next_job: u64,
+}
+
+/// A tensor a channel holds.
+struct Pending {
+    set: i32,
+    name: String,
+    handle: Option<Arc<crate::runtime::handle::Handle>>,
+    index: usize,
 }
 
 pub(crate) fn run(
@@ -175,7 +196,6 @@ fn make_set(
     Ok(SetState {
         id,
         ctrl: comm.dup()?,
-        data: comm,
         negotiator: Negotiator::new(
             set_rank,
             ranks,
@@ -189,6 +209,21 @@ fn make_set(
         ),
         entries: HashMap::new(),
         fusion: Vec::new(),
+        channels: if agreed.channels > 1 {
+            let done = rt
+                .inbox
+                .lock()
+                .expect("inbox")
+                .clone()
+                .ok_or_else(Error::shut_down)?;
+            (0..agreed.channels)
+                .map(|k| Channel::spawn(k, comm.dup()?, done.clone()))
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            Vec::new()
+        },
+        batch_seq: 0,
+        data: comm,
     })
 }
 
@@ -213,11 +248,15 @@ impl Background {
                 })?
             }
         };
-        let agreed = Agreed::from_rank0(&world, &rt.config)?;
+        let mut agreed = Agreed::from_rank0(&world, &rt.config)?;
         let world = world.with_max_count(agreed.mpi_max_count);
         let local = world.split_local(Some(agreed.local_size_override).filter(|n| *n > 0))?;
         let cross = world.split(local.rank() as i32)?;
         let local_sizes = world.allgather_i64(local.size() as i64)?;
+        if agreed.channels > 1 && world.allgather_i64(multiple as i64)?.contains(&0) {
+            tracing::warn!("FERROVOD_CHANNELS needs MPI_THREAD_MULTIPLE on every rank; using 1");
+            agreed.channels = 1;
+        }
         let topo = Topology {
             rank: world.rank() as i32,
             size: world.size() as i32,
@@ -254,6 +293,8 @@ impl Background {
             offline: Offline::Off,
             learn_cycles: 0,
             mpi_unclean: false,
+            in_channels: HashMap::new(),
+            next_job: 0,
             world: world.dup()?,
             rt: rt.clone(),
         };
@@ -304,6 +345,7 @@ impl Background {
     fn receive(&mut self, cmd: Command) {
         match cmd {
             Command::Shutdown => self.want_shutdown = true,
+            Command::BatchDone(done) => self.batch_done(done),
             Command::Submit { set, entries } => {
                 let Some(state) = self.member.get_mut(&set) else {
                     let err = Error::InvalidArgument(
@@ -807,6 +849,34 @@ impl Background {
                     t.begin(n, head.kind.name());
                 }
             }
+            if !set.channels.is_empty()
+                && head.error.is_none()
+                && channel::runs_on_channel(head.kind)
+            {
+                let k = (set.batch_seq % set.channels.len() as u64) as usize;
+                set.batch_seq += 1;
+                let id_job = self.next_job;
+                self.next_job += 1;
+                self.in_channels.insert(
+                    id_job,
+                    entries
+                        .iter()
+                        .map(|e| Pending {
+                            set: id,
+                            name: e.request.name.clone(),
+                            handle: e.handle.clone(),
+                            index: e.index,
+                        })
+                        .collect(),
+                );
+                set.channels[k].send(Job {
+                    id: id_job,
+                    set: id,
+                    resps: resps.iter().map(|r| (*r).clone()).collect(),
+                    entries,
+                });
+                continue;
+            }
             let outcome = match &head.error {
                 Some(msg) => Err(Error::Precondition(msg.clone())),
                 None => {
@@ -831,6 +901,73 @@ impl Background {
             for e in entries {
                 self.rt.finish_names(&[(id, e.request.name.clone())]);
                 e.complete(outcome.clone(), value);
+            }
+        }
+    }
+
+    /// A channel's batch came back: account for it and complete its tensors.
+    fn batch_done(&mut self, done: channel::Done) {
+        self.in_channels.remove(&done.id);
+        if done.outcome.is_ok() {
+            let bytes: usize = done
+                .resps
+                .iter()
+                .map(|r| r.num_elements() as usize * r.dtype.size())
+                .sum();
+            self.rt
+                .metrics
+                .add_batch(done.entries.len() as u64, bytes as u64);
+        } else if let Err(e) = &done.outcome {
+            tracing::error!("set {}: channel batch failed: {e}", done.set);
+        }
+        if let Some(t) = self.timeline.as_mut() {
+            for r in &done.resps {
+                let shape = format!("{:?}", r.shape);
+                t.end(&r.name, Some((r.dtype.name(), &shape)));
+            }
+        }
+        for e in done.entries {
+            self.rt.finish_names(&[(done.set, e.request.name.clone())]);
+            e.complete(done.outcome.clone(), None);
+        }
+    }
+
+    /// Closes every channel and waits (at most 30 s) for the batches they still hold; tensors
+    /// of batches that never come back fail with `err`.
+    fn drain_channels(&mut self, rx: &Receiver<Command>, err: &Error) {
+        for set in self.member.values_mut() {
+            for c in &mut set.channels {
+                c.close();
+            }
+        }
+        let deadline = Instant::now() + std::time::Duration::from_secs(30);
+        while !self.in_channels.is_empty() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(Command::BatchDone(done)) => self.batch_done(done),
+                Ok(other) => self.receive(other),
+                Err(_) => break,
+            }
+        }
+        if self.in_channels.is_empty() {
+            for set in self.member.values_mut() {
+                for c in &mut set.channels {
+                    c.join();
+                }
+            }
+            return;
+        }
+        tracing::error!(
+            "{} channel batches did not complete at shutdown; failing their tensors",
+            self.in_channels.len()
+        );
+        self.mpi_unclean = true;
+        for (_, pending) in self.in_channels.drain() {
+            for p in pending {
+                self.rt.finish_names(&[(p.set, p.name)]);
+                if let Some(h) = p.handle {
+                    h.complete_one(p.index, Err(err.clone()), None);
+                }
             }
         }
     }
@@ -875,7 +1012,12 @@ impl Background {
 
     /// Stops using set `id` on this rank, failing its pending tensors with `err`.
     fn drop_set(&mut self, id: i32, err: Error) {
-        if let Some(set) = self.member.remove(&id) {
+        if let Some(mut set) = self.member.remove(&id) {
+            // every member drops the set at the same point, so its channels' queues finish
+            for c in &mut set.channels {
+                c.close();
+                c.join();
+            }
             for (name, e) in set.entries {
                 self.rt.finish_names(&[(id, name)]);
                 e.complete(Err(err.clone()), None);
@@ -896,6 +1038,7 @@ impl Background {
             Some(r) => Error::ShutDown(r),
             None => Error::shut_down(),
         };
+        self.drain_channels(rx, &err);
         for (id, set) in std::mem::take(&mut self.member) {
             for (name, e) in set.entries {
                 self.rt.finish_names(&[(id, name)]);
@@ -929,32 +1072,20 @@ fn run_batch(
         }
         open = act.is_some();
     };
-    let t: &dyn Transport = &set.data;
     let head = resps[0];
     // host memory is ready when enqueued; device requests will wait on their ready events here
     sink(Some("WAIT_FOR_DATA"));
     let mut ios: Vec<&mut dyn TensorIo> =
         entries.iter_mut().map(|e| e as &mut dyn TensorIo).collect();
     match head.kind {
-        OpKind::Allreduce => {
-            collective::allreduce_batch(t, resps, &mut ios, &mut set.fusion, &mut sink)
-        }
-        OpKind::Allgather => {
-            collective::allgather_batch(t, resps, &mut ios, &mut set.fusion, &mut sink)
-        }
-        OpKind::Reducescatter => {
-            collective::reducescatter_batch(t, resps, &mut ios, &mut set.fusion, &mut sink)
-        }
-        OpKind::Broadcast => collective::broadcast(t, head, ios[0], &mut sink),
-        OpKind::Alltoall => collective::alltoall(t, head, ios[0], &mut sink),
         OpKind::Barrier => {
             sink(Some("MPI_BARRIER"));
-            let r = t.barrier();
+            let r = set.data.barrier();
             sink(None);
             r
         }
-        OpKind::Join => Ok(()),
-        OpKind::AddProcessSet | OpKind::RemoveProcessSet => Ok(()),
+        OpKind::Join | OpKind::AddProcessSet | OpKind::RemoveProcessSet => Ok(()),
+        _ => channel::run_batch_on(&set.data, &mut set.fusion, resps, &mut ios, &mut sink),
     }
     .inspect_err(|e| tracing::error!("set {}: {} failed: {e}", set.id, head.kind.name()))
 }

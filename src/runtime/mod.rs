@@ -2,6 +2,7 @@
 //! Rust API the C API wraps. One runtime per process.
 
 pub mod background;
+pub(crate) mod channel;
 pub mod entry;
 pub mod handle;
 pub mod metrics;
@@ -104,8 +105,13 @@ impl OpSpec {
 }
 
 pub(crate) enum Command {
-    Submit { set: i32, entries: Vec<TensorEntry> },
+    Submit {
+        set: i32,
+        entries: Vec<TensorEntry>,
+    },
     Shutdown,
+    /// A channel finished a batch.
+    BatchDone(channel::Done),
 }
 
 pub struct Runtime {

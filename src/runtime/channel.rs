@@ -1,0 +1,131 @@
+//! Channels (multi-stream): `FERROVOD_CHANNELS` worker threads per process set, each with its
+//! own duplicate of the set's communicator and its own fusion buffer, so that up to K fused
+//! batches are in flight at once. The background thread hands batch number i of the set to
+//! channel i mod K — the same channel on every rank, since batches are numbered in agreed
+//! order — and each channel runs its batches in the order received, so every communicator sees
+//! the same collectives in the same order on every rank. Results go back to the background
+//! thread, which completes the tensors (callbacks keep running on one thread).
+
+use std::thread::JoinHandle;
+
+use crossbeam::channel::{Receiver, Sender, unbounded};
+
+use crate::collective::{self, TensorIo};
+use crate::error::{Error, Result};
+use crate::message::{OpKind, Response};
+use crate::runtime::Command;
+use crate::runtime::entry::TensorEntry;
+use crate::transport::mpi::MpiComm;
+
+/// One batch for a channel.
+pub(crate) struct Job {
+    pub id: u64,
+    pub set: i32,
+    pub resps: Vec<Response>,
+    pub entries: Vec<TensorEntry>,
+}
+
+/// A finished job, back to the background thread.
+pub(crate) struct Done {
+    pub id: u64,
+    pub set: i32,
+    pub resps: Vec<Response>,
+    pub entries: Vec<TensorEntry>,
+    pub outcome: Result<()>,
+}
+
+pub(crate) struct Channel {
+    jobs: Option<Sender<Job>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Channel {
+    pub fn spawn(index: usize, comm: MpiComm, done: Sender<Command>) -> Result<Channel> {
+        let (tx, rx) = unbounded();
+        let thread = std::thread::Builder::new()
+            .name(format!("ferrovod-channel-{index}"))
+            .spawn(move || run(comm, rx, done))
+            .map_err(|e| Error::Internal(format!("cannot start channel thread: {e}")))?;
+        Ok(Channel {
+            jobs: Some(tx),
+            thread: Some(thread),
+        })
+    }
+
+    pub fn send(&self, job: Job) {
+        if let Some(tx) = &self.jobs {
+            // the thread only ends after the sender is dropped, so this cannot fail
+            let _ = tx.send(job);
+        }
+    }
+
+    /// No more jobs: the thread ends after those already sent.
+    pub fn close(&mut self) {
+        self.jobs = None;
+    }
+
+    /// Waits for the thread (call once every job sent to it has come back).
+    pub fn join(&mut self) {
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Kinds a channel runs: collectives on the set's data communicator with no effect on the
+/// runtime's own state.
+pub(crate) fn runs_on_channel(kind: OpKind) -> bool {
+    matches!(
+        kind,
+        OpKind::Allreduce
+            | OpKind::Allgather
+            | OpKind::Reducescatter
+            | OpKind::Broadcast
+            | OpKind::Alltoall
+    )
+}
+
+fn run(comm: MpiComm, rx: Receiver<Job>, done: Sender<Command>) {
+    super::ON_BACKGROUND_THREAD.with(|f| f.set(true));
+    let mut fusion = Vec::new();
+    for mut job in rx {
+        let refs: Vec<&Response> = job.resps.iter().collect();
+        let outcome = {
+            let mut ios: Vec<&mut dyn TensorIo> = job
+                .entries
+                .iter_mut()
+                .map(|e| e as &mut dyn TensorIo)
+                .collect();
+            run_batch_on(&comm, &mut fusion, &refs, &mut ios, &mut |_| {})
+        };
+        let _ = done.send(Command::BatchDone(Done {
+            id: job.id,
+            set: job.set,
+            resps: job.resps,
+            entries: job.entries,
+            outcome,
+        }));
+    }
+}
+
+/// Runs one data batch over `t` (shared with the background thread's own execution).
+pub(crate) fn run_batch_on(
+    t: &MpiComm,
+    fusion: &mut Vec<u8>,
+    resps: &[&Response],
+    ios: &mut [&mut dyn TensorIo],
+    sink: collective::ActivitySink,
+) -> Result<()> {
+    let head = resps[0];
+    match head.kind {
+        OpKind::Allreduce => collective::allreduce_batch(t, resps, ios, fusion, sink),
+        OpKind::Allgather => collective::allgather_batch(t, resps, ios, fusion, sink),
+        OpKind::Reducescatter => collective::reducescatter_batch(t, resps, ios, fusion, sink),
+        OpKind::Broadcast => collective::broadcast(t, head, &mut *ios[0], sink),
+        OpKind::Alltoall => collective::alltoall(t, head, &mut *ios[0], sink),
+        other => Err(Error::Internal(format!(
+            "{} does not run on a channel",
+            other.name()
+        ))),
+    }
+}
