@@ -94,6 +94,14 @@ pub struct Config {
     /// `FERROVOD_CHANNELS` (or Perseus's `PERSEUS_ALLREDUCE_STREAMS`; default 1): fused batches
     /// that may be in flight at once, each on its own duplicated communicator.
     pub channels: usize,
+    /// `HOROVOD_AUTOTUNE`: tune the fusion threshold and cycle time from measured throughput.
+    pub autotune: bool,
+    /// `HOROVOD_AUTOTUNE_LOG`: CSV of every setting tried and its score (rank 0).
+    pub autotune_log: Option<String>,
+    /// `HOROVOD_AUTOTUNE_WARMUP_SAMPLES` (default 3): windows discarded before tuning starts.
+    pub autotune_warmup: usize,
+    /// `FERROVOD_AUTOTUNE_WINDOW_CYCLES` (default 200): negotiation cycles per sampling window.
+    pub autotune_window: usize,
 }
 
 fn env_str(key: &str) -> Option<String> {
@@ -165,6 +173,10 @@ impl Config {
                 env_num("PERSEUS_ALLREDUCE_STREAMS", 1usize),
             )
             .clamp(1, 64),
+            autotune: env_bool("HOROVOD_AUTOTUNE"),
+            autotune_log: env_str("HOROVOD_AUTOTUNE_LOG"),
+            autotune_warmup: env_num("HOROVOD_AUTOTUNE_WARMUP_SAMPLES", 3usize),
+            autotune_window: env_num("FERROVOD_AUTOTUNE_WINDOW_CYCLES", 200usize).max(1),
         }
     }
 }

@@ -103,6 +103,16 @@ const SCENARIOS: &[Scenario] = &[
         true,
     ),
     ("collectives", 2, &[("FERROVOD_CHANNELS", "2")], true),
+    (
+        "autotune",
+        2,
+        &[
+            ("HOROVOD_AUTOTUNE", "1"),
+            ("FERROVOD_AUTOTUNE_WINDOW_CYCLES", "4"),
+            ("HOROVOD_AUTOTUNE_WARMUP_SAMPLES", "1"),
+        ],
+        true,
+    ),
     ("join", 3, &[("FERROVOD_CHANNELS", "2")], true),
     (
         "process_sets",
@@ -355,6 +365,7 @@ fn run_rank(name: &str) {
         "offline_diverge" => offline_diverge(),
         "offline_skip" => offline_skip(),
         "offline_stall" => offline_stall(),
+        "autotune" => autotune(),
         other => panic!("unknown scenario {other}"),
     }
 }
@@ -1317,6 +1328,33 @@ fn offline_stall() {
     );
     assert!(start.elapsed() < Duration::from_secs(30));
     println!("OFFLINE-STALL-REPORTED");
+}
+
+/// Autotune changes the fusion threshold and cycle time while steps run: every result stays
+/// right, and rank 0's log records every setting tried (a header-less CSV, one line per
+/// scored window: threshold, cycle ms, bytes/s).
+fn autotune() {
+    let log =
+        std::path::PathBuf::from(std::env::var("FERROVOD_TEST_DIR").unwrap()).join("tune.csv");
+    let mut cfg = ferrovod::config::Config::from_env();
+    cfg.autotune_log = Some(log.to_string_lossy().into_owned());
+    runtime::init(runtime::InitOptions {
+        config: Some(cfg),
+        ..Default::default()
+    })
+    .expect("init");
+    let mut rng = Lcg(23 + rank() as u64);
+    for step in 0..120 {
+        offline_step(&mut rng, step, 12, &[], 0);
+    }
+    if rank() == 0 {
+        let text = std::fs::read_to_string(&log).unwrap();
+        let thresholds: std::collections::BTreeSet<&str> =
+            text.lines().map(|l| l.split(',').next().unwrap()).collect();
+        // every threshold of the grid was tried
+        assert!(thresholds.len() >= 7, "{text}");
+    }
+    finish_job();
 }
 
 /// Cached names whose shape or op changes, and more names than the cache holds.

@@ -11,6 +11,7 @@ use crossbeam::channel::{Receiver, RecvTimeoutError, Sender};
 use crate::collective::{self, TensorIo};
 use crate::config::NegotiationMode;
 use crate::error::{Error, Result, SHUT_DOWN_MESSAGE};
+use crate::fusion::autotune::{Autotuner, Params};
 use crate::fusion::planner::plan_batches;
 use crate::message::{OpKind, Response};
 use crate::negotiate::offline::{EscapePolicy, Next, OfflineQueue};
@@ -52,6 +53,9 @@ struct Agreed {
     plan_warmup_steps: usize,
     /// Channels per set (1 unless every rank has MPI_THREAD_MULTIPLE).
     channels: usize,
+    /// Autotune's sampling window in cycles; 0: autotune off (every rank broadcasts rank 0's
+    /// choice at the same cycles, so this must be agreed).
+    autotune_window: usize,
 }
 
 impl Agreed {
@@ -67,6 +71,7 @@ impl Agreed {
             cfg.negotiation.code(),
             cfg.plan_warmup_steps,
             cfg.channels,
+            if cfg.autotune { cfg.autotune_window } else { 0 },
         ];
         let bytes: Vec<u8> = mine
             .iter()
@@ -79,7 +84,7 @@ impl Agreed {
             .collect();
         if v[..] != mine[..] {
             tracing::warn!(
-                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS differ from rank 0's; using rank 0's values {v:?}"
+                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS / HOROVOD_AUTOTUNE differ from rank 0's; using rank 0's values {v:?}"
             );
         }
         Ok(Agreed {
@@ -91,6 +96,7 @@ impl Agreed {
             negotiation: NegotiationMode::from_code(v[5]),
             plan_warmup_steps: v[6],
             channels: v[7],
+            autotune_window: v[8],
         })
     }
 }
@@ -133,6 +139,18 @@ struct Background {
     /// never returns at shutdown.
     in_channels: HashMap<u64, Vec<Pending>>,
     next_job: u64,
+    /// The cycle time in force (autotune may change it).
+    cycle_time: std::time::Duration,
+    autotune: Option<Autotune>,
+}
+
+/// Autotune's state: the tuner (rank 0 decides), and the current window.
+struct Autotune {
+    tuner: Autotuner,
+    cycles: usize,
+    window_start: Instant,
+    bytes_at_start: u64,
+    log: Option<std::fs::File>,
 }
 
 /// A tensor a channel holds.
@@ -295,6 +313,8 @@ impl Background {
             mpi_unclean: false,
             in_channels: HashMap::new(),
             next_job: 0,
+            cycle_time: rt.config.cycle_time,
+            autotune: None,
             world: world.dup()?,
             rt: rt.clone(),
         };
@@ -315,6 +335,29 @@ impl Background {
         *rt.sets.write().expect("sets") = bg.all_sets.clone();
         if agreed.negotiation == NegotiationMode::Offline {
             bg.offline = bg.initial_offline()?;
+        }
+        if agreed.autotune_window > 0 {
+            if agreed.negotiation == NegotiationMode::Offline {
+                tracing::warn!("HOROVOD_AUTOTUNE is not used with offline negotiation");
+            } else {
+                bg.autotune = Some(Autotune {
+                    tuner: Autotuner::new(
+                        Params {
+                            fusion_threshold: agreed.fusion_threshold,
+                            cycle_time: rt.config.cycle_time,
+                        },
+                        rt.config.autotune_warmup,
+                        3,
+                    ),
+                    cycles: 0,
+                    window_start: Instant::now(),
+                    bytes_at_start: 0,
+                    log: (topo.rank == 0)
+                        .then(|| rt.config.autotune_log.as_ref())
+                        .flatten()
+                        .and_then(|p| std::fs::File::create(p).ok()),
+                });
+            }
         }
         if topo.rank == 0
             && let Some(path) = &rt.config.timeline
@@ -383,7 +426,6 @@ impl Background {
 
     /// Cycles until every rank agrees to stop; returns the reason.
     fn run_loop(&mut self, rx: &Receiver<Command>) -> Option<String> {
-        let cycle = self.rt.config.cycle_time;
         let mut next_cycle = Instant::now();
         loop {
             let now = Instant::now();
@@ -397,7 +439,7 @@ impl Background {
             while let Ok(cmd) = rx.try_recv() {
                 self.receive(cmd);
             }
-            next_cycle = Instant::now() + cycle;
+            next_cycle = Instant::now() + self.cycle_time;
             if let Some(t) = self.timeline.as_mut() {
                 t.mark_cycle();
             }
@@ -452,6 +494,14 @@ impl Background {
                     self.execute(id, outcome.responses);
                 }
                 if id == 0
+                    && let Err(e) = self.autotune_cycle()
+                {
+                    let reason = format!("ferrovod autotune failed: {e}");
+                    tracing::error!("{reason}");
+                    self.reason.get_or_insert(reason);
+                    return self.reason.clone();
+                }
+                if id == 0
                     && let Err(e) = self.maybe_freeze()
                 {
                     let reason = format!("ferrovod offline negotiation failed: {e}");
@@ -464,6 +514,74 @@ impl Background {
                 t.flush();
             }
         }
+    }
+
+    /// Counts a global-set cycle; at the end of each window, rank 0 scores it and every rank
+    /// takes rank 0's next settings (one broadcast per window, only while tuning).
+    fn autotune_cycle(&mut self) -> Result<()> {
+        let window = self.agreed.autotune_window;
+        let Some(at) = self.autotune.as_mut() else {
+            return Ok(());
+        };
+        if at.tuner.done() {
+            return Ok(());
+        }
+        at.cycles += 1;
+        if at.cycles % window != 0 {
+            return Ok(());
+        }
+        let Some(set) = self.member.get_mut(&0) else {
+            return Ok(());
+        };
+        let now = Instant::now();
+        let mut mine = Vec::new();
+        if set.ctrl.rank() == 0 {
+            let bytes = self.rt.metrics.snapshot().data_bytes;
+            let moved = bytes - at.bytes_at_start;
+            let secs = now.duration_since(at.window_start).as_secs_f64();
+            let before = at.tuner.current();
+            let next = if moved > 0 && secs > 0.0 {
+                let score = moved as f64 / secs;
+                if let Some(f) = at.log.as_mut() {
+                    use std::io::Write;
+                    let _ = writeln!(
+                        f,
+                        "{},{:.3},{:.0}",
+                        before.fusion_threshold,
+                        before.cycle_time.as_secs_f64() * 1e3,
+                        score
+                    );
+                }
+                at.tuner.record(score)
+            } else {
+                before
+            };
+            mine.extend((next.fusion_threshold as u64).to_le_bytes());
+            mine.extend((next.cycle_time.as_nanos() as u64).to_le_bytes());
+            mine.push(u8::from(at.tuner.done()));
+        }
+        let started = Instant::now();
+        let got = set.ctrl.broadcast_bytes(mine, 0)?;
+        self.rt
+            .metrics
+            .add_negotiation(1, got.len() as u64, started.elapsed());
+        let word =
+            |k: usize| u64::from_le_bytes(got[8 * k..8 * k + 8].try_into().expect("8 bytes"));
+        self.agreed.fusion_threshold = word(0) as usize;
+        self.cycle_time = std::time::Duration::from_nanos(word(1));
+        if got[16] == 1 {
+            // tuning is over on every rank at the same window: no more broadcasts
+            tracing::info!(
+                "autotune: fusion threshold {} B, cycle time {:?}",
+                self.agreed.fusion_threshold,
+                self.cycle_time
+            );
+            self.autotune = None;
+            return Ok(());
+        }
+        at.window_start = Instant::now();
+        at.bytes_at_start = self.rt.metrics.snapshot().data_bytes;
+        Ok(())
     }
 
     fn escape_policy(&self) -> EscapePolicy {
