@@ -315,6 +315,8 @@ fn check_timeline(path: &std::path::Path) -> Result<(), String> {
         "MPI_ALLGATHER",
         "CYCLE_START",
         "timeline.grad.0",
+        "\"ph\": \"C\"",
+        "\"name\": \"control\"",
     ] {
         if !text.contains(needle) {
             return Err(format!("timeline lacks {needle}"));

@@ -427,6 +427,8 @@ impl Background {
     /// Cycles until every rank agrees to stop; returns the reason.
     fn run_loop(&mut self, rx: &Receiver<Command>) -> Option<String> {
         let mut next_cycle = Instant::now();
+        let mut last_counters = crate::runtime::metrics::MetricsSnapshot::default();
+        let mut last_counter_time = Instant::now() - std::time::Duration::from_secs(1);
         loop {
             let now = Instant::now();
             if now < next_cycle {
@@ -511,6 +513,15 @@ impl Background {
                 }
             }
             if let Some(t) = self.timeline.as_mut() {
+                // counters when they changed, at most every 10 ms
+                let m = self.rt.metrics.snapshot();
+                let changed = m.control_collectives != last_counters.control_collectives
+                    || m.data_collectives != last_counters.data_collectives;
+                if changed && last_counter_time.elapsed() >= std::time::Duration::from_millis(10) {
+                    t.counters(&m);
+                    last_counters = m;
+                    last_counter_time = Instant::now();
+                }
                 t.flush();
             }
         }

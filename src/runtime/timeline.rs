@@ -1,6 +1,7 @@
 //! Chrome-trace timeline (`HOROVOD_TIMELINE`), written by rank 0: one trace "process" per tensor
-//! name, with NEGOTIATE_<OP> and <OP> spans and the activities inside them. The file is a JSON
-//! array that Perfetto and chrome://tracing load; it is closed properly at shutdown.
+//! name, with NEGOTIATE_<OP> and <OP> spans and the activities inside them, and counter tracks
+//! of the metrics (`control`, `data`). The file is a JSON array that Perfetto and
+//! chrome://tracing load; it is closed properly at shutdown.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -105,6 +106,22 @@ impl Timeline {
                 "{{\"name\": \"CYCLE_START\", \"ph\": \"i\", \"ts\": {ts}, \"pid\": 0, \"tid\": 0, \"s\": \"g\"}},"
             );
         }
+    }
+
+    /// Counter tracks ("C" events) on the ferrovod track: the metrics, so the control plane's
+    /// cost shows next to the tensors' spans.
+    pub fn counters(&mut self, m: &crate::runtime::metrics::MetricsSnapshot) {
+        let ts = self.ts();
+        let _ = writeln!(
+            self.out,
+            "{{\"name\": \"control\", \"ph\": \"C\", \"ts\": {ts}, \"pid\": 0, \"args\": {{\"collectives\": {}, \"bytes\": {}, \"negotiation_ms\": {:.3}}}}},\n{{\"name\": \"data\", \"ph\": \"C\", \"ts\": {ts}, \"pid\": 0, \"args\": {{\"collectives\": {}, \"MiB\": {:.3}, \"fused_batches\": {}}}}},",
+            m.control_collectives,
+            m.control_bytes,
+            m.negotiation_ns as f64 / 1e6,
+            m.data_collectives,
+            m.data_bytes as f64 / (1 << 20) as f64,
+            m.fused_batches
+        );
     }
 
     pub fn flush(&mut self) {
