@@ -22,7 +22,7 @@ pub struct Params {
 const MIB: usize = 1 << 20;
 
 /// Thresholds tried (bytes).
-pub const THRESHOLDS: [usize; 7] = [
+const THRESHOLDS: [usize; 7] = [
     MIB,
     2 * MIB,
     4 * MIB,
@@ -32,7 +32,7 @@ pub const THRESHOLDS: [usize; 7] = [
     128 * MIB,
 ];
 /// Cycle times tried (microseconds).
-pub const CYCLES_US: [u64; 5] = [250, 500, 1000, 2500, 5000];
+const CYCLES_US: [u64; 5] = [250, 500, 1000, 2500, 5000];
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Phase {
