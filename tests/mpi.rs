@@ -83,6 +83,15 @@ const SCENARIOS: &[Scenario] = &[
         true,
     ),
     ("metrics", 2, &[], true),
+    (
+        "online_groups",
+        3,
+        &[
+            ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+            ("FERROVOD_PLAN_ESCAPE_MS", "200"),
+        ],
+        true,
+    ),
     ("offline_steps", 2, OFFLINE, true),
     ("random_order", 3, OFFLINE, true),
     ("offline_steps", 4, OFFLINE, true),
@@ -368,6 +377,7 @@ fn run_rank(name: &str) {
         "offline_skip" => offline_skip(),
         "offline_stall" => offline_stall(),
         "autotune" => autotune(),
+        "online_groups" => online_groups(),
         other => panic!("unknown scenario {other}"),
     }
 }
@@ -1355,6 +1365,60 @@ fn autotune() {
             text.lines().map(|l| l.split(',').next().unwrap()).collect();
         // every threshold of the grid was tried
         assert!(thresholds.len() >= 7, "{text}");
+    }
+    finish_job();
+}
+
+/// Online mode learns the step's batches and then votes one bit per batch: 40 cached tensors
+/// agree with a single 8-byte word per cycle instead of two words of per-tensor bits. A step
+/// that lacks one tensor on every rank dissolves its group after FERROVOD_PLAN_ESCAPE_MS and
+/// the rest still complete, per tensor; all results stay right.
+fn online_groups() {
+    init();
+    let me = rank();
+    let mut rng = Lcg(41 + me as u64);
+    for step in 0..6 {
+        offline_step(&mut rng, step, 40, &[], 0);
+    }
+    let rt = runtime::runtime().unwrap();
+    let before = rt.metrics.snapshot();
+    for step in 6..10 {
+        offline_step(&mut rng, step, 40, &[], 0);
+    }
+    let after = rt.metrics.snapshot();
+    let votes = after.control_collectives - before.control_collectives;
+    let bytes = after.control_bytes - before.control_bytes;
+    assert!(votes > 0);
+    assert_eq!(
+        bytes,
+        8 * votes,
+        "one word per vote once the batches are groups"
+    );
+    // every rank leaves out p.3 this step: its group dissolves, the others complete
+    let n = size();
+    let handles: Vec<_> = step_tensors(40, &[], 0)
+        .into_iter()
+        .enumerate()
+        .filter(|(k, _)| *k != 3)
+        .map(|(k, (name, len, dtype))| {
+            let mine: Vec<f64> = (0..len).map(|i| val(i + k, me)).collect();
+            let h = submit(OpSpec::new(
+                OpKind::Allreduce,
+                vec![tensor(&name, dtype, &[len as i64], &mine, false)],
+            ))
+            .unwrap();
+            (k, len, dtype, h)
+        })
+        .collect();
+    for (k, len, dtype, h) in handles {
+        let res = finish(h).unwrap();
+        let want: Vec<f64> = (0..len)
+            .map(|i| (0..n).map(|r| val(i + k, r)).sum())
+            .collect();
+        assert_close(&output(&res[0], dtype), &want, &format!("tensor {k}"));
+    }
+    for step in 11..14 {
+        offline_step(&mut rng, step, 40, &[], 0);
     }
     finish_job();
 }

@@ -89,6 +89,11 @@ impl ResponseCache {
         }
     }
 
+    /// The bit of the cached response named `name`.
+    pub fn bit_of(&self, name: &str) -> Option<usize> {
+        self.by_name.get(name).copied()
+    }
+
     /// Bits of cached allreduce responses: what a joined rank votes ready for.
     pub fn allreduce_bits(&self) -> Vec<usize> {
         self.slots

@@ -53,6 +53,10 @@ pub struct Negotiator {
     /// Global ranks of the set, for reports.
     global_ranks: Vec<i32>,
     mode: NegotiationMode,
+    /// Online mode with a learned plan: its batches, each voted with one bit (names, in order).
+    groups: Vec<Vec<String>>,
+    /// How long a group may be partly ready here before this rank dissolves it.
+    group_patience: Duration,
 }
 
 impl Negotiator {
@@ -74,7 +78,23 @@ impl Negotiator {
             last_stall_check: Instant::now(),
             global_ranks,
             mode,
+            groups: Vec::new(),
+            group_patience: Duration::from_secs(1),
         }
+    }
+
+    /// Votes for these plan batches with one bit each from the next cycle (online mode; call
+    /// at the same point on every rank). Members must be cached; groups that lose a member to
+    /// the cache are dropped everywhere alike.
+    pub fn set_groups(&mut self, groups: Vec<Vec<String>>, patience: Duration) {
+        if self.mode == NegotiationMode::Online {
+            self.groups = groups;
+            self.group_patience = patience;
+        }
+    }
+
+    pub fn num_groups(&self) -> usize {
+        self.groups.len()
     }
 
     pub fn submit(&mut self, req: Request, now: Instant) {
@@ -112,6 +132,27 @@ impl Negotiator {
         let stall_check_due = self.stall.enabled
             && now.saturating_duration_since(self.last_stall_check) >= self.stall.warn_after;
 
+        // groups whose members are all cached (the cache is identical on every rank)
+        let cache = &self.cache;
+        self.groups
+            .retain(|g| g.iter().all(|n| cache.bit_of(n).is_some()));
+        let mut group_of: HashMap<String, usize> = HashMap::new();
+        let mut member_bits = std::collections::HashSet::new();
+        for (g, names) in self.groups.iter().enumerate() {
+            for n in names {
+                group_of.insert(n.clone(), g);
+                member_bits.insert(self.cache.bit_of(n).expect("retained above"));
+            }
+        }
+        // single tensors vote with their cache bit, renumbered without the groups' members
+        let singles: Vec<usize> = (0..self.cache.num_bits())
+            .filter(|b| !member_bits.contains(b))
+            .collect();
+        let compact: HashMap<usize, usize> =
+            singles.iter().enumerate().map(|(i, b)| (*b, i)).collect();
+        let mut group_ready = vec![0usize; self.groups.len()];
+        let mut group_oldest: Vec<Option<Instant>> = vec![None; self.groups.len()];
+
         // 1. classify local requests
         let mut vote = Vote {
             shutdown: want_shutdown,
@@ -128,8 +169,20 @@ impl Negotiator {
             } else {
                 Lookup::Miss
             };
-            match lookup {
-                Lookup::Hit(bit) => {
+            let group = group_of.get(&w.req.name).copied();
+            match (lookup, group) {
+                (Lookup::Hit(_), Some(g)) => {
+                    group_ready[g] += 1;
+                    let oldest = group_oldest[g].get_or_insert(w.since);
+                    *oldest = (*oldest).min(w.since);
+                    keep.push(w);
+                }
+                (Lookup::Invalid(_), Some(g)) => {
+                    vote.group_invalid.push(g);
+                    to_send.push(w.req);
+                }
+                (Lookup::Hit(bit), None) => {
+                    let bit = compact[&bit];
                     let stale = self.stall.enabled
                         && now.saturating_duration_since(w.since) >= self.stall.warn_after;
                     if stale {
@@ -141,11 +194,11 @@ impl Negotiator {
                         keep.push(w);
                     }
                 }
-                Lookup::Invalid(bit) => {
-                    vote.invalid.push(bit);
+                (Lookup::Invalid(bit), None) => {
+                    vote.invalid.push(compact[&bit]);
                     to_send.push(w.req);
                 }
-                Lookup::Miss => {
+                (Lookup::Miss, _) => {
                     if w.req.kind == OpKind::Join {
                         self.self_joined = true;
                     }
@@ -153,8 +206,28 @@ impl Negotiator {
                 }
             }
         }
+        for (g, names) in self.groups.iter().enumerate() {
+            if vote.group_invalid.contains(&g) {
+                continue;
+            }
+            if group_ready[g] == names.len() || (self.self_joined && group_ready[g] == 0) {
+                vote.group_hits.push(g);
+            } else if group_oldest[g]
+                .is_some_and(|t| now.saturating_duration_since(t) >= self.group_patience)
+            {
+                // partly ready for too long (this step lacks a member): back to single votes
+                vote.group_invalid.push(g);
+            }
+        }
+        vote.group_invalid.sort_unstable();
+        vote.group_invalid.dedup();
         if self.self_joined {
-            vote.hits.extend(self.cache.allreduce_bits());
+            vote.hits.extend(
+                self.cache
+                    .allreduce_bits()
+                    .into_iter()
+                    .filter_map(|b| compact.get(&b).copied()),
+            );
             vote.hits.sort_unstable();
             vote.hits.dedup();
             // a bit this rank invalidates must not also count as its hit
@@ -164,16 +237,17 @@ impl Negotiator {
             stall_check_due && self.coordinator.as_ref().is_some_and(|c| c.has_pending());
         vote.uncached = !to_send.is_empty() || !self.cache.enabled() || coordinator_check;
 
-        // 2. the vote: one AND allreduce (Horovod: an AND and an OR allreduce)
+        // 2. the vote: one AND allreduce (Horovod: an AND and an OR allreduce, no groups)
         let bits = self.cache.num_bits();
         let agreed = match self.mode {
             // offline mode negotiates online until its plan is frozen
             NegotiationMode::Online | NegotiationMode::Offline => {
-                let mut words = ready_bitmap::encode(&vote, bits);
+                let (n, g) = (singles.len(), self.groups.len());
+                let mut words = ready_bitmap::encode_grouped(&vote, n, g);
                 ctrl.and_words(&mut words)?;
                 out.control_collectives += 1;
                 out.control_bytes += 8 * words.len() as u64;
-                ready_bitmap::decode(&words, bits)
+                ready_bitmap::decode_grouped(&words, n, g)
             }
             NegotiationMode::Horovod => {
                 let (mut hits, mut flags) = ready_bitmap::encode_split(&vote, bits);
@@ -186,10 +260,27 @@ impl Negotiator {
         };
 
         // 3. apply the agreement identically everywhere
-        for &bit in &agreed.invalid {
+        let invalid: Vec<usize> = agreed.invalid.iter().map(|c| singles[*c]).collect();
+        let hits: Vec<usize> = agreed.common_hits.iter().map(|c| singles[*c]).collect();
+        let mut group_hit_bits = Vec::new();
+        for &g in &agreed.common_group_hits {
+            for name in &self.groups[g] {
+                group_hit_bits.push(self.cache.bit_of(name).expect("group members are cached"));
+            }
+        }
+        let mut dissolved = Vec::new();
+        for &g in &agreed.group_invalid {
+            for name in &self.groups[g] {
+                dissolved.extend(self.cache.bit_of(name));
+            }
+        }
+        if !agreed.group_invalid.is_empty() {
+            self.groups.clear();
+        }
+        for bit in invalid.into_iter().chain(dissolved) {
             self.cache.erase(bit);
         }
-        for &bit in &agreed.common_hits {
+        for bit in group_hit_bits.into_iter().chain(hits) {
             let resp = self.cache.take_response(bit).expect("common bit is cached");
             if let Some(pos) = keep.iter().position(|w| w.req.name == resp.name) {
                 keep.remove(pos);

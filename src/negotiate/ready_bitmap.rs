@@ -16,6 +16,10 @@ pub struct Vote {
     pub uncached: bool,
     pub hits: Vec<usize>,
     pub invalid: Vec<usize>,
+    /// Plan batches (groups) all of whose tensors are ready here: one bit per batch.
+    pub group_hits: Vec<usize>,
+    /// Groups this rank cannot vote for any more (a member changed or waited too long).
+    pub group_invalid: Vec<usize>,
 }
 
 /// What all ranks agreed after the AND.
@@ -27,6 +31,10 @@ pub struct Agreement {
     pub common_hits: Vec<usize>,
     /// Bits any rank found invalid, ascending.
     pub invalid: Vec<usize>,
+    /// Groups every rank voted for, ascending.
+    pub common_group_hits: Vec<usize>,
+    /// Groups any rank dissolved, ascending.
+    pub group_invalid: Vec<usize>,
 }
 
 fn words_for(num_bits: usize) -> usize {
@@ -71,6 +79,7 @@ pub fn decode(words: &[u64], num_bits: usize) -> Agreement {
         invalid: (0..num_bits)
             .filter(|b| !get(words, FLAGS + num_bits + b))
             .collect(),
+        ..Agreement::default()
     }
 }
 
@@ -98,7 +107,37 @@ pub fn decode_split(hits: &[u64], flags: &[u64], num_bits: usize) -> Agreement {
         any_uncached: get(flags, FLAG_UNCACHED),
         common_hits: (0..num_bits).filter(|b| get(hits, *b)).collect(),
         invalid: (0..num_bits).filter(|b| get(flags, FLAGS + b)).collect(),
+        ..Agreement::default()
     }
+}
+
+/// The online vote with groups: `encode`'s layout for `num_bits` single tensors, then one hit
+/// bit and one inverted invalid bit per group (plan batch).
+pub fn encode_grouped(vote: &Vote, num_bits: usize, groups: usize) -> Vec<u64> {
+    let base = FLAGS + 2 * num_bits;
+    let mut w = encode(vote, num_bits);
+    w.resize((base + 2 * groups).div_ceil(64), 0);
+    for g in 0..groups {
+        set(&mut w, base + groups + g, true);
+    }
+    for &g in &vote.group_hits {
+        set(&mut w, base + g, true);
+    }
+    for &g in &vote.group_invalid {
+        set(&mut w, base + groups + g, false);
+    }
+    w
+}
+
+/// Decodes the AND of every rank's `encode_grouped`.
+pub fn decode_grouped(words: &[u64], num_bits: usize, groups: usize) -> Agreement {
+    let base = FLAGS + 2 * num_bits;
+    let mut a = decode(words, num_bits);
+    a.common_group_hits = (0..groups).filter(|g| get(words, base + g)).collect();
+    a.group_invalid = (0..groups)
+        .filter(|g| !get(words, base + groups + g))
+        .collect();
+    a
 }
 
 /// The AND a bitwise-AND allreduce computes; used by tests and single-rank runs.
@@ -122,18 +161,21 @@ mod tests {
             uncached: true,
             hits: vec![1, 5, 70, 99],
             invalid: vec![3],
+            ..Vote::default()
         };
         let b = Vote {
             shutdown: false,
             uncached: false,
             hits: vec![5, 70, 98],
             invalid: vec![64],
+            ..Vote::default()
         };
         let c = Vote {
             shutdown: true,
             uncached: false,
             hits: vec![0, 5, 70, 99],
             invalid: vec![],
+            ..Vote::default()
         };
         let agreed = decode(&and_all(&[encode(&a, n), encode(&b, n), encode(&c, n)]), n);
         assert_eq!(
@@ -143,6 +185,7 @@ mod tests {
                 any_uncached: true,
                 common_hits: vec![5, 70],
                 invalid: vec![3, 64],
+                ..Agreement::default()
             }
         );
     }
@@ -156,12 +199,14 @@ mod tests {
                 uncached: true,
                 hits: vec![1, 5, 70, 129],
                 invalid: vec![3],
+                ..Vote::default()
             },
             Vote {
                 shutdown: false,
                 uncached: false,
                 hits: vec![5, 70, 128, 129],
                 invalid: vec![64, 129],
+                ..Vote::default()
             },
             Vote::default(),
         ];
@@ -179,6 +224,39 @@ mod tests {
             }
             assert_eq!(decode_split(&hits, &flags, n), single, "{k} ranks");
         }
+    }
+
+    #[test]
+    fn groups_vote_one_bit_each() {
+        let (n, g) = (70, 5);
+        let a = Vote {
+            hits: vec![1, 69],
+            group_hits: vec![0, 2, 4],
+            group_invalid: vec![],
+            ..Vote::default()
+        };
+        let b = Vote {
+            hits: vec![1],
+            group_hits: vec![0, 4],
+            group_invalid: vec![3],
+            ..Vote::default()
+        };
+        let agreed = decode_grouped(
+            &and_all(&[encode_grouped(&a, n, g), encode_grouped(&b, n, g)]),
+            n,
+            g,
+        );
+        assert_eq!(agreed.common_hits, [1]);
+        assert_eq!(agreed.common_group_hits, [0, 4]);
+        assert_eq!(agreed.group_invalid, [3]);
+        // without groups the layout is the plain vote's
+        let plain = Vote {
+            hits: vec![1, 69],
+            ..Vote::default()
+        };
+        assert_eq!(encode_grouped(&plain, n, 0), encode(&plain, n));
+        // 200 tensors in 10 batches: 2 + 2*10 bits instead of 2 + 2*200
+        assert_eq!(encode_grouped(&Vote::default(), 0, 10).len(), 1);
     }
 
     #[test]

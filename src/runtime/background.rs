@@ -142,6 +142,14 @@ struct Background {
     /// The cycle time in force (autotune may change it).
     cycle_time: std::time::Duration,
     autotune: Option<Autotune>,
+    /// Online mode: learns the step's batches so that the vote carries one bit per batch.
+    groups: Option<GroupLearner>,
+}
+
+/// Online mode's batch learner: the recorder, and a plan waiting for its step to end.
+struct GroupLearner {
+    recorder: PlanRecorder,
+    armed: Option<(Plan, HashSet<String>)>,
 }
 
 /// Autotune's state: the tuner (rank 0 decides), and the current window.
@@ -315,6 +323,10 @@ impl Background {
             next_job: 0,
             cycle_time: rt.config.cycle_time,
             autotune: None,
+            groups: (agreed.negotiation == NegotiationMode::Online).then(|| GroupLearner {
+                recorder: PlanRecorder::new(agreed.plan_warmup_steps),
+                armed: None,
+            }),
             world: world.dup()?,
             rt: rt.clone(),
         };
@@ -492,6 +504,9 @@ impl Background {
                 if id == 0 && !matches!(self.offline, Offline::Off) {
                     self.learn(&outcome.responses);
                 }
+                if id == 0 {
+                    self.learn_groups(&outcome.responses);
+                }
                 if !outcome.responses.is_empty() {
                     self.execute(id, outcome.responses);
                 }
@@ -593,6 +608,55 @@ impl Background {
         at.window_start = Instant::now();
         at.bytes_at_start = self.rt.metrics.snapshot().data_bytes;
         Ok(())
+    }
+
+    /// Online mode: once `FERROVOD_PLAN_WARMUP_STEPS` steps agree, the global set votes for
+    /// each of the step's fusion batches with one bit (identically on every rank: learned from
+    /// agreed responses). Dissolved groups are learned again.
+    fn learn_groups(&mut self, responses: &[Response]) {
+        let Some(g) = self.groups.as_mut() else {
+            return;
+        };
+        self.learn_cycles += 1;
+        let cycle = self.learn_cycles;
+        let single_set = self.all_sets.len() == 1;
+        let (threshold, direct) = (
+            self.agreed.fusion_threshold,
+            self.agreed.fusion_direct_bytes,
+        );
+        for r in responses {
+            // a plan waits for the step in progress to end: a group must start with a step
+            if let Some((_, remaining)) = g.armed.as_mut()
+                && !remaining.remove(&r.name)
+            {
+                g.armed = None;
+            }
+            if let Some((step, cycles)) = g.recorder.observe(r, cycle)
+                && g.armed.is_none()
+                && single_set
+            {
+                let plan = Plan::from_cycles(&step, &cycles, threshold, direct);
+                let mut remaining: HashSet<String> = step.iter().map(|x| x.name.clone()).collect();
+                remaining.remove(&r.name);
+                g.armed = Some((plan, remaining));
+            }
+        }
+        let ready = matches!(&g.armed, Some((_, remaining)) if remaining.is_empty());
+        let Some(set) = self.member.get_mut(&0) else {
+            return;
+        };
+        if ready && set.negotiator.num_groups() == 0 {
+            let (plan, _) = g.armed.take().expect("checked");
+            let groups: Vec<Vec<String>> = plan
+                .batches
+                .iter()
+                .map(|b| b.iter().map(|x| x.name.clone()).collect())
+                .collect();
+            set.negotiator
+                .set_groups(groups, self.rt.config.plan_escape);
+        } else if ready {
+            g.armed = None;
+        }
     }
 
     fn escape_policy(&self) -> EscapePolicy {
