@@ -131,28 +131,35 @@ fn memory() -> (u64, u64) {
     (field("VmRSS:"), field("VmHWM:"))
 }
 
-/// One ferrovod allreduce of `data` (moved in, handed back), timed.
-fn ferrovod_allreduce(name: &str, data: Vec<u8>) -> (Vec<u8>, f64) {
-    let n = data.len() / 4;
+/// Enqueues an in-place float32 allreduce (sum) of `data` (moved in) named `name`.
+fn enqueue_f32(name: &str, data: Vec<u8>) -> std::sync::Arc<runtime::handle::Handle> {
     let spec = OpSpec::new(
         OpKind::Allreduce,
         vec![TensorSpec {
             name: name.to_string(),
+            shape: vec![(data.len() / 4) as i64],
             dtype: DataType::F32,
-            shape: vec![n as i64],
             input: InputMem::Owned(data),
             output: OutputMem::InPlace,
             splits: None,
         }],
     );
-    let rt = runtime::runtime().unwrap();
-    let t = Instant::now();
-    let h = rt.enqueue(spec).unwrap();
+    runtime::runtime().unwrap().enqueue(spec).unwrap()
+}
+
+/// Waits for `h` and hands its buffer back.
+fn take_f32(h: std::sync::Arc<runtime::handle::Handle>) -> Vec<u8> {
     h.wait(None).unwrap();
-    let secs = t.elapsed().as_secs_f64();
     let out = h.take_output(0).unwrap();
-    rt.handles.release(h.id).unwrap();
-    (out, secs)
+    runtime::runtime().unwrap().handles.release(h.id).unwrap();
+    out
+}
+
+/// One ferrovod allreduce of `data` (moved in, handed back), timed.
+fn ferrovod_allreduce(name: &str, data: Vec<u8>) -> (Vec<u8>, f64) {
+    let t = Instant::now();
+    let out = take_f32(enqueue_f32(name, data));
+    (out, t.elapsed().as_secs_f64())
 }
 
 fn ferrovod_barrier() {
@@ -387,7 +394,6 @@ fn resnet_mpi_each(comm: &MpiComm, a: &Args, grads: &[(String, usize)]) -> Vec<f
 }
 
 fn resnet_ferrovod(a: &Args, grads: &[(String, usize)], size: usize) -> Resnet {
-    let rt = runtime::runtime().unwrap();
     // gradient buffers, reused every step (moved into the runtime and handed back)
     let mut bufs: Vec<Option<Vec<u8>>> = grads
         .iter()
@@ -409,24 +415,11 @@ fn resnet_ferrovod(a: &Args, grads: &[(String, usize)], size: usize) -> Resnet {
         let t = Instant::now();
         let mut handles = Vec::with_capacity(grads.len());
         // backward order: the last layer's gradient is ready first
-        for (k, (name, n)) in grads.iter().enumerate().rev() {
-            let spec = OpSpec::new(
-                OpKind::Allreduce,
-                vec![TensorSpec {
-                    name: name.clone(),
-                    dtype: DataType::F32,
-                    shape: vec![*n as i64],
-                    input: InputMem::Owned(bufs[k].take().unwrap()),
-                    output: OutputMem::InPlace,
-                    splits: None,
-                }],
-            );
-            handles.push((k, rt.enqueue(spec).unwrap()));
+        for (k, (name, _)) in grads.iter().enumerate().rev() {
+            handles.push((k, enqueue_f32(name, bufs[k].take().unwrap())));
         }
         for (k, h) in handles {
-            h.wait(None).unwrap();
-            bufs[k] = h.take_output(0);
-            rt.handles.release(h.id).unwrap();
+            bufs[k] = Some(take_f32(h));
         }
         let secs = t.elapsed().as_secs_f64();
         if step >= a.warmup {

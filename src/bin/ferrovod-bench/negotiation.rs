@@ -19,12 +19,11 @@
 use std::time::{Duration, Instant};
 
 use ferrovod::config::{Config, NegotiationMode};
-use ferrovod::runtime::entry::{InputMem, OutputMem};
 use ferrovod::runtime::metrics::MetricsSnapshot;
-use ferrovod::runtime::{self, InitOptions, OpSpec, TensorSpec};
+use ferrovod::runtime::{self, InitOptions};
 use ferrovod::transport::Transport;
 use ferrovod::transport::mpi::MpiComm;
-use ferrovod::{DataType, OpKind, ReduceOp};
+use ferrovod::{DataType, ReduceOp};
 
 pub struct Options {
     pub steps: usize,
@@ -77,24 +76,10 @@ fn simulate(model: &Model, o: &Options, rank: usize) -> PerStep {
             }
             let mut data = bufs[k].take().unwrap();
             data[..4].copy_from_slice(&((rank + step) as f32).to_le_bytes());
-            let len = data.len() / 4;
-            let spec = OpSpec::new(
-                OpKind::Allreduce,
-                vec![TensorSpec {
-                    name: name.clone(),
-                    dtype: DataType::F32,
-                    shape: vec![len as i64],
-                    input: InputMem::Owned(data),
-                    output: OutputMem::InPlace,
-                    splits: None,
-                }],
-            );
-            handles.push((k, rt.enqueue(spec).unwrap()));
+            handles.push((k, super::enqueue_f32(name, data)));
         }
         for (k, h) in handles {
-            h.wait(None).unwrap();
-            bufs[k] = h.take_output(0);
-            rt.handles.release(h.id).unwrap();
+            bufs[k] = Some(super::take_f32(h));
         }
         if step >= o.warmup {
             step_times.push(t.elapsed().as_secs_f64());
