@@ -112,7 +112,34 @@ pub struct Request {
     pub postscale: f64,
 }
 
+/// What two descriptions of one tensor must agree on for the same collective to run: everything
+/// but the name, the data and (for responses) the outcome.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OpParams<'a> {
+    pub kind: OpKind,
+    pub dtype: DataType,
+    pub shape: &'a [i64],
+    pub root: i32,
+    pub device: i32,
+    pub reduce_op: ReduceOp,
+    pub prescale: f64,
+    pub postscale: f64,
+}
+
 impl Request {
+    pub fn params(&self) -> OpParams<'_> {
+        OpParams {
+            kind: self.kind,
+            dtype: self.dtype,
+            shape: &self.shape,
+            root: self.root,
+            device: self.device,
+            reduce_op: self.reduce_op,
+            prescale: self.prescale,
+            postscale: self.postscale,
+        }
+    }
+
     pub fn num_elements(&self) -> i64 {
         self.shape.iter().product()
     }
@@ -157,6 +184,19 @@ pub struct Response {
 }
 
 impl Response {
+    pub fn params(&self) -> OpParams<'_> {
+        OpParams {
+            kind: self.kind,
+            dtype: self.dtype,
+            shape: &self.shape,
+            root: self.root,
+            device: self.device,
+            reduce_op: self.reduce_op,
+            prescale: self.prescale,
+            postscale: self.postscale,
+        }
+    }
+
     pub fn num_elements(&self) -> i64 {
         self.shape.iter().product()
     }

@@ -65,16 +65,8 @@ impl Plan {
     /// Whether `req` is the plan's tensor of that name, unchanged (kind, dtype, shape, op,
     /// scales, device).
     pub fn accepts(&self, req: &Request) -> bool {
-        self.position(&req.name).is_some_and(|(b, i)| {
-            let r = &self.batches[b][i];
-            r.kind == req.kind
-                && r.dtype == req.dtype
-                && r.shape == req.shape
-                && r.reduce_op == req.reduce_op
-                && r.prescale == req.prescale
-                && r.postscale == req.postscale
-                && r.device == req.device
-        })
+        self.position(&req.name)
+            .is_some_and(|(b, i)| self.batches[b][i].params() == req.params())
     }
 
     /// The plan as bytes: a magic tag, the batch sizes, then the responses in wire format.
