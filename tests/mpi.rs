@@ -101,6 +101,16 @@ const SCENARIOS: &[Scenario] = &[
     ("offline_diverge", 2, OFFLINE, true),
     ("offline_skip", 2, OFFLINE_STALL, true),
     ("offline_stall", 2, OFFLINE_STALL, false),
+    (
+        "online_groups_stall",
+        2,
+        &[
+            ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+            ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+            ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+        ],
+        true,
+    ),
     ("metrics", 3, &[("FERROVOD_NEGOTIATION", "horovod")], true),
     (
         "random_order",
@@ -378,6 +388,7 @@ fn run_rank(name: &str) {
         "offline_stall" => offline_stall(),
         "autotune" => autotune(),
         "online_groups" => online_groups(),
+        "online_groups_stall" => online_groups_stall(),
         other => panic!("unknown scenario {other}"),
     }
 }
@@ -1421,6 +1432,54 @@ fn online_groups() {
         offline_step(&mut rng, step, 40, &[], 0);
     }
     finish_job();
+}
+
+/// Once the batches vote as groups, rank 1 submits nothing for a step: rank 0's groups are
+/// ready but never agreed; after the stall warning time rank 0 dissolves them, its tensors go
+/// stale one by one, and the stall inspector shuts the job down on both ranks with a report.
+fn online_groups_stall() {
+    init();
+    let me = rank();
+    let mut rng = Lcg(43 + me as u64);
+    for step in 0..6 {
+        offline_step(&mut rng, step, 16, &[], 0);
+    }
+    let start = Instant::now();
+    let msg = if me == 0 {
+        let handles: Vec<_> = step_tensors(16, &[], 0)
+            .into_iter()
+            .map(|(name, len, dtype)| {
+                let mine = vec![1.0; len];
+                submit(OpSpec::new(
+                    OpKind::Allreduce,
+                    vec![tensor(&name, dtype, &[len as i64], &mine, false)],
+                ))
+                .unwrap()
+            })
+            .collect();
+        let errors: Vec<String> = handles
+            .into_iter()
+            .filter_map(|h| finish(h).err().map(|e| e.to_string()))
+            .collect();
+        assert_eq!(errors.len(), 16, "every tensor of the step fails");
+        errors[0].clone()
+    } else {
+        std::thread::sleep(Duration::from_secs(6));
+        run(OpSpec::new(OpKind::Barrier, vec![]))
+            .unwrap_err()
+            .to_string()
+    };
+    assert!(
+        msg.contains("Missing ranks:") && msg.contains("p."),
+        "{msg}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        start.elapsed()
+    );
+    runtime::shutdown();
+    pass();
 }
 
 /// Cached names whose shape or op changes, and more names than the cache holds.

@@ -210,7 +210,16 @@ impl Negotiator {
             if vote.group_invalid.contains(&g) {
                 continue;
             }
-            if group_ready[g] == names.len() || (self.self_joined && group_ready[g] == 0) {
+            let waited = group_oldest[g].map(|t| now.saturating_duration_since(t));
+            if group_ready[g] == names.len()
+                && self.stall.enabled
+                && waited.is_some_and(|w| w >= self.stall.warn_after)
+            {
+                // ready here but not agreed for the stall time: some rank lacks the batch.
+                // Dissolve it, so that its tensors go stale one by one and the coordinator's
+                // stall inspector reports them
+                vote.group_invalid.push(g);
+            } else if group_ready[g] == names.len() || (self.self_joined && group_ready[g] == 0) {
                 vote.group_hits.push(g);
             } else if group_oldest[g]
                 .is_some_and(|t| now.saturating_duration_since(t) >= self.group_patience)

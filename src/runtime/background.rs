@@ -980,6 +980,16 @@ impl Background {
             let Some(set) = self.member.get_mut(&id) else {
                 return;
             };
+            // the channel is chosen before anything local can skip the batch, so that the
+            // numbering stays identical on every rank
+            let channel = (!set.channels.is_empty()
+                && head.error.is_none()
+                && channel::runs_on_channel(head.kind))
+            .then(|| {
+                let k = (set.batch_seq % set.channels.len() as u64) as usize;
+                set.batch_seq += 1;
+                k
+            });
             let mut entries: Vec<TensorEntry> = Vec::with_capacity(resps.len());
             for r in &resps {
                 match set.entries.remove(&r.name) {
@@ -1042,12 +1052,7 @@ impl Background {
                     t.begin(n, head.kind.name());
                 }
             }
-            if !set.channels.is_empty()
-                && head.error.is_none()
-                && channel::runs_on_channel(head.kind)
-            {
-                let k = (set.batch_seq % set.channels.len() as u64) as usize;
-                set.batch_seq += 1;
+            if let Some(k) = channel {
                 let id_job = self.next_job;
                 self.next_job += 1;
                 self.in_channels.insert(

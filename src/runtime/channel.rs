@@ -90,14 +90,16 @@ fn run(comm: MpiComm, rx: Receiver<Job>, done: Sender<Command>) {
     let mut fusion = Vec::new();
     for mut job in rx {
         let refs: Vec<&Response> = job.resps.iter().collect();
-        let outcome = {
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let mut ios: Vec<&mut dyn TensorIo> = job
                 .entries
                 .iter_mut()
                 .map(|e| e as &mut dyn TensorIo)
                 .collect();
             run_batch_on(&comm, &mut fusion, &refs, &mut ios, &mut |_| {})
-        };
+        }))
+        // the batch must still come back, failed, rather than leave its waiters hanging
+        .unwrap_or_else(|_| Err(Error::Internal("a ferrovod channel thread panicked".into())));
         let _ = done.send(Command::BatchDone(Done {
             id: job.id,
             set: job.set,
