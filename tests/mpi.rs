@@ -1052,12 +1052,31 @@ fn step_tensors(count: usize, extra: &[&str], grow: usize) -> Vec<(String, usize
     names
 }
 
+/// Submits tensor `k` of `names` for `step` (rank r's element i is `val(i + k + step, r)`).
+fn submit_step_tensor(names: &[(String, usize, DataType)], k: usize, step: usize) -> Arc<Handle> {
+    let (name, len, dtype) = &names[k];
+    let mine: Vec<f64> = (0..*len).map(|i| val(i + k + step, rank())).collect();
+    submit(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor(name, *dtype, &[*len as i64], &mine, false)],
+    ))
+    .unwrap()
+}
+
+/// Submits every tensor of a `count`-tensor step but those in `skip`, in index order.
+fn submit_step(count: usize, step: usize, skip: &[usize]) -> Vec<(usize, Arc<Handle>)> {
+    let names = step_tensors(count, &[], 0);
+    (0..count)
+        .filter(|k| !skip.contains(k))
+        .map(|k| (k, submit_step_tensor(&names, k, step)))
+        .collect()
+}
+
 /// One training-like step: `count` allreduces (mixed dtypes, some fused, some large enough to
 /// run alone) submitted in a per-rank random order with jitter, all checked against sums each
-/// rank computes itself. `extra` adds tensors after the usual ones; `len_of` may change shapes.
+/// rank computes itself. `extra` adds tensors after the usual ones; `grow` lengthens every odd tensor.
 fn offline_step(rng: &mut Lcg, step: usize, count: usize, extra: &[&str], grow: usize) {
     let n = size();
-    let me = rank();
     let names = step_tensors(count, extra, grow);
     let mut order: Vec<usize> = (0..count).collect();
     for i in (1..count).rev() {
@@ -1069,14 +1088,7 @@ fn offline_step(rng: &mut Lcg, step: usize, count: usize, extra: &[&str], grow: 
         if rng.next().is_multiple_of(6) {
             std::thread::sleep(Duration::from_micros(rng.next() % 2000));
         }
-        let (name, len, dtype) = &names[k];
-        let mine: Vec<f64> = (0..*len).map(|i| val(i + k + step, me)).collect();
-        let h = submit(OpSpec::new(
-            OpKind::Allreduce,
-            vec![tensor(name, *dtype, &[*len as i64], &mine, false)],
-        ))
-        .unwrap();
-        handles.push((k, h));
+        handles.push((k, submit_step_tensor(&names, k, step)));
     }
     for (k, h) in handles {
         let (_, len, dtype) = &names[k];
@@ -1270,22 +1282,10 @@ fn offline_skip() {
         offline_step(&mut rng, step, 8, &[], 0);
     }
     let start = Instant::now();
-    let mut handles = Vec::new();
-    for (k, (name, len, dtype)) in step_tensors(8, &[], 0).into_iter().enumerate() {
-        if me == 1 && k == 2 {
-            continue;
-        }
-        let mine: Vec<f64> = (0..len).map(|i| val(i, me)).collect();
-        handles.push(
-            submit(OpSpec::new(
-                OpKind::Allreduce,
-                vec![tensor(&name, dtype, &[len as i64], &mine, false)],
-            ))
-            .unwrap(),
-        );
-    }
+    let skip: &[usize] = if me == 1 { &[2] } else { &[] };
+    let handles = submit_step(8, 0, skip);
     let mut errors = Vec::new();
-    for h in handles {
+    for (_, h) in handles {
         if let Err(e) = finish(h) {
             errors.push(e.to_string());
         }
@@ -1328,20 +1328,9 @@ fn offline_stall() {
         return;
     }
     let start = Instant::now();
-    let handles: Vec<_> = step_tensors(8, &[], 0)
+    let errors: Vec<String> = submit_step(8, 0, &[])
         .into_iter()
-        .map(|(name, len, dtype)| {
-            let mine = vec![1.0; len];
-            submit(OpSpec::new(
-                OpKind::Allreduce,
-                vec![tensor(&name, dtype, &[len as i64], &mine, false)],
-            ))
-            .unwrap()
-        })
-        .collect();
-    let errors: Vec<String> = handles
-        .into_iter()
-        .filter_map(|h| finish(h).err().map(|e| e.to_string()))
+        .filter_map(|(_, h)| finish(h).err().map(|e| e.to_string()))
         .collect();
     assert!(!errors.is_empty());
     assert!(
@@ -1407,21 +1396,9 @@ fn online_groups() {
     );
     // every rank leaves out p.3 this step: its group dissolves, the others complete
     let n = size();
-    let handles: Vec<_> = step_tensors(40, &[], 0)
-        .into_iter()
-        .enumerate()
-        .filter(|(k, _)| *k != 3)
-        .map(|(k, (name, len, dtype))| {
-            let mine: Vec<f64> = (0..len).map(|i| val(i + k, me)).collect();
-            let h = submit(OpSpec::new(
-                OpKind::Allreduce,
-                vec![tensor(&name, dtype, &[len as i64], &mine, false)],
-            ))
-            .unwrap();
-            (k, len, dtype, h)
-        })
-        .collect();
-    for (k, len, dtype, h) in handles {
+    let names = step_tensors(40, &[], 0);
+    for (k, h) in submit_step(40, 0, &[3]) {
+        let (_, len, dtype) = names[k].clone();
         let res = finish(h).unwrap();
         let want: Vec<f64> = (0..len)
             .map(|i| (0..n).map(|r| val(i + k, r)).sum())
@@ -1446,20 +1423,9 @@ fn online_groups_stall() {
     }
     let start = Instant::now();
     let msg = if me == 0 {
-        let handles: Vec<_> = step_tensors(16, &[], 0)
+        let errors: Vec<String> = submit_step(16, 0, &[])
             .into_iter()
-            .map(|(name, len, dtype)| {
-                let mine = vec![1.0; len];
-                submit(OpSpec::new(
-                    OpKind::Allreduce,
-                    vec![tensor(&name, dtype, &[len as i64], &mine, false)],
-                ))
-                .unwrap()
-            })
-            .collect();
-        let errors: Vec<String> = handles
-            .into_iter()
-            .filter_map(|h| finish(h).err().map(|e| e.to_string()))
+            .filter_map(|(_, h)| finish(h).err().map(|e| e.to_string()))
             .collect();
         assert_eq!(errors.len(), 16, "every tensor of the step fails");
         errors[0].clone()
