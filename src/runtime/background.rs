@@ -854,20 +854,9 @@ impl Background {
                 }
             }
             let escaped = {
-                let mut open = false;
-                let mut sink = |act: Option<&'static str>| {
-                    if have && let Some(t) = timeline.as_mut() {
-                        for n in &names {
-                            if open {
-                                t.end(n, None);
-                            }
-                            if let Some(a) = act {
-                                t.begin(n, a);
-                            }
-                        }
-                    }
-                    open = act.is_some();
-                };
+                // a rank without the batch's tensors has no spans to mark
+                let traced: &[String] = if have { &names } else { &[] };
+                let mut sink = Timeline::activities(timeline, traced);
                 let mut ios: Vec<&mut dyn TensorIo> =
                     entries.iter_mut().map(|e| e as &mut dyn TensorIo).collect();
                 let ios = if have { Some(&mut ios[..]) } else { None };
@@ -1256,20 +1245,7 @@ fn run_batch(
     timeline: &mut Option<Timeline>,
     names: &[String],
 ) -> Result<()> {
-    let mut open = false;
-    let mut sink = |act: Option<&'static str>| {
-        if let Some(t) = timeline.as_mut() {
-            for n in names {
-                if open {
-                    t.end(n, None);
-                }
-                if let Some(a) = act {
-                    t.begin(n, a);
-                }
-            }
-        }
-        open = act.is_some();
-    };
+    let mut sink = Timeline::activities(timeline, names);
     let head = resps[0];
     // host memory is ready when enqueued; device requests will wait on their ready events here
     sink(Some("WAIT_FOR_DATA"));

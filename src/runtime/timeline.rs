@@ -124,6 +124,28 @@ impl Timeline {
         );
     }
 
+    /// An activity sink for a collective over `names`: each phase it is told of closes the
+    /// previous one on every tensor's track and opens the next (`None` closes the last).
+    pub fn activities<'a>(
+        timeline: &'a mut Option<Timeline>,
+        names: &'a [String],
+    ) -> impl FnMut(Option<&'static str>) + 'a {
+        let mut open = false;
+        move |act| {
+            if let Some(t) = timeline.as_mut() {
+                for n in names {
+                    if open {
+                        t.end(n, None);
+                    }
+                    if let Some(a) = act {
+                        t.begin(n, a);
+                    }
+                }
+            }
+            open = act.is_some();
+        }
+    }
+
     pub fn flush(&mut self) {
         let _ = self.out.flush();
     }
