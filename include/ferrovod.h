@@ -208,6 +208,11 @@ typedef struct fv_metrics {
 } fv_metrics;
 
 /*
+ Identifies an enqueued operation until `fv_release`.
+ */
+typedef uint64_t fv_handle;
+
+/*
  One tensor of an operation.
  */
 typedef struct fv_tensor {
@@ -236,11 +241,6 @@ typedef struct fv_tensor {
   const int32_t *splits;
   int32_t nsplits;
 } fv_tensor;
-
-/*
- Identifies an enqueued operation until `fv_release`.
- */
-typedef uint64_t fv_handle;
 
 /*
  Called once when an operation completes, with its handle and status.
@@ -293,9 +293,21 @@ typedef struct fv_op {
   void *done_user_data;
   /*
    Optional output allocator; without one, ferrovod allocates and `fv_handle_output` reads.
+   GPU allgather/alltoall/reducescatter need one, returning device memory.
    */
   fv_alloc_fn alloc;
   void *alloc_user_data;
+  /*
+   GPU ops: the caller's `CUstream` whose work so far produces the inputs (NULL: none).
+   ferrovod records an event on it during `fv_enqueue` and its own stream waits for that
+   event on the device; the host never waits.
+   */
+  void *stream;
+  /*
+   GPU ops: or an already recorded `CUevent` the inputs are ready at (NULL: none; takes
+   precedence over `stream`). With neither, the inputs must be ready at enqueue.
+   */
+  void *ready_event;
 } fv_op;
 
 #define fv_dtype_ALL { fv_dtype_U8, fv_dtype_I8, fv_dtype_U16, fv_dtype_I16, fv_dtype_I32, fv_dtype_I64, fv_dtype_F16, fv_dtype_F32, fv_dtype_F64, fv_dtype_Bool, fv_dtype_BF16, }
@@ -385,13 +397,23 @@ fv_status fv_read_metrics(struct fv_metrics *out);
 const char *fv_version(void);
 
 /*
- Whether a backend was built in: "mpi" → 1; "nccl", "gloo", "cuda", "rocm", "ddl", "ccl" → 0.
- Unknown names → 0.
+ Whether a backend is available: "mpi" → 1; "nccl" and "cuda" → 1 where the CUDA driver and
+ NCCL libraries load (GPU support is always compiled in, loaded at run time); "gloo",
+ "rocm", "ddl", "ccl" and unknown names → 0.
 
  # Safety
  `what` is NULL or a NUL-terminated string.
  */
 int32_t fv_built_with(const char *what);
+
+/*
+ `*event` = the `CUevent` recorded on ferrovod's stream after a GPU operation's work, for a
+ GPU consumer to wait on (`cuStreamWaitEvent`) instead of the host; NULL for host operations
+ or before the work is enqueued. By default a GPU operation completes (poll, wait, callback)
+ once that event has fired; with `HOROVOD_ENABLE_ASYNC_COMPLETION=1` it completes as soon as
+ the work is enqueued, and consumers must wait on this event. Valid until `fv_release`.
+ */
+fv_status fv_handle_event(fv_handle h, void **event);
 
 /*
  Enqueues an operation and returns at once. On FV_STATUS_OK the operation completes later:

@@ -23,6 +23,7 @@ use crate::message::{OpKind, ReduceOp};
 use crate::runtime::entry::{InputMem, OutputAllocator, OutputMem};
 use crate::runtime::handle::HandleId;
 use crate::runtime::{self, Communicator, InitOptions, OpSpec, TensorSpec};
+use crate::transport::cuda::{ForeignEvent, ForeignStream};
 use crate::transport::memory::HostBuffer;
 
 /// Identifies an enqueued operation until `fv_release`.
@@ -85,8 +86,16 @@ pub struct fv_op {
     pub done: fv_done_fn,
     pub done_user_data: *mut c_void,
     /// Optional output allocator; without one, ferrovod allocates and `fv_handle_output` reads.
+    /// GPU allgather/alltoall/reducescatter need one, returning device memory.
     pub alloc: fv_alloc_fn,
     pub alloc_user_data: *mut c_void,
+    /// GPU ops: the caller's `CUstream` whose work so far produces the inputs (NULL: none).
+    /// ferrovod records an event on it during `fv_enqueue` and its own stream waits for that
+    /// event on the device; the host never waits.
+    pub stream: *mut c_void,
+    /// GPU ops: or an already recorded `CUevent` the inputs are ready at (NULL: none; takes
+    /// precedence over `stream`). With neither, the inputs must be ready at enqueue.
+    pub ready_event: *mut c_void,
 }
 
 /// Options for `fv_init`; pass NULL for all ranks of MPI_COMM_WORLD.
@@ -368,8 +377,9 @@ pub extern "C" fn fv_version() -> *const c_char {
     V.as_ptr().cast()
 }
 
-/// Whether a backend was built in: "mpi" → 1; "nccl", "gloo", "cuda", "rocm", "ddl", "ccl" → 0.
-/// Unknown names → 0.
+/// Whether a backend is available: "mpi" → 1; "nccl" and "cuda" → 1 where the CUDA driver and
+/// NCCL libraries load (GPU support is always compiled in, loaded at run time); "gloo",
+/// "rocm", "ddl", "ccl" and unknown names → 0.
 ///
 /// # Safety
 /// `what` is NULL or a NUL-terminated string.
@@ -380,7 +390,27 @@ pub unsafe extern "C" fn fv_built_with(what: *const c_char) -> i32 {
     }
     // SAFETY: NUL-terminated per the contract.
     let s = unsafe { CStr::from_ptr(what) }.to_string_lossy();
-    i32::from(s.eq_ignore_ascii_case("mpi"))
+    if s.eq_ignore_ascii_case("mpi") {
+        return 1;
+    }
+    // GPU support is compiled in; it is usable where the libraries load
+    let gpu = crate::transport::cuda::cuda_present() && crate::transport::nccl::nccl_present();
+    i32::from(gpu && (s.eq_ignore_ascii_case("nccl") || s.eq_ignore_ascii_case("cuda")))
+}
+
+/// `*event` = the `CUevent` recorded on ferrovod's stream after a GPU operation's work, for a
+/// GPU consumer to wait on (`cuStreamWaitEvent`) instead of the host; NULL for host operations
+/// or before the work is enqueued. By default a GPU operation completes (poll, wait, callback)
+/// once that event has fired; with `HOROVOD_ENABLE_ASYNC_COMPLETION=1` it completes as soon as
+/// the work is enqueued, and consumers must wait on this event. Valid until `fv_release`.
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_handle_event(h: fv_handle, event: *mut *mut c_void) -> Status {
+    guard(|| {
+        with_handle(h, |hd| {
+            let raw = hd.event().map_or(std::ptr::null_mut(), |e| e.raw().cast());
+            put(event, raw, "event")
+        })
+    })
 }
 
 struct SendPtr(*mut c_void);
@@ -520,6 +550,12 @@ pub unsafe extern "C" fn fv_enqueue(op: *const fv_op, out: *mut fv_handle) -> St
         spec.root_rank = op.root_rank;
         spec.process_set = op.process_set;
         spec.device = op.device;
+        // SAFETY: live CUDA handles of the caller's, per `fv_op`'s contract.
+        spec.ready_stream =
+            (!op.stream.is_null()).then(|| unsafe { ForeignStream::from_raw(op.stream) });
+        // SAFETY: as above.
+        spec.ready_event =
+            (!op.ready_event.is_null()).then(|| unsafe { ForeignEvent::from_raw(op.ready_event) });
         if !op.prescale.is_finite() || !op.postscale.is_finite() {
             return Err(Error::InvalidArgument(
                 "prescale and postscale must be finite".into(),

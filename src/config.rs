@@ -102,6 +102,9 @@ pub struct Config {
     pub autotune_warmup: usize,
     /// `FERROVOD_AUTOTUNE_WINDOW_CYCLES` (default 200): negotiation cycles per sampling window.
     pub autotune_window: usize,
+    /// `HOROVOD_ENABLE_ASYNC_COMPLETION`: GPU operations complete as soon as their work is
+    /// enqueued; consumers wait on the handle's event on the device instead of the host.
+    pub async_completion: bool,
 }
 
 fn env_str(key: &str) -> Option<String> {
@@ -177,6 +180,7 @@ impl Config {
             autotune_log: env_str("HOROVOD_AUTOTUNE_LOG"),
             autotune_warmup: env_num("HOROVOD_AUTOTUNE_WARMUP_SAMPLES", 3usize),
             autotune_window: env_num("FERROVOD_AUTOTUNE_WINDOW_CYCLES", 200usize).max(1),
+            async_completion: env_bool("HOROVOD_ENABLE_ASYNC_COMPLETION"),
         }
     }
 }

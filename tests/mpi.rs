@@ -1897,7 +1897,18 @@ fn bad_arguments() {
         vec![tensor("dev", DataType::F32, &[1], &[1.0], false)],
     );
     spec.device = 0;
-    invalid(spec, "host memory only");
+    if ferrovod::transport::cuda::cuda_present() {
+        invalid(spec, "must be given as device memory");
+    } else {
+        // the documented error of a GPU request where CUDA cannot be loaded
+        let err = submit(spec).unwrap_err();
+        assert!(matches!(err, Error::Precondition(_)), "{err:?}");
+        assert!(
+            err.to_string()
+                .contains("GPU device 0 requested, but CUDA is not available on this machine"),
+            "rank {me}: got '{err}'"
+        );
+    }
     let mut t = tensor("size", DataType::F32, &[3], &[1.0; 2], false);
     t.shape = vec![3];
     invalid(

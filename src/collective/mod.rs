@@ -2,6 +2,7 @@
 //! through a fusion buffer, broadcast and alltoall per tensor. They know nothing of names,
 //! negotiation or configuration: a batch of agreed responses and the tensors' memory come in.
 
+pub mod device;
 pub mod reduce;
 
 use crate::dtype::DataType;
@@ -46,7 +47,7 @@ fn unpack(src: &[u8], ios: &mut [&mut dyn TensorIo]) {
 }
 
 /// The reduction the backend performs, and the factor applied after it.
-fn backend_op(op: ReduceOp, size: usize, postscale: f64) -> Result<(ReduceOp, f64)> {
+pub(crate) fn backend_op(op: ReduceOp, size: usize, postscale: f64) -> Result<(ReduceOp, f64)> {
     match op {
         ReduceOp::Average => Ok((ReduceOp::Sum, postscale / size as f64)),
         ReduceOp::Adasum => Err(Error::InvalidArgument(
@@ -56,7 +57,7 @@ fn backend_op(op: ReduceOp, size: usize, postscale: f64) -> Result<(ReduceOp, f6
     }
 }
 
-fn byte_len(elems: i64, dtype: DataType) -> usize {
+pub(crate) fn byte_len(elems: i64, dtype: DataType) -> usize {
     elems.max(0) as usize * dtype.size()
 }
 
@@ -350,6 +351,18 @@ pub fn broadcast(
     Ok(())
 }
 
+/// Each rank's row counts for every other rank, exchanged: what this rank receives from each.
+pub(crate) fn exchange_splits(t: &dyn Transport, splits: &[i32]) -> Result<Vec<i32>> {
+    let size = t.size();
+    let send: Vec<u8> = splits.iter().flat_map(|s| s.to_le_bytes()).collect();
+    let mut recv = vec![0u8; 4 * size];
+    t.alltoallv(&send, &vec![4; size], &mut recv, &vec![4; size])?;
+    Ok(recv
+        .chunks_exact(4)
+        .map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .collect())
+}
+
 /// Alltoall: rows are sent to each rank as the splits say (or evenly); the received row counts
 /// are recorded for the caller.
 pub fn alltoall(
@@ -366,18 +379,7 @@ pub fn alltoall(
     };
     let row_bytes = byte_len(resp.row_elements(), resp.dtype);
     act(Some("MPI_ALLTOALL"));
-    let send_split_bytes: Vec<u8> = splits.iter().flat_map(|s| s.to_le_bytes()).collect();
-    let mut recv_split_bytes = vec![0u8; 4 * size];
-    t.alltoallv(
-        &send_split_bytes,
-        &vec![4; size],
-        &mut recv_split_bytes,
-        &vec![4; size],
-    )?;
-    let recv_splits: Vec<i32> = recv_split_bytes
-        .chunks_exact(4)
-        .map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes")))
-        .collect();
+    let recv_splits = exchange_splits(t, &splits)?;
     act(Some("ALLOCATE_OUTPUT"));
     let mut shape = resp.shape.clone();
     shape[0] = recv_splits.iter().map(|s| *s as i64).sum();

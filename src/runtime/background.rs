@@ -19,6 +19,7 @@ use crate::negotiate::online::{Negotiator, StallPolicy};
 use crate::negotiate::plan::{Plan, PlanRecorder};
 use crate::runtime::channel::{self, Channel, Job};
 use crate::runtime::entry::{InputMem, OutputMem, TensorEntry};
+use crate::runtime::gpu;
 use crate::runtime::timeline::Timeline;
 use crate::runtime::{Command, Communicator, InitOptions, Runtime, Topology};
 use crate::transport::Transport;
@@ -36,6 +37,8 @@ struct SetState {
     /// number (identical on every rank).
     channels: Vec<Channel>,
     batch_seq: u64,
+    /// GPU batches run here (opened by the set's first one).
+    gpu: Option<gpu::GpuLane>,
 }
 
 /// Settings that change which collectives run, taken from rank 0 so that a rank launched with a
@@ -144,6 +147,8 @@ struct Background {
     autotune: Option<Autotune>,
     /// Online mode: learns the step's batches so that the vote carries one bit per batch.
     groups: Option<GroupLearner>,
+    /// Completes GPU tensors once their events fire (started with the first GPU batch).
+    finisher: Option<gpu::Finisher>,
 }
 
 /// Online mode's batch learner: the recorder, and a plan waiting for its step to end.
@@ -235,6 +240,7 @@ fn make_set(
         ),
         entries: HashMap::new(),
         fusion: Vec::new(),
+        gpu: None,
         channels: if agreed.channels > 1 {
             let done = rt
                 .inbox
@@ -329,6 +335,7 @@ impl Background {
             }),
             world: world.dup()?,
             rt: rt.clone(),
+            finisher: None,
         };
         bg.member
             .insert(0, make_set(0, world, world_ranks.clone(), &rt, &agreed)?);
@@ -1084,11 +1091,44 @@ impl Background {
                     t.end(n, Some((r.dtype.name(), &shape)));
                 }
             }
+            let outcome = match outcome {
+                Ok(Some(recorded)) => {
+                    self.finish_device(id, entries, recorded);
+                    continue;
+                }
+                Ok(None) => Ok(()),
+                Err(e) => Err(e),
+            };
             let value = matches!(head.kind, OpKind::Join).then_some(head.result);
             for e in entries {
                 self.rt.finish_names(&[(id, e.request.name.clone())]);
                 e.complete(outcome.clone(), value);
             }
+        }
+    }
+
+    /// GPU tensors complete when their batch's event fires (on the finisher thread), or at
+    /// once with asynchronous completion (the handle's event is then what consumers wait on).
+    fn finish_device(&mut self, set: i32, entries: Vec<TensorEntry>, recorded: gpu::Recorded) {
+        if self.rt.config.async_completion {
+            gpu::complete(&self.rt, set, entries, Ok(()), Some(recorded.event));
+            return;
+        }
+        if self.finisher.is_none() {
+            match gpu::Finisher::spawn(self.rt.clone()) {
+                Ok(f) => self.finisher = Some(f),
+                Err(e) => {
+                    gpu::complete(&self.rt, set, entries, Err(e), None);
+                    return;
+                }
+            }
+        }
+        if let Some(f) = &self.finisher {
+            f.send(gpu::Finish {
+                set,
+                recorded,
+                entries,
+            });
         }
     }
 
@@ -1112,6 +1152,10 @@ impl Background {
                 let shape = format!("{:?}", r.shape);
                 t.end(&r.name, Some((r.dtype.name(), &shape)));
             }
+        }
+        if let (Ok(()), Some(recorded)) = (&done.outcome, done.recorded) {
+            self.finish_device(done.set, done.entries, recorded);
+            return;
         }
         for e in done.entries {
             self.rt.finish_names(&[(done.set, e.request.name.clone())]);
@@ -1226,6 +1270,9 @@ impl Background {
             None => Error::shut_down(),
         };
         self.drain_channels(rx, &err);
+        if let Some(mut f) = self.finisher.take() {
+            f.close();
+        }
         for (id, set) in std::mem::take(&mut self.member) {
             for (name, e) in set.entries {
                 self.rt.finish_names(&[(id, name)]);
@@ -1238,16 +1285,24 @@ impl Background {
     }
 }
 
+/// Runs a batch; a GPU batch is only enqueued, and what it recorded comes back.
 fn run_batch(
     set: &mut SetState,
     resps: &[&Response],
     entries: &mut [TensorEntry],
     timeline: &mut Option<Timeline>,
     names: &[String],
-) -> Result<()> {
+) -> Result<Option<gpu::Recorded>> {
     let mut sink = Timeline::activities(timeline, names);
     let head = resps[0];
-    // host memory is ready when enqueued; device requests will wait on their ready events here
+    if gpu::on_device(head) {
+        return gpu::run_device_batch(&mut set.gpu, &set.data, resps, entries, &mut sink)
+            .map(Some)
+            .inspect_err(|e| {
+                tracing::error!("set {}: GPU {} failed: {e}", set.id, head.kind.name())
+            });
+    }
+    // host memory is ready when enqueued
     sink(Some("WAIT_FOR_DATA"));
     let mut ios: Vec<&mut dyn TensorIo> =
         entries.iter_mut().map(|e| e as &mut dyn TensorIo).collect();
@@ -1261,5 +1316,6 @@ fn run_batch(
         OpKind::Join | OpKind::AddProcessSet | OpKind::RemoveProcessSet => Ok(()),
         _ => channel::run_batch_on(&set.data, &mut set.fusion, resps, &mut ios, &mut sink),
     }
+    .map(|()| None)
     .inspect_err(|e| tracing::error!("set {}: {} failed: {e}", set.id, head.kind.name()))
 }

@@ -32,6 +32,8 @@ pub(crate) struct Done {
     pub resps: Vec<Response>,
     pub entries: Vec<TensorEntry>,
     pub outcome: Result<()>,
+    /// A GPU batch: enqueued, with the event its tensors complete at.
+    pub recorded: Option<super::gpu::Recorded>,
 }
 
 pub(crate) struct Channel {
@@ -88,24 +90,41 @@ pub(crate) fn runs_on_channel(kind: OpKind) -> bool {
 fn run(comm: MpiComm, rx: Receiver<Job>, done: Sender<Command>) {
     super::ON_BACKGROUND_THREAD.with(|f| f.set(true));
     let mut fusion = Vec::new();
+    // this channel's own NCCL communicator and stream, for GPU batches
+    let mut lane = None;
     for mut job in rx {
         let refs: Vec<&Response> = job.resps.iter().collect();
-        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            if super::gpu::on_device(refs[0]) {
+                return super::gpu::run_device_batch(
+                    &mut lane,
+                    &comm,
+                    &refs,
+                    &mut job.entries,
+                    &mut |_| {},
+                )
+                .map(Some);
+            }
             let mut ios: Vec<&mut dyn TensorIo> = job
                 .entries
                 .iter_mut()
                 .map(|e| e as &mut dyn TensorIo)
                 .collect();
-            run_batch_on(&comm, &mut fusion, &refs, &mut ios, &mut |_| {})
+            run_batch_on(&comm, &mut fusion, &refs, &mut ios, &mut |_| {}).map(|()| None)
         }))
         // the batch must still come back, failed, rather than leave its waiters hanging
         .unwrap_or_else(|_| Err(Error::Internal("a ferrovod channel thread panicked".into())));
+        let (outcome, recorded) = match result {
+            Ok(r) => (Ok(()), r),
+            Err(e) => (Err(e), None),
+        };
         let _ = done.send(Command::BatchDone(Done {
             id: job.id,
             set: job.set,
             resps: job.resps,
             entries: job.entries,
             outcome,
+            recorded,
         }));
     }
 }

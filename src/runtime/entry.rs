@@ -3,15 +3,22 @@
 use std::sync::{Arc, Mutex};
 
 use crate::collective::TensorIo;
+use crate::collective::device::DeviceIo;
 use crate::error::{Error, Result};
 use crate::message::Request;
 use crate::runtime::handle::{Handle, TensorResult};
-use crate::transport::memory::HostBuffer;
+use crate::transport::DevicePtr;
+use crate::transport::cuda::{DeviceMem, Event, Gpu};
+use crate::transport::memory::{DeviceRange, HostBuffer};
 
 /// Input memory: the caller's (C API) or owned by the library (Rust API, join zeros).
 pub enum InputMem {
     Borrowed(HostBuffer),
     Owned(Vec<u8>),
+    /// GPU memory of the caller's.
+    Device(DeviceRange),
+    /// GPU memory of ferrovod's (a joined rank's zeros).
+    DeviceOwned(DeviceMem),
 }
 
 /// Where the result goes.
@@ -20,6 +27,7 @@ pub enum OutputMem {
     InPlace,
     Borrowed(HostBuffer),
     Owned(Vec<u8>),
+    Device(DeviceRange),
     /// Allocated after negotiation (allgather, alltoall, reducescatter).
     Later,
 }
@@ -31,6 +39,23 @@ pub trait OutputAllocator: Send {
 
 pub type SharedAllocator = Arc<Mutex<dyn OutputAllocator>>;
 
+/// What a GPU tensor's producer left for ferrovod to wait on (on the device, not the host).
+#[derive(Clone)]
+pub enum ReadyEvent {
+    /// Recorded by ferrovod on the caller's stream at enqueue.
+    Owned(Arc<Event>),
+    /// The caller's own event, already recorded.
+    Foreign(crate::transport::cuda::ForeignEvent),
+}
+
+/// A GPU tensor's device: its GPU and what to wait for before reading it.
+pub struct OnDevice {
+    pub gpu: Arc<Gpu>,
+    pub ready: Option<ReadyEvent>,
+    /// Output of a failed allocation: the collective still runs into it (see `alloc_error`).
+    pub scratch: Option<DeviceMem>,
+}
+
 pub struct TensorEntry {
     pub request: Request,
     pub input: InputMem,
@@ -40,6 +65,8 @@ pub struct TensorEntry {
     pub handle: Option<Arc<Handle>>,
     /// Position of this tensor within its operation (grouped ops have several).
     pub index: usize,
+    /// Set for GPU tensors.
+    pub device: Option<OnDevice>,
     out_shape: Vec<i64>,
     received_splits: Vec<i32>,
     /// A failed output allocation: the tensor still takes part in the collective (through a
@@ -58,6 +85,7 @@ impl TensorEntry {
             allocator: None,
             handle: None,
             index: 0,
+            device: None,
             received_splits: Vec::new(),
             alloc_error: None,
         }
@@ -65,7 +93,20 @@ impl TensorEntry {
 
     /// Finishes this tensor: hands its result (and library-owned output) to the handle.
     pub fn complete(self, outcome: Result<()>, value: Option<i32>) {
+        self.complete_on_device(outcome, value, None);
+    }
+
+    /// As `complete`, with the event recorded after the tensor's GPU work (for GPU consumers).
+    pub fn complete_on_device(
+        self,
+        outcome: Result<()>,
+        value: Option<i32>,
+        event: Option<Arc<Event>>,
+    ) {
         let Some(handle) = self.handle else { return };
+        if let Some(ev) = event {
+            handle.set_event(ev);
+        }
         let outcome = match (outcome, self.alloc_error) {
             (Ok(()), Some(e)) => Err(e),
             (o, _) => o,
@@ -90,6 +131,7 @@ fn input_slice(input: &InputMem) -> &[u8] {
     match input {
         InputMem::Borrowed(b) => b.as_slice(),
         InputMem::Owned(v) => v,
+        InputMem::Device(_) | InputMem::DeviceOwned(_) => &[],
     }
 }
 
@@ -106,6 +148,10 @@ impl TensorIo for TensorEntry {
             (InputMem::Owned(v), OutputMem::InPlace | OutputMem::Later) => (None, v.as_mut_slice()),
             (input, OutputMem::Borrowed(out)) => (Some(input_slice(input)), out.as_mut_slice()),
             (input, OutputMem::Owned(out)) => (Some(input_slice(input)), out.as_mut_slice()),
+            // GPU tensors never run on the host path
+            (_, OutputMem::Device(_)) | (InputMem::Device(_) | InputMem::DeviceOwned(_), _) => {
+                (None, &mut [])
+            }
         }
     }
 
@@ -146,6 +192,123 @@ impl TensorIo for TensorEntry {
             self.alloc_error = Some(e);
             OutputMem::Owned(vec![0u8; bytes])
         });
+        Ok(())
+    }
+
+    fn send_splits(&self) -> Option<&[i32]> {
+        self.splits.as_deref()
+    }
+
+    fn set_received_splits(&mut self, splits: Vec<i32>) {
+        self.received_splits = splits;
+    }
+}
+
+impl TensorEntry {
+    /// Marks this tensor as GPU memory: the caller's pointers are device addresses.
+    pub fn move_to_device(&mut self, gpu: Arc<Gpu>, ready: Option<ReadyEvent>) -> Result<()> {
+        let device = |b: &HostBuffer| DeviceRange {
+            ptr: b.as_ptr() as DevicePtr,
+            len: b.len(),
+        };
+        self.input = match std::mem::replace(&mut self.input, InputMem::Owned(Vec::new())) {
+            InputMem::Borrowed(b) => InputMem::Device(device(&b)),
+            InputMem::Owned(_) => {
+                return Err(Error::InvalidArgument(format!(
+                    "GPU tensor '{}' must be given as device memory",
+                    self.request.name
+                )));
+            }
+            other => other,
+        };
+        if let OutputMem::Borrowed(b) = &self.output {
+            self.output = OutputMem::Device(device(b));
+        } else if let OutputMem::Owned(_) = &self.output {
+            return Err(Error::InvalidArgument(format!(
+                "GPU tensor '{}' must be given device output memory",
+                self.request.name
+            )));
+        }
+        self.device = Some(OnDevice {
+            gpu,
+            ready,
+            scratch: None,
+        });
+        Ok(())
+    }
+
+    /// Moves a host input (a joined rank's zeros) to the tensor's GPU before a device batch.
+    pub fn move_input_to_device(&mut self, stream: &crate::transport::cuda::Stream) -> Result<()> {
+        let Some(dev) = &self.device else {
+            return Ok(());
+        };
+        if let InputMem::Owned(v) = &self.input {
+            let mem = dev.gpu.alloc(v.len())?;
+            dev.gpu.upload(stream, v, mem.ptr())?;
+            self.input = InputMem::DeviceOwned(mem);
+        }
+        Ok(())
+    }
+}
+
+impl DeviceIo for TensorEntry {
+    fn input(&self) -> (DevicePtr, usize) {
+        match &self.input {
+            InputMem::Device(r) => (r.ptr, r.len),
+            InputMem::DeviceOwned(m) => (m.ptr(), m.len()),
+            InputMem::Borrowed(_) | InputMem::Owned(_) => (0, 0),
+        }
+    }
+
+    fn output(&self) -> (DevicePtr, usize) {
+        if let Some(m) = self.device.as_ref().and_then(|d| d.scratch.as_ref()) {
+            return (m.ptr(), m.len());
+        }
+        match &self.output {
+            OutputMem::Device(r) => (r.ptr, r.len),
+            OutputMem::InPlace | OutputMem::Later => DeviceIo::input(self),
+            OutputMem::Borrowed(_) | OutputMem::Owned(_) => (0, 0),
+        }
+    }
+
+    fn allocate_output(&mut self, shape: &[i64], bytes: usize) -> Result<()> {
+        self.out_shape = shape.to_vec();
+        let allocated = match &self.allocator {
+            Some(alloc) => alloc
+                .lock()
+                .map_err(|_| Error::Internal("output allocator poisoned".into()))
+                .and_then(|mut a| a.allocate(self.index, shape, bytes))
+                .and_then(|buf| {
+                    if buf.len() < bytes {
+                        return Err(Error::Aborted(format!(
+                            "output allocator returned {} bytes for tensor '{}', {} needed",
+                            buf.len(),
+                            self.request.name,
+                            bytes
+                        )));
+                    }
+                    Ok(DeviceRange {
+                        ptr: buf.as_ptr() as DevicePtr,
+                        len: bytes,
+                    })
+                }),
+            None => Err(Error::InvalidArgument(format!(
+                "GPU tensor '{}' needs an output allocator",
+                self.request.name
+            ))),
+        };
+        match allocated {
+            Ok(r) => self.output = OutputMem::Device(r),
+            Err(e) => {
+                // the collective still runs, into scratch memory, so no rank is left waiting
+                let dev = self
+                    .device
+                    .as_mut()
+                    .ok_or_else(|| Error::Internal("GPU tensor without a device".into()))?;
+                dev.scratch = Some(dev.gpu.alloc(bytes)?);
+                self.alloc_error = Some(e);
+            }
+        }
         Ok(())
     }
 

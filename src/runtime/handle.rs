@@ -34,6 +34,9 @@ pub struct Handle {
     pub id: HandleId,
     state: Mutex<State>,
     cv: Condvar,
+    /// GPU operations: the event recorded on ferrovod's stream after the work (what a GPU
+    /// consumer waits on instead of the host).
+    event: Mutex<Option<Arc<crate::transport::cuda::Event>>>,
 }
 
 impl std::fmt::Debug for Handle {
@@ -43,6 +46,15 @@ impl std::fmt::Debug for Handle {
 }
 
 impl Handle {
+    pub fn set_event(&self, event: Arc<crate::transport::cuda::Event>) {
+        *self.event.lock().expect("handle event") = Some(event);
+    }
+
+    /// The completion event (a `CUevent`), once the GPU work has been enqueued.
+    pub fn event(&self) -> Option<Arc<crate::transport::cuda::Event>> {
+        self.event.lock().expect("handle event").clone()
+    }
+
     /// Records tensor `index`; the operation completes (callback, waiters) with the last one.
     /// The first error of any tensor is the operation's error.
     pub fn complete_one(&self, index: usize, result: Result<TensorResult>, value: Option<i32>) {
@@ -171,6 +183,7 @@ impl HandleTable {
                 ..State::default()
             }),
             cv: Condvar::new(),
+            event: Mutex::new(None),
         });
         self.map.lock().expect("handles").insert(id, h.clone());
         h

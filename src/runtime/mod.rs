@@ -4,6 +4,7 @@
 pub mod background;
 pub(crate) mod channel;
 pub mod entry;
+pub(crate) mod gpu;
 pub mod handle;
 pub mod metrics;
 pub mod timeline;
@@ -85,6 +86,11 @@ pub struct OpSpec {
     pub tensors: Vec<TensorSpec>,
     pub allocator: Option<SharedAllocator>,
     pub callback: Option<DoneCallback>,
+    /// GPU tensors: the caller's stream whose work so far produced the inputs; ferrovod
+    /// records an event on it at enqueue and its own stream waits for that event.
+    pub ready_stream: Option<crate::transport::cuda::ForeignStream>,
+    /// GPU tensors: or the caller's already recorded event.
+    pub ready_event: Option<crate::transport::cuda::ForeignEvent>,
 }
 
 impl OpSpec {
@@ -100,6 +106,8 @@ impl OpSpec {
             tensors,
             allocator: None,
             callback: None,
+            ready_stream: None,
+            ready_event: None,
         }
     }
 }
@@ -126,6 +134,8 @@ pub struct Runtime {
     shutdown_reason: Mutex<Option<String>>,
     thread: Mutex<Option<JoinHandle<()>>>,
     pub metrics: metrics::Metrics,
+    /// The GPU this process's device operations use (the first one asked for).
+    gpu_device: OnceLock<i32>,
 }
 
 static RUNTIME: Mutex<Option<Arc<Runtime>>> = Mutex::new(None);
@@ -191,6 +201,7 @@ pub fn init(opts: InitOptions) -> Result<()> {
         shutdown_reason: Mutex::new(None),
         thread: Mutex::new(None),
         metrics: metrics::Metrics::default(),
+        gpu_device: OnceLock::new(),
     });
     let (ready_tx, ready_rx) = crossbeam::channel::bounded(1);
     let rt2 = rt.clone();
@@ -299,14 +310,20 @@ impl Runtime {
                 "{what}: Rank {me} is not a member of the provided process set."
             ))
         })? as i32;
-        if spec.device != CPU_DEVICE {
-            return Err(Error::InvalidArgument(format!(
-                "{what}: device {} requested, but this build of ferrovod supports host memory only (device {CPU_DEVICE}).",
-                spec.device
-            )));
-        }
+        let on_device =
+            spec.device != CPU_DEVICE && !matches!(spec.kind, OpKind::Join | OpKind::Barrier);
+        let device = if on_device {
+            Some(self.open_device(what, &spec)?)
+        } else {
+            None
+        };
         let mut spec = spec;
-        let entries = self.build_entries(spec.kind, &mut spec, set_rank, &ranks)?;
+        let mut entries = self.build_entries(spec.kind, &mut spec, set_rank, &ranks)?;
+        if let Some((gpu, ready)) = device {
+            for e in &mut entries {
+                e.move_to_device(gpu.clone(), ready.clone())?;
+            }
+        }
         let names: Vec<(i32, String)> = entries
             .iter()
             .map(|e| (spec.process_set, e.request.name.clone()))
@@ -339,6 +356,42 @@ impl Runtime {
             return Err(e);
         }
         Ok(handle)
+    }
+
+    /// The GPU of a device operation (opened on first use; without CUDA, the documented
+    /// error) and the event its inputs are ready at. One GPU per process, as NCCL needs.
+    fn open_device(
+        &self,
+        what: &str,
+        spec: &OpSpec,
+    ) -> Result<(Arc<crate::transport::cuda::Gpu>, Option<entry::ReadyEvent>)> {
+        let gpu = crate::transport::cuda::gpu(spec.device)?;
+        let first = *self.gpu_device.get_or_init(|| spec.device);
+        if first != spec.device {
+            return Err(Error::InvalidArgument(format!(
+                "{what}: GPU device {} requested, but this process already uses GPU {first}; ferrovod drives one GPU per process",
+                spec.device
+            )));
+        }
+        let later = matches!(
+            spec.kind,
+            OpKind::Allgather | OpKind::Alltoall | OpKind::Reducescatter
+        );
+        if later && spec.allocator.is_none() {
+            return Err(Error::InvalidArgument(format!(
+                "{what}: GPU outputs are allocated by the caller; pass an output allocator"
+            )));
+        }
+        let ready = if let Some(ev) = spec.ready_event {
+            Some(entry::ReadyEvent::Foreign(ev))
+        } else if let Some(stream) = spec.ready_stream {
+            let ev = gpu.new_event()?;
+            ev.record_foreign(stream)?;
+            Some(entry::ReadyEvent::Owned(Arc::new(ev)))
+        } else {
+            None
+        };
+        Ok((gpu, ready))
     }
 
     pub(crate) fn finish_names(&self, names: &[(i32, String)]) {
@@ -438,6 +491,8 @@ impl Runtime {
             let input_len = match &t.input {
                 InputMem::Borrowed(b) => b.len(),
                 InputMem::Owned(v) => v.len(),
+                InputMem::Device(r) => r.len,
+                InputMem::DeviceOwned(m) => m.len(),
             };
             if input_len != bytes {
                 return Err(Error::InvalidArgument(format!(
@@ -453,6 +508,7 @@ impl Runtime {
                 (OutputMem::Later, true) | (OutputMem::InPlace, false) => {}
                 (OutputMem::Borrowed(b), false) if b.len() == bytes => {}
                 (OutputMem::Owned(v), false) if v.len() == bytes => {}
+                (OutputMem::Device(r), false) if r.len == bytes => {}
                 (OutputMem::Later, false) => {
                     return Err(Error::InvalidArgument(format!(
                         "{what}: tensor '{}' needs an output buffer",

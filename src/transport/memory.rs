@@ -52,3 +52,11 @@ impl HostBuffer {
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
 }
+
+/// A byte range of GPU memory owned by the caller (same contract as `HostBuffer`, on the
+/// device: valid until the operation's completion event has fired).
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceRange {
+    pub ptr: crate::transport::DevicePtr,
+    pub len: usize,
+}

@@ -1,8 +1,11 @@
 //! Backends. Algorithms and the negotiation see only the `Transport` trait: a communicator of
-//! `size` ranks with byte-range collectives. MPI implements it now; NCCL and ibverbs later.
+//! `size` ranks with byte-range collectives, over host memory (`Transport`: MPI; ibverbs
+//! later) or GPU memory (`DeviceTransport`: NCCL).
 
+pub mod cuda;
 pub mod memory;
 pub mod mpi;
+pub mod nccl;
 
 use crate::dtype::DataType;
 use crate::error::Result;
@@ -79,4 +82,69 @@ pub trait Transport {
     fn broadcast_bytes(&self, data: Vec<u8>, root: usize) -> Result<Vec<u8>>;
 
     fn barrier(&self) -> Result<()>;
+}
+
+/// A device address (CUDA's `CUdeviceptr`).
+pub type DevicePtr = u64;
+
+/// A communicator over GPU memory. Calls enqueue work on `stream` and return without waiting;
+/// counts are bytes unless named elements. Every rank must make the same calls in the same
+/// order on each communicator.
+pub trait DeviceTransport {
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+
+    /// Whether `allreduce` can reduce `dtype`; other dtypes are staged through host memory.
+    fn reduces(&self, dtype: DataType) -> bool;
+
+    /// Reduces `count` elements of `send` into `recv` (they may be equal). `op` may be Average.
+    #[allow(clippy::too_many_arguments)]
+    fn allreduce(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &cuda::Stream,
+    ) -> Result<()>;
+
+    /// Rank r's `counts[r]` bytes, concatenated in rank order into `recv`; this rank's bytes
+    /// are already at their place in `recv`.
+    fn allgatherv_in_place(
+        &self,
+        recv: DevicePtr,
+        counts: &[usize],
+        stream: &cuda::Stream,
+    ) -> Result<()>;
+
+    /// `bytes` bytes from `root`'s `data` into every rank's `data`.
+    fn broadcast(
+        &self,
+        data: DevicePtr,
+        bytes: usize,
+        root: usize,
+        stream: &cuda::Stream,
+    ) -> Result<()>;
+
+    fn alltoallv(
+        &self,
+        send: DevicePtr,
+        send_counts: &[usize],
+        recv: DevicePtr,
+        recv_counts: &[usize],
+        stream: &cuda::Stream,
+    ) -> Result<()>;
+
+    /// Reduces `send` (segments of `counts[r]` elements in rank order); segment `rank` of the
+    /// result lands in `recv`.
+    fn reduce_scatter(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        counts: &[usize],
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &cuda::Stream,
+    ) -> Result<()>;
 }

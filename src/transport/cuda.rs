@@ -1,0 +1,569 @@
+//! CUDA through cudarc, loaded at run time: one `libferrovod.so` runs on machines without a
+//! driver (GPU requests then fail with [`no_cuda_error`]) and on GPU machines alike. Streams,
+//! events and device memory are thin owners of driver handles; the kernels ferrovod needs
+//! (batched copies, scaling, f32↔f16/bf16 casts) are compiled once per process by NVRTC for
+//! the GPU present.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys::{self, CUdeviceptr};
+use cudarc::driver::{CudaContext, DriverError, result};
+
+use crate::dtype::DataType;
+use crate::error::{Error, Result};
+
+/// The error every GPU request gets where no CUDA driver can be loaded.
+pub fn no_cuda_error(device: i32) -> Error {
+    Error::Precondition(format!(
+        "GPU device {device} requested, but CUDA is not available on this machine (the CUDA driver library libcuda.so could not be loaded); ferrovod runs host-memory tensors only here."
+    ))
+}
+
+fn driver(what: &str, e: DriverError) -> Error {
+    Error::Backend(format!("CUDA {what} failed: {e:?}"))
+}
+
+/// Whether a CUDA driver library can be loaded (no other cudarc call is safe before this).
+pub fn cuda_present() -> bool {
+    // SAFETY: only tries to dlopen the driver library; loads nothing into cudarc's state.
+    unsafe { sys::is_culib_present() }
+}
+
+/// One GPU of this process: its primary context (the one frameworks use) and the kernels.
+pub struct Gpu {
+    pub ordinal: i32,
+    ctx: Arc<CudaContext>,
+    kernels: Kernels,
+}
+
+static GPUS: Mutex<Option<HashMap<i32, Arc<Gpu>>>> = Mutex::new(None);
+
+/// The GPU `ordinal`, opened (context retained, kernels compiled) on first use.
+pub fn gpu(ordinal: i32) -> Result<Arc<Gpu>> {
+    let mut gpus = GPUS.lock().expect("gpu table");
+    let gpus = gpus.get_or_insert_with(HashMap::new);
+    if let Some(g) = gpus.get(&ordinal) {
+        g.bind()?;
+        return Ok(g.clone());
+    }
+    if !cuda_present() {
+        return Err(no_cuda_error(ordinal));
+    }
+    if ordinal < 0 {
+        return Err(Error::InvalidArgument(format!(
+            "invalid GPU device {ordinal}"
+        )));
+    }
+    let count = CudaContext::device_count().map_err(|e| driver("device count", e))?;
+    if ordinal >= count {
+        return Err(Error::InvalidArgument(format!(
+            "GPU device {ordinal} requested, but this machine has {count} CUDA device(s)"
+        )));
+    }
+    let ctx = CudaContext::new(ordinal as usize).map_err(|e| driver("context", e))?;
+    let kernels = Kernels::compile(&ctx)?;
+    let g = Arc::new(Gpu {
+        ordinal,
+        ctx,
+        kernels,
+    });
+    gpus.insert(ordinal, g.clone());
+    Ok(g)
+}
+
+impl Gpu {
+    /// Makes this GPU's context current on the calling thread (driver calls need it).
+    pub fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver("context bind", e))
+    }
+
+    pub fn new_stream(&self) -> Result<Stream> {
+        self.bind()?;
+        let s = result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map_err(|e| driver("stream create", e))?;
+        Ok(Stream(s))
+    }
+
+    pub fn new_event(&self) -> Result<Event> {
+        self.bind()?;
+        let e = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| driver("event create", e))?;
+        Ok(Event(e))
+    }
+
+    pub fn alloc(&self, len: usize) -> Result<DeviceMem> {
+        self.bind()?;
+        if len == 0 {
+            return Ok(DeviceMem { ptr: 0, len: 0 });
+        }
+        // SAFETY: a plain allocation in the bound context; freed in Drop.
+        let ptr = unsafe { result::malloc_sync(len) }.map_err(|e| driver("allocation", e))?;
+        Ok(DeviceMem { ptr, len })
+    }
+
+    /// Copies many byte ranges with one kernel launch per 64 ranges (not one memcpy each).
+    pub fn copy_batch(&self, stream: &Stream, copies: &[Copy]) -> Result<()> {
+        for chunk in copies.chunks(COPY_BATCH) {
+            let mut batch = CopyBatch {
+                d: [Copy::default(); COPY_BATCH],
+                n: chunk.len() as i32,
+            };
+            batch.d[..chunk.len()].copy_from_slice(chunk);
+            let longest = chunk.iter().map(|c| c.len).max().unwrap_or(0);
+            if longest == 0 {
+                continue;
+            }
+            // 256 threads of 16 bytes each, 4 rounds a block; at most 512 blocks a copy
+            let blocks = longest.div_ceil(256 * 16 * 4).clamp(1, 512) as u32;
+            let mut params = [(&mut batch as *mut CopyBatch).cast::<c_void>()];
+            // SAFETY: the kernel reads `batch` (copied by the launch) and the caller's ranges,
+            // which the caller guarantees are valid device memory for the stream's work.
+            unsafe {
+                result::launch_kernel(
+                    self.kernels.batched_copy,
+                    (blocks, chunk.len() as u32, 1),
+                    (256, 1, 1),
+                    0,
+                    stream.0,
+                    &mut params,
+                )
+            }
+            .map_err(|e| driver("batched copy launch", e))?;
+        }
+        Ok(())
+    }
+
+    /// `dst[i] = src[i] * factor` for `n` elements (src may equal dst). Integers are scaled in
+    /// f64 and truncated, 32- and 16-bit floats in f32, as the host path does.
+    pub fn scale(
+        &self,
+        stream: &Stream,
+        src: CUdeviceptr,
+        dst: CUdeviceptr,
+        n: usize,
+        dtype: DataType,
+        factor: f64,
+    ) -> Result<()> {
+        if factor == 1.0 && src == dst || n == 0 {
+            return Ok(());
+        }
+        let f =
+            *self.kernels.scale.get(&dtype).ok_or_else(|| {
+                Error::InvalidArgument(format!("{} cannot be scaled", dtype.name()))
+            })?;
+        self.launch_elementwise(f, stream, src, dst, n, Some(factor))
+    }
+
+    /// Converts `n` elements between f32 and f16/bf16 (round to nearest even).
+    pub fn cast(
+        &self,
+        stream: &Stream,
+        src: CUdeviceptr,
+        from: DataType,
+        dst: CUdeviceptr,
+        to: DataType,
+        n: usize,
+    ) -> Result<()> {
+        let f = *self.kernels.cast.get(&(from, to)).ok_or_else(|| {
+            Error::InvalidArgument(format!("no GPU cast from {} to {}", from.name(), to.name()))
+        })?;
+        self.launch_elementwise(f, stream, src, dst, n, None)
+    }
+
+    fn launch_elementwise(
+        &self,
+        f: Function,
+        stream: &Stream,
+        src: CUdeviceptr,
+        dst: CUdeviceptr,
+        n: usize,
+        factor: Option<f64>,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let (mut s, mut d, mut count, mut k) = (src, dst, n as u64, factor.unwrap_or(1.0));
+        let blocks = n.div_ceil(256 * 4).clamp(1, 65535) as u32;
+        let mut params: Vec<*mut c_void> = vec![
+            (&mut s as *mut u64).cast(),
+            (&mut d as *mut u64).cast(),
+            (&mut count as *mut u64).cast(),
+        ];
+        if factor.is_some() {
+            params.push((&mut k as *mut f64).cast());
+        }
+        // SAFETY: the kernel's parameters match `params` (pointers, count, factor); the ranges
+        // are valid device memory of `n` elements per the caller.
+        unsafe { result::launch_kernel(f.0, (blocks, 1, 1), (256, 1, 1), 0, stream.0, &mut params) }
+            .map_err(|e| driver("kernel launch", e))
+    }
+
+    pub fn memset_zero(&self, stream: &Stream, ptr: CUdeviceptr, len: usize) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: `ptr` is valid device memory of `len` bytes per the caller.
+        unsafe { result::memset_d8_async(ptr, 0, len, stream.0) }.map_err(|e| driver("memset", e))
+    }
+
+    /// Device to host, waiting for the stream's earlier work and the copy.
+    pub fn download(&self, stream: &Stream, src: CUdeviceptr, dst: &mut [u8]) -> Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `src` holds `dst.len()` bytes per the caller; synchronised before return.
+        unsafe {
+            result::memcpy_dtoh_async(dst, src, stream.0).map_err(|e| driver("copy to host", e))?;
+        }
+        stream.synchronize()
+    }
+
+    /// Host to device, finished before return.
+    pub fn upload(&self, stream: &Stream, src: &[u8], dst: CUdeviceptr) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `dst` holds `src.len()` bytes per the caller; synchronised before return.
+        unsafe {
+            result::memcpy_htod_async(dst, src, stream.0)
+                .map_err(|e| driver("copy to device", e))?;
+        }
+        stream.synchronize()
+    }
+
+    /// Compute capability, e.g. (9, 0).
+    pub fn capability(&self) -> Result<(i32, i32)> {
+        self.ctx
+            .compute_capability()
+            .map_err(|e| driver("device attribute", e))
+    }
+}
+
+/// A ferrovod-owned stream (non-blocking with respect to the legacy default stream).
+pub struct Stream(sys::CUstream);
+
+// SAFETY: CUDA streams may be used from any thread whose current context owns them.
+unsafe impl Send for Stream {}
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    pub fn raw(&self) -> sys::CUstream {
+        self.0
+    }
+
+    /// Makes later work on this stream wait for `event`'s last record (no host wait).
+    pub fn wait(&self, event: &Event) -> Result<()> {
+        self.wait_event(event.0)
+    }
+
+    /// As `wait`, for a caller's event.
+    pub fn wait_foreign(&self, event: ForeignEvent) -> Result<()> {
+        self.wait_event(event.0 as sys::CUevent)
+    }
+
+    fn wait_event(&self, event: sys::CUevent) -> Result<()> {
+        // SAFETY: `event` is ours or a caller's live event (ForeignEvent's contract); the wait
+        // is captured at this call.
+        unsafe {
+            result::stream::wait_event(
+                self.0,
+                event,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(|e| driver("stream wait", e))
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: a live stream of ours.
+        unsafe { result::stream::synchronize(self.0) }.map_err(|e| driver("stream synchronize", e))
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // SAFETY: ours, not used after this; pending work completes before resources go.
+        let _ = unsafe { result::stream::destroy(self.0) };
+    }
+}
+
+/// A ferrovod-owned event.
+pub struct Event(sys::CUevent);
+
+// SAFETY: CUDA events may be recorded, queried and waited on from any thread.
+unsafe impl Send for Event {}
+unsafe impl Sync for Event {}
+
+impl Event {
+    pub fn raw(&self) -> sys::CUevent {
+        self.0
+    }
+
+    pub fn record(&self, stream: &Stream) -> Result<()> {
+        self.record_on(stream.0)
+    }
+
+    /// Records on a caller's stream (e.g. the framework's compute stream).
+    pub fn record_foreign(&self, stream: ForeignStream) -> Result<()> {
+        self.record_on(stream.0 as sys::CUstream)
+    }
+
+    fn record_on(&self, stream: sys::CUstream) -> Result<()> {
+        // SAFETY: a live event of ours; `stream` is ours or a caller's live stream
+        // (ForeignStream's contract).
+        unsafe { result::event::record(self.0, stream) }.map_err(|e| driver("event record", e))
+    }
+
+    /// Blocks the calling thread until the recorded work has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: a live event of ours.
+        unsafe { result::event::synchronize(self.0) }.map_err(|e| driver("event synchronize", e))
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: ours; the driver releases it once recorded work has completed.
+        let _ = unsafe { result::event::destroy(self.0) };
+    }
+}
+
+/// A caller's `CUstream`, handed in through the C API.
+#[derive(Clone, Copy, Debug)]
+pub struct ForeignStream(usize);
+
+impl ForeignStream {
+    /// # Safety
+    /// `raw` is a live `CUstream` of this process's context on the operation's GPU, valid
+    /// until the operation's `fv_enqueue` returns.
+    pub unsafe fn from_raw(raw: *mut c_void) -> ForeignStream {
+        ForeignStream(raw as usize)
+    }
+}
+
+/// A caller's recorded `CUevent`, handed in through the C API.
+#[derive(Clone, Copy, Debug)]
+pub struct ForeignEvent(usize);
+
+impl ForeignEvent {
+    /// # Safety
+    /// `raw` is a live `CUevent` of the operation's GPU, valid until the operation completes.
+    pub unsafe fn from_raw(raw: *mut c_void) -> ForeignEvent {
+        ForeignEvent(raw as usize)
+    }
+}
+
+/// Device memory owned by ferrovod (fusion buffers, staging, a joined rank's zeros).
+pub struct DeviceMem {
+    ptr: CUdeviceptr,
+    len: usize,
+}
+
+// SAFETY: a device address; the driver allows any thread of the process to use it.
+unsafe impl Send for DeviceMem {}
+
+impl DeviceMem {
+    pub fn ptr(&self) -> CUdeviceptr {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for DeviceMem {
+    fn drop(&mut self) {
+        if self.ptr != 0 {
+            // SAFETY: allocated by `Gpu::alloc`; the synchronous free waits for pending use.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// One range of a batched copy, laid out as the kernel reads it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Copy {
+    pub src: CUdeviceptr,
+    pub dst: CUdeviceptr,
+    pub len: u64,
+}
+
+/// Ranges per launch: 64 × 24 bytes stays well inside the 4 KiB kernel parameter limit.
+const COPY_BATCH: usize = 64;
+
+#[repr(C)]
+struct CopyBatch {
+    d: [Copy; COPY_BATCH],
+    n: i32,
+}
+
+#[derive(Clone, Copy)]
+struct Function(sys::CUfunction);
+
+// SAFETY: a function handle of a module that lives as long as the process.
+unsafe impl Send for Function {}
+unsafe impl Sync for Function {}
+
+struct Kernels {
+    batched_copy: sys::CUfunction,
+    scale: HashMap<DataType, Function>,
+    cast: HashMap<(DataType, DataType), Function>,
+}
+
+// SAFETY: function handles of a module that is never unloaded.
+unsafe impl Send for Kernels {}
+unsafe impl Sync for Kernels {}
+
+const SCALED: [(DataType, &str); 10] = [
+    (DataType::U8, "u8"),
+    (DataType::I8, "i8"),
+    (DataType::U16, "u16"),
+    (DataType::I16, "i16"),
+    (DataType::I32, "i32"),
+    (DataType::I64, "i64"),
+    (DataType::F16, "f16"),
+    (DataType::BF16, "bf16"),
+    (DataType::F32, "f32"),
+    (DataType::F64, "f64"),
+];
+
+const CASTS: [(DataType, DataType, &str); 4] = [
+    (DataType::F32, DataType::F16, "fv_cast_f32_f16"),
+    (DataType::F16, DataType::F32, "fv_cast_f16_f32"),
+    (DataType::F32, DataType::BF16, "fv_cast_f32_bf16"),
+    (DataType::BF16, DataType::F32, "fv_cast_bf16_f32"),
+];
+
+impl Kernels {
+    fn compile(ctx: &Arc<CudaContext>) -> Result<Kernels> {
+        // SAFETY: only tries to dlopen the NVRTC library.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return Err(Error::Precondition(
+                "CUDA is present but NVRTC (libnvrtc.so) could not be loaded; ferrovod compiles its GPU kernels with it".into(),
+            ));
+        }
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| driver("device attribute", e))?;
+        let opts = cudarc::nvrtc::CompileOptions {
+            options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
+            name: Some("ferrovod_kernels.cu".into()),
+            ..Default::default()
+        };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNEL_SOURCE, opts).map_err(|e| {
+            Error::Backend(format!("NVRTC could not compile ferrovod's kernels: {e:?}"))
+        })?;
+        let image = std::ffi::CString::new(ptx.to_src())
+            .map_err(|_| Error::Internal("PTX with a NUL byte".into()))?;
+        ctx.bind_to_thread()
+            .map_err(|e| driver("context bind", e))?;
+        // SAFETY: a NUL-terminated PTX image; the module is never unloaded.
+        let module = unsafe { result::module::load_data(image.as_ptr().cast()) }
+            .map_err(|e| driver("module load", e))?;
+        let get = |name: &str| -> Result<sys::CUfunction> {
+            let c = std::ffi::CString::new(name).expect("kernel name");
+            // SAFETY: a loaded module and a NUL-terminated name.
+            unsafe { result::module::get_function(module, c) }
+                .map_err(|e| driver(&format!("kernel {name}"), e))
+        };
+        let mut scale = HashMap::new();
+        for (dt, suffix) in SCALED {
+            scale.insert(dt, Function(get(&format!("fv_scale_{suffix}"))?));
+        }
+        let mut cast = HashMap::new();
+        for (from, to, name) in CASTS {
+            cast.insert((from, to), Function(get(name)?));
+        }
+        Ok(Kernels {
+            batched_copy: get("fv_batched_copy")?,
+            scale,
+            cast,
+        })
+    }
+}
+
+/// The kernels, in CUDA C with no headers (NVRTC needs no include path). Half conversions use
+/// PTX `cvt` (sm_53+); bfloat16 rounds to nearest even in integer arithmetic, as `half` does.
+const KERNEL_SOURCE: &str = r#"
+typedef unsigned long long u64;
+struct CopyDesc { const unsigned char* src; unsigned char* dst; u64 len; };
+struct CopyBatch { CopyDesc d[64]; int n; };
+
+extern "C" __global__ void fv_batched_copy(const CopyBatch b) {
+  if ((int)blockIdx.y >= b.n) return;
+  const CopyDesc c = b.d[blockIdx.y];
+  u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+  u64 step = (u64)gridDim.x * blockDim.x;
+  u64 head = 0;
+  if ((((u64)c.src | (u64)c.dst) & 15) == 0) {
+    u64 n16 = c.len / 16;
+    const uint4* s = (const uint4*)c.src;
+    uint4* d = (uint4*)c.dst;
+    for (u64 i = tid; i < n16; i += step) d[i] = s[i];
+    head = n16 * 16;
+  } else if ((((u64)c.src | (u64)c.dst) & 3) == 0) {
+    u64 n4 = c.len / 4;
+    const unsigned* s = (const unsigned*)c.src;
+    unsigned* d = (unsigned*)c.dst;
+    for (u64 i = tid; i < n4; i += step) d[i] = s[i];
+    head = n4 * 4;
+  }
+  for (u64 i = head + tid; i < c.len; i += step) c.dst[i] = c.src[i];
+}
+
+__device__ __forceinline__ float h2f(unsigned short h) {
+  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
+}
+__device__ __forceinline__ unsigned short f2h(float f) {
+  unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
+}
+__device__ __forceinline__ float b2f(unsigned short b) {
+  return __uint_as_float(((unsigned)b) << 16);
+}
+__device__ __forceinline__ unsigned short f2b(float f) {
+  unsigned u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (unsigned short)(u >> 16);
+}
+
+#define FV_LOOP for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+
+#define FV_SCALE_INT(name, T) \
+extern "C" __global__ void fv_scale_##name(const T* s, T* d, u64 n, double f) { \
+  FV_LOOP { d[i] = (T)((double)s[i] * f); } }
+FV_SCALE_INT(u8, unsigned char)
+FV_SCALE_INT(i8, signed char)
+FV_SCALE_INT(u16, unsigned short)
+FV_SCALE_INT(i16, short)
+FV_SCALE_INT(i32, int)
+FV_SCALE_INT(i64, long long)
+
+extern "C" __global__ void fv_scale_f64(const double* s, double* d, u64 n, double f) {
+  FV_LOOP { d[i] = s[i] * f; } }
+extern "C" __global__ void fv_scale_f32(const float* s, float* d, u64 n, double f) {
+  float g = (float)f; FV_LOOP { d[i] = s[i] * g; } }
+extern "C" __global__ void fv_scale_f16(const unsigned short* s, unsigned short* d, u64 n, double f) {
+  float g = (float)f; FV_LOOP { d[i] = f2h(h2f(s[i]) * g); } }
+extern "C" __global__ void fv_scale_bf16(const unsigned short* s, unsigned short* d, u64 n, double f) {
+  float g = (float)f; FV_LOOP { d[i] = f2b(b2f(s[i]) * g); } }
+
+extern "C" __global__ void fv_cast_f32_f16(const float* s, unsigned short* d, u64 n) {
+  FV_LOOP { d[i] = f2h(s[i]); } }
+extern "C" __global__ void fv_cast_f16_f32(const unsigned short* s, float* d, u64 n) {
+  FV_LOOP { d[i] = h2f(s[i]); } }
+extern "C" __global__ void fv_cast_f32_bf16(const float* s, unsigned short* d, u64 n) {
+  FV_LOOP { d[i] = f2b(s[i]); } }
+extern "C" __global__ void fv_cast_bf16_f32(const unsigned short* s, float* d, u64 n) {
+  FV_LOOP { d[i] = b2f(s[i]); } }
+"#;

@@ -1,0 +1,314 @@
+//! NCCL through cudarc, loaded at run time. A communicator is created collectively: rank 0 of
+//! the group makes the unique id and the caller distributes it (over MPI).
+
+use cudarc::nccl::{result, sys};
+
+use crate::dtype::DataType;
+use crate::error::{Error, Result};
+use crate::message::ReduceOp;
+use crate::transport::cuda::{Gpu, Stream};
+use crate::transport::{DevicePtr, DeviceTransport};
+
+fn nccl(what: &str, e: result::NcclError) -> Error {
+    Error::Backend(format!("NCCL {what} failed: {e:?}"))
+}
+
+/// Whether libnccl.so can be loaded.
+pub fn nccl_present() -> bool {
+    // SAFETY: only tries to dlopen the library.
+    unsafe { sys::is_culib_present() }
+}
+
+fn require_nccl() -> Result<()> {
+    if nccl_present() {
+        Ok(())
+    } else {
+        Err(Error::Precondition(
+            "GPU collectives need NCCL, but libnccl.so could not be loaded (set LD_LIBRARY_PATH, or link libnccl.so.2 as libnccl.so)".into(),
+        ))
+    }
+}
+
+/// The bytes of a fresh NCCL unique id (call on one rank, then share).
+pub fn unique_id() -> Result<Vec<u8>> {
+    require_nccl()?;
+    let id = result::get_uniqueid().map_err(|e| nccl("unique id", e))?;
+    Ok(id.internal.iter().map(|c| *c as u8).collect())
+}
+
+/// The NCCL version as NCCL encodes it (e.g. 22803).
+pub fn version() -> Result<i32> {
+    require_nccl()?;
+    result::get_nccl_version().map_err(|e| nccl("version", e))
+}
+
+pub struct NcclComm {
+    comm: sys::ncclComm_t,
+    rank: usize,
+    size: usize,
+}
+
+// SAFETY: an NCCL communicator may be used from any one thread at a time; ferrovod drives each
+// from a single thread (the background thread or one channel).
+unsafe impl Send for NcclComm {}
+
+impl NcclComm {
+    /// Joins the communicator named by `id` (identical bytes on every rank) on `gpu`.
+    pub fn new(gpu: &Gpu, id: &[u8], rank: usize, size: usize) -> Result<NcclComm> {
+        require_nccl()?;
+        let mut uid = sys::ncclUniqueId { internal: [0; 128] };
+        if id.len() != uid.internal.len() {
+            return Err(Error::Internal(format!(
+                "NCCL unique id of {} bytes",
+                id.len()
+            )));
+        }
+        for (d, s) in uid.internal.iter_mut().zip(id) {
+            *d = *s as _;
+        }
+        gpu.bind()?;
+        let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: `comm` is a valid out-pointer; the id came from ncclGetUniqueId on one rank.
+        unsafe { result::comm_init_rank(&mut comm, size as i32, uid, rank as i32) }
+            .map_err(|e| nccl("communicator init", e))?;
+        Ok(NcclComm { comm, rank, size })
+    }
+
+    fn group(&self, f: impl FnOnce() -> Result<()>) -> Result<()> {
+        result::group_start().map_err(|e| nccl("group start", e))?;
+        let r = f();
+        let end = result::group_end().map_err(|e| nccl("group end", e));
+        r.and(end.map(|_| ()))
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        // SAFETY: ours and no longer used; destroy waits for pending operations.
+        let _ = unsafe { result::comm_destroy(self.comm) };
+    }
+}
+
+/// NCCL's element type for `dtype`, where NCCL can reduce it.
+fn nccl_type(dtype: DataType) -> Option<sys::ncclDataType_t> {
+    use sys::ncclDataType_t::*;
+    Some(match dtype {
+        DataType::U8 => ncclUint8,
+        DataType::I8 => ncclInt8,
+        DataType::I32 => ncclInt32,
+        DataType::I64 => ncclInt64,
+        DataType::F16 => ncclFloat16,
+        DataType::BF16 => ncclBfloat16,
+        DataType::F32 => ncclFloat32,
+        DataType::F64 => ncclFloat64,
+        DataType::U16 | DataType::I16 | DataType::Bool => return None,
+    })
+}
+
+fn nccl_op(op: ReduceOp) -> Result<sys::ncclRedOp_t> {
+    use sys::ncclRedOp_t::*;
+    Ok(match op {
+        ReduceOp::Sum => ncclSum,
+        ReduceOp::Average => ncclAvg,
+        ReduceOp::Min => ncclMin,
+        ReduceOp::Max => ncclMax,
+        ReduceOp::Product => ncclProd,
+        ReduceOp::Adasum => {
+            return Err(Error::InvalidArgument(
+                "Adasum is not supported by ferrovod".into(),
+            ));
+        }
+    })
+}
+
+fn typed(dtype: DataType) -> Result<sys::ncclDataType_t> {
+    nccl_type(dtype).ok_or_else(|| Error::Internal(format!("NCCL cannot reduce {}", dtype.name())))
+}
+
+fn ptr(p: DevicePtr) -> *mut std::ffi::c_void {
+    p as usize as *mut std::ffi::c_void
+}
+
+fn bytes_type() -> sys::ncclDataType_t {
+    sys::ncclDataType_t::ncclUint8
+}
+
+impl DeviceTransport for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn reduces(&self, dtype: DataType) -> bool {
+        nccl_type(dtype).is_some()
+    }
+
+    fn allreduce(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &Stream,
+    ) -> Result<()> {
+        // SAFETY: `send`/`recv` hold `count` elements on this communicator's GPU per the caller.
+        unsafe {
+            result::all_reduce(
+                ptr(send),
+                ptr(recv),
+                count,
+                typed(dtype)?,
+                nccl_op(op)?,
+                self.comm,
+                stream.raw().cast(),
+            )
+        }
+        .map(|_| ())
+        .map_err(|e| nccl("allreduce", e))
+    }
+
+    fn allgatherv_in_place(
+        &self,
+        recv: DevicePtr,
+        counts: &[usize],
+        stream: &Stream,
+    ) -> Result<()> {
+        let s = stream.raw().cast();
+        if counts.iter().all(|c| *c == counts[0]) {
+            let me = recv + (self.rank * counts[0]) as u64;
+            // SAFETY: `recv` holds size × counts[0] bytes; in place as NCCL allows.
+            return unsafe {
+                result::all_gather(ptr(me), ptr(recv), counts[0], bytes_type(), self.comm, s)
+            }
+            .map(|_| ())
+            .map_err(|e| nccl("allgather", e));
+        }
+        // uneven: one broadcast per rank, from its segment, in one group
+        self.group(|| {
+            let mut off = 0u64;
+            for (r, c) in counts.iter().enumerate() {
+                let at = recv + off;
+                // SAFETY: segment r of `recv`; in-place broadcast.
+                unsafe {
+                    result::broadcast(ptr(at), ptr(at), *c, bytes_type(), r as i32, self.comm, s)
+                }
+                .map_err(|e| nccl("allgather broadcast", e))?;
+                off += *c as u64;
+            }
+            Ok(())
+        })
+    }
+
+    fn broadcast(&self, data: DevicePtr, bytes: usize, root: usize, stream: &Stream) -> Result<()> {
+        // SAFETY: `data` holds `bytes` bytes per the caller; in place.
+        unsafe {
+            result::broadcast(
+                ptr(data),
+                ptr(data),
+                bytes,
+                bytes_type(),
+                root as i32,
+                self.comm,
+                stream.raw().cast(),
+            )
+        }
+        .map(|_| ())
+        .map_err(|e| nccl("broadcast", e))
+    }
+
+    fn alltoallv(
+        &self,
+        send: DevicePtr,
+        send_counts: &[usize],
+        recv: DevicePtr,
+        recv_counts: &[usize],
+        stream: &Stream,
+    ) -> Result<()> {
+        let s = stream.raw().cast();
+        self.group(|| {
+            let (mut so, mut ro) = (0u64, 0u64);
+            for r in 0..self.size {
+                // SAFETY: the segments lie inside `send`/`recv` per the counts.
+                unsafe {
+                    if send_counts[r] > 0 {
+                        result::send(
+                            ptr(send + so),
+                            send_counts[r],
+                            bytes_type(),
+                            r as i32,
+                            self.comm,
+                            s,
+                        )
+                        .map_err(|e| nccl("send", e))?;
+                    }
+                    if recv_counts[r] > 0 {
+                        result::recv(
+                            ptr(recv + ro),
+                            recv_counts[r],
+                            bytes_type(),
+                            r as i32,
+                            self.comm,
+                            s,
+                        )
+                        .map_err(|e| nccl("recv", e))?;
+                    }
+                }
+                so += send_counts[r] as u64;
+                ro += recv_counts[r] as u64;
+            }
+            Ok(())
+        })
+    }
+
+    fn reduce_scatter(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        counts: &[usize],
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &Stream,
+    ) -> Result<()> {
+        let s = stream.raw().cast();
+        let (ty, nop) = (typed(dtype)?, nccl_op(op)?);
+        if counts.iter().all(|c| *c == counts[0]) {
+            // SAFETY: `send` holds size × counts[0] elements, `recv` counts[0].
+            return unsafe {
+                result::reduce_scatter(ptr(send), ptr(recv), counts[0], ty, nop, self.comm, s)
+            }
+            .map(|_| ())
+            .map_err(|e| nccl("reducescatter", e));
+        }
+        // uneven: one reduce to each rank, in one group
+        self.group(|| {
+            let mut off = 0u64;
+            for (r, c) in counts.iter().enumerate() {
+                let dst = if r == self.rank {
+                    recv
+                } else {
+                    send + off * dtype.size() as u64
+                };
+                // SAFETY: segment r of `send`; `recv` (root only) holds counts[rank] elements.
+                unsafe {
+                    result::reduce(
+                        ptr(send + off * dtype.size() as u64),
+                        ptr(dst),
+                        *c,
+                        ty,
+                        nop,
+                        r as i32,
+                        self.comm,
+                        s,
+                    )
+                }
+                .map_err(|e| nccl("reduce", e))?;
+                off += *c as u64;
+            }
+            Ok(())
+        })
+    }
+}
