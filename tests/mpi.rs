@@ -13,6 +13,9 @@ use ferrovod::runtime::handle::{Handle, TensorResult};
 use ferrovod::runtime::{self, OpSpec, TensorSpec};
 use ferrovod::{DataType, Error, OpKind, ReduceOp};
 
+#[path = "support/gpu.rs"]
+mod gpu;
+
 /// (scenario, ranks, extra environment, expect success)
 type Scenario = (
     &'static str,
@@ -178,6 +181,49 @@ const SCENARIOS: &[Scenario] = &[
     ("large_counts", 2, &[], true),
 ];
 
+/// With `FERROVOD_TEST_GPU=1` (GPU machines): the same checks on GPU memory, each rank on GPU
+/// `local_rank`, against the same host-computed references. `np` above the GPU count is
+/// skipped (NCCL needs a GPU per rank).
+const GPU_SCENARIOS: &[Scenario] = &[
+    ("collectives", 2, &[], true),
+    ("collectives", 4, &[], true),
+    (
+        "collectives",
+        2,
+        &[
+            ("HOROVOD_FUSION_THRESHOLD", "0"),
+            ("HOROVOD_CACHE_CAPACITY", "0"),
+        ],
+        true,
+    ),
+    ("collectives", 2, &[("FERROVOD_CHANNELS", "2")], true),
+    (
+        "collectives",
+        2,
+        &[("HOROVOD_ENABLE_ASYNC_COMPLETION", "1")],
+        true,
+    ),
+    ("random_order", 2, &[], true),
+    ("random_order", 4, &[("FERROVOD_CHANNELS", "3")], true),
+    ("join", 2, &[], true),
+    ("join", 4, &[], true),
+    ("mismatches", 2, &[], true),
+    ("mismatches", 4, &[], true),
+    ("process_sets", 4, &[], true),
+    ("gpu_kernels", 1, &[], true),
+    ("gpu_streams", 2, &[], true),
+    (
+        "gpu_streams",
+        2,
+        &[("HOROVOD_ENABLE_ASYNC_COMPLETION", "1")],
+        true,
+    ),
+];
+
+fn gpu_mode() -> bool {
+    std::env::var("FERROVOD_TEST_GPU").is_ok_and(|v| v == "1")
+}
+
 fn main() {
     if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
         let name = std::env::args().nth(1).expect("scenario name");
@@ -191,8 +237,19 @@ fn main() {
     std::fs::create_dir_all(&shared).unwrap();
     let mut failed = Vec::new();
     let mut ran = 0;
-    for (name, np, env, expect_ok) in SCENARIOS {
+    let (scenarios, gpus) = if gpu_mode() {
+        let n = ferrovod::transport::cuda::device_count().expect("CUDA devices");
+        println!("GPU mode: {n} GPU(s)");
+        (GPU_SCENARIOS, n)
+    } else {
+        (SCENARIOS, usize::MAX)
+    };
+    for (name, np, env, expect_ok) in scenarios {
         if filter.as_deref().is_some_and(|f| !name.contains(f)) {
+            continue;
+        }
+        if *np > gpus {
+            println!("scenario {name} np={np} ... skipped ({gpus} GPUs)");
             continue;
         }
         ran += 1;
@@ -209,6 +266,7 @@ fn main() {
         ])
         .args(["--mca", "mpi_yield_when_idle", "1", "--bind-to", "none"])
         .args(["-x", "FERROVOD_TEST_DIR", "-x", "FERROVOD_TEST_SHARED"])
+        .args(["-x", "FERROVOD_TEST_GPU", "-x", "NCCL_NVLS_ENABLE"])
         .arg(&exe)
         .arg(name)
         .env("FERROVOD_TEST_DIR", &dir)
@@ -389,6 +447,8 @@ fn run_rank(name: &str) {
         "autotune" => autotune(),
         "online_groups" => online_groups(),
         "online_groups_stall" => online_groups_stall(),
+        "gpu_streams" => gpu_streams(),
+        "gpu_kernels" => gpu_kernels(),
         other => panic!("unknown scenario {other}"),
     }
 }
@@ -477,6 +537,9 @@ fn tensor(name: &str, dtype: DataType, shape: &[i64], vals: &[f64], later: bool)
 }
 
 fn submit(spec: OpSpec) -> Result<Arc<Handle>, Error> {
+    if gpu_mode() && spec.device == ferrovod::message::CPU_DEVICE {
+        return gpu::submit(spec);
+    }
     runtime::runtime()?.enqueue(spec)
 }
 
@@ -484,9 +547,14 @@ fn finish(h: Arc<Handle>) -> Result<Vec<TensorResult>, Error> {
     let r = h.wait(Some(Duration::from_secs(120)));
     let rt = runtime::runtime()?;
     rt.handles.release(h.id)?;
+    let op = gpu::take(h.id);
     r?;
     let n = (0..).take_while(|i| h.result(*i).is_some()).count();
-    Ok((0..n).map(|i| h.result(i).unwrap()).collect())
+    let mut results: Vec<TensorResult> = (0..n).map(|i| h.result(i).unwrap()).collect();
+    if let Some(op) = op {
+        op.download_into(&h, &mut results);
+    }
+    Ok(results)
 }
 
 fn run(spec: OpSpec) -> Result<Vec<TensorResult>, Error> {
@@ -2417,5 +2485,220 @@ fn large_counts() {
         }
         off += rows_of(r);
     }
+    finish_job();
+}
+
+/// GPU inputs produced asynchronously on the caller's stream (a kernel still running at
+/// enqueue): ferrovod's stream must wait for it on the device, through the recorded stream
+/// or the caller's event; the handle's event (also through the C API) orders a consumer.
+fn gpu_streams() {
+    use ferrovod::transport::cuda::{ForeignEvent, ForeignStream};
+    use ferrovod::transport::memory::DeviceRange;
+    init();
+    let me = rank();
+    let n = size();
+    let gpu = gpu::this_gpu();
+    let count = 16 << 20; // 64 MiB of f32: the producer kernel is still running at enqueue
+    let host = encode(DataType::F32, &vec![(me + 1) as f64; count]);
+    let upload = gpu.new_stream().unwrap();
+    let producer = gpu.new_stream().unwrap();
+    let consumer = gpu.new_stream().unwrap();
+    let want = 2.0 * (n * (n + 1) / 2) as f64;
+    for (k, by_event) in [false, true, false, true].into_iter().enumerate() {
+        let data = gpu.alloc(host.len()).unwrap();
+        gpu.upload(&upload, &host, data.ptr()).unwrap();
+        // the producer doubles the values; nothing waits for it on the host
+        gpu.scale(&producer, data.ptr(), data.ptr(), count, DataType::F32, 2.0)
+            .unwrap();
+        let name = format!("gpu.stream.{k}");
+        let mut spec = OpSpec::new(
+            OpKind::Allreduce,
+            vec![TensorSpec {
+                name: name.clone(),
+                dtype: DataType::F32,
+                shape: vec![count as i64],
+                input: InputMem::Device(DeviceRange {
+                    ptr: data.ptr(),
+                    len: host.len(),
+                }),
+                output: OutputMem::InPlace,
+                splits: None,
+            }],
+        );
+        spec.device = gpu.ordinal;
+        let ready = gpu.new_event().unwrap();
+        if by_event {
+            ready.record(&producer).unwrap();
+            // SAFETY: a live event of this GPU, kept until the operation completes
+            spec.ready_event = Some(unsafe { ForeignEvent::from_raw(ready.raw().cast()) });
+        } else {
+            // SAFETY: a live stream of this GPU
+            spec.ready_stream = Some(unsafe { ForeignStream::from_raw(producer.raw().cast()) });
+        }
+        let h = runtime::runtime().unwrap().enqueue(spec).unwrap();
+        h.wait(Some(Duration::from_secs(120))).unwrap();
+        // the C API hands out the same completion event
+        let mut raw: *mut std::ffi::c_void = std::ptr::null_mut();
+        let status = ferrovod::capi::fv_handle_event(h.id, &mut raw);
+        assert_eq!(status, ferrovod::error::Status::Ok);
+        assert!(!raw.is_null(), "{name}: no completion event");
+        assert_eq!(raw, h.event().unwrap().raw().cast());
+        // a GPU consumer orders its reads after the event, without a host wait
+        // SAFETY: the handle's live event
+        consumer
+            .wait_foreign(unsafe { ForeignEvent::from_raw(raw) })
+            .unwrap();
+        let mut got = vec![0u8; host.len()];
+        gpu.download(&consumer, data.ptr(), &mut got).unwrap();
+        runtime::runtime().unwrap().handles.release(h.id).unwrap();
+        let got = decode(DataType::F32, &got);
+        let bad = got.iter().position(|v| *v != want);
+        assert!(
+            bad.is_none(),
+            "{name}: element {bad:?} is {:?}, want {want}",
+            bad.map(|i| got[i])
+        );
+    }
+    finish_job();
+}
+
+/// The NVRTC kernels against host references: casts f32↔f16/bf16 bit for bit against `half`,
+/// scaling of every dtype against the host path's scaling, and batched copies of many
+/// misaligned ranges.
+fn gpu_kernels() {
+    use ferrovod::transport::cuda::Copy;
+    init();
+    let gpu = gpu::this_gpu();
+    let s = gpu.new_stream().unwrap();
+    let mut rng = Lcg(12345);
+    let mut vals: Vec<f32> = vec![
+        0.0,
+        -0.0,
+        1.0,
+        -1.5,
+        65504.0,
+        65519.0,
+        65520.0,
+        1e-8,
+        6.1e-5,
+        3.0e-8,
+        1.0 / 3.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        1e30,
+        -1e-30,
+        f32::MAX,
+        f32::MIN_POSITIVE,
+    ];
+    for _ in 0..4000 {
+        // random bit patterns, NaNs aside
+        let v = f32::from_bits(rng.next() as u32 ^ ((rng.next() as u32) << 16));
+        if !v.is_nan() {
+            vals.push(v);
+        }
+    }
+    let n = vals.len();
+    let src: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let d32 = gpu.alloc(n * 4).unwrap();
+    let d16 = gpu.alloc(n * 2).unwrap();
+    let back = gpu.alloc(n * 4).unwrap();
+    gpu.upload(&s, &src, d32.ptr()).unwrap();
+    for half_type in [DataType::F16, DataType::BF16] {
+        gpu.cast(&s, d32.ptr(), DataType::F32, d16.ptr(), half_type, n)
+            .unwrap();
+        gpu.cast(&s, d16.ptr(), half_type, back.ptr(), DataType::F32, n)
+            .unwrap();
+        let mut h16 = vec![0u8; n * 2];
+        let mut h32 = vec![0u8; n * 4];
+        gpu.download(&s, d16.ptr(), &mut h16).unwrap();
+        gpu.download(&s, back.ptr(), &mut h32).unwrap();
+        for (i, v) in vals.iter().enumerate() {
+            let got = u16::from_le_bytes([h16[2 * i], h16[2 * i + 1]]);
+            let (want, wide) = match half_type {
+                DataType::F16 => {
+                    let h = half::f16::from_f32(*v);
+                    (h.to_bits(), h.to_f32())
+                }
+                _ => {
+                    let h = half::bf16::from_f32(*v);
+                    (h.to_bits(), h.to_f32())
+                }
+            };
+            assert_eq!(got, want, "{half_type} cast of {v:e} (element {i})");
+            let w = f32::from_le_bytes(h32[4 * i..4 * i + 4].try_into().unwrap());
+            assert_eq!(w.to_bits(), wide.to_bits(), "{half_type} widening of {v:e}");
+        }
+    }
+    // scaling: every scalable dtype, against the host path's own scaling
+    for dtype in DataType::ALL {
+        if dtype == DataType::Bool {
+            continue;
+        }
+        let count = 1000;
+        let xs: Vec<f64> = (0..count)
+            .map(|i| {
+                let v = (i % 97) as f64
+                    - if dtype.is_float() || !matches!(dtype, DataType::U8 | DataType::U16) {
+                        48.0
+                    } else {
+                        0.0
+                    };
+                if dtype.is_float() { v * 1.37 } else { v }
+            })
+            .collect();
+        let bytes = encode(dtype, &xs);
+        let dev = gpu.alloc(bytes.len()).unwrap();
+        let out = gpu.alloc(bytes.len()).unwrap();
+        gpu.upload(&s, &bytes, dev.ptr()).unwrap();
+        for factor in [0.37, 2.5, -1.25] {
+            if factor < 0.0 && matches!(dtype, DataType::U8 | DataType::U16) {
+                continue;
+            }
+            gpu.scale(&s, dev.ptr(), out.ptr(), count, dtype, factor)
+                .unwrap();
+            let mut got = vec![0u8; bytes.len()];
+            gpu.download(&s, out.ptr(), &mut got).unwrap();
+            let mut want = bytes.clone();
+            ferrovod::collective::reduce::scale(&mut want, dtype, factor).unwrap();
+            assert_eq!(
+                decode(dtype, &got),
+                decode(dtype, &want),
+                "scale {dtype} by {factor}"
+            );
+        }
+    }
+    // batched copies: 300 ranges (several launches), odd lengths and misaligned offsets
+    let len = 1 << 20;
+    let host_src: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+    let dsrc = gpu.alloc(len).unwrap();
+    let ddst = gpu.alloc(len).unwrap();
+    gpu.upload(&s, &host_src, dsrc.ptr()).unwrap();
+    gpu.memset_zero(&s, ddst.ptr(), len).unwrap();
+    let mut want = vec![0u8; len];
+    let mut copies = Vec::new();
+    let mut at = 0usize;
+    for k in 0..300 {
+        let n = if k % 50 == 0 {
+            0
+        } else {
+            (rng.next() % 3000) as usize + (k % 17)
+        };
+        let from = (rng.next() as usize) % (len - n);
+        if at + n > len {
+            break;
+        }
+        want[at..at + n].copy_from_slice(&host_src[from..from + n]);
+        copies.push(Copy {
+            src: dsrc.ptr() + from as u64,
+            dst: ddst.ptr() + at as u64,
+            len: n as u64,
+        });
+        at += n + (k % 5);
+    }
+    gpu.copy_batch(&s, &copies).unwrap();
+    let mut got = vec![0u8; len];
+    gpu.download(&s, ddst.ptr(), &mut got).unwrap();
+    let bad = got.iter().zip(&want).position(|(g, w)| g != w);
+    assert!(bad.is_none(), "batched copy differs at byte {bad:?}");
     finish_job();
 }

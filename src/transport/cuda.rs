@@ -31,6 +31,16 @@ pub fn cuda_present() -> bool {
     unsafe { sys::is_culib_present() }
 }
 
+/// How many CUDA devices this process sees (0 without CUDA).
+pub fn device_count() -> Result<usize> {
+    if !cuda_present() {
+        return Ok(0);
+    }
+    CudaContext::device_count()
+        .map(|n| n.max(0) as usize)
+        .map_err(|e| driver("device count", e))
+}
+
 /// One GPU of this process: its primary context (the one frameworks use) and the kernels.
 pub struct Gpu {
     pub ordinal: i32,

@@ -12,6 +12,7 @@
 //! followed by ferrovod (initialised, measured, shut down), so ferrovod's background thread never
 //! disturbs the raw measurement; each side reports its better round.
 
+mod gpu;
 mod negotiation;
 
 use std::time::{Duration, Instant};
@@ -75,7 +76,7 @@ fn parse_args() -> Args {
                 .unwrap_or_else(|| usage(&format!("{arg} needs a value")))
         };
         match arg {
-            "sweep" | "resnet50" | "all" | "negotiation" => a.mode = arg.to_string(),
+            "sweep" | "resnet50" | "all" | "negotiation" | "gpu" => a.mode = arg.to_string(),
             "--min-bytes" => a.min_bytes = num(&value()),
             "--max-bytes" => a.max_bytes = num(&value()),
             "--iters" => a.iters = Some(num(&value())),
@@ -106,7 +107,7 @@ fn usage(err: &str) -> ! {
         eprintln!("ferrovod-bench: {err}");
     }
     eprintln!(
-        "usage: mpirun -np N ferrovod-bench [all|sweep|resnet50|negotiation] [--min-bytes 1K] [--max-bytes 64M] [--iters N] [--warmup N] [--steps N] [--data resnet50_grads.tsv] [--backward-ms 20] [--scale 64] [--json]"
+        "usage: mpirun -np N ferrovod-bench [all|sweep|resnet50|negotiation|gpu] [--min-bytes 1K] [--max-bytes 64M] [--iters N] [--warmup N] [--steps N] [--data resnet50_grads.tsv] [--backward-ms 20] [--scale 64] [--json]"
     );
     std::process::exit(2)
 }
@@ -463,6 +464,23 @@ fn main() {
             json: a.json,
         };
         negotiation::run(&opts, |file| load_grads(&find_data_file(file)));
+        return;
+    }
+    if a.mode == "gpu" {
+        let opts = gpu::Options {
+            min_bytes: if a.min_bytes == 1024 {
+                1 << 20
+            } else {
+                a.min_bytes
+            },
+            max_bytes: if a.max_bytes == 64 << 20 {
+                1 << 30
+            } else {
+                a.max_bytes
+            },
+            reps: a.iters.unwrap_or(5),
+        };
+        gpu::run(&opts, &load_grads(&find_data(&a)));
         return;
     }
     let me = world.rank();
