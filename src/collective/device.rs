@@ -6,7 +6,7 @@
 
 use crate::collective::{ActivitySink, backend_op, byte_len, reducescatter_rows};
 use crate::dtype::DataType;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::message::{ReduceOp, Response};
 use crate::transport::cuda::{Copy, DeviceMem, Gpu, Stream};
 use crate::transport::{DevicePtr, DeviceTransport, Transport};
@@ -256,6 +256,7 @@ pub fn allgather_batch(
 /// Reducescatter of a batch (Sum or Average), rows split as on the host.
 pub fn reducescatter_batch(
     t: &dyn DeviceTransport,
+    host: &dyn Transport,
     lane: &mut Lane,
     resps: &[&Response],
     ios: &mut [&mut dyn DeviceIo],
@@ -265,13 +266,6 @@ pub fn reducescatter_batch(
     let me = t.rank();
     let head = resps[0];
     let dtype = head.dtype;
-    if !t.reduces(dtype) {
-        return Err(Error::InvalidArgument(format!(
-            "GPU reducescatter does not support {}",
-            dtype.name()
-        )));
-    }
-    let (op, post) = device_op(head, size)?;
     let seg: Vec<Vec<usize>> = resps
         .iter()
         .map(|r| {
@@ -292,6 +286,10 @@ pub fn reducescatter_batch(
         io.allocate_output(&shape, s[me])?;
     }
     let counts: Vec<usize> = (0..size).map(|r| seg.iter().map(|s| s[r]).sum()).collect();
+    if !t.reduces(dtype) {
+        return reducescatter_staged(host, lane, head, &seg, &counts, ios, act);
+    }
+    let (op, post) = device_op(head, size)?;
     let elems: Vec<usize> = counts.iter().map(|c| c / dtype.size()).collect();
     let (gpu, stream) = (lane.gpu, lane.stream);
     if ios.len() == 1 && head.prescale == 1.0 {
@@ -342,6 +340,49 @@ pub fn reducescatter_batch(
         src += n as u64;
     }
     gpu.copy_batch(stream, &copies)?;
+    act(None);
+    Ok(())
+}
+
+/// Reducescatter through host memory for dtypes the device backend cannot reduce.
+fn reducescatter_staged(
+    host: &dyn Transport,
+    lane: &mut Lane,
+    head: &Response,
+    seg: &[Vec<usize>],
+    counts: &[usize],
+    ios: &mut [&mut dyn DeviceIo],
+    act: ActivitySink,
+) -> Result<()> {
+    let me = host.rank();
+    let (op, post) = backend_op(head.reduce_op, host.size(), head.postscale)?;
+    let total: usize = counts.iter().sum();
+    let mut send = vec![0u8; total];
+    act(Some("MEMCPY_DEVICE_TO_HOST"));
+    let mut dst = 0;
+    let mut src = vec![0u64; ios.len()];
+    #[allow(clippy::needless_range_loop)] // walks a [tensor][rank] matrix rank-major
+    for r in 0..host.size() {
+        for (i, io) in ios.iter().enumerate() {
+            let n = seg[i][r];
+            let at = io.input().0 + src[i];
+            lane.gpu.download(lane.stream, at, &mut send[dst..dst + n])?;
+            src[i] += n as u64;
+            dst += n;
+        }
+    }
+    act(Some("MPI_REDUCESCATTER"));
+    crate::collective::reduce::scale(&mut send, head.dtype, head.prescale)?;
+    let mut recv = vec![0u8; counts[me]];
+    host.reduce_scatter(&send, &mut recv, counts, head.dtype, op)?;
+    crate::collective::reduce::scale(&mut recv, head.dtype, post)?;
+    act(Some("MEMCPY_HOST_TO_DEVICE"));
+    let mut off = 0;
+    for io in ios.iter() {
+        let (dst, n) = io.output();
+        lane.gpu.upload(lane.stream, &recv[off..off + n], dst)?;
+        off += n;
+    }
     act(None);
     Ok(())
 }
