@@ -465,6 +465,7 @@ impl Background {
                 t.mark_cycle();
             }
             let ids: Vec<i32> = self.member.keys().copied().collect();
+            let mut again = false;
             for id in ids {
                 let Some(set) = self.member.get_mut(&id) else {
                     continue;
@@ -516,6 +517,9 @@ impl Background {
                 }
                 if !outcome.responses.is_empty() {
                     self.execute(id, outcome.responses);
+                    // tensors submitted here just after the vote are likely ready on the other
+                    // ranks too: vote again at once instead of a cycle time later
+                    again |= self.member.get(&id).is_some_and(|s| !s.entries.is_empty());
                 }
                 if id == 0
                     && let Err(e) = self.autotune_cycle()
@@ -533,6 +537,9 @@ impl Background {
                     self.reason.get_or_insert(reason);
                     return self.reason.clone();
                 }
+            }
+            if again {
+                next_cycle = Instant::now();
             }
             if let Some(t) = self.timeline.as_mut() {
                 // counters when they changed, at most every 10 ms

@@ -77,19 +77,25 @@ pub(crate) fn run_device_batch(
     entries: &mut [TensorEntry],
     sink: ActivitySink,
 ) -> Result<Recorded> {
-    let gpu = entries
-        .iter()
-        .find_map(|e| e.device.as_ref().map(|d| d.gpu.clone()))
-        .ok_or_else(|| Error::Internal("GPU batch without a GPU tensor".into()))?;
+    // a joined rank has no tensor of its own: it runs on the lane's GPU, or the process's
+    let gpu = match lane.as_ref() {
+        Some(l) => l.gpu.clone(),
+        None => match entries.iter().find_map(|e| e.device.as_ref()) {
+            Some(d) => d.gpu.clone(),
+            None => {
+                let ordinal = crate::runtime::runtime()?
+                    .gpu_device()
+                    .unwrap_or(resps[0].device);
+                crate::transport::cuda::gpu(ordinal)?
+            }
+        },
+    };
     gpu.bind()?;
     if lane.is_none() {
         sink(Some("NCCL_INIT"));
         *lane = Some(GpuLane::open(gpu.clone(), data)?);
     }
     let l = lane.as_mut().expect("lane opened");
-    if l.gpu.ordinal != gpu.ordinal {
-        return Err(Error::Internal("GPU batch for another GPU".into()));
-    }
     sink(Some("WAIT_FOR_DATA"));
     for e in entries.iter_mut() {
         if e.device.is_none() {

@@ -358,6 +358,11 @@ impl Runtime {
         Ok(handle)
     }
 
+    /// The GPU this process's device operations use, once one was asked for.
+    pub(crate) fn gpu_device(&self) -> Option<i32> {
+        self.gpu_device.get().copied()
+    }
+
     /// The GPU of a device operation (opened on first use; without CUDA, the documented
     /// error) and the event its inputs are ready at. One GPU per process, as NCCL needs.
     fn open_device(
