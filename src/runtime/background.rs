@@ -443,6 +443,31 @@ impl Background {
         }
     }
 
+    /// A submission woke the loop: keep taking commands while they follow each other within
+    /// `FERROVOD_GATHER_US` (at most a cycle time in all), so that tensors submitted in one
+    /// burst (a framework handing over many gradients) are voted on, and fused, together.
+    fn gather(&mut self, rx: &Receiver<Command>) {
+        let gap = self.rt.config.gather;
+        if gap.is_zero() {
+            return;
+        }
+        let end = Instant::now() + self.cycle_time.max(gap);
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            match rx.recv_timeout(gap.min(left)) {
+                Ok(cmd) => self.receive(cmd),
+                Err(RecvTimeoutError::Timeout) => return,
+                Err(RecvTimeoutError::Disconnected) => {
+                    self.want_shutdown = true;
+                    return;
+                }
+            }
+        }
+    }
+
     /// Cycles until every rank agrees to stop; returns the reason.
     fn run_loop(&mut self, rx: &Receiver<Command>) -> Option<String> {
         let mut next_cycle = Instant::now();
@@ -452,7 +477,10 @@ impl Background {
             let now = Instant::now();
             if now < next_cycle {
                 match rx.recv_timeout(next_cycle - now) {
-                    Ok(cmd) => self.receive(cmd),
+                    Ok(cmd) => {
+                        self.receive(cmd);
+                        self.gather(rx);
+                    }
                     Err(RecvTimeoutError::Timeout) => {}
                     Err(RecvTimeoutError::Disconnected) => self.want_shutdown = true,
                 }
