@@ -366,7 +366,8 @@ fn reducescatter_staged(
         for (i, io) in ios.iter().enumerate() {
             let n = seg[i][r];
             let at = io.input().0 + src[i];
-            lane.gpu.download(lane.stream, at, &mut send[dst..dst + n])?;
+            lane.gpu
+                .download(lane.stream, at, &mut send[dst..dst + n])?;
             src[i] += n as u64;
             dst += n;
         }

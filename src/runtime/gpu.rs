@@ -125,7 +125,9 @@ pub(crate) fn run_device_batch(
     match head.kind {
         OpKind::Allreduce => dev::allreduce_batch(t, data, &mut lane_ref, resps, &mut ios, sink),
         OpKind::Allgather => dev::allgather_batch(t, &mut lane_ref, resps, &mut ios, sink),
-        OpKind::Reducescatter => dev::reducescatter_batch(t, data, &mut lane_ref, resps, &mut ios, sink),
+        OpKind::Reducescatter => {
+            dev::reducescatter_batch(t, data, &mut lane_ref, resps, &mut ios, sink)
+        }
         OpKind::Broadcast => dev::broadcast(t, &mut lane_ref, head, &mut *ios[0], sink),
         OpKind::Alltoall => dev::alltoall(t, data, &mut lane_ref, head, &mut *ios[0], sink),
         other => Err(Error::Internal(format!(
