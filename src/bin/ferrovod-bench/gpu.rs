@@ -211,6 +211,7 @@ fn resnet(
     let mut fv = Vec::new();
     let mut sub = Vec::new();
     let mut one = Vec::new();
+    let before = runtime::runtime().unwrap().metrics.snapshot();
     for _ in 0..reps {
         let (t, s) = step();
         fv.push(t);
@@ -218,7 +219,14 @@ fn resnet(
         one.push(one_allreduce());
     }
     let (fv, one, sub) = (median(fv), median(one), median(sub));
+    let after = runtime::runtime().unwrap().metrics.snapshot();
+    let per_step = |a: u64, b: u64| (a - b) as f64 / reps as f64;
     if me == 0 {
+        println!(
+            "# resnet50 per step: {:.1} negotiation cycles, {:.1} collectives",
+            per_step(after.cycles, before.cycles),
+            per_step(after.data_collectives, before.data_collectives)
+        );
         println!(
             "# resnet50: {} tensors, {} bytes: ferrovod {:.1} us (submitting {:.1} us), one NCCL allreduce {:.1} us, ratio {:.3}",
             mems.len(),
