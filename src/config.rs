@@ -105,9 +105,6 @@ pub struct Config {
     /// `HOROVOD_ENABLE_ASYNC_COMPLETION`: GPU operations complete as soon as their work is
     /// enqueued; consumers wait on the handle's event on the device instead of the host.
     pub async_completion: bool,
-    /// `FERROVOD_GATHER_US`: after a submission wakes the background thread, it keeps taking
-    /// submissions that follow within this gap before voting (0: vote at once).
-    pub gather: Duration,
 }
 
 fn env_str(key: &str) -> Option<String> {
@@ -184,7 +181,6 @@ impl Config {
             autotune_warmup: env_num("HOROVOD_AUTOTUNE_WARMUP_SAMPLES", 3usize),
             autotune_window: env_num("FERROVOD_AUTOTUNE_WINDOW_CYCLES", 200usize).max(1),
             async_completion: env_bool("HOROVOD_ENABLE_ASYNC_COMPLETION"),
-            gather: Duration::from_micros(env_num("FERROVOD_GATHER_US", 50u64)),
         }
     }
 }

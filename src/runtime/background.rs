@@ -443,37 +443,6 @@ impl Background {
         }
     }
 
-    /// A submission woke the loop: keep taking commands while they follow each other within
-    /// `FERROVOD_GATHER_US` (at most a cycle time in all, and no more than one fusion buffer
-    /// of tensor bytes), so that tensors submitted in one burst (a framework handing over many
-    /// gradients) are voted on, and fused, together. It sleeps and then drains rather than
-    /// waiting on the queue, so submitting threads never have to wake this one.
-    fn gather(&mut self, rx: &Receiver<Command>) {
-        let gap = self.rt.config.gather;
-        if gap.is_zero() {
-            return;
-        }
-        let end = Instant::now() + self.cycle_time.max(gap);
-        let mut bytes = 0usize;
-        while Instant::now() < end && bytes < self.agreed.fusion_threshold {
-            std::thread::sleep(gap);
-            let mut got = false;
-            while let Ok(cmd) = rx.try_recv() {
-                if let Command::Submit { entries, .. } = &cmd {
-                    bytes += entries
-                        .iter()
-                        .map(|e| e.request.num_elements() as usize * e.request.dtype.size())
-                        .sum::<usize>();
-                }
-                self.receive(cmd);
-                got = true;
-            }
-            if !got {
-                return;
-            }
-        }
-    }
-
     /// Cycles until every rank agrees to stop; returns the reason.
     fn run_loop(&mut self, rx: &Receiver<Command>) -> Option<String> {
         let mut next_cycle = Instant::now();
@@ -483,10 +452,7 @@ impl Background {
             let now = Instant::now();
             if now < next_cycle {
                 match rx.recv_timeout(next_cycle - now) {
-                    Ok(cmd) => {
-                        self.receive(cmd);
-                        self.gather(rx);
-                    }
+                    Ok(cmd) => self.receive(cmd),
                     Err(RecvTimeoutError::Timeout) => {}
                     Err(RecvTimeoutError::Disconnected) => self.want_shutdown = true,
                 }
