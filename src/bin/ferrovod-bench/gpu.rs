@@ -54,11 +54,23 @@ fn submit(gpu: &Gpu, name: &str, mem: &DeviceMem, len: usize, op: ReduceOp) -> A
     runtime::runtime().unwrap().enqueue(spec).unwrap()
 }
 
+/// Waits until every operation's GPU work has finished: for the handles, then for their
+/// completion events (already fired by default; with `HOROVOD_ENABLE_ASYNC_COMPLETION=1` the
+/// handles complete at enqueue and the events are what a GPU consumer would wait for).
 fn wait_all(hs: Vec<Arc<Handle>>) {
     let rt = runtime::runtime().unwrap();
+    let mut events: Vec<Arc<cuda::Event>> = Vec::new();
     for h in hs {
         h.wait(None).unwrap();
+        if let Some(ev) = h.event()
+            && !events.last().is_some_and(|l| Arc::ptr_eq(l, &ev))
+        {
+            events.push(ev);
+        }
         rt.handles.release(h.id).unwrap();
+    }
+    for ev in events {
+        ev.synchronize().unwrap();
     }
 }
 
