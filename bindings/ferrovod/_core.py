@@ -97,6 +97,9 @@ class _Op(ctypes.Structure):
         ("done_user_data", ctypes.c_void_p),
         ("alloc", ALLOC_FN),
         ("alloc_user_data", ctypes.c_void_p),
+        # GPU ops: the caller's CUstream / recorded CUevent (None for host tensors)
+        ("stream", ctypes.c_void_p),
+        ("ready_event", ctypes.c_void_p),
     ]
 
 

@@ -35,9 +35,13 @@ impl Lane<'_> {
     /// The fusion buffer, grown to at least `bytes`.
     fn fusion(&mut self, bytes: usize) -> Result<DevicePtr> {
         if self.fusion.as_ref().is_none_or(|f| f.len() < bytes) {
-            // freeing the old buffer waits for work that still uses it
-            *self.fusion = None;
-            *self.fusion = Some(self.gpu.alloc(bytes.next_power_of_two().max(1 << 20))?);
+            // both in stream order: the old buffer goes after the work that still uses it,
+            // without stalling the device or this thread
+            if let Some(old) = self.fusion.take() {
+                old.free_on(self.stream)?;
+            }
+            let len = bytes.next_power_of_two().max(1 << 20);
+            *self.fusion = Some(self.gpu.alloc_on(self.stream, len)?);
         }
         Ok(self.fusion.as_ref().map_or(0, |f| f.ptr()))
     }

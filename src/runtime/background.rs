@@ -219,7 +219,7 @@ fn make_set(
     id: i32,
     comm: MpiComm,
     ranks: Vec<i32>,
-    rt: &Runtime,
+    rt: &Arc<Runtime>,
     agreed: &Agreed,
 ) -> Result<SetState> {
     let cfg = &rt.config;
@@ -248,8 +248,9 @@ fn make_set(
                 .expect("inbox")
                 .clone()
                 .ok_or_else(Error::shut_down)?;
+            let turn = Arc::new(channel::LaunchTurn::default());
             (0..agreed.channels)
-                .map(|k| Channel::spawn(k, comm.dup()?, done.clone()))
+                .map(|k| Channel::spawn(k, comm.dup()?, done.clone(), rt.clone(), turn.clone()))
                 .collect::<Result<Vec<_>>>()?
         } else {
             Vec::new()
@@ -989,9 +990,9 @@ impl Background {
                 && head.error.is_none()
                 && channel::runs_on_channel(head.kind))
             .then(|| {
-                let k = (set.batch_seq % set.channels.len() as u64) as usize;
+                let seq = set.batch_seq;
                 set.batch_seq += 1;
-                k
+                ((seq % set.channels.len() as u64) as usize, seq)
             });
             let mut entries: Vec<TensorEntry> = Vec::with_capacity(resps.len());
             for r in &resps {
@@ -1055,7 +1056,7 @@ impl Background {
                     t.begin(n, head.kind.name());
                 }
             }
-            if let Some(k) = channel {
+            if let Some((k, seq)) = channel {
                 let id_job = self.next_job;
                 self.next_job += 1;
                 self.in_channels.insert(
@@ -1072,6 +1073,7 @@ impl Background {
                 );
                 set.channels[k].send(Job {
                     id: id_job,
+                    seq,
                     set: id,
                     resps: resps.iter().map(|r| (*r).clone()).collect(),
                     entries,
@@ -1089,7 +1091,7 @@ impl Background {
                     self.rt
                         .metrics
                         .add_batch(entries.len() as u64, bytes as u64);
-                    run_batch(set, &resps, &mut entries, timeline, &names)
+                    run_batch(&self.rt, set, &resps, &mut entries, timeline, &names)
                 }
             };
             if let Some(t) = timeline.as_mut() {
@@ -1116,27 +1118,35 @@ impl Background {
 
     /// GPU tensors complete when their batch's event fires (on the finisher thread), or at
     /// once with asynchronous completion (the handle's event is then what consumers wait on).
-    fn finish_device(&mut self, set: i32, entries: Vec<TensorEntry>, recorded: gpu::Recorded) {
-        if self.rt.config.async_completion {
-            gpu::complete(&self.rt, set, entries, Ok(()), Some(recorded.event));
-            return;
-        }
+    fn finish_device(&mut self, set: i32, mut entries: Vec<TensorEntry>, recorded: gpu::Recorded) {
         if self.finisher.is_none() {
             match gpu::Finisher::spawn(self.rt.clone()) {
                 Ok(f) => self.finisher = Some(f),
                 Err(e) => {
-                    gpu::complete(&self.rt, set, entries, Err(e), None);
+                    tracing::error!("{e}; waiting for the GPU on the background thread");
+                    let outcome = recorded.event.synchronize();
+                    gpu::complete(&self.rt, set, entries, outcome, Some(&recorded));
                     return;
                 }
             }
         }
-        if let Some(f) = &self.finisher {
-            f.send(gpu::Finish {
-                set,
-                recorded,
-                entries,
-            });
+        let Some(f) = &self.finisher else { return };
+        if self.rt.config.async_completion {
+            let memory: Vec<_> = entries
+                .iter_mut()
+                .flat_map(|e| e.take_device_memory())
+                .collect();
+            gpu::complete(&self.rt, set, entries, Ok(()), Some(&recorded));
+            if !memory.is_empty() {
+                f.send(gpu::Finish::Release { recorded, memory });
+            }
+            return;
         }
+        f.send(gpu::Finish::Complete {
+            set,
+            recorded,
+            entries,
+        });
     }
 
     /// A channel's batch came back: account for it and complete its tensors.
@@ -1294,6 +1304,7 @@ impl Background {
 
 /// Runs a batch; a GPU batch is only enqueued, and what it recorded comes back.
 fn run_batch(
+    rt: &Runtime,
     set: &mut SetState,
     resps: &[&Response],
     entries: &mut [TensorEntry],
@@ -1303,7 +1314,7 @@ fn run_batch(
     let mut sink = Timeline::activities(timeline, names);
     let head = resps[0];
     if gpu::on_device(head) {
-        return gpu::run_device_batch(&mut set.gpu, &set.data, resps, entries, &mut sink)
+        return gpu::run_device_batch(rt, &mut set.gpu, &set.data, resps, entries, &mut sink)
             .map(Some)
             .inspect_err(|e| {
                 tracing::error!("set {}: GPU {} failed: {e}", set.id, head.kind.name())

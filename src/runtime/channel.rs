@@ -6,6 +6,7 @@
 //! the same collectives in the same order on every rank. Results go back to the background
 //! thread, which completes the tensors (callbacks keep running on one thread).
 
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use crossbeam::channel::{Receiver, Sender, unbounded};
@@ -13,13 +14,15 @@ use crossbeam::channel::{Receiver, Sender, unbounded};
 use crate::collective::{self, TensorIo};
 use crate::error::{Error, Result};
 use crate::message::{OpKind, Response};
-use crate::runtime::Command;
 use crate::runtime::entry::TensorEntry;
+use crate::runtime::{Command, Runtime};
 use crate::transport::mpi::MpiComm;
 
 /// One batch for a channel.
 pub(crate) struct Job {
     pub id: u64,
+    /// The batch's number within its set (the same on every rank).
+    pub seq: u64,
     pub set: i32,
     pub resps: Vec<Response>,
     pub entries: Vec<TensorEntry>,
@@ -41,12 +44,43 @@ pub(crate) struct Channel {
     thread: Option<JoinHandle<()>>,
 }
 
+/// The order in which a set's channels start their batches: batch `seq` starts only after
+/// batch `seq - 1` has. GPU batches are only enqueued when they start, so every rank hands
+/// its NCCL communicators their kernels in the same order (NCCL requires this of several
+/// communicators on one GPU); host batches keep their own order per channel anyway.
+#[derive(Default)]
+pub(crate) struct LaunchTurn {
+    next: Mutex<u64>,
+    moved: Condvar,
+}
+
+impl LaunchTurn {
+    fn wait_for(&self, seq: u64) {
+        let mut next = self.next.lock().expect("launch turn");
+        while *next < seq {
+            next = self.moved.wait(next).expect("launch turn");
+        }
+    }
+
+    fn done(&self, seq: u64) {
+        let mut next = self.next.lock().expect("launch turn");
+        *next = (*next).max(seq + 1);
+        self.moved.notify_all();
+    }
+}
+
 impl Channel {
-    pub fn spawn(index: usize, comm: MpiComm, done: Sender<Command>) -> Result<Channel> {
+    pub fn spawn(
+        index: usize,
+        comm: MpiComm,
+        done: Sender<Command>,
+        rt: Arc<Runtime>,
+        turn: Arc<LaunchTurn>,
+    ) -> Result<Channel> {
         let (tx, rx) = unbounded();
         let thread = std::thread::Builder::new()
             .name(format!("ferrovod-channel-{index}"))
-            .spawn(move || run(comm, rx, done))
+            .spawn(move || run(comm, rx, done, rt, turn))
             .map_err(|e| Error::Internal(format!("cannot start channel thread: {e}")))?;
         Ok(Channel {
             jobs: Some(tx),
@@ -87,16 +121,28 @@ pub(crate) fn runs_on_channel(kind: OpKind) -> bool {
     )
 }
 
-fn run(comm: MpiComm, rx: Receiver<Job>, done: Sender<Command>) {
+fn run(
+    comm: MpiComm,
+    rx: Receiver<Job>,
+    done: Sender<Command>,
+    rt: Arc<Runtime>,
+    turn: Arc<LaunchTurn>,
+) {
     super::ON_BACKGROUND_THREAD.with(|f| f.set(true));
     let mut fusion = Vec::new();
     // this channel's own NCCL communicator and stream, for GPU batches
     let mut lane = None;
     for mut job in rx {
         let refs: Vec<&Response> = job.resps.iter().collect();
+        let on_device = super::gpu::on_device(refs[0]);
+        turn.wait_for(job.seq);
+        if !on_device {
+            turn.done(job.seq);
+        }
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            if super::gpu::on_device(refs[0]) {
+            if on_device {
                 return super::gpu::run_device_batch(
+                    &rt,
                     &mut lane,
                     &comm,
                     &refs,
@@ -114,6 +160,7 @@ fn run(comm: MpiComm, rx: Receiver<Job>, done: Sender<Command>) {
         }))
         // the batch must still come back, failed, rather than leave its waiters hanging
         .unwrap_or_else(|_| Err(Error::Internal("a ferrovod channel thread panicked".into())));
+        turn.done(job.seq);
         let (outcome, recorded) = match result {
             Ok(r) => (Ok(()), r),
             Err(e) => (Err(e), None),

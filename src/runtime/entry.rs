@@ -101,11 +101,11 @@ impl TensorEntry {
         self,
         outcome: Result<()>,
         value: Option<i32>,
-        event: Option<Arc<Event>>,
+        event: Option<(&Arc<Gpu>, &Arc<Event>)>,
     ) {
         let Some(handle) = self.handle else { return };
-        if let Some(ev) = event {
-            handle.set_event(ev);
+        if let Some((gpu, ev)) = event {
+            handle.add_event(gpu, ev);
         }
         let outcome = match (outcome, self.alloc_error) {
             (Ok(()), Some(e)) => Err(e),
@@ -243,11 +243,32 @@ impl TensorEntry {
             return Ok(());
         };
         if let InputMem::Owned(v) = &self.input {
-            let mem = dev.gpu.alloc(v.len())?;
-            dev.gpu.upload(stream, v, mem.ptr())?;
+            let mem = dev.gpu.alloc_on(stream, v.len())?;
+            if v.iter().all(|b| *b == 0) {
+                // a joined rank's zeros: set in stream order, no host wait
+                dev.gpu.memset_zero(stream, mem.ptr(), v.len())?;
+            } else {
+                dev.gpu.upload(stream, v, mem.ptr())?;
+            }
             self.input = InputMem::DeviceOwned(mem);
         }
         Ok(())
+    }
+
+    /// The device memory ferrovod owns for this tensor (a joined rank's zeros, a failed
+    /// allocation's scratch), to be kept until the GPU work using it has finished.
+    pub fn take_device_memory(&mut self) -> Vec<DeviceMem> {
+        let mut out = Vec::new();
+        if let InputMem::DeviceOwned(_) = &self.input
+            && let InputMem::DeviceOwned(m) =
+                std::mem::replace(&mut self.input, InputMem::Owned(Vec::new()))
+        {
+            out.push(m);
+        }
+        if let Some(m) = self.device.as_mut().and_then(|d| d.scratch.take()) {
+            out.push(m);
+        }
+        out
     }
 }
 

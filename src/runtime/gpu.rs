@@ -6,6 +6,7 @@
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use crossbeam::channel::{Receiver, Sender, unbounded};
 
@@ -30,16 +31,32 @@ pub(crate) struct GpuLane {
 }
 
 impl GpuLane {
-    /// Collective over `data`: rank 0 makes the NCCL id and broadcasts it over MPI.
-    fn open(gpu: Arc<Gpu>, data: &MpiComm) -> Result<GpuLane> {
-        let id = if data.rank() == 0 {
-            nccl::unique_id()?
-        } else {
-            Vec::new()
+    /// Collective over `data`, and agreed: rank 0 always broadcasts the NCCL id (empty when it
+    /// failed) and every rank votes on its own readiness before joining the communicator, so
+    /// a rank that cannot open the lane fails the batch everywhere instead of leaving the
+    /// others waiting in NCCL's set-up.
+    fn open(gpu: Result<Arc<Gpu>>, data: &MpiComm) -> Result<GpuLane> {
+        let local = gpu.and_then(|g| {
+            let stream = g.new_stream()?;
+            Ok((g, stream))
+        });
+        let id = match (&local, data.rank()) {
+            (Ok(_), 0) => nccl::unique_id().unwrap_or_else(|e| {
+                tracing::error!("cannot create the NCCL unique id: {e}");
+                Vec::new()
+            }),
+            _ => Vec::new(),
         };
         let id = data.broadcast_bytes(id, 0)?;
+        let mut ready = [u64::from(local.is_ok() && !id.is_empty())];
+        data.and_words(&mut ready)?;
+        let (gpu, stream) = local?;
+        if ready[0] == 0 {
+            return Err(Error::Aborted(
+                "GPU collectives could not start on every rank of the process set (the failing rank logs why)".into(),
+            ));
+        }
         let comm = NcclComm::new(&gpu, &id, data.rank(), data.size())?;
-        let stream = gpu.new_stream()?;
         Ok(GpuLane {
             gpu,
             comm,
@@ -71,31 +88,25 @@ pub(crate) fn on_device(head: &Response) -> bool {
 /// Enqueues one GPU batch on the lane (opening it first if needed): waits on the inputs'
 /// ready events on the device, runs the collective, records the completion event.
 pub(crate) fn run_device_batch(
+    rt: &Runtime,
     lane: &mut Option<GpuLane>,
     data: &MpiComm,
     resps: &[&Response],
     entries: &mut [TensorEntry],
     sink: ActivitySink,
 ) -> Result<Recorded> {
-    // a joined rank has no tensor of its own: it runs on the lane's GPU, or the process's
-    let gpu = match lane.as_ref() {
-        Some(l) => l.gpu.clone(),
-        None => match entries.iter().find_map(|e| e.device.as_ref()) {
-            Some(d) => d.gpu.clone(),
-            None => {
-                let ordinal = crate::runtime::runtime()?
-                    .gpu_device()
-                    .unwrap_or(resps[0].device);
-                crate::transport::cuda::gpu(ordinal)?
-            }
-        },
-    };
-    gpu.bind()?;
     if lane.is_none() {
         sink(Some("NCCL_INIT"));
-        *lane = Some(GpuLane::open(gpu.clone(), data)?);
+        // a joined rank has no tensor of its own: it uses the process's GPU
+        let gpu = match entries.iter().find_map(|e| e.device.as_ref()) {
+            Some(d) => Ok(d.gpu.clone()),
+            None => rt.process_gpu(),
+        };
+        *lane = Some(GpuLane::open(gpu, data)?);
     }
     let l = lane.as_mut().expect("lane opened");
+    let gpu = l.gpu.clone();
+    gpu.bind()?;
     sink(Some("WAIT_FOR_DATA"));
     for e in entries.iter_mut() {
         if e.device.is_none() {
@@ -140,11 +151,20 @@ pub(crate) fn run_device_batch(
     Ok(Recorded { gpu, event })
 }
 
-/// A GPU batch whose tensors complete when its event fires.
-pub(crate) struct Finish {
-    pub set: i32,
-    pub recorded: Recorded,
-    pub entries: Vec<TensorEntry>,
+/// What the finisher does once a batch's event has fired.
+pub(crate) enum Finish {
+    /// Complete the batch's tensors.
+    Complete {
+        set: i32,
+        recorded: Recorded,
+        entries: Vec<TensorEntry>,
+    },
+    /// Asynchronous completion: the tensors are complete already; free the device memory the
+    /// batch used (a joined rank's zeros, scratch outputs) once the GPU is done with it.
+    Release {
+        recorded: Recorded,
+        memory: Vec<DeviceMem>,
+    },
 }
 
 /// Completes GPU tensors after their batch's event, on its own thread, in submission order.
@@ -173,7 +193,7 @@ impl Finisher {
         }
     }
 
-    /// Completes what was sent (after the GPU finishes it) and ends the thread.
+    /// Finishes what was sent (each batch within the stall shutdown time) and ends the thread.
     pub fn close(&mut self) {
         self.tx = None;
         if let Some(t) = self.thread.take() {
@@ -182,15 +202,62 @@ impl Finisher {
     }
 }
 
+/// Waits for `event` without holding a core for long: spins briefly (most batches are short),
+/// then yields, then sleeps. Gives up after `limit`: a rank that failed before its NCCL call
+/// leaves the others' NCCL calls waiting, and their tensors must still complete (failed).
+fn wait_for(event: &Event, limit: Option<Duration>) -> Result<()> {
+    let start = Instant::now();
+    loop {
+        if event.query()? {
+            return Ok(());
+        }
+        let waited = start.elapsed();
+        if let Some(l) = limit
+            && waited > l
+        {
+            return Err(Error::Aborted(format!(
+                "GPU collective did not finish within {} s (another rank may have failed before its NCCL call)",
+                l.as_secs()
+            )));
+        }
+        if waited < Duration::from_micros(200) {
+            std::hint::spin_loop();
+        } else if waited < Duration::from_millis(2) {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+}
+
 fn finish_loop(rt: Arc<Runtime>, rx: Receiver<Finish>) {
     super::ON_BACKGROUND_THREAD.with(|f| f.set(true));
+    let limit = (rt.config.stall_check && !rt.config.stall_shutdown.is_zero())
+        .then_some(rt.config.stall_shutdown);
     for f in rx {
-        let outcome = f
-            .recorded
-            .gpu
-            .bind()
-            .and_then(|()| f.recorded.event.synchronize());
-        complete(&rt, f.set, f.entries, outcome, Some(f.recorded.event));
+        match f {
+            Finish::Complete {
+                set,
+                recorded,
+                entries,
+            } => {
+                let outcome = recorded
+                    .gpu
+                    .bind()
+                    .and_then(|()| wait_for(&recorded.event, limit));
+                complete(&rt, set, entries, outcome, Some(&recorded));
+            }
+            Finish::Release { recorded, memory } => {
+                if let Err(e) = recorded
+                    .gpu
+                    .bind()
+                    .and_then(|()| wait_for(&recorded.event, limit))
+                {
+                    tracing::error!("GPU work did not finish: {e}; its device memory is not freed");
+                    std::mem::forget(memory);
+                }
+            }
+        }
     }
 }
 
@@ -200,10 +267,10 @@ pub(crate) fn complete(
     set: i32,
     entries: Vec<TensorEntry>,
     outcome: Result<()>,
-    event: Option<Arc<Event>>,
+    recorded: Option<&Recorded>,
 ) {
     for e in entries {
         rt.finish_names(&[(set, e.request.name.clone())]);
-        e.complete_on_device(outcome.clone(), None, event.clone());
+        e.complete_on_device(outcome.clone(), None, recorded.map(|r| (&r.gpu, &r.event)));
     }
 }

@@ -46,8 +46,26 @@ impl std::fmt::Debug for Handle {
 }
 
 impl Handle {
-    pub fn set_event(&self, event: Arc<crate::transport::cuda::Event>) {
-        *self.event.lock().expect("handle event") = Some(event);
+    /// Records that some of this operation's GPU work ends at `event`. An operation whose
+    /// tensors ran in several batches (other streams, with channels) gets an event that fires
+    /// after all of them.
+    pub fn add_event(
+        &self,
+        gpu: &crate::transport::cuda::Gpu,
+        event: &Arc<crate::transport::cuda::Event>,
+    ) {
+        let mut slot = self.event.lock().expect("handle event");
+        let joined = match slot.as_ref() {
+            Some(old) if !Arc::ptr_eq(old, event) => match gpu.join_events(&[old, event]) {
+                Ok(j) => Arc::new(j),
+                Err(e) => {
+                    tracing::error!("cannot join completion events: {e}");
+                    event.clone()
+                }
+            },
+            _ => event.clone(),
+        };
+        *slot = Some(joined);
     }
 
     /// The completion event (a `CUevent`), once the GPU work has been enqueued.

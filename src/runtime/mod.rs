@@ -358,9 +358,20 @@ impl Runtime {
         Ok(handle)
     }
 
-    /// The GPU this process's device operations use, once one was asked for.
-    pub(crate) fn gpu_device(&self) -> Option<i32> {
-        self.gpu_device.get().copied()
+    /// This process's GPU for work it has no tensor of its own in (a joined rank): the one its
+    /// operations used, else local rank modulo the GPUs present (the usual one-GPU-per-rank
+    /// placement), which then becomes the process's GPU.
+    pub(crate) fn process_gpu(&self) -> Result<Arc<crate::transport::cuda::Gpu>> {
+        let ordinal = match self.gpu_device.get() {
+            Some(d) => *d,
+            None => {
+                let count = crate::transport::cuda::device_count()?.max(1) as i32;
+                *self
+                    .gpu_device
+                    .get_or_init(|| self.topology().local_rank % count)
+            }
+        };
+        crate::transport::cuda::gpu(ordinal)
     }
 
     /// The GPU of a device operation (opened on first use; without CUDA, the documented
@@ -370,13 +381,22 @@ impl Runtime {
         what: &str,
         spec: &OpSpec,
     ) -> Result<(Arc<crate::transport::cuda::Gpu>, Option<entry::ReadyEvent>)> {
+        let other_gpu = |first: i32| {
+            Error::InvalidArgument(format!(
+                "{what}: GPU device {} requested, but this process already uses GPU {first}; ferrovod drives one GPU per process",
+                spec.device
+            ))
+        };
+        // checked before opening, so a wrong ordinal never initialises another GPU
+        if let Some(first) = self.gpu_device.get()
+            && *first != spec.device
+        {
+            return Err(other_gpu(*first));
+        }
         let gpu = crate::transport::cuda::gpu(spec.device)?;
         let first = *self.gpu_device.get_or_init(|| spec.device);
         if first != spec.device {
-            return Err(Error::InvalidArgument(format!(
-                "{what}: GPU device {} requested, but this process already uses GPU {first}; ferrovod drives one GPU per process",
-                spec.device
-            )));
+            return Err(other_gpu(first));
         }
         let later = matches!(
             spec.kind,

@@ -46,6 +46,8 @@ pub struct Gpu {
     pub ordinal: i32,
     ctx: Arc<CudaContext>,
     kernels: Kernels,
+    /// Where `join_events` records: a stream of its own, so joins never wait behind batches.
+    joiner: Mutex<Option<Stream>>,
 }
 
 static GPUS: Mutex<Option<HashMap<i32, Arc<Gpu>>>> = Mutex::new(None);
@@ -78,6 +80,7 @@ pub fn gpu(ordinal: i32) -> Result<Arc<Gpu>> {
         ordinal,
         ctx,
         kernels,
+        joiner: Mutex::new(None),
     });
     gpus.insert(ordinal, g.clone());
     Ok(g)
@@ -103,6 +106,34 @@ impl Gpu {
         let e = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
             .map_err(|e| driver("event create", e))?;
         Ok(Event(e))
+    }
+
+    /// An event that fires once every one of `events` has (for an operation whose tensors ran
+    /// in batches on different streams).
+    pub fn join_events(&self, events: &[&Event]) -> Result<Event> {
+        let mut joiner = self.joiner.lock().expect("joiner stream");
+        if joiner.is_none() {
+            *joiner = Some(self.new_stream()?);
+        }
+        let stream = joiner.as_ref().expect("joiner stream");
+        for e in events {
+            stream.wait(e)?;
+        }
+        let joined = self.new_event()?;
+        joined.record(stream)?;
+        Ok(joined)
+    }
+
+    /// Device memory allocated in `stream`'s order (usable by work enqueued on it after this).
+    pub fn alloc_on(&self, stream: &Stream, len: usize) -> Result<DeviceMem> {
+        self.bind()?;
+        if len == 0 {
+            return Ok(DeviceMem { ptr: 0, len: 0 });
+        }
+        // SAFETY: a stream-ordered allocation in the bound context; freed by Drop or free_on.
+        let ptr =
+            unsafe { result::malloc_async(stream.0, len) }.map_err(|e| driver("allocation", e))?;
+        Ok(DeviceMem { ptr, len })
     }
 
     pub fn alloc(&self, len: usize) -> Result<DeviceMem> {
@@ -328,6 +359,16 @@ impl Event {
         unsafe { result::event::record(self.0, stream) }.map_err(|e| driver("event record", e))
     }
 
+    /// Whether the recorded work has finished.
+    pub fn query(&self) -> Result<bool> {
+        // SAFETY: a live event of ours.
+        match unsafe { result::event::query(self.0) } {
+            Ok(()) => Ok(true),
+            Err(DriverError(sys::cudaError_enum::CUDA_ERROR_NOT_READY)) => Ok(false),
+            Err(e) => Err(driver("event query", e)),
+        }
+    }
+
     /// Blocks the calling thread until the recorded work has finished.
     pub fn synchronize(&self) -> Result<()> {
         // SAFETY: a live event of ours.
@@ -387,6 +428,17 @@ impl DeviceMem {
 
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Frees in `stream`'s order: after the work already enqueued there, without waiting.
+    pub fn free_on(self, stream: &Stream) -> Result<()> {
+        let ptr = self.ptr;
+        std::mem::forget(self);
+        if ptr == 0 {
+            return Ok(());
+        }
+        // SAFETY: ours, not used by work enqueued after this point (the caller's contract).
+        unsafe { result::free_async(ptr, stream.0) }.map_err(|e| driver("free", e))
     }
 }
 
