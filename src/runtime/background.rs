@@ -447,6 +447,7 @@ impl Background {
     /// Cycles until every rank agrees to stop; returns the reason.
     fn run_loop(&mut self, rx: &Receiver<Command>) -> Option<String> {
         let mut next_cycle = Instant::now();
+        let mut retry = std::time::Duration::ZERO;
         let mut last_counters = crate::runtime::metrics::MetricsSnapshot::default();
         let mut last_counter_time = Instant::now() - std::time::Duration::from_secs(1);
         loop {
@@ -466,7 +467,7 @@ impl Background {
                 t.mark_cycle();
             }
             let ids: Vec<i32> = self.member.keys().copied().collect();
-            let mut again = false;
+            let mut progressed = false;
             for id in ids {
                 let Some(set) = self.member.get_mut(&id) else {
                     continue;
@@ -517,10 +518,8 @@ impl Background {
                     self.learn_groups(&outcome.responses);
                 }
                 if !outcome.responses.is_empty() {
+                    progressed = true;
                     self.execute(id, outcome.responses);
-                    // tensors submitted here just after the vote are likely ready on the other
-                    // ranks too: vote again at once instead of a cycle time later
-                    again |= self.member.get(&id).is_some_and(|s| !s.entries.is_empty());
                 }
                 if id == 0
                     && let Err(e) = self.autotune_cycle()
@@ -539,8 +538,22 @@ impl Background {
                     return self.reason.clone();
                 }
             }
-            if again {
-                next_cycle = Instant::now();
+            // Tensors still wait here: vote again soon rather than a cycle time later — at once
+            // after a vote that ran batches, else after a delay doubling from 20 us up to the
+            // cycle time. A vote that ran just before the other ranks' tensors arrived cost a
+            // whole cycle time (a millisecond per round of back-to-back GPU allreduces,
+            // measured); ranks whose waiting tensors never match back off to the cycle time.
+            if self.member.values().any(|s| !s.entries.is_empty()) {
+                retry = if progressed {
+                    std::time::Duration::ZERO
+                } else {
+                    (retry * 2)
+                        .max(std::time::Duration::from_micros(20))
+                        .min(self.cycle_time)
+                };
+                next_cycle = Instant::now() + retry;
+            } else {
+                retry = std::time::Duration::ZERO;
             }
             if let Some(t) = self.timeline.as_mut() {
                 // counters when they changed, at most every 10 ms
