@@ -269,8 +269,12 @@ pub(crate) fn complete(
     outcome: Result<()>,
     recorded: Option<&Recorded>,
 ) {
+    let names: Vec<(i32, String)> = entries
+        .iter()
+        .map(|e| (set, e.request.name.clone()))
+        .collect();
+    rt.finish_names(&names);
     for e in entries {
-        rt.finish_names(&[(set, e.request.name.clone())]);
         e.complete_on_device(outcome.clone(), None, recorded.map(|r| (&r.gpu, &r.event)));
     }
 }
