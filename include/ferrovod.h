@@ -407,6 +407,16 @@ const char *fv_version(void);
 int32_t fv_built_with(const char *what);
 
 /*
+ `sizeof` of the C API's struct named `name` ("fv_tensor", "fv_op", "fv_init_options",
+ "fv_metrics") as this library lays it out; 0 for other names. Bindings that declare the
+ structs themselves (ctypes) check their layout against it when they load.
+
+ # Safety
+ `name` is NULL or a NUL-terminated string.
+ */
+size_t fv_struct_size(const char *name);
+
+/*
  `*event` = the `CUevent` recorded on ferrovod's stream after a GPU operation's work, for a
  GPU consumer to wait on (`cuStreamWaitEvent`) instead of the host; NULL for host operations
  or before the work is enqueued. By default a GPU operation completes (poll, wait, callback)

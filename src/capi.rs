@@ -398,6 +398,27 @@ pub unsafe extern "C" fn fv_built_with(what: *const c_char) -> i32 {
     i32::from(gpu && (s.eq_ignore_ascii_case("nccl") || s.eq_ignore_ascii_case("cuda")))
 }
 
+/// `sizeof` of the C API's struct named `name` ("fv_tensor", "fv_op", "fv_init_options",
+/// "fv_metrics") as this library lays it out; 0 for other names. Bindings that declare the
+/// structs themselves (ctypes) check their layout against it when they load.
+///
+/// # Safety
+/// `name` is NULL or a NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fv_struct_size(name: *const c_char) -> usize {
+    if name.is_null() {
+        return 0;
+    }
+    // SAFETY: NUL-terminated per the contract.
+    match unsafe { CStr::from_ptr(name) }.to_bytes() {
+        b"fv_tensor" => std::mem::size_of::<fv_tensor>(),
+        b"fv_op" => std::mem::size_of::<fv_op>(),
+        b"fv_init_options" => std::mem::size_of::<fv_init_options>(),
+        b"fv_metrics" => std::mem::size_of::<fv_metrics>(),
+        _ => 0,
+    }
+}
+
 /// `*event` = the `CUevent` recorded on ferrovod's stream after a GPU operation's work, for a
 /// GPU consumer to wait on (`cuStreamWaitEvent`) instead of the host; NULL for host operations
 /// or before the work is enqueued. By default a GPU operation completes (poll, wait, callback)

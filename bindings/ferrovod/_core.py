@@ -159,6 +159,7 @@ def _load():
         "fv_process_set_size": (ctypes.c_int32, [ctypes.c_int32, i32p]),
         "fv_process_set_rank": (ctypes.c_int32, [ctypes.c_int32, i32p]),
         "fv_read_metrics": (ctypes.c_int32, [ctypes.POINTER(_Metrics)]),
+        "fv_struct_size": (ctypes.c_size_t, [ctypes.c_char_p]),
     }
     for name in ("fv_rank", "fv_size", "fv_local_rank", "fv_local_size", "fv_cross_rank",
                  "fv_cross_size", "fv_is_homogeneous", "fv_mpi_threads_supported"):
@@ -167,7 +168,20 @@ def _load():
         fn = getattr(lib, name)
         fn.restype = res
         fn.argtypes = args
+    _check_layouts(lib, (("fv_tensor", _Tensor), ("fv_op", _Op),
+                         ("fv_init_options", _InitOptions), ("fv_metrics", _Metrics)))
     return lib
+
+
+def _check_layouts(lib, structs):
+    """A library built from other sources than these bindings would read past our structs."""
+    for cname, struct in structs:
+        theirs = lib.fv_struct_size(cname.encode())
+        if theirs != ctypes.sizeof(struct):
+            raise ImportError(
+                "ferrovod's library at %s lays out struct %s in %d bytes but these bindings in %d;"
+                " reinstall ferrovod so that both come from the same build"
+                % (library_path(), cname, theirs, ctypes.sizeof(struct)))
 
 
 LIB = _load()
