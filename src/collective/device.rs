@@ -4,7 +4,10 @@
 //! one tensor runs in the tensor's own memory. Reductions the device backend lacks (16-bit
 //! integers, bool) are staged through host memory and the host transport.
 
-use crate::collective::{ActivitySink, backend_op, byte_len, reducescatter_rows};
+use crate::collective::{
+    ActivitySink, allgather_contributions, allgather_shape, backend_op, byte_len,
+    reducescatter_segments, reducescatter_shape,
+};
 use crate::dtype::DataType;
 use crate::error::Result;
 use crate::message::{ReduceOp, Response};
@@ -179,23 +182,10 @@ pub fn allgather_batch(
 ) -> Result<()> {
     let size = t.size();
     let me = t.rank();
-    let bytes: Vec<Vec<usize>> = resps
-        .iter()
-        .map(|r| {
-            let rb = byte_len(r.row_elements(), r.dtype);
-            r.first_dims.iter().map(|d| *d as usize * rb).collect()
-        })
-        .collect();
+    let bytes = allgather_contributions(resps);
     act(Some("ALLOCATE_OUTPUT"));
     for ((io, r), b) in ios.iter_mut().zip(resps).zip(&bytes) {
-        let mut shape = r.shape.clone();
-        let rows: i64 = r.first_dims.iter().sum();
-        if shape.is_empty() {
-            shape.push(rows);
-        } else {
-            shape[0] = rows;
-        }
-        io.allocate_output(&shape, b.iter().sum())?;
+        io.allocate_output(&allgather_shape(r), b.iter().sum())?;
     }
     let (gpu, stream) = (lane.gpu, lane.stream);
     if ios.len() == 1 {
@@ -270,24 +260,10 @@ pub fn reducescatter_batch(
     let me = t.rank();
     let head = resps[0];
     let dtype = head.dtype;
-    let seg: Vec<Vec<usize>> = resps
-        .iter()
-        .map(|r| {
-            let dim0 = r.shape.first().copied().unwrap_or(1);
-            let rb = byte_len(r.row_elements(), r.dtype);
-            (0..size)
-                .map(|k| reducescatter_rows(dim0, size, k) as usize * rb)
-                .collect()
-        })
-        .collect();
+    let seg = reducescatter_segments(resps, size);
     act(Some("ALLOCATE_OUTPUT"));
     for ((io, r), s) in ios.iter_mut().zip(resps).zip(&seg) {
-        let mut shape = r.shape.clone();
-        if shape.is_empty() {
-            shape.push(1);
-        }
-        shape[0] = reducescatter_rows(shape[0], size, me);
-        io.allocate_output(&shape, s[me])?;
+        io.allocate_output(&reducescatter_shape(r, size, me), s[me])?;
     }
     let counts: Vec<usize> = (0..size).map(|r| seg.iter().map(|s| s[r]).sum()).collect();
     if !t.reduces(dtype) {

@@ -197,6 +197,53 @@ fn one(dtype: DataType) -> Vec<u8> {
     }
 }
 
+/// `bytes[i][r]`: what rank r contributes to tensor i of an allgather.
+pub(crate) fn allgather_contributions(resps: &[&Response]) -> Vec<Vec<usize>> {
+    resps
+        .iter()
+        .map(|r| {
+            let rb = byte_len(r.row_elements(), r.dtype);
+            r.first_dims.iter().map(|d| *d as usize * rb).collect()
+        })
+        .collect()
+}
+
+/// The output shape of an allgathered tensor: every rank's rows.
+pub(crate) fn allgather_shape(r: &Response) -> Vec<i64> {
+    let mut shape = r.shape.clone();
+    let rows: i64 = r.first_dims.iter().sum();
+    if shape.is_empty() {
+        shape.push(rows);
+    } else {
+        shape[0] = rows;
+    }
+    shape
+}
+
+/// `seg[i][r]`: bytes of tensor i of a reducescatter that end up on rank r.
+pub(crate) fn reducescatter_segments(resps: &[&Response], size: usize) -> Vec<Vec<usize>> {
+    resps
+        .iter()
+        .map(|r| {
+            let dim0 = r.shape.first().copied().unwrap_or(1);
+            let rb = byte_len(r.row_elements(), r.dtype);
+            (0..size)
+                .map(|k| reducescatter_rows(dim0, size, k) as usize * rb)
+                .collect()
+        })
+        .collect()
+}
+
+/// Rank `me`'s output shape of a reducescattered tensor.
+pub(crate) fn reducescatter_shape(r: &Response, size: usize, me: usize) -> Vec<i64> {
+    let mut shape = r.shape.clone();
+    if shape.is_empty() {
+        shape.push(1);
+    }
+    shape[0] = reducescatter_rows(shape[0], size, me);
+    shape
+}
+
 /// Allgather of one or more tensors with the same dtype; first dimensions may differ per rank.
 /// Fused layout in the buffer: rank-major, then tensor order.
 pub fn allgather_batch(
@@ -208,26 +255,10 @@ pub fn allgather_batch(
 ) -> Result<()> {
     let size = t.size();
     let me = t.rank();
-    let row_bytes: Vec<usize> = resps
-        .iter()
-        .map(|r| byte_len(r.row_elements(), r.dtype))
-        .collect();
-    // bytes[i][r]: what rank r contributes for tensor i
-    let bytes: Vec<Vec<usize>> = resps
-        .iter()
-        .zip(&row_bytes)
-        .map(|(r, rb)| r.first_dims.iter().map(|d| *d as usize * rb).collect())
-        .collect();
+    let bytes = allgather_contributions(resps);
     act(Some("ALLOCATE_OUTPUT"));
     for ((io, r), b) in ios.iter_mut().zip(resps).zip(&bytes) {
-        let mut shape = r.shape.clone();
-        let rows: i64 = r.first_dims.iter().sum();
-        if shape.is_empty() {
-            shape.push(rows);
-        } else {
-            shape[0] = rows;
-        }
-        io.allocate_output(&shape, b.iter().sum())?;
+        io.allocate_output(&allgather_shape(r), b.iter().sum())?;
     }
     if ios.len() == 1 {
         act(Some("MPI_ALLGATHER"));
@@ -284,25 +315,10 @@ pub fn reducescatter_batch(
     let me = t.rank();
     let head = resps[0];
     let (op, post) = backend_op(head.reduce_op, size, head.postscale)?;
-    // seg[i][r]: bytes of tensor i that end up on rank r
-    let seg: Vec<Vec<usize>> = resps
-        .iter()
-        .map(|r| {
-            let dim0 = r.shape.first().copied().unwrap_or(1);
-            let rb = byte_len(r.row_elements(), r.dtype);
-            (0..size)
-                .map(|k| reducescatter_rows(dim0, size, k) as usize * rb)
-                .collect()
-        })
-        .collect();
+    let seg = reducescatter_segments(resps, size);
     act(Some("ALLOCATE_OUTPUT"));
     for ((io, r), s) in ios.iter_mut().zip(resps).zip(&seg) {
-        let mut shape = r.shape.clone();
-        if shape.is_empty() {
-            shape.push(1);
-        }
-        shape[0] = reducescatter_rows(shape[0], size, me);
-        io.allocate_output(&shape, s[me])?;
+        io.allocate_output(&reducescatter_shape(r, size, me), s[me])?;
     }
     let counts: Vec<usize> = (0..size).map(|r| seg.iter().map(|s| s[r]).sum()).collect();
     let total: usize = counts.iter().sum();

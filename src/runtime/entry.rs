@@ -127,6 +127,32 @@ impl TensorEntry {
     }
 }
 
+impl TensorEntry {
+    /// The caller's allocator for this tensor's output, checked to give at least `bytes`
+    /// (and cut to exactly that).
+    fn call_allocator(
+        &self,
+        alloc: &SharedAllocator,
+        shape: &[i64],
+        bytes: usize,
+    ) -> Result<HostBuffer> {
+        let mut buf = alloc
+            .lock()
+            .map_err(|_| Error::Internal("output allocator poisoned".into()))
+            .and_then(|mut a| a.allocate(self.index, shape, bytes))?;
+        if buf.len() < bytes {
+            return Err(Error::Aborted(format!(
+                "output allocator returned {} bytes for tensor '{}', {} needed",
+                buf.len(),
+                self.request.name,
+                bytes
+            )));
+        }
+        buf.truncate(bytes);
+        Ok(buf)
+    }
+}
+
 fn input_slice(input: &InputMem) -> &[u8] {
     match input {
         InputMem::Borrowed(b) => b.as_slice(),
@@ -158,34 +184,19 @@ impl TensorIo for TensorEntry {
     fn allocate_output(&mut self, shape: &[i64], bytes: usize) -> Result<()> {
         self.out_shape = shape.to_vec();
         let allocated = match &self.allocator {
-            Some(alloc) => alloc
-                .lock()
-                .map_err(|_| Error::Internal("output allocator poisoned".into()))
-                .and_then(|mut a| a.allocate(self.index, shape, bytes))
-                .and_then(|mut buf| {
-                    if buf.len() < bytes {
-                        return Err(Error::Aborted(format!(
-                            "output allocator returned {} bytes for tensor '{}', {} needed",
-                            buf.len(),
-                            self.request.name,
-                            bytes
-                        )));
-                    }
-                    buf.truncate(bytes);
-                    let input = input_slice(&self.input);
-                    let (i0, o0) = (input.as_ptr() as usize, buf.as_ptr() as usize);
-                    let disjoint = bytes == 0
-                        || input.is_empty()
-                        || o0 >= i0 + input.len()
-                        || i0 >= o0 + bytes;
-                    if !disjoint {
-                        return Err(Error::Aborted(format!(
-                            "output allocator returned memory overlapping the input of tensor '{}'",
-                            self.request.name
-                        )));
-                    }
-                    Ok(OutputMem::Borrowed(buf))
-                }),
+            Some(alloc) => self.call_allocator(alloc, shape, bytes).and_then(|buf| {
+                let input = input_slice(&self.input);
+                let (i0, o0) = (input.as_ptr() as usize, buf.as_ptr() as usize);
+                let disjoint =
+                    bytes == 0 || input.is_empty() || o0 >= i0 + input.len() || i0 >= o0 + bytes;
+                if !disjoint {
+                    return Err(Error::Aborted(format!(
+                        "output allocator returned memory overlapping the input of tensor '{}'",
+                        self.request.name
+                    )));
+                }
+                Ok(OutputMem::Borrowed(buf))
+            }),
             None => Ok(OutputMem::Owned(vec![0u8; bytes])),
         };
         self.output = allocated.unwrap_or_else(|e| {
@@ -295,23 +306,11 @@ impl DeviceIo for TensorEntry {
     fn allocate_output(&mut self, shape: &[i64], bytes: usize) -> Result<()> {
         self.out_shape = shape.to_vec();
         let allocated = match &self.allocator {
-            Some(alloc) => alloc
-                .lock()
-                .map_err(|_| Error::Internal("output allocator poisoned".into()))
-                .and_then(|mut a| a.allocate(self.index, shape, bytes))
-                .and_then(|buf| {
-                    if buf.len() < bytes {
-                        return Err(Error::Aborted(format!(
-                            "output allocator returned {} bytes for tensor '{}', {} needed",
-                            buf.len(),
-                            self.request.name,
-                            bytes
-                        )));
-                    }
-                    Ok(DeviceRange {
-                        ptr: buf.as_ptr() as DevicePtr,
-                        len: bytes,
-                    })
+            Some(alloc) => self
+                .call_allocator(alloc, shape, bytes)
+                .map(|buf| DeviceRange {
+                    ptr: buf.as_ptr() as DevicePtr,
+                    len: bytes,
                 }),
             None => Err(Error::InvalidArgument(format!(
                 "GPU tensor '{}' needs an output allocator",
