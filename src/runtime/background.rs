@@ -543,17 +543,10 @@ impl Background {
             // cycle time. A vote that ran just before the other ranks' tensors arrived cost a
             // whole cycle time (a millisecond per round of back-to-back GPU allreduces,
             // measured); ranks whose waiting tensors never match back off to the cycle time.
-            if self.member.values().any(|s| !s.entries.is_empty()) {
-                retry = if progressed {
-                    std::time::Duration::ZERO
-                } else {
-                    (retry * 2)
-                        .max(std::time::Duration::from_micros(20))
-                        .min(self.cycle_time)
-                };
+            let waiting = self.member.values().any(|s| !s.entries.is_empty());
+            retry = revote_delay(waiting, progressed, retry, self.cycle_time);
+            if waiting {
                 next_cycle = Instant::now() + retry;
-            } else {
-                retry = std::time::Duration::ZERO;
             }
             if let Some(t) = self.timeline.as_mut() {
                 // counters when they changed, at most every 10 ms
@@ -1315,6 +1308,23 @@ impl Background {
     }
 }
 
+/// How soon to vote again while tensors wait (`waiting`): at once after a vote that ran
+/// batches, else after the last delay doubled, from 20 us up to the cycle time. Zero (the
+/// cycle timer rules) when nothing waits.
+fn revote_delay(
+    waiting: bool,
+    progressed: bool,
+    last: std::time::Duration,
+    cycle: std::time::Duration,
+) -> std::time::Duration {
+    if !waiting || progressed {
+        return std::time::Duration::ZERO;
+    }
+    (last * 2)
+        .max(std::time::Duration::from_micros(20))
+        .min(cycle)
+}
+
 /// Runs a batch; a GPU batch is only enqueued, and what it recorded comes back.
 fn run_batch(
     rt: &Runtime,
@@ -1349,4 +1359,33 @@ fn run_batch(
     }
     .map(|()| None)
     .inspect_err(|e| tracing::error!("set {}: {} failed: {e}", set.id, head.kind.name()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::revote_delay;
+    use std::time::Duration;
+
+    #[test]
+    fn revote_backs_off_to_the_cycle_time_and_resets_on_progress() {
+        let ms = Duration::from_millis(1);
+        let us = Duration::from_micros;
+        let mut d = Duration::ZERO;
+        let mut seen = Vec::new();
+        for _ in 0..8 {
+            d = revote_delay(true, false, d, ms);
+            seen.push(d);
+        }
+        assert_eq!(
+            &seen[..7],
+            &[us(20), us(40), us(80), us(160), us(320), us(640), ms]
+        );
+        assert_eq!(revote_delay(true, true, d, ms), Duration::ZERO);
+        assert_eq!(revote_delay(false, false, d, ms), Duration::ZERO);
+        // a zero cycle time (HOROVOD_CYCLE_TIME=0) never waits
+        assert_eq!(
+            revote_delay(true, false, us(20), Duration::ZERO),
+            Duration::ZERO
+        );
+    }
 }

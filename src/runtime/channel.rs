@@ -197,3 +197,33 @@ pub(crate) fn run_batch_on(
         ))),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::LaunchTurn;
+    use std::sync::{Arc, Mutex};
+
+    #[test]
+    fn batches_start_in_number_order_whatever_thread_gets_there_first() {
+        let turn = Arc::new(LaunchTurn::default());
+        let started = Arc::new(Mutex::new(Vec::new()));
+        // three "channels" holding batches 0..9 round-robin, started in reverse thread order
+        let threads: Vec<_> = (0..3u64)
+            .rev()
+            .map(|k| {
+                let (turn, started) = (turn.clone(), started.clone());
+                std::thread::spawn(move || {
+                    for seq in (k..9).step_by(3) {
+                        turn.wait_for(seq);
+                        started.lock().unwrap().push(seq);
+                        turn.done(seq);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(*started.lock().unwrap(), (0..9).collect::<Vec<u64>>());
+    }
+}
