@@ -5,7 +5,7 @@
 //! integers, bool) are staged through host memory and the host transport.
 
 use crate::collective::{
-    ActivitySink, allgather_contributions, allgather_shape, backend_op, byte_len,
+    ActivitySink, allgather_contributions, allgather_shape, alltoall_counts, backend_op,
     reducescatter_segments, reducescatter_shape,
 };
 use crate::dtype::DataType;
@@ -404,33 +404,13 @@ pub fn alltoall(
     io: &mut dyn DeviceIo,
     act: ActivitySink,
 ) -> Result<()> {
-    let size = t.size();
-    let row_bytes = byte_len(resp.row_elements(), resp.dtype);
-    let dim0 = (io.input().1 / row_bytes.max(1)) as i32;
-    let splits: Vec<i32> = match io.send_splits() {
-        Some(s) => s.to_vec(),
-        None => vec![dim0 / size as i32; size],
-    };
     act(Some("MPI_ALLTOALL"));
-    let recv_splits = crate::collective::exchange_splits(host, &splits)?;
+    let c = alltoall_counts(host, resp, io.input().1, io.send_splits())?;
     act(Some("ALLOCATE_OUTPUT"));
-    let mut shape = resp.shape.clone();
-    shape[0] = recv_splits.iter().map(|s| *s as i64).sum();
-    let recv_counts: Vec<usize> = recv_splits
-        .iter()
-        .map(|s| *s as usize * row_bytes)
-        .collect();
-    io.allocate_output(&shape, recv_counts.iter().sum())?;
-    let send_counts: Vec<usize> = splits.iter().map(|s| *s as usize * row_bytes).collect();
+    io.allocate_output(&c.shape, c.recv.iter().sum())?;
     act(Some("NCCL_ALLTOALL"));
-    t.alltoallv(
-        io.input().0,
-        &send_counts,
-        io.output().0,
-        &recv_counts,
-        lane.stream,
-    )?;
-    io.set_received_splits(recv_splits);
+    t.alltoallv(io.input().0, &c.send, io.output().0, &c.recv, lane.stream)?;
+    io.set_received_splits(c.recv_splits);
     act(None);
     Ok(())
 }

@@ -368,7 +368,7 @@ pub fn broadcast(
 }
 
 /// Each rank's row counts for every other rank, exchanged: what this rank receives from each.
-pub(crate) fn exchange_splits(t: &dyn Transport, splits: &[i32]) -> Result<Vec<i32>> {
+fn exchange_splits(t: &dyn Transport, splits: &[i32]) -> Result<Vec<i32>> {
     let size = t.size();
     let send: Vec<u8> = splits.iter().flat_map(|s| s.to_le_bytes()).collect();
     let mut recv = vec![0u8; 4 * size];
@@ -379,6 +379,42 @@ pub(crate) fn exchange_splits(t: &dyn Transport, splits: &[i32]) -> Result<Vec<i
         .collect())
 }
 
+/// An alltoall's byte counts per rank, and what this rank receives.
+pub(crate) struct AlltoallCounts {
+    pub send: Vec<usize>,
+    pub recv: Vec<usize>,
+    pub recv_splits: Vec<i32>,
+    /// This rank's output shape.
+    pub shape: Vec<i64>,
+}
+
+/// Rows go to each rank as `splits` says (or evenly); the row counts are exchanged over `host`
+/// so that each rank knows what it receives before its output is allocated.
+pub(crate) fn alltoall_counts(
+    host: &dyn Transport,
+    resp: &Response,
+    input_bytes: usize,
+    splits: Option<&[i32]>,
+) -> Result<AlltoallCounts> {
+    let size = host.size();
+    let row_bytes = byte_len(resp.row_elements(), resp.dtype);
+    let dim0 = (input_bytes / row_bytes.max(1)) as i32;
+    let splits: Vec<i32> = match splits {
+        Some(s) => s.to_vec(),
+        None => vec![dim0 / size as i32; size],
+    };
+    let recv_splits = exchange_splits(host, &splits)?;
+    let mut shape = resp.shape.clone();
+    shape[0] = recv_splits.iter().map(|s| *s as i64).sum();
+    let bytes = |s: &[i32]| s.iter().map(|r| *r as usize * row_bytes).collect();
+    Ok(AlltoallCounts {
+        send: bytes(&splits),
+        recv: bytes(&recv_splits),
+        recv_splits,
+        shape,
+    })
+}
+
 /// Alltoall: rows are sent to each rank as the splits say (or evenly); the received row counts
 /// are recorded for the caller.
 pub fn alltoall(
@@ -387,24 +423,11 @@ pub fn alltoall(
     io: &mut dyn TensorIo,
     act: ActivitySink,
 ) -> Result<()> {
-    let size = t.size();
-    let dim0 = (io.input().len() / byte_len(resp.row_elements(), resp.dtype).max(1)) as i32;
-    let splits: Vec<i32> = match io.send_splits() {
-        Some(s) => s.to_vec(),
-        None => vec![dim0 / size as i32; size],
-    };
-    let row_bytes = byte_len(resp.row_elements(), resp.dtype);
     act(Some("MPI_ALLTOALL"));
-    let recv_splits = exchange_splits(t, &splits)?;
+    let c = alltoall_counts(t, resp, io.input().len(), io.send_splits())?;
     act(Some("ALLOCATE_OUTPUT"));
-    let mut shape = resp.shape.clone();
-    shape[0] = recv_splits.iter().map(|s| *s as i64).sum();
-    let recv_counts: Vec<usize> = recv_splits
-        .iter()
-        .map(|s| *s as usize * row_bytes)
-        .collect();
-    io.allocate_output(&shape, recv_counts.iter().sum())?;
-    let send_counts: Vec<usize> = splits.iter().map(|s| *s as usize * row_bytes).collect();
+    io.allocate_output(&c.shape, c.recv.iter().sum())?;
+    let (send_counts, recv_counts) = (c.send, c.recv);
     act(Some("MPI_ALLTOALL"));
     {
         let (input, output) = io.split_io();
@@ -412,7 +435,7 @@ pub fn alltoall(
         let sent: usize = send_counts.iter().sum();
         t.alltoallv(&input[..sent], &send_counts, output, &recv_counts)?;
     }
-    io.set_received_splits(recv_splits);
+    io.set_received_splits(c.recv_splits);
     act(None);
     Ok(())
 }
