@@ -161,13 +161,19 @@ fn allreduce_staged(
     host.allreduce(None, &mut buf, head.dtype, op)?;
     crate::collective::reduce::scale(&mut buf, head.dtype, post)?;
     act(Some("MEMCPY_HOST_TO_DEVICE"));
+    upload_outputs(lane, &buf, ios)?;
+    act(None);
+    Ok(())
+}
+
+/// Copies consecutive bytes of `src` into the tensors' outputs, in order (the staged paths).
+fn upload_outputs(lane: &Lane, src: &[u8], ios: &[&mut dyn DeviceIo]) -> Result<()> {
     let mut off = 0;
-    for io in ios.iter() {
+    for io in ios {
         let (dst, len) = io.output();
-        lane.gpu.upload(lane.stream, &buf[off..off + len], dst)?;
+        lane.gpu.upload(lane.stream, &src[off..off + len], dst)?;
         off += len;
     }
-    act(None);
     Ok(())
 }
 
@@ -358,12 +364,7 @@ fn reducescatter_staged(
     host.reduce_scatter(&send, &mut recv, counts, head.dtype, op)?;
     crate::collective::reduce::scale(&mut recv, head.dtype, post)?;
     act(Some("MEMCPY_HOST_TO_DEVICE"));
-    let mut off = 0;
-    for io in ios.iter() {
-        let (dst, n) = io.output();
-        lane.gpu.upload(lane.stream, &recv[off..off + n], dst)?;
-        off += n;
-    }
+    upload_outputs(lane, &recv, ios)?;
     act(None);
     Ok(())
 }
