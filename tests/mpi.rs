@@ -1874,20 +1874,33 @@ fn bad_arguments() {
             "rank {me}: got '{err}', want '{want}'"
         );
     };
-    // duplicate name while the first is in flight (the other ranks never submit it until later)
-    let h = submit(OpSpec::new(
-        OpKind::Allreduce,
-        vec![tensor("dup", DataType::F32, &[1], &[1.0], false)],
-    ))
-    .unwrap();
-    invalid(
+    // duplicate name while the first is in flight: "dup.<r>" cannot complete before the others
+    // submit it, which they do only after the barrier that rank r reaches after its attempt
+    let dup = |r: usize| {
         OpSpec::new(
             OpKind::Allreduce,
-            vec![tensor("dup", DataType::F32, &[1], &[1.0], false)],
-        ),
+            vec![tensor(
+                &format!("dup.{r}"),
+                DataType::F32,
+                &[1],
+                &[1.0],
+                false,
+            )],
+        )
+    };
+    let mine = submit(dup(me)).unwrap();
+    invalid(
+        dup(me),
         "Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor that is currently being processed.",
     );
-    finish(h).unwrap();
+    run(OpSpec::new(OpKind::Barrier, vec![])).unwrap();
+    let others: Vec<_> = (0..n)
+        .filter(|r| *r != me)
+        .map(|r| submit(dup(r)).unwrap())
+        .collect();
+    for h in std::iter::once(mine).chain(others) {
+        finish(h).unwrap();
+    }
     // same name twice inside one group
     invalid(
         OpSpec::new(
@@ -2667,8 +2680,9 @@ fn gpu_kernels() {
             );
         }
     }
-    // batched copies: 300 ranges (several launches), odd lengths and misaligned offsets
-    let len = 1 << 20;
+    // batched copies: 300 ranges (several launches), odd lengths and misaligned offsets, some
+    // over several 64 KiB slices
+    let len = 8 << 20;
     let host_src: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
     let dsrc = gpu.alloc(len).unwrap();
     let ddst = gpu.alloc(len).unwrap();
@@ -2680,10 +2694,19 @@ fn gpu_kernels() {
     for k in 0..300 {
         let n = if k % 50 == 0 {
             0
+        } else if k % 37 == 0 {
+            (rng.next() % (300 << 10)) as usize + (64 << 10)
+        } else if k % 41 == 0 {
+            128 << 10
         } else {
             (rng.next() % 3000) as usize + (k % 17)
         };
-        let from = (rng.next() as usize) % (len - n);
+        let mut from = (rng.next() as usize) % (len - n);
+        if k % 41 == 0 {
+            // both ends 16-byte aligned: the kernel's wide path
+            from -= from % 16;
+            at = at.next_multiple_of(16);
+        }
         if at + n > len {
             break;
         }

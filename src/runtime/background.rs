@@ -450,12 +450,17 @@ impl Background {
         let mut retry = std::time::Duration::ZERO;
         let mut last_counters = crate::runtime::metrics::MetricsSnapshot::default();
         let mut last_counter_time = Instant::now() - std::time::Duration::from_secs(1);
+        // until when to poll for submissions rather than sleep
+        let mut poll_until = Instant::now();
         loop {
             let now = Instant::now();
             if now < next_cycle {
-                match rx.recv_timeout(next_cycle - now) {
-                    Ok(cmd) => self.receive(cmd),
-                    Err(RecvTimeoutError::Timeout) => {}
+                match next_command(rx, next_cycle, poll_until) {
+                    Ok(Some(cmd)) => {
+                        self.receive(cmd);
+                        poll_until = Instant::now() + POLL_AFTER_SUBMIT;
+                    }
+                    Ok(None) | Err(RecvTimeoutError::Timeout) => {}
                     Err(RecvTimeoutError::Disconnected) => self.want_shutdown = true,
                 }
             }
@@ -1305,6 +1310,41 @@ impl Background {
         if let Some(t) = self.timeline.take() {
             t.close();
         }
+    }
+}
+
+/// How long the background thread polls for the next submission after one arrived, instead
+/// of sleeping: a framework submits a step's gradients in a burst, and waking a sleeping
+/// thread costs every submitter a system call (microseconds each; most of an enqueue).
+const POLL_AFTER_SUBMIT: std::time::Duration = std::time::Duration::from_micros(200);
+
+/// The next command before `deadline`: polled (yielding the core between polls) until
+/// `poll_until`, then waited for asleep. `Ok(None)`: none came.
+fn next_command(
+    rx: &Receiver<Command>,
+    deadline: Instant,
+    poll_until: Instant,
+) -> std::result::Result<Option<Command>, RecvTimeoutError> {
+    loop {
+        match rx.try_recv() {
+            Ok(cmd) => return Ok(Some(cmd)),
+            Err(crossbeam::channel::TryRecvError::Disconnected) => {
+                return Err(RecvTimeoutError::Disconnected);
+            }
+            Err(crossbeam::channel::TryRecvError::Empty) => {}
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Ok(None);
+        }
+        if now >= poll_until {
+            return match rx.recv_timeout(deadline - now) {
+                Ok(cmd) => Ok(Some(cmd)),
+                Err(RecvTimeoutError::Timeout) => Ok(None),
+                Err(e) => Err(e),
+            };
+        }
+        std::thread::yield_now();
     }
 }
 

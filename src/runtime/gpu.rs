@@ -1,4 +1,4 @@
-//! GPU batches in the runtime: a lane (NCCL communicator, stream, fusion buffer) per process
+//! GPU batches in the runtime: a lane (NCCL communicators, streams, fusion buffers) per process
 //! set and channel, opened when the set's first GPU batch runs — every rank runs the same
 //! batches in the same order, so the collective NCCL set-up happens at the same point on all —
 //! and the finisher, a thread that completes GPU tensors once their batch's event has fired,
@@ -21,9 +21,17 @@ use crate::transport::cuda::{DeviceMem, Event, Gpu, Stream};
 use crate::transport::mpi::MpiComm;
 use crate::transport::nccl::{self, NcclComm};
 
-/// Where one set's (or one channel's) GPU batches run.
+/// Where one set's (or one channel's) GPU batches run: `HOROVOD_NUM_NCCL_STREAMS` ways, each
+/// an NCCL communicator with its own stream and fusion buffer; consecutive batches take turns,
+/// so a batch's copies and reduction overlap the previous batch's.
 pub(crate) struct GpuLane {
     gpu: Arc<Gpu>,
+    ways: Vec<Way>,
+    /// Batches run on this lane so far (the same count on every rank).
+    batches: usize,
+}
+
+struct Way {
     comm: NcclComm,
     fusion: Option<DeviceMem>,
     // declared last: dropped after the communicator and buffer that use it
@@ -31,37 +39,53 @@ pub(crate) struct GpuLane {
 }
 
 impl GpuLane {
-    /// Collective over `data`, and agreed: rank 0 always broadcasts the NCCL id (empty when it
-    /// failed) and every rank votes on its own readiness before joining the communicator, so
-    /// a rank that cannot open the lane fails the batch everywhere instead of leaving the
-    /// others waiting in NCCL's set-up.
-    fn open(gpu: Result<Arc<Gpu>>, data: &MpiComm) -> Result<GpuLane> {
-        let local = gpu.and_then(|g| {
-            let stream = g.new_stream()?;
-            Ok((g, stream))
-        });
-        let id = match (&local, data.rank()) {
-            (Ok(_), 0) => nccl::unique_id().unwrap_or_else(|e| {
-                tracing::error!("cannot create the NCCL unique id: {e}");
-                Vec::new()
-            }),
+    /// Collective over `data`, and agreed: rank 0 always broadcasts the NCCL ids, one per way
+    /// (none when it failed), and every rank votes on its own readiness before joining the
+    /// communicators, so a rank that cannot open the lane fails the batch everywhere instead
+    /// of leaving the others waiting in NCCL's set-up.
+    fn open(gpu: Result<Arc<Gpu>>, data: &MpiComm, ways: usize) -> Result<GpuLane> {
+        let ids = match (&gpu, data.rank()) {
+            (Ok(_), 0) => (0..ways)
+                .map(|_| nccl::unique_id())
+                .collect::<Result<Vec<_>>>()
+                .map(|ids| ids.concat())
+                .unwrap_or_else(|e| {
+                    tracing::error!("cannot create an NCCL unique id: {e}");
+                    Vec::new()
+                }),
             _ => Vec::new(),
         };
-        let id = data.broadcast_bytes(id, 0)?;
-        let mut ready = [u64::from(local.is_ok() && !id.is_empty())];
+        let ids = data.broadcast_bytes(ids, 0)?;
+        let ways = ids.len() / nccl::UNIQUE_ID_BYTES;
+        let local = gpu.and_then(|g| {
+            let streams = (0..ways)
+                .map(|_| g.new_stream())
+                .collect::<Result<Vec<_>>>()?;
+            Ok((g, streams))
+        });
+        let mut ready = [u64::from(local.is_ok() && ways > 0)];
         data.and_words(&mut ready)?;
-        let (gpu, stream) = local?;
+        let (gpu, streams) = local?;
         if ready[0] == 0 {
             return Err(Error::Aborted(
                 "GPU collectives could not start on every rank of the process set (the failing rank logs why)".into(),
             ));
         }
-        let comm = NcclComm::new(&gpu, &id, data.rank(), data.size())?;
+        let ways = streams
+            .into_iter()
+            .zip(ids.chunks_exact(nccl::UNIQUE_ID_BYTES))
+            .map(|(stream, id)| {
+                Ok(Way {
+                    comm: NcclComm::new(&gpu, id, data.rank(), data.size())?,
+                    fusion: None,
+                    stream,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(GpuLane {
             gpu,
-            comm,
-            fusion: None,
-            stream,
+            ways,
+            batches: 0,
         })
     }
 }
@@ -102,11 +126,14 @@ pub(crate) fn run_device_batch(
             Some(d) => Ok(d.gpu.clone()),
             None => rt.process_gpu(),
         };
-        *lane = Some(GpuLane::open(gpu, data)?);
+        *lane = Some(GpuLane::open(gpu, data, rt.config.nccl_streams)?);
     }
     let l = lane.as_mut().expect("lane opened");
     let gpu = l.gpu.clone();
     gpu.bind()?;
+    let k = l.batches % l.ways.len();
+    l.batches += 1;
+    let w = &mut l.ways[k];
     sink(Some("WAIT_FOR_DATA"));
     for e in entries.iter_mut() {
         if e.device.is_none() {
@@ -117,10 +144,10 @@ pub(crate) fn run_device_batch(
                 scratch: None,
             });
         }
-        e.move_input_to_device(&l.stream)?;
+        e.move_input_to_device(&w.stream)?;
         match e.device.as_ref().and_then(|d| d.ready.as_ref()) {
-            Some(ReadyEvent::Owned(ev)) => l.stream.wait(ev)?,
-            Some(ReadyEvent::Foreign(ev)) => l.stream.wait_foreign(*ev)?,
+            Some(ReadyEvent::Owned(ev)) => w.stream.wait(ev)?,
+            Some(ReadyEvent::Foreign(ev)) => w.stream.wait_foreign(*ev)?,
             None => {}
         }
     }
@@ -128,11 +155,11 @@ pub(crate) fn run_device_batch(
         entries.iter_mut().map(|e| e as &mut dyn DeviceIo).collect();
     let head = resps[0];
     let mut lane_ref = Lane {
-        gpu: &l.gpu,
-        stream: &l.stream,
-        fusion: &mut l.fusion,
+        gpu: &gpu,
+        stream: &w.stream,
+        fusion: &mut w.fusion,
     };
-    let t = &l.comm;
+    let t = &w.comm;
     match head.kind {
         OpKind::Allreduce => dev::allreduce_batch(t, data, &mut lane_ref, resps, &mut ios, sink),
         OpKind::Allgather => dev::allgather_batch(t, &mut lane_ref, resps, &mut ios, sink),
@@ -146,8 +173,8 @@ pub(crate) fn run_device_batch(
             other.name()
         ))),
     }?;
-    let event = Arc::new(l.gpu.new_event()?);
-    event.record(&l.stream)?;
+    let event = Arc::new(gpu.new_event()?);
+    event.record(&w.stream)?;
     Ok(Recorded { gpu, event })
 }
 

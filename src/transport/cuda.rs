@@ -101,6 +101,18 @@ impl Gpu {
         Ok(Stream(s))
     }
 
+    /// A stream of the device's highest priority: its blocks are scheduled ahead of those of
+    /// ordinary streams (communication ahead of copies running beside it).
+    pub fn new_priority_stream(&self) -> Result<Stream> {
+        self.bind()?;
+        let (_, greatest) =
+            result::stream::get_priority_range().map_err(|e| driver("stream priorities", e))?;
+        let s =
+            result::stream::create_with_priority(result::stream::StreamKind::NonBlocking, greatest)
+                .map_err(|e| driver("stream create", e))?;
+        Ok(Stream(s))
+    }
+
     pub fn new_event(&self) -> Result<Event> {
         self.bind()?;
         let e = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)

@@ -109,6 +109,16 @@ pub trait DeviceTransport {
         stream: &cuda::Stream,
     ) -> Result<()>;
 
+    /// Several independent allreduces of one dtype and op, `(send, recv, count)` each,
+    /// launched together (one NCCL group): no fusion copies, one launch.
+    fn allreduce_many(
+        &self,
+        tensors: &[(DevicePtr, DevicePtr, usize)],
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &cuda::Stream,
+    ) -> Result<()>;
+
     /// Rank r's `counts[r]` bytes, concatenated in rank order into `recv`; this rank's bytes
     /// are already at their place in `recv`.
     fn allgatherv_in_place(

@@ -29,6 +29,9 @@ fn require_nccl() -> Result<()> {
     }
 }
 
+/// Bytes of an NCCL unique id.
+pub const UNIQUE_ID_BYTES: usize = 128;
+
 /// The bytes of a fresh NCCL unique id (call on one rank, then share).
 pub fn unique_id() -> Result<Vec<u8>> {
     require_nccl()?;
@@ -56,7 +59,9 @@ impl NcclComm {
     /// Joins the communicator named by `id` (identical bytes on every rank) on `gpu`.
     pub fn new(gpu: &Gpu, id: &[u8], rank: usize, size: usize) -> Result<NcclComm> {
         require_nccl()?;
-        let mut uid = sys::ncclUniqueId { internal: [0; 128] };
+        let mut uid = sys::ncclUniqueId {
+            internal: [0; UNIQUE_ID_BYTES],
+        };
         if id.len() != uid.internal.len() {
             return Err(Error::Internal(format!(
                 "NCCL unique id of {} bytes",
@@ -169,6 +174,21 @@ impl DeviceTransport for NcclComm {
         }
         .map(|_| ())
         .map_err(|e| nccl("allreduce", e))
+    }
+
+    fn allreduce_many(
+        &self,
+        tensors: &[(DevicePtr, DevicePtr, usize)],
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &Stream,
+    ) -> Result<()> {
+        self.group(|| {
+            for (send, recv, count) in tensors {
+                self.allreduce(*send, *recv, *count, dtype, op, stream)?;
+            }
+            Ok(())
+        })
     }
 
     fn allgatherv_in_place(

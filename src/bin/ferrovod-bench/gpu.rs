@@ -1,7 +1,7 @@
 //! `ferrovod-bench gpu`: ferrovod's allreduce of GPU tensors against NCCL underneath, in one
-//! process. Sweep (nccl-tests form): `iters` in-place f32 sums of one buffer, submitted back to
-//! back and waited for together, against the same number of raw `ncclAllReduce` calls on one
-//! stream. ResNet-50: the gradient set (one device buffer per tensor, submitted in backward
+//! process. Sweep (nccl-tests form): in-place f32 sums of `iters` buffers of one size,
+//! submitted back to back and waited for together, against the same raw `ncclAllReduce` calls
+//! on one stream. ResNet-50: the gradient set (one device buffer per tensor, submitted in backward
 //! order, averaged) against one raw NCCL allreduce of the same bytes. Each figure is the median
 //! of several repetitions. Rank 0 prints one JSON object per line (the GPU script joins them
 //! with PyTorch's figures) and a table.
@@ -23,6 +23,8 @@ pub struct Options {
     pub min_bytes: usize,
     pub max_bytes: usize,
     pub reps: usize,
+    /// Also time the same gradients through NCCL alone in several layouts.
+    pub floors: bool,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -74,31 +76,33 @@ fn wait_all(hs: Vec<Arc<Handle>>) {
     }
 }
 
-/// Seconds for `iters` ferrovod allreduces of `len` bytes of `mem`, submitted together.
-fn ferrovod_round(gpu: &Gpu, host: &MpiComm, mem: &DeviceMem, len: usize, iters: usize) -> f64 {
+/// Seconds for ferrovod allreduces of `len` bytes of each of `mems`, submitted together.
+fn ferrovod_round(gpu: &Gpu, host: &MpiComm, mems: &[DeviceMem], len: usize) -> f64 {
     host.barrier().unwrap();
     let t = Instant::now();
-    let hs: Vec<_> = (0..iters)
-        .map(|i| submit(gpu, &format!("sweep.{len}.{i}"), mem, len, ReduceOp::Sum))
+    let hs: Vec<_> = mems
+        .iter()
+        .enumerate()
+        .map(|(i, m)| submit(gpu, &format!("sweep.{len}.{i}"), m, len, ReduceOp::Sum))
         .collect();
     wait_all(hs);
     t.elapsed().as_secs_f64()
 }
 
-/// Seconds for `iters` raw NCCL allreduces of `len` bytes, back to back on one stream.
+/// Seconds for raw NCCL allreduces of `len` bytes of each of `mems`, back to back on one
+/// stream.
 fn nccl_round(
     comm: &NcclComm,
     stream: &Stream,
     host: &MpiComm,
-    mem: &DeviceMem,
+    mems: &[DeviceMem],
     len: usize,
-    iters: usize,
     op: ReduceOp,
 ) -> f64 {
     host.barrier().unwrap();
     let t = Instant::now();
-    for _ in 0..iters {
-        comm.allreduce(mem.ptr(), mem.ptr(), len / 4, DataType::F32, op, stream)
+    for m in mems {
+        comm.allreduce(m.ptr(), m.ptr(), len / 4, DataType::F32, op, stream)
             .unwrap();
     }
     stream.synchronize().unwrap();
@@ -123,9 +127,6 @@ pub fn run(o: &Options, grads: &[(String, usize)]) {
     let comm = NcclComm::new(&gpu, &id, me, size).unwrap();
     let stream = gpu.new_stream().unwrap();
     let bus = 2.0 * (size as f64 - 1.0) / size as f64;
-    let mem = gpu.alloc(o.max_bytes).unwrap();
-    gpu.memset_zero(&stream, mem.ptr(), o.max_bytes).unwrap();
-    stream.synchronize().unwrap();
     if me == 0 {
         println!(
             "# ferrovod GPU allreduce, np={size}, NCCL {}, f32 sum in place",
@@ -139,16 +140,24 @@ pub fn run(o: &Options, grads: &[(String, usize)]) {
     let mut bytes = o.min_bytes;
     while bytes <= o.max_bytes {
         let iters = iters_for(bytes);
+        // one buffer per tensor, as a framework's gradients are (ferrovod may reduce
+        // consecutive tensors at once, on its several NCCL streams)
+        let mems: Vec<DeviceMem> = (0..iters)
+            .map(|_| {
+                let m = gpu.alloc(bytes).unwrap();
+                gpu.memset_zero(&stream, m.ptr(), bytes).unwrap();
+                m
+            })
+            .collect();
+        stream.synchronize().unwrap();
         // warm-up: NCCL channels, ferrovod's response cache for these names
-        ferrovod_round(&gpu, &host, &mem, bytes, iters);
-        nccl_round(&comm, &stream, &host, &mem, bytes, iters, ReduceOp::Sum);
+        ferrovod_round(&gpu, &host, &mems, bytes);
+        nccl_round(&comm, &stream, &host, &mems, bytes, ReduceOp::Sum);
         let mut fv = Vec::new();
         let mut raw = Vec::new();
         for _ in 0..o.reps {
-            fv.push(ferrovod_round(&gpu, &host, &mem, bytes, iters) / iters as f64);
-            raw.push(
-                nccl_round(&comm, &stream, &host, &mem, bytes, iters, ReduceOp::Sum) / iters as f64,
-            );
+            fv.push(ferrovod_round(&gpu, &host, &mems, bytes) / iters as f64);
+            raw.push(nccl_round(&comm, &stream, &host, &mems, bytes, ReduceOp::Sum) / iters as f64);
         }
         let (fv, raw) = (median(fv), median(raw));
         let gbs = |t: f64| bytes as f64 / t / (1u64 << 30) as f64 * bus;
@@ -169,9 +178,20 @@ pub fn run(o: &Options, grads: &[(String, usize)]) {
         }
         bytes *= 2;
     }
-    drop(mem);
     if !grads.is_empty() {
-        resnet(&gpu, &host, &comm, &stream, grads, o.reps.max(10), me, size);
+        // a second communicator, for the floors with two lanes
+        let second = o.floors.then(|| {
+            let id = if me == 0 {
+                nccl::unique_id().unwrap()
+            } else {
+                Vec::new()
+            };
+            let id = host.broadcast_bytes(id, 0).unwrap();
+            NcclComm::new(&gpu, &id, me, size).unwrap()
+        });
+        let mut comms = vec![&comm];
+        comms.extend(second.as_ref());
+        resnet(&gpu, &host, &comms, &stream, grads, o, me, size);
     }
     let h = rt.enqueue(OpSpec::new(OpKind::Barrier, vec![])).unwrap();
     h.wait(None).unwrap();
@@ -182,10 +202,10 @@ pub fn run(o: &Options, grads: &[(String, usize)]) {
 fn resnet(
     gpu: &Gpu,
     host: &MpiComm,
-    comm: &NcclComm,
+    comms: &[&NcclComm],
     stream: &Stream,
     grads: &[(String, usize)],
-    reps: usize,
+    o: &Options,
     me: usize,
     size: usize,
 ) {
@@ -202,6 +222,8 @@ fn resnet(
     gpu.memset_zero(stream, flat.ptr(), total).unwrap();
     stream.synchronize().unwrap();
     // (whole step, submitting alone) in seconds
+    // each enqueue's own time, over the measured steps (ns)
+    let each = std::cell::RefCell::new(Vec::new());
     let step = || {
         host.barrier().unwrap();
         let t = Instant::now();
@@ -209,17 +231,34 @@ fn resnet(
         let hs: Vec<_> = mems
             .iter()
             .rev()
-            .map(|(n, m, b)| submit(gpu, n, m, *b, ReduceOp::Average))
+            .map(|(n, m, b)| {
+                let t = Instant::now();
+                let h = submit(gpu, n, m, *b, ReduceOp::Average);
+                each.borrow_mut().push(t.elapsed().as_nanos() as u64);
+                h
+            })
             .collect();
         let submitted = t.elapsed().as_secs_f64();
         wait_all(hs);
         (t.elapsed().as_secs_f64(), submitted)
     };
-    let one_allreduce = || nccl_round(comm, stream, host, &flat, total, 1, ReduceOp::Average);
+    let reps = o.reps.max(10);
+    let comm = comms[0];
+    let one_allreduce = || {
+        nccl_round(
+            comm,
+            stream,
+            host,
+            std::slice::from_ref(&flat),
+            total,
+            ReduceOp::Average,
+        )
+    };
     for _ in 0..5 {
         step();
         one_allreduce();
     }
+    each.borrow_mut().clear();
     let mut fv = Vec::new();
     let mut sub = Vec::new();
     let mut one = Vec::new();
@@ -233,7 +272,33 @@ fn resnet(
     let (fv, one, sub) = (median(fv), median(one), median(sub));
     let after = runtime::runtime().unwrap().metrics.snapshot();
     let per_step = |a: u64, b: u64| (a - b) as f64 / reps as f64;
+    if o.floors && me == 0 {
+        submit_anatomy(gpu, &mems);
+    }
+    let floors = if o.floors {
+        engine_floors(gpu, host, comms, &mems, &flat, reps)
+    } else {
+        Vec::new()
+    };
     if me == 0 {
+        let mut e = each.take();
+        e.sort_unstable();
+        let q = |f: f64| e[((e.len() - 1) as f64 * f) as usize] as f64 / 1e3;
+        println!(
+            "# resnet50 enqueue (us each): median {:.2}, p90 {:.2}, p99 {:.2}, max {:.1}, sum/step {:.1}",
+            q(0.5),
+            q(0.9),
+            q(0.99),
+            q(1.0),
+            e.iter().sum::<u64>() as f64 / 1e3 / reps as f64
+        );
+        for (what, t) in &floors {
+            println!(
+                "# resnet50 floor, {what}: {:.1} us ({:.3} of one allreduce)",
+                t * 1e6,
+                t / one
+            );
+        }
         println!(
             "# resnet50 per step: {:.1} negotiation cycles, {:.1} collectives",
             per_step(after.cycles, before.cycles),
@@ -253,4 +318,199 @@ fn resnet(
             mems.len()
         );
     }
+}
+
+/// The same gradients through NCCL alone, no ferrovod: how close any engine can come to one
+/// allreduce (the bench's floors). Each: median seconds per step.
+fn engine_floors(
+    gpu: &Gpu,
+    host: &MpiComm,
+    comms: &[&NcclComm],
+    mems: &[(String, DeviceMem, usize)],
+    flat: &DeviceMem,
+    reps: usize,
+) -> Vec<(String, f64)> {
+    let tensors: Vec<(u64, u64, usize)> = mems
+        .iter()
+        .rev()
+        .map(|(_, m, b)| (m.ptr(), m.ptr(), b / 4))
+        .collect();
+    let streams: Vec<Stream> = (0..comms.len())
+        .map(|_| gpu.new_stream().unwrap())
+        .collect();
+    let urgent = gpu.new_priority_stream().unwrap();
+    let (packer, unpacker) = (gpu.new_stream().unwrap(), gpu.new_stream().unwrap());
+    let stream = &streams[0];
+    let joined = gpu.new_event().unwrap();
+    // runs `f`, then waits for every stream it used
+    let time = |f: &dyn Fn()| {
+        let mut v = Vec::new();
+        for i in 0..reps + 3 {
+            host.barrier().unwrap();
+            let t = Instant::now();
+            f();
+            for s in streams.iter().chain([&urgent, &packer, &unpacker]) {
+                s.synchronize().unwrap();
+            }
+            if i >= 3 {
+                v.push(t.elapsed().as_secs_f64());
+            }
+        }
+        median(v)
+    };
+    let avg = ReduceOp::Average;
+    let f32 = DataType::F32;
+    let mut out = Vec::new();
+    out.push((
+        "one NCCL group of 161 allreduces (no copies)".to_string(),
+        time(&|| comms[0].allreduce_many(&tensors, f32, avg, stream).unwrap()),
+    ));
+    if comms.len() > 1 {
+        let half = flat.len() / 8 * 4;
+        out.push((
+            "two communicators at once, half the flat buffer each (no copies)".to_string(),
+            time(&|| {
+                comms[0]
+                    .allreduce(flat.ptr(), flat.ptr(), half / 4, f32, avg, &streams[0])
+                    .unwrap();
+                let rest = flat.ptr() + half as u64;
+                comms[1]
+                    .allreduce(rest, rest, (flat.len() - half) / 4, f32, avg, &streams[1])
+                    .unwrap();
+            }),
+        ));
+    }
+    // fusion-buffer layout of the gradients in backward order
+    let mut off = 0u64;
+    let (mut cin, mut cout) = (Vec::new(), Vec::new());
+    for (p, _, n) in &tensors {
+        let len = *n as u64 * 4;
+        let at = flat.ptr() + off;
+        cin.push(cuda::Copy {
+            src: *p,
+            dst: at,
+            len,
+        });
+        cout.push(cuda::Copy {
+            src: at,
+            dst: *p,
+            len,
+        });
+        off += len;
+    }
+    out.push((
+        "pack alone".to_string(),
+        time(&|| gpu.copy_batch(stream, &cin).unwrap()),
+    ));
+    let buckets = |limit: usize| -> Vec<std::ops::Range<usize>> {
+        let mut groups = Vec::new();
+        let (mut start, mut bytes) = (0, 0);
+        for (i, c) in cin.iter().enumerate() {
+            if bytes > 0 && bytes + c.len as usize > limit {
+                groups.push(start..i);
+                (start, bytes) = (i, 0);
+            }
+            bytes += c.len as usize;
+        }
+        groups.push(start..cin.len());
+        groups
+    };
+    let reduce = |r: &std::ops::Range<usize>, comm: &NcclComm, s: &Stream| {
+        let lo = cin[r.start].dst;
+        let n: u64 = cin[r.clone()].iter().map(|c| c.len).sum();
+        comm.allreduce(lo, lo, n as usize / 4, f32, avg, s).unwrap();
+    };
+    // ferrovod's lanes: bucket k packs, reduces and unpacks on lane k % lanes
+    for lanes in 1..=comms.len() {
+        for limit in [16usize << 20, 32 << 20, 64 << 20, 128 << 20] {
+            let groups = buckets(limit);
+            out.push((
+                format!(
+                    "{} buckets of <= {} MiB, pack+allreduce+unpack on {lanes} lane(s)",
+                    groups.len(),
+                    limit >> 20
+                ),
+                time(&|| {
+                    for (k, r) in groups.iter().enumerate() {
+                        let s = &streams[k % lanes];
+                        gpu.copy_batch(s, &cin[r.clone()]).unwrap();
+                        reduce(r, comms[k % lanes], s);
+                        gpu.copy_batch(s, &cout[r.clone()]).unwrap();
+                    }
+                }),
+            ));
+        }
+    }
+    // a pipeline: packing and unpacking on their own streams, NCCL on a high-priority one
+    for limit in [8usize << 20, 16 << 20, 32 << 20] {
+        let groups = buckets(limit);
+        let packed: Vec<_> = groups.iter().map(|_| gpu.new_event().unwrap()).collect();
+        let reduced: Vec<_> = groups.iter().map(|_| gpu.new_event().unwrap()).collect();
+        out.push((
+            format!(
+                "{} buckets of <= {} MiB, pack / allreduce (priority stream) / unpack pipelined",
+                groups.len(),
+                limit >> 20
+            ),
+            time(&|| {
+                packer.wait(&joined).unwrap();
+                for (k, r) in groups.iter().enumerate() {
+                    gpu.copy_batch(&packer, &cin[r.clone()]).unwrap();
+                    packed[k].record(&packer).unwrap();
+                }
+                for (k, r) in groups.iter().enumerate() {
+                    urgent.wait(&packed[k]).unwrap();
+                    reduce(r, comms[0], &urgent);
+                    reduced[k].record(&urgent).unwrap();
+                    unpacker.wait(&reduced[k]).unwrap();
+                    gpu.copy_batch(&unpacker, &cout[r.clone()]).unwrap();
+                }
+                joined.record(&unpacker).unwrap();
+            }),
+        ));
+    }
+    out
+}
+
+/// What one enqueue is made of on this machine: per-call costs of the primitives it uses, and
+/// of whole enqueues of host and of GPU tensors (rank 0 only, nothing negotiated).
+fn submit_anatomy(gpu: &Gpu, mems: &[(String, DeviceMem, usize)]) {
+    let per = |n: usize, f: &mut dyn FnMut()| {
+        let t = Instant::now();
+        for _ in 0..n {
+            f();
+        }
+        t.elapsed().as_secs_f64() * 1e9 / n as f64
+    };
+    let n = 20000;
+    let clock = per(n, &mut || {
+        std::hint::black_box(Instant::now());
+    });
+    let m = std::sync::Mutex::new(0u64);
+    let lock = per(n, &mut || *m.lock().unwrap() += 1);
+    let open = per(n, &mut || {
+        std::hint::black_box(cuda::gpu(gpu.ordinal).unwrap());
+    });
+    let (tx, rx) = crossbeam::channel::unbounded::<u64>();
+    let parked = std::thread::spawn(move || while rx.recv().is_ok() {});
+    let wake = per(2000, &mut || {
+        tx.send(1).unwrap();
+        std::thread::sleep(std::time::Duration::from_micros(50));
+    }) - per(2000, &mut || {
+        std::thread::sleep(std::time::Duration::from_micros(50))
+    });
+    drop(tx);
+    parked.join().unwrap();
+    let names: Vec<String> = (0..mems.len()).map(|i| format!("anatomy.{i}")).collect();
+    let alloc = per(n, &mut || {
+        std::hint::black_box(names[7].clone());
+    });
+    println!(
+        "# submit anatomy (ns per call): clock {clock:.0}, uncontended mutex {lock:.0}, \
+         cuda::gpu {open:.0}, channel send to a sleeping thread {wake:.0}, string clone {alloc:.0}"
+    );
+    let clocksource =
+        std::fs::read_to_string("/sys/devices/system/clocksource/clocksource0/current_clocksource")
+            .unwrap_or_default();
+    println!("# clocksource: {}", clocksource.trim());
 }

@@ -34,6 +34,7 @@ struct Args {
     warmup: usize,
     steps: usize,
     json: bool,
+    floors: bool,
     data: Option<String>,
     backward_ms: f64,
     scale: usize,
@@ -49,6 +50,7 @@ fn parse_args() -> Args {
         warmup: 5,
         steps: 30,
         json: false,
+        floors: false,
         data: None,
         backward_ms: 20.0,
         scale: 64,
@@ -94,6 +96,7 @@ fn parse_args() -> Args {
             "--steps" => a.steps = num(&value()),
             "--data" => a.data = Some(value()),
             "--json" => a.json = true,
+            "--floors" => a.floors = true,
             "-h" | "--help" => usage(""),
             other => usage(&format!("unknown argument {other}")),
         }
@@ -107,7 +110,7 @@ fn usage(err: &str) -> ! {
         eprintln!("ferrovod-bench: {err}");
     }
     eprintln!(
-        "usage: mpirun -np N ferrovod-bench [all|sweep|resnet50|negotiation|gpu] [--min-bytes 1K] [--max-bytes 64M] [--iters N] [--warmup N] [--steps N] [--data resnet50_grads.tsv] [--backward-ms 20] [--scale 64] [--json]"
+        "usage: mpirun -np N ferrovod-bench [all|sweep|resnet50|negotiation|gpu] [--min-bytes 1K] [--max-bytes 64M] [--iters N] [--warmup N] [--steps N] [--data resnet50_grads.tsv] [--backward-ms 20] [--scale 64] [--json] [--floors (gpu)]"
     );
     std::process::exit(2)
 }
@@ -479,6 +482,7 @@ fn main() {
                 a.max_bytes
             },
             reps: a.iters.unwrap_or(5),
+            floors: a.floors,
         };
         gpu::run(&opts, &load_grads(&find_data(&a)));
         return;

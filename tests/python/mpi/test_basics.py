@@ -61,12 +61,14 @@ def test_errors_map_to_exception_types():
     r = hvd.rank()
     with pytest.raises(PreconditionError, match="Mismatched ALLREDUCE tensor shapes"):
         _core.enqueue(_core.ALLREDUCE, [np.ones(r + 1, np.float32)], ["mismatch"]).wait()
-    # "dup<r>" cannot complete before every rank submits it, and rank r submits the others'
-    # names only after its duplicate attempt: the first one is surely still in flight
+    # "dup<r>" cannot complete before every rank submits it, and the other ranks submit it
+    # only after the barrier, which rank r reaches after its duplicate attempt: the first one
+    # is surely still in flight then
     n = hvd.size()
     mine = _core.enqueue(_core.ALLREDUCE, [np.ones(1, np.float32)], ["dup%d" % r])
     with pytest.raises(InvalidArgumentError, match="same name as another tensor"):
         _core.enqueue(_core.ALLREDUCE, [np.ones(1, np.float32)], ["dup%d" % r])
+    _core.enqueue(_core.BARRIER, [], []).wait()
     others = [_core.enqueue(_core.ALLREDUCE, [np.ones(1, np.float32)], ["dup%d" % k])
               for k in range(n) if k != r]
     for h in [mine] + others:
