@@ -1,7 +1,7 @@
 //! Completion of enqueued operations: by handle (poll, wait with timeout) and by callback.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -28,12 +28,21 @@ struct State {
     /// Join: last joined rank. Add process set: the new id.
     value: i32,
     callback: Option<DoneCallback>,
+    /// Threads blocked in `wait`: completion signals the condition variable only for them (a
+    /// signal is a system call, and a step completes hundreds of handles).
+    waiters: usize,
 }
+
+/// How long `wait` polls before it blocks: most waits end within it (a GPU batch, a fused
+/// allreduce), and waking a blocked thread costs tens of microseconds on virtual machines.
+const WAIT_POLL: Duration = Duration::from_micros(100);
 
 pub struct Handle {
     pub id: HandleId,
     state: Mutex<State>,
     cv: Condvar,
+    /// Set with the last tensor's completion (lets `wait` poll without the lock).
+    done: AtomicBool,
     /// GPU operations: the event recorded on ferrovod's stream after the work (what a GPU
     /// consumer waits on instead of the host).
     event: Mutex<Option<Arc<crate::transport::cuda::Event>>>,
@@ -102,7 +111,10 @@ impl Handle {
             }
             let outcome = s.outcome.take().unwrap_or(Ok(()));
             s.outcome = Some(outcome.clone());
-            self.cv.notify_all();
+            self.done.store(true, Ordering::Release);
+            if s.waiters > 0 {
+                self.cv.notify_all();
+            }
             s.callback.take().map(|cb| (cb, outcome))
         };
         if let Some((cb, outcome)) = callback_and_outcome {
@@ -131,19 +143,27 @@ impl Handle {
                 "cannot wait for an operation from a ferrovod callback: the background thread would wait for itself".into(),
             ));
         }
-        let deadline = timeout.map(|t| Instant::now() + t);
+        let start = Instant::now();
+        let deadline = timeout.map(|t| start + t);
+        let poll_until = start + timeout.map_or(WAIT_POLL, |t| t.min(WAIT_POLL));
+        while !self.done.load(Ordering::Acquire) && Instant::now() < poll_until {
+            std::thread::yield_now();
+        }
         let mut s = self.state.lock().expect("handle lock");
         while s.remaining > 0 {
+            s.waiters += 1;
             s = match deadline {
                 None => self.cv.wait(s).expect("handle lock"),
                 Some(d) => {
                     let now = Instant::now();
                     if now >= d {
+                        s.waiters -= 1;
                         return Err(Error::Timeout);
                     }
                     self.cv.wait_timeout(s, d - now).expect("handle lock").0
                 }
             };
+            s.waiters -= 1;
         }
         s.outcome.clone().unwrap_or(Ok(()))
     }
@@ -201,6 +221,7 @@ impl HandleTable {
                 ..State::default()
             }),
             cv: Condvar::new(),
+            done: AtomicBool::new(false),
             event: Mutex::new(None),
         });
         self.map.lock().expect("handles").insert(id, h.clone());

@@ -30,7 +30,7 @@ fn require_nccl() -> Result<()> {
 }
 
 /// Bytes of an NCCL unique id.
-pub const UNIQUE_ID_BYTES: usize = 128;
+pub(crate) const UNIQUE_ID_BYTES: usize = 128;
 
 /// The bytes of a fresh NCCL unique id (call on one rank, then share).
 pub fn unique_id() -> Result<Vec<u8>> {
