@@ -30,6 +30,8 @@ pub struct ResponseCache {
     by_name: HashMap<String, usize>,
     clock: u64,
     evicted: bool,
+    /// Bumped whenever a name may have gained or lost its bit.
+    generation: u64,
 }
 
 /// Whether `req` asks for exactly what `cached` (this rank's earlier request) asked for.
@@ -51,6 +53,7 @@ impl ResponseCache {
             by_name: HashMap::new(),
             clock: 0,
             evicted: false,
+            generation: 0,
         }
     }
 
@@ -65,6 +68,12 @@ impl ResponseCache {
 
     pub fn len(&self) -> usize {
         self.by_name.len()
+    }
+
+    /// Changes whenever the name-to-bit mapping may have changed (what is derived from it can
+    /// be kept while it stays the same).
+    pub fn generation(&self) -> u64 {
+        self.generation
     }
 
     pub fn is_empty(&self) -> bool {
@@ -108,6 +117,7 @@ impl ResponseCache {
     }
 
     pub fn erase(&mut self, bit: usize) {
+        self.generation += 1;
         if let Some(Some(e)) = self.slots.get_mut(bit).map(Option::take) {
             self.by_name.remove(&e.response.name);
         }
@@ -121,6 +131,7 @@ impl ResponseCache {
             return false;
         }
         self.clock += 1;
+        self.generation += 1;
         let entry = Entry {
             response: response.clone(),
             local,

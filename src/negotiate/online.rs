@@ -36,6 +36,9 @@ pub struct CycleOutcome {
 struct Waiting {
     req: Request,
     since: Instant,
+    /// Its cache lookup and group, for the cache and groups generations they were found in:
+    /// a burst of tensors waits through many votes, which need not look them up again.
+    found: Option<((u64, u64), Lookup, Option<usize>)>,
 }
 
 pub struct Negotiator {
@@ -57,6 +60,20 @@ pub struct Negotiator {
     groups: Vec<Vec<String>>,
     /// How long a group may be partly ready here before this rank dissolves it.
     group_patience: Duration,
+    /// Bumped whenever `groups` changes.
+    groups_generation: u64,
+    /// What the vote needs to know about the groups, kept while neither they nor the cache's
+    /// bits change (rebuilding it every cycle cost tens of microseconds at 161 tensors).
+    index: Option<((u64, u64), GroupIndex)>,
+}
+
+/// The groups seen from the cache: each member's group, and the bits voted on singly.
+struct GroupIndex {
+    group_of: HashMap<String, usize>,
+    /// Cache bits outside every group, in order: single tensors vote with their position here.
+    singles: Vec<usize>,
+    /// Cache bit to its position in `singles`.
+    compact: HashMap<usize, usize>,
 }
 
 impl Negotiator {
@@ -80,6 +97,37 @@ impl Negotiator {
             mode,
             groups: Vec::new(),
             group_patience: Duration::from_secs(1),
+            groups_generation: 0,
+            index: None,
+        }
+    }
+
+    /// Drops groups that lost a member to the cache (the cache is identical on every rank, so
+    /// they drop everywhere alike) and indexes the rest.
+    fn index_groups(&mut self) -> GroupIndex {
+        let cache = &self.cache;
+        let before = self.groups.len();
+        self.groups
+            .retain(|g| g.iter().all(|n| cache.bit_of(n).is_some()));
+        if self.groups.len() != before {
+            self.groups_generation += 1;
+        }
+        let mut group_of = HashMap::new();
+        let mut member_bits = std::collections::HashSet::new();
+        for (g, names) in self.groups.iter().enumerate() {
+            for n in names {
+                group_of.insert(n.clone(), g);
+                member_bits.insert(self.cache.bit_of(n).expect("retained above"));
+            }
+        }
+        let singles: Vec<usize> = (0..self.cache.num_bits())
+            .filter(|b| !member_bits.contains(b))
+            .collect();
+        let compact = singles.iter().enumerate().map(|(i, b)| (*b, i)).collect();
+        GroupIndex {
+            group_of,
+            singles,
+            compact,
         }
     }
 
@@ -89,6 +137,7 @@ impl Negotiator {
     pub fn set_groups(&mut self, groups: Vec<Vec<String>>, patience: Duration) {
         if self.mode == NegotiationMode::Online {
             self.groups = groups;
+            self.groups_generation += 1;
             self.group_patience = patience;
         }
     }
@@ -98,7 +147,11 @@ impl Negotiator {
     }
 
     pub fn submit(&mut self, req: Request, now: Instant) {
-        self.waiting.push(Waiting { req, since: now });
+        self.waiting.push(Waiting {
+            req,
+            since: now,
+            found: None,
+        });
     }
 
     /// Takes the requests not yet agreed or sent to the coordinator (offline mode takes them
@@ -132,24 +185,17 @@ impl Negotiator {
         let stall_check_due = self.stall.enabled
             && now.saturating_duration_since(self.last_stall_check) >= self.stall.warn_after;
 
-        // groups whose members are all cached (the cache is identical on every rank)
-        let cache = &self.cache;
-        self.groups
-            .retain(|g| g.iter().all(|n| cache.bit_of(n).is_some()));
-        let mut group_of: HashMap<String, usize> = HashMap::new();
-        let mut member_bits = std::collections::HashSet::new();
-        for (g, names) in self.groups.iter().enumerate() {
-            for n in names {
-                group_of.insert(n.clone(), g);
-                member_bits.insert(self.cache.bit_of(n).expect("retained above"));
-            }
-        }
-        // single tensors vote with their cache bit, renumbered without the groups' members
-        let singles: Vec<usize> = (0..self.cache.num_bits())
-            .filter(|b| !member_bits.contains(b))
-            .collect();
-        let compact: HashMap<usize, usize> =
-            singles.iter().enumerate().map(|(i, b)| (*b, i)).collect();
+        let key = (self.cache.generation(), self.groups_generation);
+        let index = match self.index.take() {
+            Some((k, index)) if k == key => index,
+            _ => self.index_groups(),
+        };
+        let key = (self.cache.generation(), self.groups_generation);
+        let GroupIndex {
+            group_of,
+            singles,
+            compact,
+        } = &index;
         let mut group_ready = vec![0usize; self.groups.len()];
         let mut group_oldest: Vec<Option<Instant>> = vec![None; self.groups.len()];
 
@@ -160,16 +206,20 @@ impl Negotiator {
         };
         let mut to_send: Vec<Request> = Vec::new();
         let mut keep: Vec<Waiting> = Vec::new();
-        for w in std::mem::take(&mut self.waiting) {
+        for mut w in std::mem::take(&mut self.waiting) {
             let cached_path = self.cache.enabled()
                 && w.req.kind.cacheable()
                 && (self.joined.is_empty() || w.req.kind == OpKind::Allreduce);
-            let lookup = if cached_path {
-                self.cache.lookup(&w.req)
-            } else {
-                Lookup::Miss
+            let (lookup, group) = match w.found {
+                Some((k, lookup, group)) if k == key => (lookup, group),
+                _ => {
+                    let lookup = self.cache.lookup(&w.req);
+                    let group = group_of.get(&w.req.name).copied();
+                    w.found = Some((key, lookup, group));
+                    (lookup, group)
+                }
             };
-            let group = group_of.get(&w.req.name).copied();
+            let lookup = if cached_path { lookup } else { Lookup::Miss };
             match (lookup, group) {
                 (Lookup::Hit(_), Some(g)) => {
                     group_ready[g] += 1;
@@ -285,18 +335,22 @@ impl Negotiator {
         }
         if !agreed.group_invalid.is_empty() {
             self.groups.clear();
+            self.groups_generation += 1;
         }
         for bit in invalid.into_iter().chain(dissolved) {
             self.cache.erase(bit);
         }
         for bit in group_hit_bits.into_iter().chain(hits) {
             let resp = self.cache.take_response(bit).expect("common bit is cached");
-            if let Some(pos) = keep.iter().position(|w| w.req.name == resp.name) {
-                keep.remove(pos);
-            }
             out.responses.push(resp);
         }
+        if !out.responses.is_empty() {
+            let agreed: std::collections::HashSet<&str> =
+                out.responses.iter().map(|r| r.name.as_str()).collect();
+            keep.retain(|w| !agreed.contains(w.req.name.as_str()));
+        }
         self.waiting = keep;
+        self.index = Some((key, index));
         if agreed.any_shutdown {
             // put back what was going to be sent so it is failed with the rest
             for req in to_send {
@@ -308,7 +362,11 @@ impl Negotiator {
         if !agreed.any_uncached {
             // requests that were invalid on this rank only were not sent: retry next cycle
             for req in to_send {
-                self.waiting.push(Waiting { req, since: now });
+                self.waiting.push(Waiting {
+                    req,
+                    since: now,
+                    found: None,
+                });
             }
             return Ok(out);
         }

@@ -24,6 +24,26 @@ impl Plan {
         Plan::from_cycles(step, &vec![0; step.len()], fusion_threshold, direct_bytes)
     }
 
+    /// Buckets in the step's order, as PyTorch DDP's: consecutive responses up to `bucket`
+    /// bytes, cut before the first that does not fit, whatever cycle each was agreed in. A
+    /// bucket is ready as soon as its last tensor is, and its size does not depend on when
+    /// votes happened to run while the plan was learned (the GPU groups: on a GPU the first
+    /// bucket's reduction then overlaps the submission of the rest).
+    pub fn from_buckets(step: &[Response], bucket: usize, direct_bytes: usize) -> Plan {
+        let mut runs = Vec::with_capacity(step.len());
+        let (mut run, mut bytes) = (0u64, 0usize);
+        for r in step {
+            let b = r.fused_bytes();
+            if bytes > 0 && bytes + b > bucket {
+                run += 1;
+                bytes = 0;
+            }
+            bytes += b;
+            runs.push(run);
+        }
+        Plan::from_cycles(step, &runs, bucket, direct_bytes)
+    }
+
     /// As `from_step`, but fusing only responses agreed in the same negotiation cycle
     /// (`cycle[i]` for `step[i]`): a batch then holds tensors that were ready at about the same
     /// time, so its communication still overlaps the rest of the backward pass.
@@ -143,6 +163,12 @@ impl Plan {
 /// floats (16-bit floats included), with a reduction the escape flag can ride along with. An
 /// 8- or 16-bit integer flag could wrap to zero when 256 (or 65,536) ranks raise it at once.
 pub fn eligible(r: &Response) -> bool {
+    groupable(r) && r.device == crate::message::CPU_DEVICE
+}
+
+/// Responses an online group (one vote bit per batch) may hold: as `eligible`, on any device
+/// (a group only votes; no escape flag rides along).
+fn groupable(r: &Response) -> bool {
     use crate::dtype::DataType as D;
     r.kind == OpKind::Allreduce
         && r.error.is_none()
@@ -150,7 +176,6 @@ pub fn eligible(r: &Response) -> bool {
             r.dtype,
             D::I32 | D::I64 | D::F16 | D::BF16 | D::F32 | D::F64
         )
-        && r.device == crate::message::CPU_DEVICE
         && r.reduce_op != crate::message::ReduceOp::Adasum
 }
 
@@ -159,6 +184,8 @@ pub fn eligible(r: &Response) -> bool {
 /// rank feeds the same responses and freezes at the same one.
 pub struct PlanRecorder {
     warmup: usize,
+    /// Whether GPU tensors may be in the step (online groups), or only host ones (plans).
+    any_device: bool,
     current: Vec<Response>,
     cycles: Vec<u64>,
     current_names: HashSet<String>,
@@ -167,9 +194,11 @@ pub struct PlanRecorder {
 }
 
 impl PlanRecorder {
+    /// For offline plans: host tensors only.
     pub fn new(warmup: usize) -> PlanRecorder {
         PlanRecorder {
             warmup: warmup.max(1),
+            any_device: false,
             current: Vec::new(),
             cycles: Vec::new(),
             current_names: HashSet::new(),
@@ -178,11 +207,23 @@ impl PlanRecorder {
         }
     }
 
+    /// For online groups: tensors on any device.
+    pub fn for_groups(warmup: usize) -> PlanRecorder {
+        PlanRecorder {
+            any_device: true,
+            ..PlanRecorder::new(warmup)
+        }
+    }
+
     /// Feeds one agreed response (agreed in negotiation cycle `cycle`); returns a finished
     /// step that `warmup` steps in a row agreed on (the latest, in its order, with each
     /// response's cycle).
     pub fn observe(&mut self, r: &Response, cycle: u64) -> Option<(Vec<Response>, Vec<u64>)> {
-        if !eligible(r) {
+        if !(if self.any_device {
+            groupable(r)
+        } else {
+            eligible(r)
+        }) {
             // other collectives, joins, process-set changes, allreduces a plan cannot hold:
             // a step containing them cannot run from a plan
             self.reset();
@@ -253,6 +294,57 @@ mod tests {
             }
         }
         out
+    }
+
+    #[test]
+    fn gpu_tensors_make_groups_but_not_plans() {
+        let gpu = |n: &str| {
+            let mut r = resp(n, 4);
+            r.device = 0;
+            r
+        };
+        let steps = ["a", "b", "a", "b", "a"];
+        let mut plans = PlanRecorder::new(2);
+        let mut groups = PlanRecorder::for_groups(2);
+        let (mut p, mut g) = (None, None);
+        for (i, n) in steps.iter().enumerate() {
+            p = p.or(plans.observe(&gpu(n), i as u64));
+            g = g.or(groups.observe(&gpu(n), i as u64));
+        }
+        assert!(p.is_none(), "an offline plan holds host tensors only");
+        let (step, _) = g.expect("two identical GPU steps learned");
+        assert_eq!(step.len(), 2);
+    }
+
+    #[test]
+    fn buckets_are_consecutive_and_ignore_cycles() {
+        // 40 B each; buckets of 100 B: [a b] [c d] [e] — never a later small one pulled forward
+        let step: Vec<Response> = ["a", "b", "c", "d", "e"]
+            .iter()
+            .map(|n| resp(n, 10))
+            .collect();
+        let names = |p: &Plan| -> Vec<Vec<String>> {
+            p.batches
+                .iter()
+                .map(|b| b.iter().map(|r| r.name.clone()).collect())
+                .collect()
+        };
+        assert_eq!(
+            names(&Plan::from_buckets(&step, 100, usize::MAX)),
+            [vec!["a", "b"], vec!["c", "d"], vec!["e"]]
+        );
+        // a tensor larger than a bucket is a bucket of its own
+        let mut big = step.clone();
+        big[1] = resp("B", 100);
+        assert_eq!(
+            names(&Plan::from_buckets(&big, 100, usize::MAX)),
+            [vec!["a"], vec!["B"], vec!["c", "d"], vec!["e"]]
+        );
+        // one bucket for everything when it fits, however the cycles fell
+        assert_eq!(
+            names(&Plan::from_buckets(&step, 1 << 20, usize::MAX)),
+            [vec!["a", "b", "c", "d", "e"]]
+        );
     }
 
     #[test]

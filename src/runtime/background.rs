@@ -331,7 +331,7 @@ impl Background {
             cycle_time: rt.config.cycle_time,
             autotune: None,
             groups: (agreed.negotiation == NegotiationMode::Online).then(|| GroupLearner {
-                recorder: PlanRecorder::new(agreed.plan_warmup_steps),
+                recorder: PlanRecorder::for_groups(agreed.plan_warmup_steps),
                 armed: None,
             }),
             world: world.dup()?,
@@ -524,6 +524,7 @@ impl Background {
                 }
                 if !outcome.responses.is_empty() {
                     progressed = true;
+                    super::probe::mark("agreed", outcome.responses.len());
                     self.execute(id, outcome.responses);
                 }
                 if id == 0
@@ -661,7 +662,12 @@ impl Background {
                 && g.armed.is_none()
                 && single_set
             {
-                let plan = Plan::from_cycles(&step, &cycles, threshold, direct);
+                let on_gpu = step.iter().all(|r| r.device != crate::message::CPU_DEVICE);
+                let plan = if on_gpu {
+                    Plan::from_buckets(&step, threshold.min(GPU_BUCKET_BYTES), direct)
+                } else {
+                    Plan::from_cycles(&step, &cycles, threshold, direct)
+                };
                 let mut remaining: HashSet<String> = step.iter().map(|x| x.name.clone()).collect();
                 remaining.remove(&r.name);
                 g.armed = Some((plan, remaining));
@@ -1060,7 +1066,11 @@ impl Background {
                 continue;
             }
             let timeline = &mut self.timeline;
-            let names: Vec<String> = resps.iter().map(|r| r.name.clone()).collect();
+            // only the timeline needs the names
+            let names: Vec<String> = match timeline {
+                Some(_) => resps.iter().map(|r| r.name.clone()).collect(),
+                None => Vec::new(),
+            };
             if let Some(t) = timeline.as_mut() {
                 for n in &names {
                     t.end(n, None);
@@ -1312,6 +1322,11 @@ impl Background {
         }
     }
 }
+
+/// The largest group of a step of GPU tensors (capped by the fusion threshold). Two such
+/// buckets on two NCCL streams moved the ResNet-50 gradients fastest of the bucket sizes tried
+/// (16, 32, 64, 128 MiB) on 2 × H200.
+const GPU_BUCKET_BYTES: usize = 64 << 20;
 
 /// How long the background thread polls for the next submission after one arrived, instead
 /// of sleeping: a framework submits a step's gradients in a burst, and waking a sleeping

@@ -175,6 +175,7 @@ pub(crate) fn run_device_batch(
     }?;
     let event = Arc::new(gpu.new_event()?);
     event.record(&w.stream)?;
+    super::probe::mark("launched", entries.len());
     Ok(Recorded { gpu, event })
 }
 
@@ -272,7 +273,10 @@ fn finish_loop(rt: Arc<Runtime>, rx: Receiver<Finish>) {
                     .gpu
                     .bind()
                     .and_then(|()| wait_for(&recorded.event, limit));
+                super::probe::mark("fired", entries.len());
+                let n = entries.len();
                 complete(&rt, set, entries, outcome, Some(&recorded));
+                super::probe::mark("completed", n);
             }
             Finish::Release { recorded, memory } => {
                 if let Err(e) = recorded

@@ -7,6 +7,7 @@ pub mod entry;
 pub(crate) mod gpu;
 pub mod handle;
 pub mod metrics;
+pub mod probe;
 pub mod timeline;
 
 use std::collections::{BTreeMap, HashSet};

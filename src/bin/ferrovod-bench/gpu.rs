@@ -270,6 +270,36 @@ fn resnet(
         one.push(one_allreduce());
     }
     let (fv, one, sub) = (median(fv), median(one), median(sub));
+    // inside three more steps: when the runtime's stages happened (us from the first submit)
+    let mut inside = Vec::new();
+    for _ in 0..3 {
+        host.barrier().unwrap();
+        runtime::probe::take();
+        runtime::probe::set_enabled(true);
+        let t = Instant::now();
+        let hs: Vec<_> = mems
+            .iter()
+            .rev()
+            .map(|(n, m, b)| submit(gpu, n, m, *b, ReduceOp::Average))
+            .collect();
+        let submitted = t.elapsed();
+        wait_all(hs);
+        let done = t.elapsed();
+        runtime::probe::set_enabled(false);
+        let marks: Vec<String> = runtime::probe::take()
+            .iter()
+            .map(|m| {
+                let us = m.at.saturating_duration_since(t).as_secs_f64() * 1e6;
+                format!("{} {} @{us:.0}", m.what, m.tensors)
+            })
+            .collect();
+        inside.push(format!(
+            "submitted @{:.0}, {}, all done @{:.0}",
+            submitted.as_secs_f64() * 1e6,
+            marks.join(", "),
+            done.as_secs_f64() * 1e6
+        ));
+    }
     let after = runtime::runtime().unwrap().metrics.snapshot();
     let per_step = |a: u64, b: u64| (a - b) as f64 / reps as f64;
     if o.floors && me == 0 {
@@ -292,6 +322,9 @@ fn resnet(
             q(1.0),
             e.iter().sum::<u64>() as f64 / 1e3 / reps as f64
         );
+        for line in &inside {
+            println!("# resnet50 step inside (us): {line}");
+        }
         for (what, t) in &floors {
             println!(
                 "# resnet50 floor, {what}: {:.1} us ({:.3} of one allreduce)",
