@@ -28,7 +28,7 @@ if [ "$what" != tests ]; then
   for np in 2 4 8; do
     [ "$np" -le "$ngpu" ] || continue
     mpirun -np "$np" --bind-to none -x NCCL_NVLS_ENABLE -x FERROVOD_DATA_DIR \
-      ./.gpu/ferrovod-bench gpu 2>&1 | tee -a "$out/bench.log" | grep '^JSON ' | sed 's/^JSON //' >> "$out/bench.jsonl" || rc=1
+      ./.gpu/ferrovod-bench gpu --floors 2>&1 | tee -a "$out/bench.log" | grep '^JSON ' | sed 's/^JSON //' >> "$out/bench.jsonl" || rc=1
     mpirun -np "$np" --bind-to none -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x PYTHONUNBUFFERED \
       python3 scripts/gpu/torch_allreduce.py .gpu/data/resnet50_grads.tsv 2>&1 | tee -a "$out/torch.log" | grep '^JSON ' | sed 's/^JSON //' >> "$out/bench.jsonl" || rc=1
   done
