@@ -142,8 +142,9 @@ impl Negotiator {
         }
     }
 
-    pub fn num_groups(&self) -> usize {
-        self.groups.len()
+    /// The groups voted on now (names, in order).
+    pub fn groups(&self) -> &[Vec<String>] {
+        &self.groups
     }
 
     pub fn submit(&mut self, req: Request, now: Instant) {

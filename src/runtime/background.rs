@@ -677,17 +677,27 @@ impl Background {
         let Some(set) = self.member.get_mut(&0) else {
             return;
         };
-        if ready && set.negotiator.num_groups() == 0 {
+        if ready {
             let (plan, _) = g.armed.take().expect("checked");
             let groups: Vec<Vec<String>> = plan
                 .batches
                 .iter()
                 .map(|b| b.iter().map(|x| x.name.clone()).collect())
                 .collect();
-            set.negotiator
-                .set_groups(groups, self.rt.config.plan_escape);
-        } else if ready {
-            g.armed = None;
+            // the first plan stays while its tensors still come; a step of other tensors
+            // (another phase of the job, the benchmark's next size) replaces groups that
+            // would otherwise never be voted again
+            let learned: HashSet<&String> = groups.iter().flatten().collect();
+            let stale = set
+                .negotiator
+                .groups()
+                .iter()
+                .flatten()
+                .all(|n| !learned.contains(n));
+            if stale {
+                set.negotiator
+                    .set_groups(groups, self.rt.config.plan_escape);
+            }
         }
     }
 
