@@ -142,6 +142,11 @@ impl Negotiator {
         }
     }
 
+    /// Whether `name` belongs to one of the groups voted on now.
+    pub fn in_group(&self, name: &str) -> bool {
+        self.groups.iter().flatten().any(|n| n == name)
+    }
+
     /// The groups voted on now (names, in order).
     pub fn groups(&self) -> &[Vec<String>] {
         &self.groups

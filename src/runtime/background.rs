@@ -661,6 +661,12 @@ impl Background {
             if let Some((step, cycles)) = g.recorder.observe(r, cycle)
                 && g.armed.is_none()
                 && single_set
+                // planning a step the groups already hold would change nothing (and cost tens
+                // of microseconds at every step's first vote)
+                && !self
+                    .member
+                    .get(&0)
+                    .is_some_and(|s| s.negotiator.in_group(&r.name))
             {
                 let on_gpu = step.iter().all(|r| r.device != crate::message::CPU_DEVICE);
                 let plan = if on_gpu {
