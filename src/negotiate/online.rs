@@ -191,11 +191,11 @@ impl Negotiator {
         let stall_check_due = self.stall.enabled
             && now.saturating_duration_since(self.last_stall_check) >= self.stall.warn_after;
 
-        let key = (self.cache.generation(), self.groups_generation);
         let index = match self.index.take() {
-            Some((k, index)) if k == key => index,
+            Some((k, index)) if k == (self.cache.generation(), self.groups_generation) => index,
             _ => self.index_groups(),
         };
+        // after indexing, which may have dropped groups
         let key = (self.cache.generation(), self.groups_generation);
         let GroupIndex {
             group_of,

@@ -34,7 +34,8 @@ struct State {
 }
 
 /// How long `wait` polls before it blocks: most waits end within it (a GPU batch, a fused
-/// allreduce), and waking a blocked thread costs tens of microseconds on virtual machines.
+/// allreduce), and waking a blocked thread costs the waker a system call (1.3–1.9 µs on a GPU
+/// virtual machine) and the woken thread a trip through the scheduler.
 const WAIT_POLL: Duration = Duration::from_micros(100);
 
 pub struct Handle {
