@@ -290,6 +290,12 @@ impl Background {
             tracing::warn!("FERROVOD_CHANNELS needs MPI_THREAD_MULTIPLE on every rank; using 1");
             agreed.channels = 1;
         }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        crate::runtime::handle::set_polling(
+            rt.config
+                .poll
+                .unwrap_or(cores / local.size().max(1) >= MIN_CORES_TO_POLL),
+        );
         let topo = Topology {
             rank: world.rank() as i32,
             size: world.size() as i32,
@@ -458,7 +464,9 @@ impl Background {
                 match next_command(rx, next_cycle, poll_until) {
                     Ok(Some(cmd)) => {
                         self.receive(cmd);
-                        poll_until = Instant::now() + POLL_AFTER_SUBMIT;
+                        if crate::runtime::handle::polling() {
+                            poll_until = Instant::now() + POLL_AFTER_SUBMIT;
+                        }
                     }
                     Ok(None) | Err(RecvTimeoutError::Timeout) => {}
                     Err(RecvTimeoutError::Disconnected) => self.want_shutdown = true,
@@ -1344,7 +1352,11 @@ impl Background {
 /// (16, 32, 64, 128 MiB) on 2 × H200.
 const GPU_BUCKET_BYTES: usize = 64 << 20;
 
-/// How long the background thread polls for the next submission after one arrived, instead
+/// Cores per local rank from which waiting threads poll by default: a submitting thread, the
+/// background thread and the GPU finisher each may hold one.
+const MIN_CORES_TO_POLL: usize = 4;
+
+/// How long the background thread polls (when polling is on) for the next submission after one arrived, instead
 /// of sleeping: a framework submits a step's gradients in a burst, and waking a sleeping
 /// thread costs every submitter a system call (1.3–1.9 µs on a GPU virtual machine, longer
 /// than the rest of an enqueue).

@@ -33,10 +33,23 @@ struct State {
     waiters: usize,
 }
 
-/// How long `wait` polls before it blocks: most waits end within it (a GPU batch, a fused
-/// allreduce), and waking a blocked thread costs the waker a system call (1.3–1.9 µs on a GPU
-/// virtual machine) and the woken thread a trip through the scheduler.
+/// How long `wait` polls before it blocks, when polling is on: most waits end within it (a
+/// GPU batch, a fused allreduce), and waking a blocked thread costs the waker a system call
+/// (1.3–1.9 µs on a GPU virtual machine) and the woken thread a trip through the scheduler.
 const WAIT_POLL: Duration = Duration::from_micros(100);
+
+static POLLING: AtomicBool = AtomicBool::new(false);
+
+/// Whether waiting threads poll before they sleep. Polling pays where every rank has cores
+/// to spare; where ranks share few cores (CI, oversubscribed jobs) it takes them from the
+/// threads being waited for.
+pub(crate) fn set_polling(on: bool) {
+    POLLING.store(on, Ordering::Relaxed);
+}
+
+pub(crate) fn polling() -> bool {
+    POLLING.load(Ordering::Relaxed)
+}
 
 pub struct Handle {
     pub id: HandleId,
@@ -146,7 +159,8 @@ impl Handle {
         }
         let start = Instant::now();
         let deadline = timeout.map(|t| start + t);
-        let poll_until = start + timeout.map_or(WAIT_POLL, |t| t.min(WAIT_POLL));
+        let poll = if polling() { WAIT_POLL } else { Duration::ZERO };
+        let poll_until = start + timeout.map_or(poll, |t| t.min(poll));
         while !self.done.load(Ordering::Acquire) && Instant::now() < poll_until {
             std::thread::yield_now();
         }
