@@ -1447,8 +1447,42 @@ fn run_batch(
 
 #[cfg(test)]
 mod tests {
-    use super::revote_delay;
-    use std::time::Duration;
+    use super::{next_command, revote_delay};
+    use crate::runtime::Command;
+    use crossbeam::channel::{RecvTimeoutError, unbounded};
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn next_command_polls_then_sleeps_until_the_deadline() {
+        let ms = Duration::from_millis;
+        let (tx, rx) = unbounded();
+        // nothing comes: none at the deadline, after polling part of the time
+        let t = Instant::now();
+        assert!(matches!(next_command(&rx, t + ms(3), t + ms(1)), Ok(None)));
+        assert!(t.elapsed() >= ms(3));
+        // a command that comes while polling, and one that comes while asleep
+        for poll in [ms(500), Duration::ZERO] {
+            let tx2 = tx.clone();
+            let sender = std::thread::spawn(move || {
+                std::thread::sleep(ms(2));
+                tx2.send(Command::Shutdown).unwrap();
+            });
+            let t = Instant::now();
+            let got = next_command(&rx, t + ms(5000), t + poll);
+            assert!(matches!(got, Ok(Some(Command::Shutdown))), "poll {poll:?}");
+            assert!(t.elapsed() < ms(4000));
+            sender.join().unwrap();
+        }
+        // a command already there is returned even past the deadline
+        tx.send(Command::Shutdown).unwrap();
+        let past = Instant::now() - ms(1);
+        assert!(matches!(next_command(&rx, past, past), Ok(Some(_))));
+        drop(tx);
+        assert!(matches!(
+            next_command(&rx, Instant::now() + ms(5), Instant::now()),
+            Err(RecvTimeoutError::Disconnected)
+        ));
+    }
 
     #[test]
     fn revote_backs_off_to_the_cycle_time_and_resets_on_progress() {

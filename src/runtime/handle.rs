@@ -302,4 +302,26 @@ mod tests {
         assert!(table.get(h.id).is_err());
         assert!(table.release(h.id).is_err());
     }
+
+    #[test]
+    fn a_waiting_thread_sees_completion_polling_or_blocked() {
+        for poll in [false, true] {
+            set_polling(poll);
+            let table = HandleTable::default();
+            for delay in [0, 1, 5] {
+                let h = table.create(1, None);
+                let waiter = {
+                    let h = h.clone();
+                    std::thread::spawn(move || h.wait(None))
+                };
+                // completed at once (before or while the waiter polls), or after it blocked
+                std::thread::sleep(Duration::from_millis(delay));
+                h.complete_one(0, Ok(TensorResult::default()), Some(delay as i32));
+                assert_eq!(waiter.join().unwrap(), Ok(()), "poll {poll}, delay {delay}");
+                assert_eq!(h.wait(Some(Duration::ZERO)), Ok(()));
+                assert_eq!(h.state.lock().unwrap().waiters, 0);
+            }
+        }
+        set_polling(false);
+    }
 }
