@@ -221,9 +221,9 @@ fn resnet(
     let flat = gpu.alloc(total).unwrap();
     gpu.memset_zero(stream, flat.ptr(), total).unwrap();
     stream.synchronize().unwrap();
-    // (whole step, submitting alone) in seconds
     // each enqueue's own time, over the measured steps (ns)
     let each = std::cell::RefCell::new(Vec::new());
+    // (when it started, whole step and submitting alone in seconds)
     let step = || {
         host.barrier().unwrap();
         let t = Instant::now();
@@ -240,7 +240,7 @@ fn resnet(
             .collect();
         let submitted = t.elapsed().as_secs_f64();
         wait_all(hs);
-        (t.elapsed().as_secs_f64(), submitted)
+        (t, t.elapsed().as_secs_f64(), submitted)
     };
     let reps = o.reps.max(10);
     let comm = comms[0];
@@ -264,27 +264,20 @@ fn resnet(
     let mut one = Vec::new();
     let before = runtime::runtime().unwrap().metrics.snapshot();
     for _ in 0..reps {
-        let (t, s) = step();
+        let (_, t, s) = step();
         fv.push(t);
         sub.push(s);
         one.push(one_allreduce());
     }
+    let after = runtime::runtime().unwrap().metrics.snapshot();
     let (fv, one, sub) = (median(fv), median(one), median(sub));
+    let enqueues = each.take();
     // inside three more steps: when the runtime's stages happened (us from the first submit)
     let mut inside = Vec::new();
     for _ in 0..3 {
-        host.barrier().unwrap();
         runtime::probe::take();
         runtime::probe::set_enabled(true);
-        let t = Instant::now();
-        let hs: Vec<_> = mems
-            .iter()
-            .rev()
-            .map(|(n, m, b)| submit(gpu, n, m, *b, ReduceOp::Average))
-            .collect();
-        let submitted = t.elapsed();
-        wait_all(hs);
-        let done = t.elapsed();
+        let (t, done, submitted) = step();
         runtime::probe::set_enabled(false);
         let marks: Vec<String> = runtime::probe::take()
             .iter()
@@ -295,12 +288,11 @@ fn resnet(
             .collect();
         inside.push(format!(
             "submitted @{:.0}, {}, all done @{:.0}",
-            submitted.as_secs_f64() * 1e6,
+            submitted * 1e6,
             marks.join(", "),
-            done.as_secs_f64() * 1e6
+            done * 1e6
         ));
     }
-    let after = runtime::runtime().unwrap().metrics.snapshot();
     let per_step = |a: u64, b: u64| (a - b) as f64 / reps as f64;
     if o.floors && me == 0 {
         submit_anatomy(gpu, &mems);
@@ -311,7 +303,7 @@ fn resnet(
         Vec::new()
     };
     if me == 0 {
-        let mut e = each.take();
+        let mut e = enqueues;
         e.sort_unstable();
         let q = |f: f64| e[((e.len() - 1) as f64 * f) as usize] as f64 / 1e3;
         println!(
