@@ -496,6 +496,9 @@ impl Background {
                     continue;
                 }
                 let started = Instant::now();
+                if !set.entries.is_empty() {
+                    super::probe::mark("vote", set.entries.len());
+                }
                 let outcome = set.negotiator.cycle(&set.ctrl, want, started);
                 if let Ok(o) = &outcome {
                     self.rt.metrics.add_negotiation(

@@ -1,5 +1,5 @@
-//! Stage timestamps for benchmarks: when votes agreed, GPU batches were launched, their events
-//! fired and their tensors completed. Off unless a benchmark switches it on; far cheaper than
+//! Stage timestamps for benchmarks: when votes began (with the tensors waiting) and agreed,
+//! GPU batches were launched, their events fired and their tensors completed. Off unless a benchmark switches it on; far cheaper than
 //! the timeline, which writes JSON for every tensor, so it can look inside one step.
 
 use std::sync::Mutex;
