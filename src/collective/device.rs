@@ -70,6 +70,57 @@ fn device_op(resp: &Response, size: usize) -> Result<(ReduceOp, f64)> {
     backend_op(resp.reduce_op, size, resp.postscale)
 }
 
+/// One copy between a tensor's memory and a place in a fusion buffer, in either direction.
+fn between(tensor: DevicePtr, buffer: DevicePtr, len: u64, into_buffer: bool) -> Copy {
+    let (src, dst) = if into_buffer {
+        (tensor, buffer)
+    } else {
+        (buffer, tensor)
+    };
+    Copy { src, dst, len }
+}
+
+/// Copies between `(address, bytes)` ranges and consecutive places of a fusion buffer from
+/// `at`, in range order: into the buffer, or out of it.
+fn consecutive_copies(
+    at: DevicePtr,
+    ranges: impl Iterator<Item = (DevicePtr, usize)>,
+    into_buffer: bool,
+) -> Vec<Copy> {
+    let mut place = at;
+    ranges
+        .map(|(tensor, len)| {
+            let c = between(tensor, place, len as u64, into_buffer);
+            place += len as u64;
+            c
+        })
+        .collect()
+}
+
+/// Copies between a rank-major fusion buffer from `buf` (rank by rank, each rank's segments
+/// in tensor order, `bytes[tensor][rank]` long) and the tensors, whose segments follow one
+/// another from `tensors[tensor]`: into the buffer, or out of it.
+fn rank_major_copies(
+    buf: DevicePtr,
+    tensors: &[DevicePtr],
+    bytes: &[Vec<usize>],
+    into_buffer: bool,
+) -> Vec<Copy> {
+    let ranks = bytes.first().map_or(0, Vec::len);
+    let mut place = buf;
+    let mut done = vec![0u64; tensors.len()];
+    let mut copies = Vec::with_capacity(tensors.len() * ranks);
+    for r in 0..ranks {
+        for (i, (tensor, b)) in tensors.iter().zip(bytes).enumerate() {
+            let n = b[r] as u64;
+            copies.push(between(tensor + done[i], place, n, into_buffer));
+            done[i] += n;
+            place += n;
+        }
+    }
+    copies
+}
+
 /// Allreduce of a batch (same dtype, op and scales).
 pub fn allreduce_batch(
     t: &dyn DeviceTransport,
@@ -105,24 +156,12 @@ pub fn allreduce_batch(
     let total: usize = ios.iter().map(|io| io.input().1).sum();
     let buf = lane.fusion(total)?;
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
-    let mut off = 0u64;
-    let mut copies_in = Vec::with_capacity(ios.len());
-    let mut copies_out = Vec::with_capacity(ios.len());
-    for io in ios.iter() {
-        let (src, len) = io.input();
-        let (dst, _) = io.output();
-        copies_in.push(Copy {
-            src,
-            dst: buf + off,
-            len: len as u64,
-        });
-        copies_out.push(Copy {
-            src: buf + off,
-            dst,
-            len: len as u64,
-        });
-        off += len as u64;
-    }
+    let copies_in = consecutive_copies(buf, ios.iter().map(|io| io.input()), true);
+    let copies_out = consecutive_copies(
+        buf,
+        ios.iter().map(|io| (io.output().0, io.input().1)),
+        false,
+    );
     gpu.copy_batch(stream, &copies_in)?;
     let n = total / dtype.size();
     act(Some("NCCL_ALLREDUCE"));
@@ -217,38 +256,14 @@ pub fn allgather_batch(
     let total: usize = counts.iter().sum();
     let buf = lane.fusion(total)?;
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
-    let mut at = buf + counts[..me].iter().sum::<usize>() as u64;
-    let mut copies = Vec::with_capacity(ios.len());
-    for io in ios.iter() {
-        let (src, len) = io.input();
-        copies.push(Copy {
-            src,
-            dst: at,
-            len: len as u64,
-        });
-        at += len as u64;
-    }
+    let mine = buf + counts[..me].iter().sum::<usize>() as u64;
+    let copies = consecutive_copies(mine, ios.iter().map(|io| io.input()), true);
     gpu.copy_batch(stream, &copies)?;
     act(Some("NCCL_ALLGATHER"));
     t.allgatherv_in_place(buf, &counts, stream)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-    let mut copies = Vec::with_capacity(ios.len() * size);
-    let mut src = buf;
-    let mut dst = vec![0u64; ios.len()];
-    #[allow(clippy::needless_range_loop)] // walks a [tensor][rank] matrix rank-major
-    for r in 0..size {
-        for (i, io) in ios.iter().enumerate() {
-            let n = bytes[i][r] as u64;
-            copies.push(Copy {
-                src,
-                dst: io.output().0 + dst[i],
-                len: n,
-            });
-            dst[i] += n;
-            src += n;
-        }
-    }
-    gpu.copy_batch(stream, &copies)?;
+    let outputs: Vec<DevicePtr> = ios.iter().map(|io| io.output().0).collect();
+    gpu.copy_batch(stream, &rank_major_copies(buf, &outputs, &bytes, false))?;
     act(None);
     Ok(())
 }
@@ -292,39 +307,14 @@ pub fn reducescatter_batch(
     let buf = lane.fusion(total + counts[me])?;
     let recv = buf + total as u64;
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
-    let mut copies = Vec::with_capacity(ios.len() * size);
-    let mut dst = buf;
-    let mut src = vec![0u64; ios.len()];
-    #[allow(clippy::needless_range_loop)] // walks a [tensor][rank] matrix rank-major
-    for r in 0..size {
-        for (i, io) in ios.iter().enumerate() {
-            let n = seg[i][r] as u64;
-            copies.push(Copy {
-                src: io.input().0 + src[i],
-                dst,
-                len: n,
-            });
-            src[i] += n;
-            dst += n;
-        }
-    }
-    gpu.copy_batch(stream, &copies)?;
+    let inputs: Vec<DevicePtr> = ios.iter().map(|io| io.input().0).collect();
+    gpu.copy_batch(stream, &rank_major_copies(buf, &inputs, &seg, true))?;
     gpu.scale(stream, buf, buf, total / dtype.size(), dtype, head.prescale)?;
     act(Some("NCCL_REDUCESCATTER"));
     t.reduce_scatter(buf, recv, &elems, dtype, op, stream)?;
     gpu.scale(stream, recv, recv, elems[me], dtype, post)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-    let mut copies = Vec::with_capacity(ios.len());
-    let mut src = recv;
-    for io in ios.iter() {
-        let (dst, n) = io.output();
-        copies.push(Copy {
-            src,
-            dst,
-            len: n as u64,
-        });
-        src += n as u64;
-    }
+    let copies = consecutive_copies(recv, ios.iter().map(|io| io.output()), false);
     gpu.copy_batch(stream, &copies)?;
     act(None);
     Ok(())
@@ -414,4 +404,53 @@ pub fn alltoall(
     io.set_received_splits(c.recv_splits);
     act(None);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn triples(c: &[Copy]) -> Vec<(u64, u64, u64)> {
+        c.iter().map(|c| (c.src, c.dst, c.len)).collect()
+    }
+
+    #[test]
+    fn consecutive_copies_pack_and_unpack_in_order() {
+        let ranges = [(1000, 4), (2000, 8), (3000, 0)];
+        let into = consecutive_copies(100, ranges.iter().copied(), true);
+        assert_eq!(
+            triples(&into),
+            [(1000, 100, 4), (2000, 104, 8), (3000, 112, 0)]
+        );
+        let out = consecutive_copies(100, ranges.iter().copied(), false);
+        assert_eq!(
+            triples(&out),
+            [(100, 1000, 4), (104, 2000, 8), (112, 3000, 0)]
+        );
+    }
+
+    #[test]
+    fn rank_major_copies_walk_ranks_then_tensors() {
+        // two tensors over three ranks: [tensor][rank] segment bytes
+        let bytes = vec![vec![2, 3, 1], vec![4, 0, 5]];
+        let tensors = [1000, 2000];
+        let out = rank_major_copies(100, &tensors, &bytes, false);
+        assert_eq!(
+            triples(&out),
+            [
+                (100, 1000, 2),
+                (102, 2000, 4),
+                (106, 1002, 3),
+                (109, 2004, 0),
+                (109, 1005, 1),
+                (110, 2004, 5),
+            ]
+        );
+        let into = rank_major_copies(100, &tensors, &bytes, true);
+        let flipped: Vec<_> = triples(&into)
+            .iter()
+            .map(|(s, d, n)| (*d, *s, *n))
+            .collect();
+        assert_eq!(flipped, triples(&out));
+    }
 }
