@@ -30,16 +30,10 @@ impl Plan {
     /// votes happened to run while the plan was learned (the GPU groups: on a GPU the first
     /// bucket's reduction then overlaps the submission of the rest).
     pub fn from_buckets(step: &[Response], bucket: usize, direct_bytes: usize) -> Plan {
-        let mut runs = Vec::with_capacity(step.len());
-        let (mut run, mut bytes) = (0u64, 0usize);
-        for r in step {
-            let b = r.fused_bytes();
-            if bytes > 0 && bytes + b > bucket {
-                run += 1;
-                bytes = 0;
-            }
-            bytes += b;
-            runs.push(run);
+        let sizes: Vec<usize> = step.iter().map(Response::fused_bytes).collect();
+        let mut runs = vec![0u64; step.len()];
+        for (k, range) in bucket_ranges(&sizes, bucket).into_iter().enumerate() {
+            runs[range].fill(k as u64);
         }
         Plan::from_cycles(step, &runs, bucket, direct_bytes)
     }
@@ -157,6 +151,24 @@ impl Plan {
             (h ^ *b as u64).wrapping_mul(0x100_0000_01b3)
         })
     }
+}
+
+/// Consecutive runs of `sizes` of at most `bucket` in total, each cut before the first size
+/// that does not fit (a size larger than `bucket` is a run of its own): the GPU buckets.
+pub fn bucket_ranges(sizes: &[usize], bucket: usize) -> Vec<std::ops::Range<usize>> {
+    let mut ranges = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    for (i, b) in sizes.iter().enumerate() {
+        if bytes > 0 && bytes + b > bucket {
+            ranges.push(start..i);
+            (start, bytes) = (i, 0);
+        }
+        bytes += b;
+    }
+    if start < sizes.len() {
+        ranges.push(start..sizes.len());
+    }
+    ranges
 }
 
 /// Responses a plan may hold: error-free allreduces on the host of 32/64-bit integers or

@@ -427,19 +427,9 @@ fn engine_floors(
         "pack alone".to_string(),
         time(&|| gpu.copy_batch(stream, &cin).unwrap()),
     ));
-    let buckets = |limit: usize| -> Vec<std::ops::Range<usize>> {
-        let mut groups = Vec::new();
-        let (mut start, mut bytes) = (0, 0);
-        for (i, c) in cin.iter().enumerate() {
-            if bytes > 0 && bytes + c.len as usize > limit {
-                groups.push(start..i);
-                (start, bytes) = (i, 0);
-            }
-            bytes += c.len as usize;
-        }
-        groups.push(start..cin.len());
-        groups
-    };
+    // the runtime's rule for GPU buckets
+    let sizes: Vec<usize> = cin.iter().map(|c| c.len as usize).collect();
+    let buckets = |limit: usize| ferrovod::negotiate::plan::bucket_ranges(&sizes, limit);
     let reduce = |r: &std::ops::Range<usize>, comm: &NcclComm, s: &Stream| {
         let lo = cin[r.start].dst;
         let n: u64 = cin[r.clone()].iter().map(|c| c.len).sum();
