@@ -904,6 +904,44 @@ fn grouped_allreduce_checks(ctx: &Ctx) {
     for (k, (r, (dtype, want))) in res.iter().zip(&wants).enumerate() {
         assert_close(&output(r, *dtype), want, &format!("grouped allreduce {k}"));
     }
+    // large and small tensors in one batch, scaled, some out of place: on GPUs the large ones
+    // (from 1 MiB) are reduced where they are and the small ones through the fusion buffer
+    let n = ctx.ranks.len() as f64;
+    let lens = [300_000usize, 5, 17, 262_144, 9, 400_000];
+    let mut tensors = Vec::new();
+    let mut wants = Vec::new();
+    for (k, len) in lens.iter().enumerate() {
+        let mine: Vec<f64> = (0..*len).map(|i| 2.0 * val(i + k, me)).collect();
+        let want: Vec<f64> = (0..*len)
+            .map(|i| 4.0 * ctx.ranks.iter().map(|r| val(i + k, *r)).sum::<f64>() / n)
+            .collect();
+        let mut t = tensor(
+            &format!("{}.gar.mixed.{k}", ctx.tag),
+            DataType::F32,
+            &[*len as i64],
+            &mine,
+            false,
+        );
+        if k % 2 == 1 {
+            t.output = OutputMem::Owned(vec![0u8; len * 4]);
+        }
+        tensors.push(t);
+        wants.push(want);
+    }
+    let mut spec = OpSpec::new(OpKind::Allreduce, tensors);
+    spec.reduce_op = ReduceOp::Average;
+    spec.prescale = 0.5;
+    spec.postscale = 4.0;
+    spec.process_set = ctx.set;
+    let res = run(spec).unwrap();
+    for (k, (r, want)) in res.iter().zip(&wants).enumerate() {
+        let what = format!("grouped mixed-size allreduce {k}");
+        assert_close(
+            &output(r, DataType::F32),
+            &quantize(DataType::F32, want),
+            &what,
+        );
+    }
 }
 
 fn barrier_check(ctx: &Ctx) {

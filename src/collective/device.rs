@@ -1,7 +1,7 @@
 //! The collectives over GPU memory: the same batches as the host algorithms, written against
 //! a `DeviceTransport` (NCCL). Work is enqueued on the lane's stream and not waited for;
-//! fusion packing and unpacking are batched copy kernels, scaling is a kernel, and a batch of
-//! one tensor runs in the tensor's own memory. Reductions the device backend lacks (16-bit
+//! fusion packing and unpacking are batched copy kernels, scaling is a kernel, and large tensors
+//! (and a batch of one) are reduced in the tensor's own memory. Reductions the device backend lacks (16-bit
 //! integers, bool) are staged through host memory and the host transport.
 
 use crate::collective::{
@@ -138,40 +138,69 @@ pub fn allreduce_batch(
     let (op, post) = device_op(head, t.size())?;
     let gpu = lane.gpu;
     let stream = lane.stream;
-    if ios.len() == 1 {
-        let (input, bytes) = ios[0].input();
-        let (output, _) = ios[0].output();
+    let sizes: Vec<usize> = ios.iter().map(|io| io.input().1).collect();
+    let direct = reduced_in_place(&sizes);
+    // the large tensors where they are, prescaled into their outputs where asked
+    let mut calls = Vec::with_capacity(ios.len());
+    for (io, _) in ios.iter().zip(&direct).filter(|(_, d)| **d) {
+        let ((input, bytes), (output, _)) = (io.input(), io.output());
         let n = bytes / dtype.size();
-        act(Some("NCCL_ALLREDUCE"));
         let mut src = input;
         if head.prescale != 1.0 {
             gpu.scale(stream, input, output, n, dtype, head.prescale)?;
             src = output;
         }
-        t.allreduce(src, output, n, dtype, op, stream)?;
-        gpu.scale(stream, output, output, n, dtype, post)?;
-        act(None);
-        return Ok(());
+        calls.push((src, output, n));
     }
-    let total: usize = ios.iter().map(|io| io.input().1).sum();
-    let buf = lane.fusion(total)?;
-    act(Some("MEMCPY_IN_FUSION_BUFFER"));
-    let copies_in = consecutive_copies(buf, ios.iter().map(|io| io.input()), true);
+    // the rest through the fusion buffer
+    let fused: Vec<usize> = (0..ios.len()).filter(|i| !direct[*i]).collect();
+    let total: usize = fused.iter().map(|i| sizes[*i]).sum();
+    let buf = if fused.is_empty() {
+        0
+    } else {
+        lane.fusion(total)?
+    };
     let copies_out = consecutive_copies(
         buf,
-        ios.iter().map(|io| (io.output().0, io.input().1)),
+        fused.iter().map(|i| (ios[*i].output().0, sizes[*i])),
         false,
     );
-    gpu.copy_batch(stream, &copies_in)?;
-    let n = total / dtype.size();
+    if !fused.is_empty() {
+        act(Some("MEMCPY_IN_FUSION_BUFFER"));
+        let copies_in = consecutive_copies(buf, fused.iter().map(|i| ios[*i].input()), true);
+        gpu.copy_batch(stream, &copies_in)?;
+        let n = total / dtype.size();
+        gpu.scale(stream, buf, buf, n, dtype, head.prescale)?;
+        calls.push((buf, buf, n));
+    }
     act(Some("NCCL_ALLREDUCE"));
-    gpu.scale(stream, buf, buf, n, dtype, head.prescale)?;
-    t.allreduce(buf, buf, n, dtype, op, stream)?;
-    gpu.scale(stream, buf, buf, n, dtype, post)?;
-    act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-    gpu.copy_batch(stream, &copies_out)?;
+    t.allreduce_many(&calls, dtype, op, stream)?;
+    for (_, out, n) in &calls {
+        gpu.scale(stream, *out, *out, *n, dtype, post)?;
+    }
+    if !fused.is_empty() {
+        act(Some("MEMCPY_OUT_FUSION_BUFFER"));
+        gpu.copy_batch(stream, &copies_out)?;
+    }
     act(None);
     Ok(())
+}
+
+/// GPU tensors of at least this many bytes in a fused allreduce are reduced where they are, in
+/// the batch's NCCL group, rather than copied through the fusion buffer: at this size NCCL's
+/// per-call cost is below the copies' (on 2×H200, ResNet-50's gradients in two 64 MiB buckets
+/// took 0.98× of one allreduce this way, 1.19× all copied; 256 KiB and 1 MiB measured alike).
+pub(crate) const GPU_IN_PLACE_BYTES: usize = 1 << 20;
+
+/// Which members of a batch (by bytes, in batch order) are reduced in place; the rest share
+/// the fusion buffer. A lone small member is in place too: copying it would gain nothing.
+/// Every rank computes the same from the agreed sizes, so the NCCL calls match.
+pub(crate) fn reduced_in_place(sizes: &[usize]) -> Vec<bool> {
+    let mut direct: Vec<bool> = sizes.iter().map(|b| *b >= GPU_IN_PLACE_BYTES).collect();
+    if direct.iter().filter(|d| !**d).count() == 1 {
+        direct.iter_mut().for_each(|d| *d = true);
+    }
+    direct
 }
 
 /// Allreduce through host memory for dtypes the device backend cannot reduce: waits for the
@@ -409,6 +438,20 @@ pub fn alltoall(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn large_members_and_a_lone_small_one_are_reduced_in_place() {
+        let big = GPU_IN_PLACE_BYTES;
+        assert_eq!(
+            reduced_in_place(&[big, 4, big - 1, 8 * big]),
+            vec![true, false, false, true]
+        );
+        // one small member left: no fusion buffer at all
+        assert_eq!(reduced_in_place(&[big, 4, big]), vec![true, true, true]);
+        assert_eq!(reduced_in_place(&[4]), vec![true]);
+        assert_eq!(reduced_in_place(&[4, 4]), vec![false, false]);
+        assert_eq!(reduced_in_place(&[]), Vec::<bool>::new());
+    }
 
     fn triples(c: &[Copy]) -> Vec<(u64, u64, u64)> {
         c.iter().map(|c| (c.src, c.dst, c.len)).collect()

@@ -193,16 +193,59 @@ fn groupable(r: &Response) -> bool {
 
 /// Learns the plan from agreed responses. A step ends where a name comes back; a plan is
 /// frozen once `warmup` consecutive steps held the same tensors (in any order). Pure: every
-/// rank feeds the same responses and freezes at the same one.
+/// rank feeds the same responses and freezes at the same one. Steps are compared by
+/// fingerprint, and a step whose tensors the caller already holds is not kept: in a steady
+/// job this runs for every agreed tensor, on the path from a vote to its collective.
 pub struct PlanRecorder {
     warmup: usize,
     /// Whether GPU tensors may be in the step (online groups), or only host ones (plans).
     any_device: bool,
+    /// The step so far, in agreed order, while `keeping`.
     current: Vec<Response>,
     cycles: Vec<u64>,
-    current_names: HashSet<String>,
-    last: Option<Vec<Response>>,
+    current_names: HashSet<u64>,
+    print: StepPrint,
+    /// Whether every response of the step so far was held by the caller already.
+    all_held: bool,
+    /// Whether this step's responses are kept: the previous step had one the caller did not
+    /// hold (a step of held tensors is never returned, so it need not be copied).
+    keeping: bool,
+    last: Option<StepPrint>,
     stable: usize,
+}
+
+/// An order-independent fingerprint of a step's tensors (name, dtype, shape, op, scales): the
+/// count and two wrapping sums of per-tensor hashes. Equal prints mean the same tensors but
+/// for a chance of about 2^-128.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct StepPrint {
+    len: usize,
+    sums: [u64; 2],
+}
+
+impl StepPrint {
+    fn add(&mut self, r: &Response) {
+        self.len += 1;
+        for (seed, sum) in self.sums.iter_mut().enumerate() {
+            *sum = sum.wrapping_add(hash_of(&(
+                seed,
+                &r.name,
+                r.dtype as i32,
+                &r.shape,
+                r.reduce_op as i32,
+                r.prescale.to_bits(),
+                r.postscale.to_bits(),
+            )));
+        }
+    }
+}
+
+/// Same value on every rank: `DefaultHasher::new()` has fixed keys, and all ranks run one binary.
+fn hash_of(x: &impl std::hash::Hash) -> u64 {
+    use std::hash::Hasher;
+    let mut h = std::hash::DefaultHasher::new();
+    x.hash(&mut h);
+    h.finish()
 }
 
 impl PlanRecorder {
@@ -214,6 +257,9 @@ impl PlanRecorder {
             current: Vec::new(),
             cycles: Vec::new(),
             current_names: HashSet::new(),
+            print: StepPrint::default(),
+            all_held: true,
+            keeping: true,
             last: None,
             stable: 0,
         }
@@ -227,10 +273,16 @@ impl PlanRecorder {
         }
     }
 
-    /// Feeds one agreed response (agreed in negotiation cycle `cycle`); returns a finished
-    /// step that `warmup` steps in a row agreed on (the latest, in its order, with each
-    /// response's cycle).
-    pub fn observe(&mut self, r: &Response, cycle: u64) -> Option<(Vec<Response>, Vec<u64>)> {
+    /// Feeds one agreed response (agreed in negotiation cycle `cycle`; `held`: the caller has
+    /// a plan for it already); returns a finished step that `warmup` steps in a row agreed on
+    /// (the latest, in its order, with each response's cycle), unless the caller held all of
+    /// it. After a step with a tensor not held, the next step is kept whole and returned.
+    pub fn observe(
+        &mut self,
+        r: &Response,
+        cycle: u64,
+        held: bool,
+    ) -> Option<(Vec<Response>, Vec<u64>)> {
         if !(if self.any_device {
             groupable(r)
         } else {
@@ -241,52 +293,42 @@ impl PlanRecorder {
             self.reset();
             return None;
         }
+        let name = hash_of(&r.name);
         let mut done = None;
-        if self.current_names.contains(&r.name) {
+        if self.current_names.contains(&name) {
             let step = std::mem::take(&mut self.current);
             let cycles = std::mem::take(&mut self.cycles);
             self.current_names.clear();
-            let same = self.last.as_ref().is_some_and(|l| same_tensors(l, &step));
-            self.stable = if same { self.stable + 1 } else { 1 };
-            if self.stable >= self.warmup {
-                done = Some((step.clone(), cycles));
+            let print = std::mem::take(&mut self.print);
+            self.stable = if self.last == Some(print) {
+                self.stable + 1
+            } else {
+                1
+            };
+            if self.stable >= self.warmup && self.keeping && !self.all_held {
+                done = Some((step, cycles));
             }
-            self.last = Some(step);
+            self.keeping = !self.all_held;
+            self.all_held = true;
+            self.last = Some(print);
         }
-        self.current_names.insert(r.name.clone());
-        self.current.push(r.clone());
-        self.cycles.push(cycle);
+        self.current_names.insert(name);
+        self.print.add(r);
+        self.all_held &= held;
+        if self.keeping {
+            self.current.push(r.clone());
+            self.cycles.push(cycle);
+        }
         done
     }
 
     pub fn reset(&mut self) {
-        self.current.clear();
-        self.cycles.clear();
-        self.current_names.clear();
-        self.last = None;
-        self.stable = 0;
+        *self = PlanRecorder {
+            warmup: self.warmup,
+            any_device: self.any_device,
+            ..PlanRecorder::new(self.warmup)
+        };
     }
-}
-
-fn same_tensors(a: &[Response], b: &[Response]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    let key = |r: &Response| {
-        (
-            r.name.clone(),
-            r.dtype as i32,
-            r.shape.clone(),
-            r.reduce_op as i32,
-            r.prescale.to_bits(),
-            r.postscale.to_bits(),
-        )
-    };
-    let mut x: Vec<_> = a.iter().map(key).collect();
-    let mut y: Vec<_> = b.iter().map(key).collect();
-    x.sort();
-    y.sort();
-    x == y
 }
 
 #[cfg(test)]
@@ -301,7 +343,7 @@ mod tests {
     fn feed(rec: &mut PlanRecorder, names: &[&str]) -> Option<Vec<Response>> {
         let mut out = None;
         for (i, n) in names.iter().enumerate() {
-            if let Some((s, _)) = rec.observe(&resp(n, 4), i as u64) {
+            if let Some((s, _)) = rec.observe(&resp(n, 4), i as u64, false) {
                 out = Some(s);
             }
         }
@@ -320,8 +362,8 @@ mod tests {
         let mut groups = PlanRecorder::for_groups(2);
         let (mut p, mut g) = (None, None);
         for (i, n) in steps.iter().enumerate() {
-            p = p.or(plans.observe(&gpu(n), i as u64));
-            g = g.or(groups.observe(&gpu(n), i as u64));
+            p = p.or(plans.observe(&gpu(n), i as u64, false));
+            g = g.or(groups.observe(&gpu(n), i as u64, false));
         }
         assert!(p.is_none(), "an offline plan holds host tensors only");
         let (step, _) = g.expect("two identical GPU steps learned");
@@ -382,8 +424,38 @@ mod tests {
         feed(&mut rec, &["a", "b", "a", "b"]);
         let mut bcast = resp("bcast", 4);
         bcast.kind = OpKind::Broadcast;
-        assert!(rec.observe(&bcast, 0).is_none()); // another collective: start over
+        assert!(rec.observe(&bcast, 0, false).is_none()); // another collective: start over
         assert!(feed(&mut rec, &["a"]).is_none());
+        // same names, another shape: another step
+        let mut rec = PlanRecorder::new(2);
+        for (i, n) in [4, 8, 8].iter().enumerate() {
+            assert!(rec.observe(&resp("a", *n), i as u64, false).is_none());
+        }
+        // steps [a:4], [a:8], [a:8]: the last two agree
+        assert!(rec.observe(&resp("a", 8), 3, false).is_some());
+    }
+
+    #[test]
+    fn steps_the_caller_holds_are_not_returned_and_a_new_tensor_is_learned_a_step_later() {
+        let mut rec = PlanRecorder::for_groups(1);
+        let mut see = |n: &str, held: bool| rec.observe(&resp(n, 4), 0, held);
+        let names = |s: Option<(Vec<Response>, Vec<u64>)>| -> Vec<String> {
+            s.expect("a step").0.into_iter().map(|r| r.name).collect()
+        };
+        see("a", false);
+        see("b", false);
+        assert_eq!(names(see("a", true)), ["a", "b"]);
+        see("b", true);
+        // a step of held tensors only: nothing to learn
+        assert!(see("a", true).is_none());
+        see("b", true);
+        see("x", false);
+        // that step had an unheld tensor, but was not kept (its first tensors were held)
+        assert!(see("a", true).is_none());
+        see("b", true);
+        see("x", false);
+        // the next step was kept whole
+        assert_eq!(names(see("a", true)), ["a", "b", "x"]);
     }
 
     #[test]

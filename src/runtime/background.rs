@@ -500,6 +500,9 @@ impl Background {
                     super::probe::mark("vote", set.entries.len());
                 }
                 let outcome = set.negotiator.cycle(&set.ctrl, want, started);
+                if !set.entries.is_empty() {
+                    super::probe::mark("voted", outcome.as_ref().map_or(0, |o| o.responses.len()));
+                }
                 if let Ok(o) = &outcome {
                     self.rt.metrics.add_negotiation(
                         o.control_collectives.into(),
@@ -669,15 +672,13 @@ impl Background {
             {
                 g.armed = None;
             }
-            if let Some((step, cycles)) = g.recorder.observe(r, cycle)
+            let held = self
+                .member
+                .get(&0)
+                .is_some_and(|s| s.negotiator.in_group(&r.name));
+            if let Some((step, cycles)) = g.recorder.observe(r, cycle, held)
                 && g.armed.is_none()
                 && single_set
-                // planning a step the groups already hold would change nothing (and cost tens
-                // of microseconds at every step's first vote)
-                && !self
-                    .member
-                    .get(&0)
-                    .is_some_and(|s| s.negotiator.in_group(&r.name))
             {
                 let on_gpu = step.iter().all(|r| r.device != crate::message::CPU_DEVICE);
                 let plan = if on_gpu {
@@ -701,17 +702,19 @@ impl Background {
                 .iter()
                 .map(|b| b.iter().map(|x| x.name.clone()).collect())
                 .collect();
-            // the first plan stays while its tensors still come; a step of other tensors
-            // (another phase of the job, the benchmark's next size) replaces groups that
-            // would otherwise never be voted again
+            // the first plan stays while its tensors still come, unless the new one holds them
+            // all (a step that gained tensors); a step of other tensors (another phase of the
+            // job, the benchmark's next size) replaces groups that would otherwise never be
+            // voted again
             let learned: HashSet<&String> = groups.iter().flatten().collect();
-            let stale = set
-                .negotiator
-                .groups()
-                .iter()
-                .flatten()
-                .all(|n| !learned.contains(n));
-            if stale {
+            let current = set.negotiator.groups().iter().flatten();
+            let (mut stale, mut covered) = (true, true);
+            for n in current {
+                let has = learned.contains(n);
+                stale &= !has;
+                covered &= has;
+            }
+            if stale || covered {
                 set.negotiator
                     .set_groups(groups, self.rt.config.plan_escape);
             }
@@ -785,7 +788,7 @@ impl Background {
         );
         for r in responses {
             self.offline = match std::mem::replace(&mut self.offline, Offline::Off) {
-                Offline::Learning(mut rec) => match rec.observe(r, cycle) {
+                Offline::Learning(mut rec) => match rec.observe(r, cycle, false) {
                     Some((step, cycles)) if single_set => {
                         let plan = Plan::from_cycles(&step, &cycles, threshold, direct);
                         let mut remaining: HashSet<String> = plan
@@ -807,7 +810,7 @@ impl Background {
                         Offline::Armed { plan, remaining }
                     } else {
                         let mut rec = PlanRecorder::new(warmup);
-                        rec.observe(r, cycle);
+                        rec.observe(r, cycle, false);
                         Offline::Learning(rec)
                     }
                 }

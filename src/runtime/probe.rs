@@ -1,6 +1,7 @@
-//! Stage timestamps for benchmarks: when votes began (with the tensors waiting) and agreed,
-//! GPU batches were launched, their events fired and their tensors completed. Off unless a benchmark switches it on; far cheaper than
-//! the timeline, which writes JSON for every tensor, so it can look inside one step.
+//! Stage timestamps for benchmarks: when votes began (with the tensors waiting) and ended
+//! (with the tensors agreed), GPU batches were launched, their events fired and their tensors
+//! completed. Off unless a benchmark switches it on; far cheaper than the timeline, which
+//! writes JSON for every tensor, so it can look inside one step.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};

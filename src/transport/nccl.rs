@@ -183,6 +183,9 @@ impl DeviceTransport for NcclComm {
         op: ReduceOp,
         stream: &Stream,
     ) -> Result<()> {
+        if let [(send, recv, count)] = tensors {
+            return self.allreduce(*send, *recv, *count, dtype, op, stream);
+        }
         self.group(|| {
             for (send, recv, count) in tensors {
                 self.allreduce(*send, *recv, *count, dtype, op, stream)?;

@@ -302,6 +302,15 @@ fn resnet(
     } else {
         Vec::new()
     };
+    // every rank's view of the probed steps, rank by rank
+    for r in 0..size {
+        host.barrier().unwrap();
+        if me == r {
+            for line in &inside {
+                println!("# resnet50 step inside rank {r} (us): {line}");
+            }
+        }
+    }
     if me == 0 {
         let mut e = enqueues;
         e.sort_unstable();
@@ -314,9 +323,6 @@ fn resnet(
             q(1.0),
             e.iter().sum::<u64>() as f64 / 1e3 / reps as f64
         );
-        for line in &inside {
-            println!("# resnet50 step inside (us): {line}");
-        }
         for (what, t) in &floors {
             println!(
                 "# resnet50 floor, {what}: {:.1} us ({:.3} of one allreduce)",
@@ -454,6 +460,48 @@ fn engine_floors(
                     }
                 }),
             ));
+        }
+    }
+    // zero-copy for large gradients: tensors of >= `big` bytes are reduced where they are (one
+    // NCCL group per bucket), only the small rest is packed
+    for lanes in 1..=comms.len() {
+        for big in [256usize << 10, 1 << 20, 4 << 20] {
+            for limit in [16usize << 20, 32 << 20, 64 << 20] {
+                let groups = buckets(limit);
+                out.push((
+                    format!(
+                        "{} buckets of <= {} MiB, >= {} KiB in place, rest packed, {lanes} lane(s)",
+                        groups.len(),
+                        limit >> 20,
+                        big >> 10
+                    ),
+                    time(&|| {
+                        for (k, r) in groups.iter().enumerate() {
+                            let (s, comm) = (&streams[k % lanes], comms[k % lanes]);
+                            let (mut inplace, mut small) = (Vec::new(), Vec::new());
+                            for i in r.clone() {
+                                if cin[i].len as usize >= big {
+                                    inplace.push((cin[i].src, cin[i].src, cin[i].len as usize / 4));
+                                } else {
+                                    small.push(i);
+                                }
+                            }
+                            let packed: Vec<_> = small.iter().map(|i| cin[*i]).collect();
+                            let lo = packed.first().map(|c| c.dst);
+                            let n: u64 = packed.iter().map(|c| c.len).sum();
+                            if let Some(lo) = lo {
+                                gpu.copy_batch(s, &packed).unwrap();
+                                inplace.push((lo, lo, n as usize / 4));
+                            }
+                            comm.allreduce_many(&inplace, f32, avg, s).unwrap();
+                            if lo.is_some() {
+                                let back: Vec<_> = small.iter().map(|i| cout[*i]).collect();
+                                gpu.copy_batch(s, &back).unwrap();
+                            }
+                        }
+                    }),
+                ));
+            }
         }
     }
     // a pipeline: packing and unpacking on their own streams, NCCL on a high-priority one
