@@ -9,6 +9,7 @@ pub mod config;
 pub mod dtype;
 pub mod error;
 pub mod fusion;
+mod hashing;
 pub mod message;
 pub mod negotiate;
 pub mod runtime;

@@ -3,7 +3,7 @@
 //! happens in the same order on every rank, so bit assignment is identical everywhere without
 //! ever being communicated.
 
-use std::collections::HashMap;
+use crate::hashing::HashMap;
 
 use crate::message::{OpKind, Request, Response};
 
@@ -50,7 +50,7 @@ impl ResponseCache {
         ResponseCache {
             capacity,
             slots: Vec::new(),
-            by_name: HashMap::new(),
+            by_name: HashMap::default(),
             clock: 0,
             evicted: false,
             generation: 0,

@@ -1,7 +1,9 @@
 //! The coordinator's table (set rank 0): collects first-sight requests from every rank until a
 //! name is ready everywhere, then turns it into a response. Pure: time is passed in.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
+
+use crate::hashing::HashMap;
 use std::time::{Duration, Instant};
 
 use crate::message::{OpKind, Request, Response};
@@ -33,7 +35,7 @@ impl Coordinator {
     pub fn new(size: usize) -> Self {
         Coordinator {
             size,
-            table: HashMap::new(),
+            table: HashMap::default(),
             arrival: Vec::new(),
             joined: BTreeSet::new(),
             last_joined: -1,

@@ -8,7 +8,7 @@
 //! back to online negotiation at the same point. Pure: decisions here depend only on what this
 //! rank submitted and on time; the agreement comes from the flag.
 
-use std::collections::HashMap;
+use crate::hashing::HashMap;
 use std::time::{Duration, Instant};
 
 use crate::message::Request;
@@ -53,7 +53,7 @@ impl OfflineQueue {
         OfflineQueue {
             plan,
             pos: 0,
-            pending: HashMap::new(),
+            pending: HashMap::default(),
             foreign: Vec::new(),
             escape_requested: false,
             seq: 0,

@@ -1,6 +1,6 @@
 //! One rank's negotiation state for one process set, advanced once per cycle.
 
-use std::collections::HashMap;
+use crate::hashing::HashMap;
 use std::time::{Duration, Instant};
 
 use crate::config::NegotiationMode;
@@ -88,7 +88,7 @@ impl Negotiator {
             cache: ResponseCache::new(cache_capacity),
             coordinator: (set_rank == 0).then(|| Coordinator::new(global_ranks.len())),
             waiting: Vec::new(),
-            sent: HashMap::new(),
+            sent: HashMap::default(),
             joined: Vec::new(),
             self_joined: false,
             stall,
@@ -112,8 +112,8 @@ impl Negotiator {
         if self.groups.len() != before {
             self.groups_generation += 1;
         }
-        let mut group_of = HashMap::new();
-        let mut member_bits = std::collections::HashSet::new();
+        let mut group_of = HashMap::default();
+        let mut member_bits = crate::hashing::HashSet::default();
         for (g, names) in self.groups.iter().enumerate() {
             for n in names {
                 group_of.insert(n.clone(), g);
@@ -351,7 +351,7 @@ impl Negotiator {
             out.responses.push(resp);
         }
         if !out.responses.is_empty() {
-            let agreed: std::collections::HashSet<&str> =
+            let agreed: crate::hashing::HashSet<&str> =
                 out.responses.iter().map(|r| r.name.as_str()).collect();
             keep.retain(|w| !agreed.contains(w.req.name.as_str()));
         }

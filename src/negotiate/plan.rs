@@ -3,7 +3,7 @@
 //! (identical on every rank, so every rank learns the same plan at the same point), or loaded
 //! from a file; once frozen, each batch runs when its tensors are ready locally.
 
-use std::collections::HashSet;
+use crate::hashing::HashSet;
 
 use crate::error::{Error, Result};
 use crate::fusion::planner::plan_batches;
@@ -131,7 +131,7 @@ impl Plan {
 
     /// Allreduces of distinct names only, each batch of one dtype, op and scale.
     fn is_valid(&self) -> bool {
-        let mut names = HashSet::new();
+        let mut names = HashSet::default();
         self.batches.iter().all(|b| {
             let h = &b[0];
             b.iter().all(|r| {
@@ -215,37 +215,31 @@ pub struct PlanRecorder {
 }
 
 /// An order-independent fingerprint of a step's tensors (name, dtype, shape, op, scales): the
-/// count and two wrapping sums of per-tensor hashes. Equal prints mean the same tensors but
-/// for a chance of about 2^-128.
+/// count and the wrapping sum of per-tensor SipHashes. Equal prints mean the same tensors but
+/// for a chance of about 2^-64.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct StepPrint {
     len: usize,
-    sums: [u64; 2],
+    sum: u64,
 }
 
 impl StepPrint {
     fn add(&mut self, r: &Response) {
+        use std::hash::{Hash, Hasher};
+        // fixed keys: the same value on every rank (all ranks run one binary)
+        let mut h = std::hash::DefaultHasher::new();
+        (
+            &r.name,
+            r.dtype as i32,
+            &r.shape,
+            r.reduce_op as i32,
+            r.prescale.to_bits(),
+            r.postscale.to_bits(),
+        )
+            .hash(&mut h);
         self.len += 1;
-        for (seed, sum) in self.sums.iter_mut().enumerate() {
-            *sum = sum.wrapping_add(hash_of(&(
-                seed,
-                &r.name,
-                r.dtype as i32,
-                &r.shape,
-                r.reduce_op as i32,
-                r.prescale.to_bits(),
-                r.postscale.to_bits(),
-            )));
-        }
+        self.sum = self.sum.wrapping_add(h.finish());
     }
-}
-
-/// Same value on every rank: `DefaultHasher::new()` has fixed keys, and all ranks run one binary.
-fn hash_of(x: &impl std::hash::Hash) -> u64 {
-    use std::hash::Hasher;
-    let mut h = std::hash::DefaultHasher::new();
-    x.hash(&mut h);
-    h.finish()
 }
 
 impl PlanRecorder {
@@ -256,7 +250,7 @@ impl PlanRecorder {
             any_device: false,
             current: Vec::new(),
             cycles: Vec::new(),
-            current_names: HashSet::new(),
+            current_names: HashSet::default(),
             print: StepPrint::default(),
             all_held: true,
             keeping: true,
@@ -293,7 +287,7 @@ impl PlanRecorder {
             self.reset();
             return None;
         }
-        let name = hash_of(&r.name);
+        let name = std::hash::BuildHasher::hash_one(&rustc_hash::FxBuildHasher, &r.name);
         let mut done = None;
         if self.current_names.contains(&name) {
             let step = std::mem::take(&mut self.current);

@@ -1,7 +1,9 @@
 //! The background thread: MPI setup, then one cycle after another — take new submissions,
 //! negotiate per process set, fuse, execute, complete — until every rank agrees to stop.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
+
+use crate::hashing::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -238,7 +240,7 @@ fn make_set(
                 shutdown_after: cfg.stall_shutdown,
             },
         ),
-        entries: HashMap::new(),
+        entries: HashMap::default(),
         fusion: Vec::new(),
         gpu: None,
         channels: if agreed.channels > 1 {
@@ -332,7 +334,7 @@ impl Background {
             offline: Offline::Off,
             learn_cycles: 0,
             mpi_unclean: false,
-            in_channels: HashMap::new(),
+            in_channels: HashMap::default(),
             next_job: 0,
             cycle_time: rt.config.cycle_time,
             autotune: None,

@@ -151,6 +151,7 @@ pub(crate) fn run_device_batch(
             None => {}
         }
     }
+    super::probe::mark("waits enqueued", entries.len());
     let mut ios: Vec<&mut dyn DeviceIo> =
         entries.iter_mut().map(|e| e as &mut dyn DeviceIo).collect();
     let head = resps[0];
@@ -173,6 +174,7 @@ pub(crate) fn run_device_batch(
             other.name()
         ))),
     }?;
+    super::probe::mark("collective enqueued", entries.len());
     let event = Arc::new(gpu.new_event()?);
     event.record(&w.stream)?;
     super::probe::mark("launched", entries.len());

@@ -1,6 +1,6 @@
 //! Completion of enqueued operations: by handle (poll, wait with timeout) and by callback.
 
-use std::collections::HashMap;
+use crate::hashing::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};

@@ -10,7 +10,9 @@ pub mod metrics;
 pub mod probe;
 pub mod timeline;
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
+
+use crate::hashing::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::thread::JoinHandle;
@@ -197,7 +199,7 @@ pub fn init(opts: InitOptions) -> Result<()> {
         handles: HandleTable::default(),
         inbox: Mutex::new(Some(tx)),
         sets: RwLock::new(BTreeMap::new()),
-        in_flight: Mutex::new(HashSet::new()),
+        in_flight: Mutex::new(HashSet::default()),
         loop_ended: AtomicBool::new(false),
         shutdown_reason: Mutex::new(None),
         thread: Mutex::new(None),
