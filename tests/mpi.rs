@@ -95,6 +95,15 @@ const SCENARIOS: &[Scenario] = &[
         ],
         true,
     ),
+    (
+        "group_votes",
+        2,
+        &[
+            ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+            ("HOROVOD_CYCLE_TIME", "50"),
+        ],
+        true,
+    ),
     ("offline_steps", 2, OFFLINE, true),
     ("random_order", 3, OFFLINE, true),
     ("offline_steps", 4, OFFLINE, true),
@@ -446,6 +455,7 @@ fn run_rank(name: &str) {
         "offline_stall" => offline_stall(),
         "autotune" => autotune(),
         "online_groups" => online_groups(),
+        "group_votes" => group_votes(),
         "online_groups_stall" => online_groups_stall(),
         "gpu_streams" => gpu_streams(),
         "gpu_kernels" => gpu_kernels(),
@@ -1514,6 +1524,69 @@ fn online_groups() {
     for step in 11..14 {
         offline_step(&mut rng, step, 40, &[], 0);
     }
+    finish_job();
+}
+
+/// Once a step's tensors vote as one group, a step whose tensors come one by one (300 us
+/// apart) is voted on when the group is complete here, not at every submission: with a 50 ms
+/// cycle time, a few votes for 40 tensors (one per submission before the group was learned).
+fn group_votes() {
+    init();
+    let n = size();
+    let count = 40;
+    let me = rank();
+    let mine =
+        |k: usize, step: usize| -> Vec<f64> { (0..100).map(|i| val(i + k + step, me)).collect() };
+    let spec = |k: usize, step: usize| {
+        tensor(
+            &format!("gv.{k}"),
+            DataType::F32,
+            &[100],
+            &mine(k, step),
+            false,
+        )
+    };
+    let check = |k: usize, step: usize, res: &TensorResult| {
+        let want: Vec<f64> = (0..100)
+            .map(|i| (0..n).map(|r| val(i + k + step, r)).sum())
+            .collect();
+        assert_close(
+            &output(res, DataType::F32),
+            &want,
+            &format!("step {step} tensor {k}"),
+        );
+    };
+    // learned from steps submitted in one piece: one batch, so one group
+    for step in 0..4 {
+        let res = run(OpSpec::new(
+            OpKind::Allreduce,
+            (0..count).map(|k| spec(k, step)).collect(),
+        ))
+        .unwrap();
+        for (k, r) in res.iter().enumerate() {
+            check(k, step, r);
+        }
+    }
+    let before_paced = control_collectives();
+    let mut votes = Vec::new();
+    for step in 4..7 {
+        let before = control_collectives();
+        let handles: Vec<_> = (0..count)
+            .map(|k| {
+                std::thread::sleep(Duration::from_micros(300));
+                submit(OpSpec::new(OpKind::Allreduce, vec![spec(k, step)])).unwrap()
+            })
+            .collect();
+        for (k, h) in handles.into_iter().enumerate() {
+            check(k, step, &finish(h).unwrap()[0]);
+        }
+        votes.push(control_collectives() - before);
+    }
+    assert!(control_collectives() > before_paced);
+    assert!(
+        votes.iter().all(|v| *v <= 6),
+        "votes per paced step of {count} tensors: {votes:?}"
+    );
     finish_job();
 }
 

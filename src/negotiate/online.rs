@@ -65,6 +65,12 @@ pub struct Negotiator {
     /// What the vote needs to know about the groups, kept while neither they nor the cache's
     /// bits change (rebuilding it every cycle cost tens of microseconds at 161 tensors).
     index: Option<((u64, u64), GroupIndex)>,
+    /// Members of each group waiting here, counted since the last vote (empty: unknown).
+    group_arrived: Vec<usize>,
+    /// Whether a submission since the last vote could let a vote agree on more: it completed
+    /// a group here, or it votes on its own. Submissions into a group still incomplete here
+    /// change nothing a vote could agree on.
+    fresh: bool,
 }
 
 /// The groups seen from the cache: each member's group, and the bits voted on singly.
@@ -99,6 +105,8 @@ impl Negotiator {
             group_patience: Duration::from_secs(1),
             groups_generation: 0,
             index: None,
+            group_arrived: Vec::new(),
+            fresh: false,
         }
     }
 
@@ -153,11 +161,59 @@ impl Negotiator {
     }
 
     pub fn submit(&mut self, req: Request, now: Instant) {
+        if !self.fills_incomplete_group(&req.name) {
+            self.fresh = true;
+        }
         self.waiting.push(Waiting {
             req,
             since: now,
             found: None,
         });
+    }
+
+    /// Counts a submission towards its group (by the groups indexed at the last vote); true
+    /// while that group still lacks members here.
+    fn fills_incomplete_group(&mut self, name: &str) -> bool {
+        let Some((key, index)) = &self.index else {
+            return false;
+        };
+        if *key != (self.cache.generation(), self.groups_generation) {
+            return false;
+        }
+        let Some(&g) = index.group_of.get(name) else {
+            return false;
+        };
+        let (Some(n), Some(members)) = (self.group_arrived.get_mut(g), self.groups.get(g)) else {
+            return false;
+        };
+        *n += 1;
+        *n < members.len()
+    }
+
+    /// Whether a vote now could agree on something the last one could not (see `fresh`).
+    /// Votes are collective, so this only times them; a rank votes at its timer regardless.
+    pub fn wants_vote(&self) -> bool {
+        self.fresh
+    }
+
+    /// Whether this rank's vote could agree on anything now: false while everything waiting
+    /// here belongs to groups that are incomplete here (the vote would carry no bit).
+    pub fn could_agree(&self) -> bool {
+        if self.waiting.is_empty() {
+            return false;
+        }
+        let valid = self
+            .index
+            .as_ref()
+            .is_some_and(|(k, _)| *k == (self.cache.generation(), self.groups_generation));
+        let counted: usize = self.group_arrived.iter().sum();
+        !(valid
+            && counted == self.waiting.len()
+            && self
+                .group_arrived
+                .iter()
+                .zip(&self.groups)
+                .all(|(n, members)| *n < members.len()))
     }
 
     /// Takes the requests not yet agreed or sent to the coordinator (offline mode takes them
@@ -188,6 +244,7 @@ impl Negotiator {
         now: Instant,
     ) -> Result<CycleOutcome> {
         let mut out = CycleOutcome::default();
+        self.fresh = false;
         let stall_check_due = self.stall.enabled
             && now.saturating_duration_since(self.last_stall_check) >= self.stall.warn_after;
 
@@ -357,6 +414,15 @@ impl Negotiator {
         }
         self.waiting = keep;
         self.index = Some((key, index));
+        // later submissions count on from here, while the groups stay as indexed
+        self.group_arrived = if self.groups_generation == key.1 {
+            for g in &agreed.common_group_hits {
+                group_ready[*g] = 0;
+            }
+            group_ready
+        } else {
+            Vec::new()
+        };
         if agreed.any_shutdown {
             // put back what was going to be sent so it is failed with the rest
             for req in to_send {

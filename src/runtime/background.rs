@@ -132,6 +132,8 @@ struct Background {
     next_set_id: i32,
     timeline: Option<Timeline>,
     want_shutdown: bool,
+    /// A command other than a submission came since the last vote.
+    kicked: bool,
     /// Why the job is stopping, when it is not a plain shutdown request.
     reason: Option<String>,
     offline: Offline,
@@ -330,6 +332,7 @@ impl Background {
             next_set_id: 1,
             timeline: None,
             want_shutdown: false,
+            kicked: false,
             reason: None,
             offline: Offline::Off,
             learn_cycles: 0,
@@ -413,7 +416,20 @@ impl Background {
         Ok(id)
     }
 
+    /// Whether to vote now rather than at the timer: a shutdown, a finished channel batch,
+    /// offline mode's own queue, or a submission that could let a vote agree on more (a
+    /// burst into a learned group votes once, when the group is complete here).
+    fn vote_wanted(&self) -> bool {
+        self.kicked
+            || self.want_shutdown
+            || matches!(self.offline, Offline::Frozen(_))
+            || self.member.values().any(|s| s.negotiator.wants_vote())
+    }
+
     fn receive(&mut self, cmd: Command) {
+        if !matches!(cmd, Command::Submit { .. }) {
+            self.kicked = true;
+        }
         match cmd {
             Command::Shutdown => self.want_shutdown = true,
             Command::BatchDone(done) => self.batch_done(done),
@@ -461,8 +477,8 @@ impl Background {
         // until when to poll for submissions rather than sleep
         let mut poll_until = Instant::now();
         loop {
-            let now = Instant::now();
-            if now < next_cycle {
+            // until the next vote is due, or a command makes one worth holding now
+            while Instant::now() < next_cycle {
                 match next_command(rx, next_cycle, poll_until) {
                     Ok(Some(cmd)) => {
                         self.receive(cmd);
@@ -473,10 +489,22 @@ impl Background {
                     Ok(None) | Err(RecvTimeoutError::Timeout) => {}
                     Err(RecvTimeoutError::Disconnected) => self.want_shutdown = true,
                 }
+                while let Ok(cmd) = rx.try_recv() {
+                    self.receive(cmd);
+                }
+                if self.vote_wanted() {
+                    break;
+                }
             }
             while let Ok(cmd) = rx.try_recv() {
                 self.receive(cmd);
             }
+            if self.vote_wanted() {
+                // a vote for something new: if it agrees on nothing (another rank is not
+                // there yet), retry soon rather than after the backed-off delay
+                retry = std::time::Duration::ZERO;
+            }
+            self.kicked = false;
             next_cycle = Instant::now() + self.cycle_time;
             if let Some(t) = self.timeline.as_mut() {
                 t.mark_cycle();
@@ -565,7 +593,13 @@ impl Background {
             // cycle time. A vote that ran just before the other ranks' tensors arrived cost a
             // whole cycle time (a millisecond per round of back-to-back GPU allreduces,
             // measured); ranks whose waiting tensors never match back off to the cycle time.
-            let waiting = self.member.values().any(|s| !s.entries.is_empty());
+            // (tensors waiting only in groups still incomplete here wait for the group: a
+            // vote could not agree on them, and the cycle timer keeps votes going)
+            let frozen = matches!(self.offline, Offline::Frozen(_));
+            let waiting = self.member.iter().any(|(id, s)| match (*id, frozen) {
+                (0, true) => !s.entries.is_empty(),
+                _ => s.negotiator.could_agree() || s.negotiator.has_sent(),
+            });
             retry = revote_delay(waiting, progressed, retry, self.cycle_time);
             if waiting {
                 next_cycle = Instant::now() + retry;
