@@ -152,7 +152,13 @@ impl Negotiator {
 
     /// Whether `name` belongs to one of the groups voted on now.
     pub fn in_group(&self, name: &str) -> bool {
-        self.groups.iter().flatten().any(|n| n == name)
+        match &self.index {
+            // the last vote's index, while the groups and the cache are as it saw them
+            Some((key, index)) if *key == (self.cache.generation(), self.groups_generation) => {
+                index.group_of.contains_key(name)
+            }
+            _ => self.groups.iter().flatten().any(|n| n == name),
+        }
     }
 
     /// The groups voted on now (names, in order).

@@ -439,7 +439,7 @@ impl Background {
                         "Process set provided does not exist, or has not been registered.".into(),
                     );
                     for e in entries {
-                        self.rt.finish_names(&[(set, e.request.name.clone())]);
+                        self.rt.finish_name(set, &e.request.name);
                         e.complete(Err(err.clone()), None);
                     }
                     return;
@@ -526,13 +526,9 @@ impl Background {
                     continue;
                 }
                 let started = Instant::now();
-                if !set.entries.is_empty() {
-                    super::probe::mark("vote", set.entries.len());
-                }
+                super::probe::mark("vote", set.entries.len());
                 let outcome = set.negotiator.cycle(&set.ctrl, want, started);
-                if !set.entries.is_empty() {
-                    super::probe::mark("voted", outcome.as_ref().map_or(0, |o| o.responses.len()));
-                }
+                super::probe::mark("voted", outcome.as_ref().map_or(0, |o| o.responses.len()));
                 if let Ok(o) = &outcome {
                     self.rt.metrics.add_negotiation(
                         o.control_collectives.into(),
@@ -1000,14 +996,14 @@ impl Background {
                         stall.shutdown_after.as_secs()
                     ));
                     for e2 in entries {
-                        self.rt.finish_names(&[(0, e2.request.name.clone())]);
+                        self.rt.finish_name(0, &e2.request.name);
                         e2.complete(Err(e.clone()), None);
                     }
                     return Err(e);
                 }
                 Err(e) => {
                     for e2 in entries {
-                        self.rt.finish_names(&[(0, e2.request.name.clone())]);
+                        self.rt.finish_name(0, &e2.request.name);
                         e2.complete(Err(e.clone()), None);
                     }
                     return Err(e);
@@ -1023,7 +1019,7 @@ impl Background {
                     .add_batch(entries.len() as u64, bytes as u64);
                 q.complete_batch();
                 for e in entries {
-                    self.rt.finish_names(&[(0, e.request.name.clone())]);
+                    self.rt.finish_name(0, &e.request.name);
                     e.complete(Ok(()), None);
                 }
                 continue;
@@ -1126,7 +1122,7 @@ impl Background {
                     None => Error::Internal("missing local tensor for an agreed response".into()),
                 };
                 for e in entries {
-                    self.rt.finish_names(&[(id, e.request.name.clone())]);
+                    self.rt.finish_name(id, &e.request.name);
                     e.complete(Err(err.clone()), None);
                 }
                 continue;
@@ -1197,7 +1193,7 @@ impl Background {
             };
             let value = matches!(head.kind, OpKind::Join).then_some(head.result);
             for e in entries {
-                self.rt.finish_names(&[(id, e.request.name.clone())]);
+                self.rt.finish_name(id, &e.request.name);
                 e.complete(outcome.clone(), value);
             }
         }
@@ -1262,7 +1258,7 @@ impl Background {
             return;
         }
         for e in done.entries {
-            self.rt.finish_names(&[(done.set, e.request.name.clone())]);
+            self.rt.finish_name(done.set, &e.request.name);
             e.complete(done.outcome.clone(), None);
         }
     }
@@ -1299,7 +1295,7 @@ impl Background {
         self.mpi_unclean = true;
         for (_, pending) in self.in_channels.drain() {
             for p in pending {
-                self.rt.finish_names(&[(p.set, p.name)]);
+                self.rt.finish_name(p.set, &p.name);
                 if let Some(h) = p.handle {
                     h.complete_one(p.index, Err(err.clone()), None);
                 }
@@ -1337,7 +1333,7 @@ impl Background {
         };
         *self.rt.sets.write().expect("sets") = self.all_sets.clone();
         if let Some(e) = entry {
-            self.rt.finish_names(&[(0, resp.name.clone())]);
+            self.rt.finish_name(0, &resp.name);
             match outcome {
                 Ok(id) => e.complete(Ok(()), Some(id)),
                 Err(err) => e.complete(Err(err), None),
@@ -1354,7 +1350,7 @@ impl Background {
                 c.join();
             }
             for (name, e) in set.entries {
-                self.rt.finish_names(&[(id, name)]);
+                self.rt.finish_name(id, &name);
                 e.complete(Err(err.clone()), None);
             }
         }
@@ -1379,7 +1375,7 @@ impl Background {
         }
         for (id, set) in std::mem::take(&mut self.member) {
             for (name, e) in set.entries {
-                self.rt.finish_names(&[(id, name)]);
+                self.rt.finish_name(id, &name);
                 e.complete(Err(err.clone()), None);
             }
         }

@@ -302,11 +302,7 @@ pub(crate) fn complete(
     outcome: Result<()>,
     recorded: Option<&Recorded>,
 ) {
-    let names: Vec<(i32, String)> = entries
-        .iter()
-        .map(|e| (set, e.request.name.clone()))
-        .collect();
-    rt.finish_names(&names);
+    rt.finish_names(set, entries.iter().map(|e| e.request.name.as_str()));
     for e in entries {
         e.complete_on_device(outcome.clone(), None, recorded.map(|r| (&r.gpu, &r.event)));
     }

@@ -12,7 +12,7 @@ pub mod timeline;
 
 use std::collections::BTreeMap;
 
-use crate::hashing::HashSet;
+use crate::hashing::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::thread::JoinHandle;
@@ -132,7 +132,8 @@ pub struct Runtime {
     inbox: Mutex<Option<Sender<Command>>>,
     /// Process set id → member ranks; identical on every rank.
     sets: RwLock<BTreeMap<i32, Vec<i32>>>,
-    in_flight: Mutex<HashSet<(i32, String)>>,
+    /// Names of tensors submitted and not yet complete, per process set.
+    in_flight: Mutex<HashMap<i32, HashSet<String>>>,
     loop_ended: AtomicBool,
     shutdown_reason: Mutex<Option<String>>,
     thread: Mutex<Option<JoinHandle<()>>>,
@@ -199,7 +200,7 @@ pub fn init(opts: InitOptions) -> Result<()> {
         handles: HandleTable::default(),
         inbox: Mutex::new(Some(tx)),
         sets: RwLock::new(BTreeMap::new()),
-        in_flight: Mutex::new(HashSet::default()),
+        in_flight: Mutex::new(HashMap::default()),
         loop_ended: AtomicBool::new(false),
         shutdown_reason: Mutex::new(None),
         thread: Mutex::new(None),
@@ -237,13 +238,13 @@ pub fn shutdown() {
     if on_background_thread() {
         // called from a callback: ask for the shutdown; the thread cannot join itself
         if let Some(rt) = lock_global().as_ref() {
-            rt.send(Command::Shutdown).ok();
+            let _ = rt.send(Command::Shutdown);
         }
         return;
     }
     let rt = lock_global().take();
     if let Some(rt) = rt {
-        rt.send(Command::Shutdown).ok();
+        let _ = rt.send(Command::Shutdown);
         rt.join_thread();
     }
 }
@@ -274,11 +275,12 @@ impl Runtime {
         }
     }
 
-    fn send(&self, cmd: Command) -> Result<()> {
+    /// Hands `cmd` to the background thread; after shutdown it comes back.
+    fn send(&self, cmd: Command) -> std::result::Result<(), Command> {
         let inbox = self.inbox.lock().expect("inbox");
         match inbox.as_ref() {
-            Some(tx) if tx.send(cmd).is_ok() => Ok(()),
-            _ => Err(self.shut_down_error()),
+            Some(tx) => tx.send(cmd).map_err(|e| e.into_inner()),
+            None => Err(cmd),
         }
     }
 
@@ -327,17 +329,19 @@ impl Runtime {
                 e.move_to_device(gpu.clone(), ready.clone())?;
             }
         }
-        let names: Vec<(i32, String)> = entries
-            .iter()
-            .map(|e| (spec.process_set, e.request.name.clone()))
-            .collect();
+        let set = spec.process_set;
         {
             let mut fl = self.in_flight.lock().expect("in flight");
-            let unique: HashSet<&(i32, String)> = names.iter().collect();
-            if unique.len() != names.len() || names.iter().any(|n| fl.contains(n)) {
+            let names = fl.entry(set).or_default();
+            let mut seen = HashSet::default();
+            let clash = entries.iter().any(|e| {
+                let n = e.request.name.as_str();
+                names.contains(n) || (entries.len() > 1 && !seen.insert(n))
+            });
+            if clash {
                 return Err(Error::InvalidArgument("Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor that is currently being processed.  If you want to request another tensor, use a different tensor name.".into()));
             }
-            fl.extend(names.iter().cloned());
+            names.extend(entries.iter().map(|e| e.request.name.clone()));
         }
         let handle = self.handles.create(entries.len(), spec.callback.take());
         let entries: Vec<TensorEntry> = entries
@@ -350,13 +354,12 @@ impl Runtime {
                 e
             })
             .collect();
-        if let Err(e) = self.send(Command::Submit {
-            set: spec.process_set,
-            entries,
-        }) {
-            self.finish_names(&names);
+        if let Err(cmd) = self.send(Command::Submit { set, entries }) {
+            if let Command::Submit { entries, .. } = cmd {
+                self.finish_names(set, entries.iter().map(|e| e.request.name.as_str()));
+            }
             let _ = self.handles.release(handle.id);
-            return Err(e);
+            return Err(self.shut_down_error());
         }
         Ok(handle)
     }
@@ -422,11 +425,18 @@ impl Runtime {
         Ok((gpu, ready))
     }
 
-    pub(crate) fn finish_names(&self, names: &[(i32, String)]) {
+    /// Names of set `set` that may be submitted again (their tensors completed or failed).
+    pub(crate) fn finish_names<'a>(&self, set: i32, names: impl IntoIterator<Item = &'a str>) {
         let mut fl = self.in_flight.lock().expect("in flight");
-        for n in names {
-            fl.remove(n);
+        if let Some(held) = fl.get_mut(&set) {
+            for n in names {
+                held.remove(n);
+            }
         }
+    }
+
+    pub(crate) fn finish_name(&self, set: i32, name: &str) {
+        self.finish_names(set, [name]);
     }
 
     fn build_entries(
@@ -663,12 +673,13 @@ impl Runtime {
         if self.is_shut_down() {
             return Err(self.shut_down_error());
         }
-        let key = (0, name.clone());
         if !self
             .in_flight
             .lock()
             .expect("in flight")
-            .insert(key.clone())
+            .entry(0)
+            .or_default()
+            .insert(name.clone())
         {
             return Err(Error::InvalidArgument(format!(
                 "a process set change '{name}' is already in progress"
@@ -692,12 +703,14 @@ impl Runtime {
             OutputMem::InPlace,
         );
         e.handle = Some(handle.clone());
-        if let Err(err) = self.send(Command::Submit {
+        if let Err(cmd) = self.send(Command::Submit {
             set: 0,
             entries: vec![e],
         }) {
-            self.finish_names(&[key]);
-            return Err(err);
+            if let Command::Submit { entries, .. } = cmd {
+                self.finish_names(0, entries.iter().map(|e| e.request.name.as_str()));
+            }
+            return Err(self.shut_down_error());
         }
         Ok(handle)
     }
