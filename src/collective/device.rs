@@ -192,6 +192,12 @@ pub fn allreduce_batch(
 /// took 0.98× of one allreduce this way, 1.19× all copied; 256 KiB and 1 MiB measured alike).
 pub(crate) const GPU_IN_PLACE_BYTES: usize = 1 << 20;
 
+/// `GPU_IN_PLACE_BYTES`, for benchmarks that lay out the same launches (a function: public
+/// constants would land in the C header).
+pub fn gpu_in_place_bytes() -> usize {
+    GPU_IN_PLACE_BYTES
+}
+
 /// Which members of a batch (by bytes, in batch order) are reduced in place; the rest share
 /// the fusion buffer. A lone small member is in place too: copying it would gain nothing.
 /// Every rank computes the same from the agreed sizes, so the NCCL calls match.

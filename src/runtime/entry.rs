@@ -92,35 +92,44 @@ impl TensorEntry {
     }
 
     /// Finishes this tensor: hands its result (and library-owned output) to the handle.
-    pub fn complete(self, outcome: Result<()>, value: Option<i32>) {
+    pub fn complete(mut self, outcome: Result<()>, value: Option<i32>) {
         self.complete_on_device(outcome, value, None);
     }
 
     /// As `complete`, with the event recorded after the tensor's GPU work (for GPU consumers).
+    /// Leaves the spent entry to the caller, which can complete a whole batch's handles
+    /// before it pays for freeing the entries.
     pub fn complete_on_device(
-        self,
+        &mut self,
         outcome: Result<()>,
         value: Option<i32>,
         event: Option<(&Arc<Gpu>, &Arc<Event>)>,
     ) {
-        let Some(handle) = self.handle else { return };
+        let Some(handle) = self.handle.take() else {
+            return;
+        };
         if let Some((gpu, ev)) = event {
             handle.add_event(gpu, ev);
         }
-        let outcome = match (outcome, self.alloc_error) {
+        let outcome = match (outcome, self.alloc_error.take()) {
             (Ok(()), Some(e)) => Err(e),
             (o, _) => o,
         };
         let result = outcome.map(|()| {
-            let output = match (self.output, self.input) {
+            let output = std::mem::replace(&mut self.output, OutputMem::InPlace);
+            let input = std::mem::replace(&mut self.input, InputMem::Owned(Vec::new()));
+            let output = match (output, input) {
                 (OutputMem::Owned(v), _) => Some(v),
                 (OutputMem::InPlace, InputMem::Owned(v)) => Some(v),
-                _ => None,
+                (output, input) => {
+                    (self.output, self.input) = (output, input);
+                    None
+                }
             };
             TensorResult {
                 output,
-                shape: self.out_shape,
-                received_splits: self.received_splits,
+                shape: std::mem::take(&mut self.out_shape),
+                received_splits: std::mem::take(&mut self.received_splits),
             }
         });
         handle.complete_one(self.index, result, value);

@@ -277,8 +277,9 @@ fn finish_loop(rt: Arc<Runtime>, rx: Receiver<Finish>) {
                     .and_then(|()| wait_for(&recorded.event, limit));
                 super::probe::mark("fired", entries.len());
                 let n = entries.len();
-                complete(&rt, set, entries, outcome, Some(&recorded));
+                let spent = complete(&rt, set, entries, outcome, Some(&recorded));
                 super::probe::mark("completed", n);
+                drop(spent);
             }
             Finish::Release { recorded, memory } => {
                 if let Err(e) = recorded
@@ -294,16 +295,18 @@ fn finish_loop(rt: Arc<Runtime>, rx: Receiver<Finish>) {
     }
 }
 
-/// Completes GPU tensors with their batch's event attached to the handles.
+/// Completes GPU tensors with their batch's event attached to the handles; returns the spent
+/// entries, to be dropped once every handle is told.
 pub(crate) fn complete(
     rt: &Runtime,
     set: i32,
-    entries: Vec<TensorEntry>,
+    mut entries: Vec<TensorEntry>,
     outcome: Result<()>,
     recorded: Option<&Recorded>,
-) {
+) -> Vec<TensorEntry> {
     rt.finish_names(set, entries.iter().map(|e| e.request.name.as_str()));
-    for e in entries {
+    for e in &mut entries {
         e.complete_on_device(outcome.clone(), None, recorded.map(|r| (&r.gpu, &r.event)));
     }
+    entries
 }

@@ -462,6 +462,59 @@ fn engine_floors(
             ));
         }
     }
+    // host time to enqueue the runtime's launch of the last 64 MiB bucket, part by part (the
+    // GPU work is waited for outside the measured part)
+    let host_only = |f: &dyn Fn()| {
+        let mut v = Vec::new();
+        for i in 0..reps + 3 {
+            host.barrier().unwrap();
+            let t = Instant::now();
+            f();
+            let spent = t.elapsed().as_secs_f64();
+            for s in streams.iter() {
+                s.synchronize().unwrap();
+            }
+            if i >= 3 {
+                v.push(spent);
+            }
+        }
+        median(v)
+    };
+    if let Some(last) = buckets(64 << 20).last().cloned() {
+        let big = ferrovod::collective::device::gpu_in_place_bytes() as u64;
+        let small: Vec<cuda::Copy> = cin[last.clone()]
+            .iter()
+            .filter(|c| c.len < big)
+            .copied()
+            .collect();
+        let mut calls: Vec<(u64, u64, usize)> = cin[last.clone()]
+            .iter()
+            .filter(|c| c.len >= big)
+            .map(|c| (c.src, c.src, c.len as usize / 4))
+            .collect();
+        let n: u64 = small.iter().map(|c| c.len).sum();
+        calls.push((small[0].dst, small[0].dst, n as usize / 4));
+        let what = format!("host enqueue, last bucket ({} tensors): ", last.len());
+        for (part, f) in [
+            (
+                format!("copy_batch of its {} small tensors", small.len()),
+                &(|| gpu.copy_batch(stream, &small).unwrap()) as &dyn Fn(),
+            ),
+            (format!("NCCL group of {} allreduces", calls.len()), &|| {
+                comms[0].allreduce_many(&calls, f32, avg, stream).unwrap()
+            }),
+            ("one NCCL allreduce of the fused part".to_string(), &|| {
+                let (p, _, n) = calls[calls.len() - 1];
+                comms[0].allreduce(p, p, n, f32, avg, stream).unwrap()
+            }),
+            ("cuEventCreate + record".to_string(), &|| {
+                let e = gpu.new_event().unwrap();
+                e.record(stream).unwrap();
+            }),
+        ] {
+            out.push((format!("{what}{part}"), host_only(f)));
+        }
+    }
     // zero-copy for large gradients: tensors of >= `big` bytes are reduced where they are (one
     // NCCL group per bucket), only the small rest is packed
     for lanes in 1..=comms.len() {
