@@ -77,6 +77,30 @@ pub fn plan_batches(responses: &[Response], threshold: usize, direct_bytes: usiz
     batches
 }
 
+/// `plan_batches` over consecutive segments of `responses` (`segments`: the first segments'
+/// lengths; the rest is one more), so that no batch spans two segments. Indices are into
+/// `responses`.
+pub fn plan_segments(
+    responses: &[Response],
+    segments: &[usize],
+    threshold: usize,
+    direct_bytes: usize,
+) -> Vec<Batch> {
+    let mut batches = Vec::new();
+    let mut start = 0;
+    let rest = responses.len() - segments.iter().sum::<usize>().min(responses.len());
+    for len in segments.iter().copied().chain([rest]) {
+        let end = (start + len).min(responses.len());
+        for b in plan_batches(&responses[start..end], threshold, direct_bytes) {
+            batches.push(Batch {
+                members: b.members.iter().map(|m| m + start).collect(),
+            });
+        }
+        start = end;
+    }
+    batches
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -89,6 +113,25 @@ mod tests {
 
     fn members(b: &[Batch]) -> Vec<Vec<usize>> {
         b.iter().map(|b| b.members.clone()).collect()
+    }
+
+    #[test]
+    fn segments_are_planned_apart() {
+        let rs: Vec<Response> = (0..6)
+            .map(|i| resp(&format!("t{i}"), OpKind::Allreduce, DataType::F32, 4))
+            .collect();
+        assert_eq!(
+            members(&plan_segments(&rs, &[2, 3], 1 << 20, 1 << 20)),
+            vec![vec![0, 1], vec![2, 3, 4], vec![5]]
+        );
+        assert_eq!(
+            members(&plan_segments(&rs, &[], 1 << 20, 1 << 20)),
+            vec![vec![0, 1, 2, 3, 4, 5]]
+        );
+        assert_eq!(
+            members(&plan_segments(&rs, &[6], 1 << 20, 1 << 20)),
+            vec![vec![0, 1, 2, 3, 4, 5]]
+        );
     }
 
     #[test]

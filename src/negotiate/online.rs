@@ -25,6 +25,10 @@ pub struct StallPolicy {
 pub struct CycleOutcome {
     /// Responses to execute now, in the same order on every rank.
     pub responses: Vec<Response>,
+    /// The first responses come group by group (learned batches agreed with one bit): each
+    /// group's size, in order. A group is fused on its own, so that groups agreed in one vote
+    /// still run as separate collectives (on separate streams).
+    pub groups: Vec<usize>,
     /// Some rank asked to shut down, or the coordinator shut the job down (with the reason).
     pub shutdown: Option<String>,
     /// Control collectives this cycle issued (for metrics).
@@ -392,6 +396,7 @@ impl Negotiator {
         let hits: Vec<usize> = agreed.common_hits.iter().map(|c| singles[*c]).collect();
         let mut group_hit_bits = Vec::new();
         for &g in &agreed.common_group_hits {
+            out.groups.push(self.groups[g].len());
             for name in &self.groups[g] {
                 group_hit_bits.push(self.cache.bit_of(name).expect("group members are cached"));
             }

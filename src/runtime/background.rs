@@ -14,7 +14,7 @@ use crate::collective::{self, TensorIo};
 use crate::config::NegotiationMode;
 use crate::error::{Error, Result, SHUT_DOWN_MESSAGE};
 use crate::fusion::autotune::{Autotuner, Params};
-use crate::fusion::planner::plan_batches;
+use crate::fusion::planner::plan_segments;
 use crate::message::{OpKind, Response};
 use crate::negotiate::offline::{EscapePolicy, Next, OfflineQueue};
 use crate::negotiate::online::{Negotiator, StallPolicy};
@@ -565,7 +565,7 @@ impl Background {
                 if !outcome.responses.is_empty() {
                     progressed = true;
                     super::probe::mark("agreed", outcome.responses.len());
-                    self.execute(id, outcome.responses);
+                    self.execute(id, outcome.responses, &outcome.groups);
                 }
                 if id == 0
                     && let Err(e) = self.autotune_cycle()
@@ -714,7 +714,12 @@ impl Background {
             {
                 let on_gpu = step.iter().all(|r| r.device != crate::message::CPU_DEVICE);
                 let plan = if on_gpu {
-                    Plan::from_buckets(&step, threshold.min(GPU_BUCKET_BYTES), direct)
+                    Plan::from_buckets(
+                        &step,
+                        GPU_FIRST_BUCKET_BYTES,
+                        threshold.min(GPU_BUCKET_BYTES),
+                        direct,
+                    )
                 } else {
                     Plan::from_cycles(&step, &cycles, threshold, direct)
                 };
@@ -1048,9 +1053,14 @@ impl Background {
         }
     }
 
-    fn execute(&mut self, id: i32, responses: Vec<Response>) {
+    fn execute(&mut self, id: i32, responses: Vec<Response>, groups: &[usize]) {
         let a = self.agreed;
-        let batches = plan_batches(&responses, a.fusion_threshold, a.fusion_direct_bytes);
+        let batches = plan_segments(
+            &responses,
+            groups,
+            a.fusion_threshold,
+            a.fusion_direct_bytes,
+        );
         for batch in batches {
             let resps: Vec<&Response> = batch.members.iter().map(|i| &responses[*i]).collect();
             let head = resps[0];
@@ -1389,6 +1399,8 @@ impl Background {
 /// buckets on two NCCL streams moved the ResNet-50 gradients fastest of the bucket sizes tried
 /// (16, 32, 64, 128 MiB) on 2 × H200.
 const GPU_BUCKET_BYTES: usize = 64 << 20;
+
+const GPU_FIRST_BUCKET_BYTES: usize = 64 << 20;
 
 /// Cores per local rank from which waiting threads poll by default: a submitting thread, the
 /// background thread and the GPU finisher each may hold one.
