@@ -714,12 +714,7 @@ impl Background {
             {
                 let on_gpu = step.iter().all(|r| r.device != crate::message::CPU_DEVICE);
                 let plan = if on_gpu {
-                    Plan::from_buckets(
-                        &step,
-                        GPU_FIRST_BUCKET_BYTES,
-                        threshold.min(GPU_BUCKET_BYTES),
-                        direct,
-                    )
+                    Plan::from_buckets(&step, threshold.min(GPU_BUCKET_BYTES), direct)
                 } else {
                     Plan::from_cycles(&step, &cycles, threshold, direct)
                 };
@@ -1399,8 +1394,6 @@ impl Background {
 /// buckets on two NCCL streams moved the ResNet-50 gradients fastest of the bucket sizes tried
 /// (16, 32, 64, 128 MiB) on 2 × H200.
 const GPU_BUCKET_BYTES: usize = 64 << 20;
-
-const GPU_FIRST_BUCKET_BYTES: usize = 64 << 20;
 
 /// Cores per local rank from which waiting threads poll by default: a submitting thread, the
 /// background thread and the GPU finisher each may hold one.

@@ -435,8 +435,7 @@ fn engine_floors(
     ));
     // the runtime's rule for GPU buckets
     let sizes: Vec<usize> = cin.iter().map(|c| c.len as usize).collect();
-    let buckets =
-        |limit: usize| ferrovod::negotiate::plan::bucket_ranges(&sizes, usize::MAX, limit);
+    let buckets = |limit: usize| ferrovod::negotiate::plan::bucket_ranges(&sizes, limit);
     let reduce = |r: &std::ops::Range<usize>, comm: &NcclComm, s: &Stream| {
         let lo = cin[r.start].dst;
         let n: u64 = cin[r.clone()].iter().map(|c| c.len).sum();
