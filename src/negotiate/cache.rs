@@ -4,7 +4,6 @@
 //! ever being communicated.
 
 use crate::hashing::HashMap;
-
 use crate::message::{OpKind, Request, Response};
 
 /// Outcome of looking a request up.

@@ -2,10 +2,9 @@
 //! name is ready everywhere, then turns it into a response. Pure: time is passed in.
 
 use std::collections::BTreeSet;
-
-use crate::hashing::HashMap;
 use std::time::{Duration, Instant};
 
+use crate::hashing::HashMap;
 use crate::message::{OpKind, Request, Response};
 use crate::negotiate::validate::construct_response;
 

@@ -8,9 +8,9 @@
 //! back to online negotiation at the same point. Pure: decisions here depend only on what this
 //! rank submitted and on time; the agreement comes from the flag.
 
-use crate::hashing::HashMap;
 use std::time::{Duration, Instant};
 
+use crate::hashing::HashMap;
 use crate::message::Request;
 use crate::negotiate::plan::Plan;
 

@@ -1,10 +1,10 @@
 //! One rank's negotiation state for one process set, advanced once per cycle.
 
-use crate::hashing::HashMap;
 use std::time::{Duration, Instant};
 
 use crate::config::NegotiationMode;
 use crate::error::Result;
+use crate::hashing::HashMap;
 use crate::message::{OpKind, Request, Response};
 use crate::negotiate::cache::{Lookup, ResponseCache};
 use crate::negotiate::coordinator::{Coordinator, stall_report};
@@ -154,14 +154,21 @@ impl Negotiator {
         }
     }
 
+    /// The last vote's index of the groups, while the groups and the cache are as it saw them.
+    fn current_index(&self) -> Option<&GroupIndex> {
+        match &self.index {
+            Some((key, index)) if *key == (self.cache.generation(), self.groups_generation) => {
+                Some(index)
+            }
+            _ => None,
+        }
+    }
+
     /// Whether `name` belongs to one of the groups voted on now.
     pub fn in_group(&self, name: &str) -> bool {
-        match &self.index {
-            // the last vote's index, while the groups and the cache are as it saw them
-            Some((key, index)) if *key == (self.cache.generation(), self.groups_generation) => {
-                index.group_of.contains_key(name)
-            }
-            _ => self.groups.iter().flatten().any(|n| n == name),
+        match self.current_index() {
+            Some(index) => index.group_of.contains_key(name),
+            None => self.groups.iter().flatten().any(|n| n == name),
         }
     }
 
@@ -184,13 +191,7 @@ impl Negotiator {
     /// Counts a submission towards its group (by the groups indexed at the last vote); true
     /// while that group still lacks members here.
     fn fills_incomplete_group(&mut self, name: &str) -> bool {
-        let Some((key, index)) = &self.index else {
-            return false;
-        };
-        if *key != (self.cache.generation(), self.groups_generation) {
-            return false;
-        }
-        let Some(&g) = index.group_of.get(name) else {
+        let Some(&g) = self.current_index().and_then(|i| i.group_of.get(name)) else {
             return false;
         };
         let (Some(n), Some(members)) = (self.group_arrived.get_mut(g), self.groups.get(g)) else {
@@ -212,12 +213,8 @@ impl Negotiator {
         if self.waiting.is_empty() {
             return false;
         }
-        let valid = self
-            .index
-            .as_ref()
-            .is_some_and(|(k, _)| *k == (self.cache.generation(), self.groups_generation));
         let counted: usize = self.group_arrived.iter().sum();
-        !(valid
+        !(self.current_index().is_some()
             && counted == self.waiting.len()
             && self
                 .group_arrived

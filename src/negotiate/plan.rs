@@ -3,10 +3,9 @@
 //! (identical on every rank, so every rank learns the same plan at the same point), or loaded
 //! from a file; once frozen, each batch runs when its tensors are ready locally.
 
-use crate::hashing::HashSet;
-
 use crate::error::{Error, Result};
 use crate::fusion::planner::plan_batches;
+use crate::hashing::HashSet;
 use crate::message::{OpKind, Request, Response};
 use crate::negotiate::wire::{self, ResponseList};
 

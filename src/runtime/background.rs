@@ -2,8 +2,6 @@
 //! negotiate per process set, fuse, execute, complete — until every rank agrees to stop.
 
 use std::collections::BTreeMap;
-
-use crate::hashing::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -15,6 +13,7 @@ use crate::config::NegotiationMode;
 use crate::error::{Error, Result, SHUT_DOWN_MESSAGE};
 use crate::fusion::autotune::{Autotuner, Params};
 use crate::fusion::planner::plan_segments;
+use crate::hashing::{HashMap, HashSet};
 use crate::message::{OpKind, Response};
 use crate::negotiate::offline::{EscapePolicy, Next, OfflineQueue};
 use crate::negotiate::online::{Negotiator, StallPolicy};

@@ -1,11 +1,11 @@
 //! Completion of enqueued operations: by handle (poll, wait with timeout) and by callback.
 
-use crate::hashing::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+use crate::hashing::HashMap;
 
 pub type HandleId = u64;
 

@@ -11,8 +11,6 @@ pub mod probe;
 pub mod timeline;
 
 use std::collections::BTreeMap;
-
-use crate::hashing::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::thread::JoinHandle;
@@ -22,6 +20,7 @@ use crossbeam::channel::{Sender, unbounded};
 use crate::config::Config;
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
+use crate::hashing::{HashMap, HashSet};
 use crate::message::{CPU_DEVICE, OpKind, ReduceOp, Request};
 use entry::{InputMem, OutputMem, SharedAllocator, TensorEntry};
 use handle::{DoneCallback, Handle, HandleTable};
