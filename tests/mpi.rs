@@ -220,6 +220,7 @@ const GPU_SCENARIOS: &[Scenario] = &[
     ("mismatches", 4, &[], true),
     ("process_sets", 4, &[], true),
     ("gpu_kernels", 1, &[], true),
+    ("gpu_failure", 2, &[], true),
     ("gpu_streams", 2, &[], true),
     (
         "gpu_streams",
@@ -458,6 +459,7 @@ fn run_rank(name: &str) {
         "group_votes" => group_votes(),
         "online_groups_stall" => online_groups_stall(),
         "gpu_streams" => gpu_streams(),
+        "gpu_failure" => gpu_failure(),
         "gpu_kernels" => gpu_kernels(),
         other => panic!("unknown scenario {other}"),
     }
@@ -2610,6 +2612,71 @@ fn large_counts() {
         off += rows_of(r);
     }
     finish_job();
+}
+
+/// A rank whose GPU batch fails after every rank agreed to run it (here: its fusion buffer
+/// cannot grow, its GPU memory being taken): it aborts its NCCL communicators and shuts the
+/// job down; the other rank, whose NCCL call waits for it, aborts its own at shutdown after
+/// the grace time. Both get an error, nobody hangs, and later work is refused.
+fn gpu_failure() {
+    init();
+    let me = rank();
+    let n = size();
+    // opens the lane (small fusion buffer)
+    let res = run(OpSpec::new(
+        OpKind::Allreduce,
+        (0..2)
+            .map(|k| tensor(&format!("warm.{k}"), DataType::F32, &[4], &[1.0; 4], false))
+            .collect(),
+    ))
+    .unwrap();
+    assert_close(&output(&res[0], DataType::F32), &[n as f64; 4], "warm-up");
+    // 200 tensors of 512 KiB: fused through a 100 MiB fusion buffer
+    let count = 128 << 10;
+    let specs: Vec<TensorSpec> = (0..200)
+        .map(|k| {
+            tensor(
+                &format!("big.{k}"),
+                DataType::F32,
+                &[count as i64],
+                &vec![1.0; count],
+                false,
+            )
+        })
+        .collect();
+    let gpu = gpu::this_gpu();
+    // rank 1 leaves less free than the inputs (copied to the GPU at submission) and the
+    // fusion buffer need together
+    let _hog = (me == 1).then(|| {
+        let (free, _) = gpu.memory_info().unwrap();
+        gpu.alloc(free - (160 << 20)).unwrap()
+    });
+    let start = Instant::now();
+    let err = run(OpSpec::new(OpKind::Allreduce, specs)).unwrap_err();
+    let msg = err.to_string();
+    if me == 1 {
+        assert!(
+            msg.contains("GPU collective failed on this rank")
+                && msg.contains("NCCL communicators were aborted"),
+            "{msg}"
+        );
+    } else {
+        assert!(
+            matches!(err, Error::Aborted(_) | Error::ShutDown(_)),
+            "{err:?}"
+        );
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(60),
+        "took {:?}",
+        start.elapsed()
+    );
+    let later = run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("later", DataType::F32, &[1], &[1.0], false)],
+    ));
+    assert!(matches!(later, Err(Error::ShutDown(_))), "{later:?}");
+    pass();
 }
 
 /// GPU inputs produced asynchronously on the caller's stream (a kernel still running at

@@ -498,6 +498,11 @@ impl Background {
             while let Ok(cmd) = rx.try_recv() {
                 self.receive(cmd);
             }
+            if let Some(reason) = self.rt.take_gpu_failure() {
+                tracing::error!("{reason}");
+                self.reason.get_or_insert(reason);
+                self.want_shutdown = true;
+            }
             if self.vote_wanted() {
                 // a vote for something new: if it agrees on nothing (another rank is not
                 // there yet), retry soon rather than after the backed-off delay
@@ -1374,6 +1379,11 @@ impl Background {
             None => Error::shut_down(),
         };
         self.drain_channels(rx, &err);
+        // before the finisher: a lane whose work cannot finish (another rank failed) aborts
+        // it when dropped, so that the finisher's waits end
+        for set in self.member.values_mut() {
+            set.gpu = None;
+        }
         if let Some(mut f) = self.finisher.take() {
             f.close();
         }

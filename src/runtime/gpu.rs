@@ -5,6 +5,7 @@
 //! so the background thread never waits for the GPU.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -29,11 +30,18 @@ pub(crate) struct GpuLane {
     ways: Vec<Way>,
     /// Batches run on this lane so far (the same count on every rank).
     batches: usize,
+    /// Set when the communicators were aborted; batches whose completion is seen after it
+    /// fail (their NCCL kernels may have been stopped).
+    aborted: Arc<AtomicBool>,
+    /// How long dropping the lane waits for work still running before aborting it.
+    grace: Duration,
 }
 
 struct Way {
     comm: NcclComm,
     fusion: Option<DeviceMem>,
+    /// The event after the way's latest batch (its batches finish in order).
+    last: Option<Arc<Event>>,
     // declared last: dropped after the communicator and buffer that use it
     stream: Stream,
 }
@@ -43,7 +51,12 @@ impl GpuLane {
     /// (none when it failed), and every rank votes on its own readiness before joining the
     /// communicators, so a rank that cannot open the lane fails the batch everywhere instead
     /// of leaving the others waiting in NCCL's set-up.
-    fn open(gpu: Result<Arc<Gpu>>, data: &MpiComm, ways: usize) -> Result<GpuLane> {
+    fn open(
+        gpu: Result<Arc<Gpu>>,
+        data: &MpiComm,
+        ways: usize,
+        grace: Duration,
+    ) -> Result<GpuLane> {
         let ids = match (&gpu, data.rank()) {
             (Ok(_), 0) => (0..ways)
                 .map(|_| nccl::unique_id())
@@ -78,6 +91,7 @@ impl GpuLane {
                 Ok(Way {
                     comm: NcclComm::new(&gpu, id, data.rank(), data.size())?,
                     fusion: None,
+                    last: None,
                     stream,
                 })
             })
@@ -86,7 +100,52 @@ impl GpuLane {
             gpu,
             ways,
             batches: 0,
+            aborted: Arc::new(AtomicBool::new(false)),
+            grace,
         })
+    }
+
+    /// Stops every communicator of the lane and the work pending on them: after a local
+    /// failure between agreement and the NCCL calls (the other ranks' calls wait for this
+    /// rank's forever), or at shutdown when work still runs after the grace time.
+    fn abort(&mut self) {
+        self.aborted.store(true, Ordering::SeqCst);
+        // binding failed means a broken context; abort anyway
+        let _ = self.gpu.bind();
+        for w in &mut self.ways {
+            w.comm.abort();
+        }
+    }
+}
+
+impl Drop for GpuLane {
+    /// Destroying a communicator waits for its pending operations, which never end if another
+    /// rank failed or left before its part: wait for the last batches up to the grace time,
+    /// then abort instead.
+    fn drop(&mut self) {
+        if self.aborted.load(Ordering::SeqCst) {
+            return;
+        }
+        let deadline = Instant::now() + self.grace;
+        let finished = self.ways.iter().all(|w| match &w.last {
+            None => true,
+            Some(ev) => loop {
+                match ev.query() {
+                    Ok(true) => break true,
+                    Ok(false) if Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(1))
+                    }
+                    _ => break false,
+                }
+            },
+        });
+        if !finished {
+            tracing::error!(
+                "GPU collectives still running after {} s at shutdown (another rank failed or left): aborting the NCCL communicators",
+                self.grace.as_secs_f64()
+            );
+            self.abort();
+        }
     }
 }
 
@@ -94,6 +153,20 @@ impl GpuLane {
 pub(crate) struct Recorded {
     pub gpu: Arc<Gpu>,
     pub event: Arc<Event>,
+    /// The lane's abort flag: a batch whose event is seen after an abort failed.
+    pub aborted: Arc<AtomicBool>,
+}
+
+impl Recorded {
+    /// The batch's outcome once its event has fired.
+    fn outcome(&self) -> Result<()> {
+        match self.aborted.load(Ordering::SeqCst) {
+            true => Err(Error::Aborted(
+                "the GPU collective was aborted: another rank failed or left before its part, or this rank's NCCL communicators were aborted after a failure".into(),
+            )),
+            false => Ok(()),
+        }
+    }
 }
 
 /// Whether a batch of `head`'s kind runs on the GPU path.
@@ -126,9 +199,45 @@ pub(crate) fn run_device_batch(
             Some(d) => Ok(d.gpu.clone()),
             None => rt.process_gpu(),
         };
-        *lane = Some(GpuLane::open(gpu, data, rt.config.nccl_streams)?);
+        let cfg = &rt.config;
+        let grace = match cfg.stall_shutdown.is_zero() {
+            true => SHUTDOWN_GRACE,
+            false => cfg.stall_shutdown.min(SHUTDOWN_GRACE),
+        };
+        *lane = Some(GpuLane::open(gpu, data, cfg.nccl_streams, grace)?);
     }
     let l = lane.as_mut().expect("lane opened");
+    if l.aborted.load(Ordering::SeqCst) {
+        return Err(Error::Aborted(
+            "this process set's NCCL communicators were aborted after an earlier GPU failure"
+                .into(),
+        ));
+    }
+    enqueue_on_lane(l, data, resps, entries, sink).map_err(|e| {
+        // the other ranks' NCCL calls for this batch wait for this rank's forever: stop this
+        // rank's communicators and have the job shut down (the vote tells every rank)
+        l.abort();
+        let msg = format!(
+            "a GPU collective failed on this rank after every rank agreed to run it ({e}); its NCCL communicators were aborted and ferrovod shuts down, as the other ranks cannot complete it"
+        );
+        rt.report_gpu_failure(&msg);
+        Error::Aborted(msg)
+    })
+}
+
+/// How long shutdown waits for GPU work still running before it aborts the communicators
+/// (capped further by `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`).
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// The batch's part after the lane is open: every failure here leaves the ranks' NCCL calls
+/// out of step.
+fn enqueue_on_lane(
+    l: &mut GpuLane,
+    data: &MpiComm,
+    resps: &[&Response],
+    entries: &mut [TensorEntry],
+    sink: ActivitySink,
+) -> Result<Recorded> {
     let gpu = l.gpu.clone();
     gpu.bind()?;
     let k = l.batches % l.ways.len();
@@ -177,8 +286,13 @@ pub(crate) fn run_device_batch(
     super::probe::mark("collective enqueued", entries.len());
     let event = Arc::new(gpu.new_event()?);
     event.record(&w.stream)?;
+    w.last = Some(event.clone());
     super::probe::mark("launched", entries.len());
-    Ok(Recorded { gpu, event })
+    Ok(Recorded {
+        gpu,
+        event,
+        aborted: l.aborted.clone(),
+    })
 }
 
 /// What the finisher does once a batch's event has fired.
@@ -274,7 +388,8 @@ fn finish_loop(rt: Arc<Runtime>, rx: Receiver<Finish>) {
                 let outcome = recorded
                     .gpu
                     .bind()
-                    .and_then(|()| wait_for(&recorded.event, limit));
+                    .and_then(|()| wait_for(&recorded.event, limit))
+                    .and_then(|()| recorded.outcome());
                 super::probe::mark("fired", entries.len());
                 let n = entries.len();
                 let spent = complete(&rt, set, entries, outcome, Some(&recorded));

@@ -135,6 +135,10 @@ pub struct Runtime {
     in_flight: Mutex<HashMap<i32, HashSet<String>>>,
     loop_ended: AtomicBool,
     shutdown_reason: Mutex<Option<String>>,
+    /// A GPU batch failed after agreement (set by the background or a channel thread): the
+    /// background thread turns it into a shutdown of the job.
+    gpu_failure: Mutex<Option<String>>,
+    gpu_failed: AtomicBool,
     thread: Mutex<Option<JoinHandle<()>>>,
     pub metrics: metrics::Metrics,
     /// The GPU this process's device operations use (the first one asked for).
@@ -191,6 +195,7 @@ pub fn init(opts: InitOptions) -> Result<()> {
         return Ok(()); // another thread initialised meanwhile
     }
     crate::config::init_logging();
+    crate::transport::nccl::connect_at_creation();
     let config = opts.config.clone().unwrap_or_else(Config::from_env);
     let (tx, rx) = unbounded();
     let rt = Arc::new(Runtime {
@@ -202,6 +207,8 @@ pub fn init(opts: InitOptions) -> Result<()> {
         in_flight: Mutex::new(HashMap::default()),
         loop_ended: AtomicBool::new(false),
         shutdown_reason: Mutex::new(None),
+        gpu_failure: Mutex::new(None),
+        gpu_failed: AtomicBool::new(false),
         thread: Mutex::new(None),
         metrics: metrics::Metrics::default(),
         gpu_device: OnceLock::new(),
@@ -432,6 +439,23 @@ impl Runtime {
                 held.remove(n);
             }
         }
+    }
+
+    /// Records the first GPU failure after agreement (see `take_gpu_failure`).
+    pub(crate) fn report_gpu_failure(&self, reason: &str) {
+        self.gpu_failure
+            .lock()
+            .expect("gpu failure")
+            .get_or_insert_with(|| reason.to_string());
+        self.gpu_failed.store(true, Ordering::SeqCst);
+    }
+
+    /// The GPU failure reported since the last call, if any (cheap when there is none).
+    pub(crate) fn take_gpu_failure(&self) -> Option<String> {
+        if !self.gpu_failed.swap(false, Ordering::SeqCst) {
+            return None;
+        }
+        self.gpu_failure.lock().expect("gpu failure").take()
     }
 
     pub(crate) fn finish_name(&self, set: i32, name: &str) {

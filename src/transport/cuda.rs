@@ -158,6 +158,12 @@ impl Gpu {
         Ok(DeviceMem { ptr, len })
     }
 
+    /// Free and total bytes of this GPU's memory.
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.bind()?;
+        result::mem_get_info().map_err(|e| driver("memory info", e))
+    }
+
     /// Copies many byte ranges with one kernel launch per 64 ranges (not one memcpy each).
     pub fn copy_batch(&self, stream: &Stream, copies: &[Copy]) -> Result<()> {
         for chunk in copies.chunks(COPY_BATCH) {

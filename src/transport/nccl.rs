@@ -39,6 +39,20 @@ pub fn unique_id() -> Result<Vec<u8>> {
     Ok(id.internal.iter().map(|c| *c as u8).collect())
 }
 
+/// Has NCCL connect its communicators' peers when they are created, unless the user chose
+/// otherwise (`NCCL_RUNTIME_CONNECT`). NCCL 2.22+ connects lazily, inside the first collective
+/// that needs a connection, and that call then blocks the calling thread until the peer makes
+/// its own: a rank that failed before its part would stop ferrovod's background thread there,
+/// and with it the votes that tell every rank to shut down. Creating a lane is a point every
+/// rank reaches together, so connecting there costs no waiting.
+pub fn connect_at_creation() {
+    if std::env::var_os("NCCL_RUNTIME_CONNECT").is_none() {
+        // SAFETY: called by `runtime::init` before ferrovod starts its threads; NCCL reads
+        // its environment once, when the first communicator is created (later).
+        unsafe { std::env::set_var("NCCL_RUNTIME_CONNECT", "0") };
+    }
+}
+
 /// The NCCL version as NCCL encodes it (e.g. 22803).
 pub fn version() -> Result<i32> {
     require_nccl()?;
@@ -49,6 +63,8 @@ pub struct NcclComm {
     comm: sys::ncclComm_t,
     rank: usize,
     size: usize,
+    /// Set by `abort`: the communicator is gone, calls fail.
+    aborted: bool,
 }
 
 // SAFETY: an NCCL communicator may be used from any one thread at a time; ferrovod drives each
@@ -76,7 +92,35 @@ impl NcclComm {
         // SAFETY: `comm` is a valid out-pointer; the id came from ncclGetUniqueId on one rank.
         unsafe { result::comm_init_rank(&mut comm, size as i32, uid, rank as i32) }
             .map_err(|e| nccl("communicator init", e))?;
-        Ok(NcclComm { comm, rank, size })
+        Ok(NcclComm {
+            comm,
+            rank,
+            size,
+            aborted: false,
+        })
+    }
+
+    /// Ends the communicator and every operation of it still pending or running on the GPU
+    /// (after a rank failed between agreement and its NCCL call, the others' calls can never
+    /// complete); later calls fail.
+    pub fn abort(&mut self) {
+        if !self.aborted {
+            self.aborted = true;
+            // SAFETY: ours; NCCL frees it and stops its kernels; it is not used again.
+            if let Err(e) = unsafe { result::comm_abort(self.comm) } {
+                tracing::error!("ncclCommAbort failed: {e:?}");
+            }
+        }
+    }
+
+    /// The communicator, while it has not been aborted.
+    fn live(&self) -> Result<sys::ncclComm_t> {
+        if self.aborted {
+            return Err(Error::Aborted(
+                "the NCCL communicator was aborted after an earlier GPU failure".into(),
+            ));
+        }
+        Ok(self.comm)
     }
 
     fn group(&self, f: impl FnOnce() -> Result<()>) -> Result<()> {
@@ -89,8 +133,11 @@ impl NcclComm {
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
-        // SAFETY: ours and no longer used; destroy waits for pending operations.
-        let _ = unsafe { result::comm_destroy(self.comm) };
+        if !self.aborted {
+            // SAFETY: ours and no longer used; destroy waits for pending operations (a lane
+            // aborts communicators whose work cannot finish before dropping them).
+            let _ = unsafe { result::comm_destroy(self.comm) };
+        }
     }
 }
 
@@ -168,7 +215,7 @@ impl DeviceTransport for NcclComm {
                 count,
                 typed(dtype)?,
                 nccl_op(op)?,
-                self.comm,
+                self.live()?,
                 stream.raw().cast(),
             )
         }
@@ -205,7 +252,7 @@ impl DeviceTransport for NcclComm {
             let me = recv + (self.rank * counts[0]) as u64;
             // SAFETY: `recv` holds size × counts[0] bytes; in place as NCCL allows.
             return unsafe {
-                result::all_gather(ptr(me), ptr(recv), counts[0], bytes_type(), self.comm, s)
+                result::all_gather(ptr(me), ptr(recv), counts[0], bytes_type(), self.live()?, s)
             }
             .map(|_| ())
             .map_err(|e| nccl("allgather", e));
@@ -217,7 +264,15 @@ impl DeviceTransport for NcclComm {
                 let at = recv + off;
                 // SAFETY: segment r of `recv`; in-place broadcast.
                 unsafe {
-                    result::broadcast(ptr(at), ptr(at), *c, bytes_type(), r as i32, self.comm, s)
+                    result::broadcast(
+                        ptr(at),
+                        ptr(at),
+                        *c,
+                        bytes_type(),
+                        r as i32,
+                        self.live()?,
+                        s,
+                    )
                 }
                 .map_err(|e| nccl("allgather broadcast", e))?;
                 off += *c as u64;
@@ -235,7 +290,7 @@ impl DeviceTransport for NcclComm {
                 bytes,
                 bytes_type(),
                 root as i32,
-                self.comm,
+                self.live()?,
                 stream.raw().cast(),
             )
         }
@@ -263,7 +318,7 @@ impl DeviceTransport for NcclComm {
                             send_counts[r],
                             bytes_type(),
                             r as i32,
-                            self.comm,
+                            self.live()?,
                             s,
                         )
                         .map_err(|e| nccl("send", e))?;
@@ -274,7 +329,7 @@ impl DeviceTransport for NcclComm {
                             recv_counts[r],
                             bytes_type(),
                             r as i32,
-                            self.comm,
+                            self.live()?,
                             s,
                         )
                         .map_err(|e| nccl("recv", e))?;
@@ -301,7 +356,7 @@ impl DeviceTransport for NcclComm {
         if counts.iter().all(|c| *c == counts[0]) {
             // SAFETY: `send` holds size × counts[0] elements, `recv` counts[0].
             return unsafe {
-                result::reduce_scatter(ptr(send), ptr(recv), counts[0], ty, nop, self.comm, s)
+                result::reduce_scatter(ptr(send), ptr(recv), counts[0], ty, nop, self.live()?, s)
             }
             .map(|_| ())
             .map_err(|e| nccl("reducescatter", e));
@@ -324,7 +379,7 @@ impl DeviceTransport for NcclComm {
                         ty,
                         nop,
                         r as i32,
-                        self.comm,
+                        self.live()?,
                         s,
                     )
                 }
