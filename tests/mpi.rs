@@ -220,7 +220,15 @@ const GPU_SCENARIOS: &[Scenario] = &[
     ("mismatches", 4, &[], true),
     ("process_sets", 4, &[], true),
     ("gpu_kernels", 1, &[], true),
-    ("gpu_failure", 2, &[], true),
+    (
+        "gpu_failure",
+        2,
+        &[
+            ("HOROVOD_STALL_CHECK_TIME_SECONDS", "2"),
+            ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "4"),
+        ],
+        true,
+    ),
     ("gpu_streams", 2, &[], true),
     (
         "gpu_streams",
@@ -2621,6 +2629,12 @@ fn large_counts() {
 fn gpu_failure() {
     init();
     let me = rank();
+    // what is under test is that nothing hangs: fail fast rather than at the harness's limit
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(60));
+        eprintln!("gpu_failure: rank {me} still running after 60 s");
+        std::process::exit(3);
+    });
     let n = size();
     // opens the lane (small fusion buffer)
     let res = run(OpSpec::new(
@@ -2654,6 +2668,7 @@ fn gpu_failure() {
     let start = Instant::now();
     let err = run(OpSpec::new(OpKind::Allreduce, specs)).unwrap_err();
     let msg = err.to_string();
+    eprintln!("DBG test r{me} err {msg}");
     if me == 1 {
         assert!(
             msg.contains("GPU collective failed on this rank")
@@ -2676,6 +2691,9 @@ fn gpu_failure() {
         vec![tensor("later", DataType::F32, &[1], &[1.0], false)],
     ));
     assert!(matches!(later, Err(Error::ShutDown(_))), "{later:?}");
+    eprintln!("DBG test r{me} later ok");
+    // MPI's finalize waits for both ranks (rank 0 ends its wait after the grace time)
+    runtime::shutdown();
     pass();
 }
 
