@@ -373,22 +373,28 @@ fn engine_floors(
     let (packer, unpacker) = (gpu.new_stream().unwrap(), gpu.new_stream().unwrap());
     let stream = &streams[0];
     let joined = gpu.new_event().unwrap();
-    // runs `f`, then waits for every stream it used
-    let time = |f: &dyn Fn()| {
+    // runs `f`, then waits for every stream it used; the median time with the GPU work, or
+    // (`host_only`) of the host's enqueueing alone
+    let measure = |f: &dyn Fn(), host_only: bool| {
         let mut v = Vec::new();
         for i in 0..reps + 3 {
             host.barrier().unwrap();
             let t = Instant::now();
             f();
+            let enqueued = t.elapsed().as_secs_f64();
             for s in streams.iter().chain([&urgent, &packer, &unpacker]) {
                 s.synchronize().unwrap();
             }
             if i >= 3 {
-                v.push(t.elapsed().as_secs_f64());
+                v.push(match host_only {
+                    true => enqueued,
+                    false => t.elapsed().as_secs_f64(),
+                });
             }
         }
         median(v)
     };
+    let time = |f: &dyn Fn()| measure(f, false);
     let avg = ReduceOp::Average;
     let f32 = DataType::F32;
     let mut out = Vec::new();
@@ -462,24 +468,8 @@ fn engine_floors(
             ));
         }
     }
-    // host time to enqueue the runtime's launch of the last 64 MiB bucket, part by part (the
-    // GPU work is waited for outside the measured part)
-    let host_only = |f: &dyn Fn()| {
-        let mut v = Vec::new();
-        for i in 0..reps + 3 {
-            host.barrier().unwrap();
-            let t = Instant::now();
-            f();
-            let spent = t.elapsed().as_secs_f64();
-            for s in streams.iter() {
-                s.synchronize().unwrap();
-            }
-            if i >= 3 {
-                v.push(spent);
-            }
-        }
-        median(v)
-    };
+    // host time to enqueue the runtime's launch of the last 64 MiB bucket, part by part
+    let host_only = |f: &dyn Fn()| measure(f, true);
     if let Some(last) = buckets(64 << 20).last().cloned() {
         let big = ferrovod::collective::device::gpu_in_place_bytes() as u64;
         let small: Vec<cuda::Copy> = cin[last.clone()]
