@@ -1,8 +1,8 @@
 //! The collectives over GPU memory: the same batches as the host algorithms, written against
 //! a `DeviceTransport` (NCCL). Work is enqueued on the lane's stream and not waited for;
-//! fusion packing and unpacking are batched copy kernels, scaling is a kernel, and large tensors
-//! (and a batch of one) are reduced in the tensor's own memory. Reductions the device backend lacks (16-bit
-//! integers, bool) are staged through host memory and the host transport.
+//! fusion packing and unpacking are batched copy kernels, scaling is a kernel, and large
+//! tensors (and a batch of one) are reduced in the tensor's own memory. Reductions the device
+//! backend lacks (16-bit integers, bool) are staged through host memory and the host transport.
 
 use crate::collective::{
     ActivitySink, allgather_contributions, allgather_shape, alltoall_counts, backend_op,

@@ -116,15 +116,11 @@ impl TensorEntry {
             (o, _) => o,
         };
         let result = outcome.map(|()| {
-            let output = std::mem::replace(&mut self.output, OutputMem::InPlace);
-            let input = std::mem::replace(&mut self.input, InputMem::Owned(Vec::new()));
-            let output = match (output, input) {
-                (OutputMem::Owned(v), _) => Some(v),
-                (OutputMem::InPlace, InputMem::Owned(v)) => Some(v),
-                (output, input) => {
-                    (self.output, self.input) = (output, input);
-                    None
+            let output = match (&mut self.output, &mut self.input) {
+                (OutputMem::Owned(v), _) | (OutputMem::InPlace, InputMem::Owned(v)) => {
+                    Some(std::mem::take(v))
                 }
+                _ => None,
             };
             TensorResult {
                 output,
