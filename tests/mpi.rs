@@ -2624,8 +2624,9 @@ fn large_counts() {
 
 /// A rank whose GPU batch fails after every rank agreed to run it (here: its fusion buffer
 /// cannot grow, its GPU memory being taken): it aborts its NCCL communicators and shuts the
-/// job down; the other rank, whose NCCL call waits for it, aborts its own at shutdown after
-/// the grace time. Both get an error, nobody hangs, and later work is refused.
+/// job down; the vote tells the other rank, whose NCCL call waits for it, to abort its own at
+/// once rather than after the grace time (4 s here). Both get an error, nobody hangs, later
+/// work is refused, and MPI finalizes.
 fn gpu_failure() {
     init();
     let me = rank();
@@ -2668,7 +2669,6 @@ fn gpu_failure() {
     let start = Instant::now();
     let err = run(OpSpec::new(OpKind::Allreduce, specs)).unwrap_err();
     let msg = err.to_string();
-    eprintln!("DBG test r{me} err {msg}");
     if me == 1 {
         assert!(
             msg.contains("GPU collective failed on this rank")
@@ -2677,12 +2677,13 @@ fn gpu_failure() {
         );
     } else {
         assert!(
-            matches!(err, Error::Aborted(_) | Error::ShutDown(_)),
+            matches!(err, Error::Aborted(_)) && msg.contains("GPU collective was aborted"),
             "{err:?}"
         );
     }
+    // the grace time is the stall shutdown time, 4 s
     assert!(
-        start.elapsed() < Duration::from_secs(60),
+        start.elapsed() < Duration::from_secs(3),
         "took {:?}",
         start.elapsed()
     );
@@ -2691,7 +2692,6 @@ fn gpu_failure() {
         vec![tensor("later", DataType::F32, &[1], &[1.0], false)],
     ));
     assert!(matches!(later, Err(Error::ShutDown(_))), "{later:?}");
-    eprintln!("DBG test r{me} later ok");
     // MPI's finalize waits for both ranks (rank 0 ends its wait after the grace time)
     runtime::shutdown();
     pass();

@@ -31,6 +31,9 @@ pub struct CycleOutcome {
     pub groups: Vec<usize>,
     /// Some rank asked to shut down, or the coordinator shut the job down (with the reason).
     pub shutdown: Option<String>,
+    /// With the shutdown: some rank's GPU collective failed after agreement, so GPU work
+    /// still running everywhere cannot finish and is to be aborted at once.
+    pub abort_gpu: bool,
     /// Control collectives this cycle issued (for metrics).
     pub control_collectives: u32,
     /// Bytes this rank contributed to them.
@@ -243,11 +246,13 @@ impl Negotiator {
     }
 
     /// Runs one negotiation cycle over `ctrl`. All members of the set must call this the same
-    /// number of times, in the same order relative to other sets.
+    /// number of times, in the same order relative to other sets. `abort_gpu` (with
+    /// `want_shutdown`): this rank's GPU work failed after agreement.
     pub fn cycle(
         &mut self,
         ctrl: &dyn Transport,
         want_shutdown: bool,
+        abort_gpu: bool,
         now: Instant,
     ) -> Result<CycleOutcome> {
         let mut out = CycleOutcome::default();
@@ -437,6 +442,13 @@ impl Negotiator {
                 self.sent.insert(req.name.clone(), req);
             }
             out.shutdown = Some(crate::error::SHUT_DOWN_MESSAGE.to_string());
+            // every rank saw the shutdown in this vote: one more word says whether GPU work
+            // failed somewhere (rare, so it costs the per-step vote no bit)
+            let mut failed = [u64::from(abort_gpu)];
+            ctrl.or_words(&mut failed)?;
+            out.control_collectives += 1;
+            out.control_bytes += 8;
+            out.abort_gpu = failed[0] != 0;
             return Ok(out);
         }
         if !agreed.any_uncached {

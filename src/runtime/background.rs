@@ -209,8 +209,10 @@ pub(crate) fn run(
     bg.stop(&rx, reason);
     let unclean = bg.mpi_unclean;
     drop(bg);
+    tracing::debug!("shutdown: runtime state freed");
     if mpi_ours && !unclean {
         finalize_mpi();
+        tracing::debug!("shutdown: MPI finalized");
     } else if unclean {
         tracing::error!(
             "a collective never completed: MPI is left unfinalized, so that mpirun ends the job when this process exits"
@@ -531,7 +533,8 @@ impl Background {
                 }
                 let started = Instant::now();
                 super::probe::mark("vote", set.entries.len());
-                let outcome = set.negotiator.cycle(&set.ctrl, want, started);
+                let abort = want && self.rt.gpu_aborting();
+                let outcome = set.negotiator.cycle(&set.ctrl, want, abort, started);
                 super::probe::mark("voted", outcome.as_ref().map_or(0, |o| o.responses.len()));
                 if let Ok(o) = &outcome {
                     self.rt.metrics.add_negotiation(
@@ -545,6 +548,9 @@ impl Background {
                     Ok(o) => o.shutdown.clone().filter(|r| r != SHUT_DOWN_MESSAGE),
                 };
                 let plain_shutdown = matches!(&outcome, Ok(o) if o.shutdown.is_some());
+                if matches!(&outcome, Ok(o) if o.abort_gpu) {
+                    self.rt.abort_gpu_work();
+                }
                 if let Some(reason) = stop.as_ref() {
                     tracing::error!("{reason}");
                     self.reason.get_or_insert_with(|| reason.clone());
@@ -1379,14 +1385,22 @@ impl Background {
             None => Error::shut_down(),
         };
         self.drain_channels(rx, &err);
+        tracing::debug!("shutdown: channels drained");
         // before the finisher: a lane whose work cannot finish (another rank failed) aborts
-        // it when dropped, so that the finisher's waits end
-        for set in self.member.values_mut() {
-            set.gpu = None;
-        }
+        // it when dropped, so that the finisher's waits end. All at once: one lane's abort
+        // may wait for the device, which another's stuck kernels keep busy.
+        std::thread::scope(|s| {
+            for set in self.member.values_mut() {
+                if let Some(lane) = set.gpu.take() {
+                    s.spawn(move || drop(lane));
+                }
+            }
+        });
+        tracing::debug!("shutdown: GPU lanes closed");
         if let Some(mut f) = self.finisher.take() {
             f.close();
         }
+        tracing::debug!("shutdown: GPU completions finished");
         for (id, set) in std::mem::take(&mut self.member) {
             for (name, e) in set.entries {
                 self.rt.finish_name(id, &name);

@@ -35,6 +35,8 @@ pub(crate) struct GpuLane {
     aborted: Arc<AtomicBool>,
     /// How long dropping the lane waits for work still running before aborting it.
     grace: Duration,
+    /// The runtime's "some rank's GPU work failed" flag: no grace then.
+    abort_all: Arc<AtomicBool>,
 }
 
 struct Way {
@@ -56,6 +58,7 @@ impl GpuLane {
         data: &MpiComm,
         ways: usize,
         grace: Duration,
+        abort_all: Arc<AtomicBool>,
     ) -> Result<GpuLane> {
         let ids = match (&gpu, data.rank()) {
             (Ok(_), 0) => (0..ways)
@@ -102,6 +105,7 @@ impl GpuLane {
             batches: 0,
             aborted: Arc::new(AtomicBool::new(false)),
             grace,
+            abort_all,
         })
     }
 
@@ -110,19 +114,29 @@ impl GpuLane {
     /// rank's forever), or at shutdown when work still runs after the grace time.
     fn abort(&mut self) {
         self.aborted.store(true, Ordering::SeqCst);
-        // binding failed means a broken context; abort anyway
-        let _ = self.gpu.bind();
-        for w in &mut self.ways {
-            w.comm.abort();
-        }
+        // One thread per communicator: NCCL's clean-up after an abort may wait for the whole
+        // device, which the other ways' stuck kernels keep busy until their own abort.
+        let gpu = &self.gpu;
+        std::thread::scope(|s| {
+            for w in &mut self.ways {
+                s.spawn(move || {
+                    // binding failed means a broken context; abort anyway
+                    let _ = gpu.bind();
+                    w.comm.abort();
+                });
+            }
+        });
     }
 }
 
 impl Drop for GpuLane {
     /// Destroying a communicator waits for its pending operations, which never end if another
     /// rank failed or left before its part: wait for the last batches up to the grace time,
-    /// then abort instead.
+    /// then abort instead. After a GPU failure on any rank nothing still running can finish:
+    /// abort at once.
     fn drop(&mut self) {
+        // the ways' streams and buffers are freed after this, on this thread, which may be new
+        let _ = self.gpu.bind();
         if self.aborted.load(Ordering::SeqCst) {
             return;
         }
@@ -132,20 +146,29 @@ impl Drop for GpuLane {
             Some(ev) => loop {
                 match ev.query() {
                     Ok(true) => break true,
-                    Ok(false) if Instant::now() < deadline => {
+                    Ok(false)
+                        if Instant::now() < deadline && !self.abort_all.load(Ordering::SeqCst) =>
+                    {
                         std::thread::sleep(Duration::from_millis(1))
                     }
                     _ => break false,
                 }
             },
         });
-        if !finished {
-            tracing::error!(
+        if finished {
+            return;
+        }
+        match self.abort_all.load(Ordering::SeqCst) {
+            true => tracing::error!(
+                "GPU collectives still running at shutdown after a GPU failure: aborting the NCCL communicators"
+            ),
+            false => tracing::error!(
                 "GPU collectives still running after {} s at shutdown (another rank failed or left): aborting the NCCL communicators",
                 self.grace.as_secs_f64()
-            );
-            self.abort();
+            ),
         }
+        self.abort();
+        tracing::debug!("NCCL communicators aborted");
     }
 }
 
@@ -204,7 +227,13 @@ pub(crate) fn run_device_batch(
             true => SHUTDOWN_GRACE,
             false => cfg.stall_shutdown.min(SHUTDOWN_GRACE),
         };
-        *lane = Some(GpuLane::open(gpu, data, cfg.nccl_streams, grace)?);
+        *lane = Some(GpuLane::open(
+            gpu,
+            data,
+            cfg.nccl_streams,
+            grace,
+            rt.gpu_abort_flag(),
+        )?);
     }
     let l = lane.as_mut().expect("lane opened");
     if l.aborted.load(Ordering::SeqCst) {

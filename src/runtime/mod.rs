@@ -139,6 +139,9 @@ pub struct Runtime {
     /// background thread turns it into a shutdown of the job.
     gpu_failure: Mutex<Option<String>>,
     gpu_failed: AtomicBool,
+    /// Some rank's GPU batch failed after agreement (this one, or another through the vote):
+    /// GPU lanes abort at shutdown instead of waiting for work that cannot finish.
+    gpu_abort: Arc<AtomicBool>,
     thread: Mutex<Option<JoinHandle<()>>>,
     pub metrics: metrics::Metrics,
     /// The GPU this process's device operations use (the first one asked for).
@@ -209,6 +212,7 @@ pub fn init(opts: InitOptions) -> Result<()> {
         shutdown_reason: Mutex::new(None),
         gpu_failure: Mutex::new(None),
         gpu_failed: AtomicBool::new(false),
+        gpu_abort: Arc::new(AtomicBool::new(false)),
         thread: Mutex::new(None),
         metrics: metrics::Metrics::default(),
         gpu_device: OnceLock::new(),
@@ -448,6 +452,22 @@ impl Runtime {
             .expect("gpu failure")
             .get_or_insert_with(|| reason.to_string());
         self.gpu_failed.store(true, Ordering::SeqCst);
+        self.gpu_abort.store(true, Ordering::SeqCst);
+    }
+
+    /// Every rank learnt through the vote that a GPU batch failed after agreement.
+    pub(crate) fn abort_gpu_work(&self) {
+        self.gpu_abort.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether GPU work is to be aborted rather than waited for (see `abort_gpu_work`).
+    pub(crate) fn gpu_aborting(&self) -> bool {
+        self.gpu_abort.load(Ordering::SeqCst)
+    }
+
+    /// The flag behind `gpu_aborting`, for lanes dropped on other threads.
+    pub(crate) fn gpu_abort_flag(&self) -> Arc<AtomicBool> {
+        self.gpu_abort.clone()
     }
 
     /// The GPU failure reported since the last call, if any (cheap when there is none).
