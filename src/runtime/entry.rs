@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 use crate::message::Request;
 use crate::runtime::handle::{Handle, TensorResult};
 use crate::transport::DevicePtr;
-use crate::transport::cuda::{DeviceMem, Event, Gpu};
+use crate::transport::cuda::{DeviceMem, Event, Gpu, StreamMark};
 use crate::transport::memory::{DeviceRange, HostBuffer};
 
 /// Input memory: the caller's (C API) or owned by the library (Rust API, join zeros).
@@ -43,7 +43,7 @@ pub type SharedAllocator = Arc<Mutex<dyn OutputAllocator>>;
 #[derive(Clone)]
 pub enum ReadyEvent {
     /// Recorded by ferrovod on the caller's stream at enqueue.
-    Owned(Arc<Event>),
+    Owned(Arc<StreamMark>),
     /// The caller's own event, already recorded.
     Foreign(crate::transport::cuda::ForeignEvent),
 }

@@ -426,9 +426,7 @@ impl Runtime {
         let ready = if let Some(ev) = spec.ready_event {
             Some(entry::ReadyEvent::Foreign(ev))
         } else if let Some(stream) = spec.ready_stream {
-            let ev = gpu.new_event()?;
-            ev.record_foreign(stream)?;
-            Some(entry::ReadyEvent::Owned(Arc::new(ev)))
+            Some(entry::ReadyEvent::Owned(Arc::new(gpu.mark_stream(stream)?)))
         } else {
             None
         };

@@ -48,6 +48,40 @@ pub struct Gpu {
     kernels: Kernels,
     /// Where `join_events` records: a stream of its own, so joins never wait behind batches.
     joiner: Mutex<Option<Stream>>,
+    /// Events for `mark_stream`, reused.
+    marks: Arc<MarkPool>,
+}
+
+/// Reusable events and the order of the marks recorded with them.
+#[derive(Default)]
+struct MarkPool {
+    state: Mutex<(Vec<Event>, u64)>,
+}
+
+/// The point a caller's stream had reached when a tensor was enqueued: an event recorded there,
+/// from the GPU's pool (creating an event costs about as much as the rest of an enqueue; Horovod
+/// pools them too). `seq` orders the marks of one GPU as they were recorded, so that of the
+/// marks on one stream, which runs in order, waiting for the latest is enough.
+pub struct StreamMark {
+    event: Option<Event>,
+    pub stream: usize,
+    pub seq: u64,
+    pool: Arc<MarkPool>,
+}
+
+impl StreamMark {
+    pub fn event(&self) -> &Event {
+        self.event.as_ref().expect("held until dropped")
+    }
+}
+
+impl Drop for StreamMark {
+    fn drop(&mut self) {
+        // re-recording later is safe: waits already enqueued keep the state they saw
+        if let Some(e) = self.event.take() {
+            self.pool.state.lock().expect("mark pool").0.push(e);
+        }
+    }
 }
 
 static GPUS: Mutex<Option<HashMap<i32, Arc<Gpu>>>> = Mutex::new(None);
@@ -81,6 +115,7 @@ pub fn gpu(ordinal: i32) -> Result<Arc<Gpu>> {
         ctx,
         kernels,
         joiner: Mutex::new(None),
+        marks: Arc::default(),
     });
     gpus.insert(ordinal, g.clone());
     Ok(g)
@@ -111,6 +146,28 @@ impl Gpu {
             result::stream::create_with_priority(result::stream::StreamKind::NonBlocking, greatest)
                 .map_err(|e| driver("stream create", e))?;
         Ok(Stream(s))
+    }
+
+    /// Records where `stream` is now (see `StreamMark`).
+    pub fn mark_stream(&self, stream: ForeignStream) -> Result<StreamMark> {
+        self.bind()?;
+        // the lock spans the record, so that `seq` follows the order of the records
+        let mut state = self.marks.state.lock().expect("mark pool");
+        let event = match state.0.pop() {
+            Some(e) => e,
+            None => self.new_event()?,
+        };
+        if let Err(e) = event.record_foreign(stream) {
+            state.0.push(event);
+            return Err(e);
+        }
+        state.1 += 1;
+        Ok(StreamMark {
+            event: Some(event),
+            stream: stream.0,
+            seq: state.1,
+            pool: self.marks.clone(),
+        })
     }
 
     pub fn new_event(&self) -> Result<Event> {
