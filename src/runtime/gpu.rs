@@ -401,7 +401,6 @@ impl Finisher {
 /// Waits for `event` without holding a core for long: spins briefly (most batches are short),
 /// then yields, then sleeps. Gives up after `limit`: a rank that failed before its NCCL call
 /// leaves the others' NCCL calls waiting, and their tensors must still complete (failed).
-
 fn wait_for(event: &Event, limit: Option<Duration>) -> Result<()> {
     let start = Instant::now();
     loop {
