@@ -1,5 +1,6 @@
 //! One rank's negotiation state for one process set, advanced once per cycle.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::config::NegotiationMode;
@@ -41,7 +42,8 @@ pub struct CycleOutcome {
 }
 
 struct Waiting {
-    req: Request,
+    /// Shared with the tensor's entry: a submission costs no copy of its name and shape.
+    req: Arc<Request>,
     since: Instant,
     /// Its cache lookup and group, for the cache and groups generations they were found in:
     /// a burst of tensors waits through many votes, which need not look them up again.
@@ -180,7 +182,7 @@ impl Negotiator {
         &self.groups
     }
 
-    pub fn submit(&mut self, req: Request, now: Instant) {
+    pub fn submit(&mut self, req: Arc<Request>, now: Instant) {
         if !self.fills_incomplete_group(&req.name) {
             self.fresh = true;
         }
@@ -231,7 +233,7 @@ impl Negotiator {
     pub fn take_waiting(&mut self) -> Vec<Request> {
         std::mem::take(&mut self.waiting)
             .into_iter()
-            .map(|w| w.req)
+            .map(|w| Arc::unwrap_or_clone(w.req))
             .collect()
     }
 
@@ -304,7 +306,7 @@ impl Negotiator {
                 }
                 (Lookup::Invalid(_), Some(g)) => {
                     vote.group_invalid.push(g);
-                    to_send.push(w.req);
+                    to_send.push(Arc::unwrap_or_clone(w.req));
                 }
                 (Lookup::Hit(bit), None) => {
                     let bit = compact[&bit];
@@ -313,7 +315,7 @@ impl Negotiator {
                     if stale {
                         // surface it in the coordinator's stall report
                         vote.invalid.push(bit);
-                        to_send.push(w.req);
+                        to_send.push(Arc::unwrap_or_clone(w.req));
                     } else {
                         vote.hits.push(bit);
                         keep.push(w);
@@ -321,13 +323,13 @@ impl Negotiator {
                 }
                 (Lookup::Invalid(bit), None) => {
                     vote.invalid.push(compact[&bit]);
-                    to_send.push(w.req);
+                    to_send.push(Arc::unwrap_or_clone(w.req));
                 }
                 (Lookup::Miss, _) => {
                     if w.req.kind == OpKind::Join {
                         self.self_joined = true;
                     }
-                    to_send.push(w.req);
+                    to_send.push(Arc::unwrap_or_clone(w.req));
                 }
             }
         }
@@ -455,7 +457,7 @@ impl Negotiator {
             // requests that were invalid on this rank only were not sent: retry next cycle
             for req in to_send {
                 self.waiting.push(Waiting {
-                    req,
+                    req: Arc::new(req),
                     since: now,
                     found: None,
                 });

@@ -450,7 +450,7 @@ impl Background {
                     && let Offline::Frozen(q) = &mut self.offline
                 {
                     for e in entries {
-                        q.submit(e.request.clone());
+                        q.submit(crate::message::Request::clone(&e.request));
                         state.entries.insert(e.request.name.clone(), e);
                     }
                     return;
@@ -1052,7 +1052,7 @@ impl Background {
                 if let Some(t) = self.timeline.as_mut() {
                     t.begin(&req.name, &format!("NEGOTIATE_{}", req.kind.name()));
                 }
-                set.negotiator.submit(req, now);
+                set.negotiator.submit(Arc::new(req), now);
             }
             return Ok(());
         }

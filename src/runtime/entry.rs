@@ -57,7 +57,8 @@ pub struct OnDevice {
 }
 
 pub struct TensorEntry {
-    pub request: Request,
+    /// Shared with the negotiator while the tensor waits for agreement.
+    pub request: Arc<Request>,
     pub input: InputMem,
     pub output: OutputMem,
     pub splits: Option<Vec<i32>>,
@@ -67,7 +68,8 @@ pub struct TensorEntry {
     pub index: usize,
     /// Set for GPU tensors.
     pub device: Option<OnDevice>,
-    out_shape: Vec<i64>,
+    /// The output's shape where it differs from the input's (set after negotiation).
+    out_shape: Option<Vec<i64>>,
     received_splits: Vec<i32>,
     /// A failed output allocation: the tensor still takes part in the collective (through a
     /// scratch buffer), so the other ranks are not left waiting, and then fails.
@@ -77,8 +79,8 @@ pub struct TensorEntry {
 impl TensorEntry {
     pub fn new(request: Request, input: InputMem, output: OutputMem) -> TensorEntry {
         TensorEntry {
-            out_shape: request.shape.clone(),
-            request,
+            out_shape: None,
+            request: Arc::new(request),
             input,
             output,
             splits: None,
@@ -124,7 +126,10 @@ impl TensorEntry {
             };
             TensorResult {
                 output,
-                shape: std::mem::take(&mut self.out_shape),
+                shape: self
+                    .out_shape
+                    .take()
+                    .unwrap_or_else(|| self.request.shape.clone()),
                 received_splits: std::mem::take(&mut self.received_splits),
             }
         });
@@ -187,7 +192,7 @@ impl TensorIo for TensorEntry {
     }
 
     fn allocate_output(&mut self, shape: &[i64], bytes: usize) -> Result<()> {
-        self.out_shape = shape.to_vec();
+        self.out_shape = Some(shape.to_vec());
         let allocated = match &self.allocator {
             Some(alloc) => self.call_allocator(alloc, shape, bytes).and_then(|buf| {
                 let input = input_slice(&self.input);
@@ -309,7 +314,7 @@ impl DeviceIo for TensorEntry {
     }
 
     fn allocate_output(&mut self, shape: &[i64], bytes: usize) -> Result<()> {
-        self.out_shape = shape.to_vec();
+        self.out_shape = Some(shape.to_vec());
         let allocated = match &self.allocator {
             Some(alloc) => self
                 .call_allocator(alloc, shape, bytes)

@@ -542,7 +542,6 @@ impl Runtime {
         } else {
             0
         };
-        let mut out = Vec::with_capacity(spec.tensors.len());
         for t in &spec.tensors {
             if t.name.is_empty() {
                 return Err(Error::InvalidArgument(format!(
@@ -641,29 +640,30 @@ impl Runtime {
                     None => {}
                 }
             }
-            let request = Request {
-                rank: set_rank,
-                kind,
-                dtype: t.dtype,
-                name: t.name.clone(),
-                shape: t.shape.clone(),
-                root,
-                device: spec.device,
-                reduce_op: if reduces {
-                    spec.reduce_op
-                } else {
-                    ReduceOp::Sum
-                },
-                prescale: if reduces { spec.prescale } else { 1.0 },
-                postscale: if reduces { spec.postscale } else { 1.0 },
-            };
-            out.push(request);
         }
+        // checked: now take the names and shapes over rather than copy them
+        let reduces = matches!(kind, OpKind::Allreduce | OpKind::Reducescatter);
+        let (reduce_op, prescale, postscale) = match reduces {
+            true => (spec.reduce_op, spec.prescale, spec.postscale),
+            false => (ReduceOp::Sum, 1.0, 1.0),
+        };
+        let device = spec.device;
         Ok(std::mem::take(&mut spec.tensors)
             .into_iter()
-            .zip(out)
-            .map(|(t, r)| {
-                let mut e = TensorEntry::new(r, t.input, t.output);
+            .map(|t| {
+                let request = Request {
+                    rank: set_rank,
+                    kind,
+                    dtype: t.dtype,
+                    name: t.name,
+                    shape: t.shape,
+                    root,
+                    device,
+                    reduce_op,
+                    prescale,
+                    postscale,
+                };
+                let mut e = TensorEntry::new(request, t.input, t.output);
                 e.splits = t.splits;
                 e
             })
