@@ -102,20 +102,33 @@ fn simulate(model: &Model, o: &Options, rank: usize) -> PerStep {
 }
 
 /// Median time of a small in-place MPI_Allreduce (the vote's size), in seconds.
-fn small_allreduce_latency(comm: &MpiComm, bytes: usize) -> f64 {
-    let mut buf = vec![0u8; bytes.max(8)];
+/// Median seconds of `f` over 180 calls after 20 warm-up calls, the ranks starting together.
+fn median_latency(comm: &MpiComm, mut f: impl FnMut()) -> f64 {
     let mut times = Vec::new();
     comm.barrier().unwrap();
     for i in 0..200 {
         let t = Instant::now();
-        comm.allreduce(None, &mut buf, DataType::U8, ReduceOp::Max)
-            .unwrap();
+        f();
         if i >= 20 {
             times.push(t.elapsed().as_secs_f64());
         }
     }
     times.sort_by(|a, b| a.partial_cmp(b).unwrap());
     times[times.len() / 2]
+}
+
+fn small_allreduce_latency(comm: &MpiComm, bytes: usize) -> f64 {
+    let mut buf = vec![0u8; bytes.max(8)];
+    median_latency(comm, || {
+        comm.allreduce(None, &mut buf, DataType::U8, ReduceOp::Max)
+            .unwrap()
+    })
+}
+
+/// A one-word vote as the negotiator issues it (`and_words`).
+fn vote_latency(comm: &MpiComm) -> f64 {
+    let mut words = [u64::MAX];
+    median_latency(comm, || comm.and_words(&mut words).unwrap())
 }
 
 pub fn run(o: &Options, load: impl Fn(&str) -> Vec<(String, usize)>) {
@@ -134,6 +147,7 @@ pub fn run(o: &Options, load: impl Fn(&str) -> Vec<(String, usize)>) {
     ];
     // before any ferrovod thread exists: the per-message cost the model extrapolates
     let latency = small_allreduce_latency(&world, 32);
+    let vote = vote_latency(&world);
     let base = Config::from_env();
     let mut results: Vec<(usize, NegotiationMode, PerStep)> = Vec::new();
     for (m, model) in models.iter().enumerate() {
@@ -158,14 +172,15 @@ pub fn run(o: &Options, load: impl Fn(&str) -> Vec<(String, usize)>) {
     let log2 = |p: f64| p.log2().max(1.0);
     let alpha = latency / log2(np as f64);
     println!(
-        "# negotiation: np={np} | cycle {:?} | simulated backward {} ms/step | tensor sizes / {} | {} warm-up + {} measured steps | small allreduce {:.1} us (alpha = {:.2} us per log2 p)",
+        "# negotiation: np={np} | cycle {:?} | simulated backward {} ms/step | tensor sizes / {} | {} warm-up + {} measured steps | small allreduce {:.1} us (alpha = {:.2} us per log2 p) | one-word vote {:.1} us",
         base.cycle_time,
         o.backward_ms,
         o.scale,
         o.warmup,
         o.steps,
         latency * 1e6,
-        alpha * 1e6
+        alpha * 1e6,
+        vote * 1e6
     );
     println!(
         "# {:>10} {:>8} {:>8} {:>14} {:>14} {:>13} {:>10} {:>9} {:>11} {:>11}",
