@@ -428,7 +428,9 @@ impl Background {
     }
 
     fn receive(&mut self, cmd: Command) {
-        if !matches!(cmd, Command::Submit { .. }) {
+        // a GPU batch coming back from its channel was only launched: nothing to vote on yet
+        let launched_on_gpu = matches!(&cmd, Command::BatchDone(d) if d.recorded.is_some());
+        if !matches!(cmd, Command::Submit { .. }) && !launched_on_gpu {
             self.kicked = true;
         }
         match cmd {

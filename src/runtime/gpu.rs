@@ -297,7 +297,13 @@ fn enqueue_on_lane(
     for i in latest_per_stream(marks.iter().map(|m| (m.stream, m.seq))) {
         w.stream.wait(marks[i].event())?;
     }
-    super::probe::mark("waits enqueued", entries.len());
+    let n = entries.len();
+    super::probe::mark("waits enqueued", n);
+    // each stage of the collective's launch (packing, NCCL, unpacking) marked as it starts
+    let sink = &mut |a: Option<&'static str>| {
+        super::probe::mark(a.unwrap_or("stages enqueued"), n);
+        sink(a)
+    };
     let mut ios: Vec<&mut dyn DeviceIo> =
         entries.iter_mut().map(|e| e as &mut dyn DeviceIo).collect();
     let head = resps[0];
