@@ -571,13 +571,14 @@ impl Background {
                 if id == 0 && !matches!(self.offline, Offline::Off) {
                     self.learn(&outcome.responses);
                 }
-                if id == 0 {
-                    self.learn_groups(&outcome.responses);
-                }
                 if !outcome.responses.is_empty() {
                     progressed = true;
                     super::probe::mark("agreed", outcome.responses.len());
-                    self.execute(id, outcome.responses, &outcome.groups);
+                    self.execute(id, &outcome.responses, &outcome.groups);
+                }
+                // after the launch: it shapes only later votes (at the same point everywhere)
+                if id == 0 {
+                    self.learn_groups(&outcome.responses);
                 }
                 if id == 0
                     && let Err(e) = self.autotune_cycle()
@@ -1060,14 +1061,9 @@ impl Background {
         }
     }
 
-    fn execute(&mut self, id: i32, responses: Vec<Response>, groups: &[usize]) {
+    fn execute(&mut self, id: i32, responses: &[Response], groups: &[usize]) {
         let a = self.agreed;
-        let batches = plan_segments(
-            &responses,
-            groups,
-            a.fusion_threshold,
-            a.fusion_direct_bytes,
-        );
+        let batches = plan_segments(responses, groups, a.fusion_threshold, a.fusion_direct_bytes);
         for batch in batches {
             let resps: Vec<&Response> = batch.members.iter().map(|i| &responses[*i]).collect();
             let head = resps[0];

@@ -542,6 +542,7 @@ impl Runtime {
         } else {
             0
         };
+        let reduces = matches!(kind, OpKind::Allreduce | OpKind::Reducescatter);
         for t in &spec.tensors {
             if t.name.is_empty() {
                 return Err(Error::InvalidArgument(format!(
@@ -556,7 +557,6 @@ impl Runtime {
             }
             let elems: i64 = t.shape.iter().product();
             let bytes = elems as usize * t.dtype.size();
-            let reduces = matches!(kind, OpKind::Allreduce | OpKind::Reducescatter);
             if reduces && t.dtype == DataType::Bool {
                 let scaled = spec.prescale != 1.0 || spec.postscale != 1.0;
                 if scaled || spec.reduce_op == ReduceOp::Average {
@@ -642,7 +642,6 @@ impl Runtime {
             }
         }
         // checked: now take the names and shapes over rather than copy them
-        let reduces = matches!(kind, OpKind::Allreduce | OpKind::Reducescatter);
         let (reduce_op, prescale, postscale) = match reduces {
             true => (spec.reduce_op, spec.prescale, spec.postscale),
             false => (ReduceOp::Sum, 1.0, 1.0),
