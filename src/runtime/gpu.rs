@@ -284,18 +284,14 @@ fn enqueue_on_lane(
         }
         e.move_input_to_device(&w.stream)?;
     }
-    let readies = entries
-        .iter()
-        .filter_map(|e| e.device.as_ref().and_then(|d| d.ready.as_ref()));
-    let mut marks = Vec::new();
-    for ready in readies {
-        match ready {
-            ReadyEvent::Owned(m) => marks.push(m),
-            ReadyEvent::Foreign(ev) => w.stream.wait_foreign(*ev)?,
+    // one wait per tensor: a caller's stream handle may be reused by a new stream after the
+    // enqueue returned, so marks on "the same" handle need not be ordered
+    for e in entries.iter() {
+        match e.device.as_ref().and_then(|d| d.ready.as_ref()) {
+            Some(ReadyEvent::Owned(m)) => w.stream.wait(m.event())?,
+            Some(ReadyEvent::Foreign(ev)) => w.stream.wait_foreign(*ev)?,
+            None => {}
         }
-    }
-    for i in latest_per_stream(marks.iter().map(|m| (m.stream, m.seq))) {
-        w.stream.wait(marks[i].event())?;
     }
     let n = entries.len();
     super::probe::mark("waits enqueued", n);
@@ -336,21 +332,6 @@ fn enqueue_on_lane(
         event,
         aborted: l.aborted.clone(),
     })
-}
-
-/// Of marks `(stream, seq)`, the positions of the latest one on each stream: a stream runs in
-/// order, so waiting for those covers the rest (a step's gradients, all from the framework's
-/// one stream, take one wait instead of one per tensor).
-fn latest_per_stream(marks: impl Iterator<Item = (usize, u64)>) -> Vec<usize> {
-    let mut latest: Vec<(usize, u64, usize)> = Vec::new();
-    for (i, (stream, seq)) in marks.enumerate() {
-        match latest.iter_mut().find(|l| l.0 == stream) {
-            Some(l) if l.1 < seq => *l = (stream, seq, i),
-            Some(_) => {}
-            None => latest.push((stream, seq, i)),
-        }
-    }
-    latest.into_iter().map(|l| l.2).collect()
 }
 
 /// What the finisher does once a batch's event has fired.
@@ -482,17 +463,4 @@ pub(crate) fn complete(
         e.complete_on_device(outcome.clone(), None, recorded.map(|r| (&r.gpu, &r.event)));
     }
     entries
-}
-
-#[cfg(test)]
-mod tests {
-    use super::latest_per_stream;
-
-    #[test]
-    fn one_wait_per_stream_for_its_latest_mark() {
-        // two streams interleaved, out of order within the batch, and a stream of its own
-        let marks = [(7, 3), (9, 4), (7, 8), (9, 2), (7, 5), (11, 1)];
-        assert_eq!(latest_per_stream(marks.into_iter()), [2, 1, 5]);
-        assert!(latest_per_stream(std::iter::empty()).is_empty());
-    }
 }

@@ -52,20 +52,17 @@ pub struct Gpu {
     marks: Arc<MarkPool>,
 }
 
-/// Reusable events and the order of the marks recorded with them.
+/// Events for `mark_stream`, reused.
 #[derive(Default)]
 struct MarkPool {
-    state: Mutex<(Vec<Event>, u64)>,
+    free: Mutex<Vec<Event>>,
 }
 
 /// The point a caller's stream had reached when a tensor was enqueued: an event recorded there,
 /// from the GPU's pool (creating an event costs about as much as the rest of an enqueue; Horovod
-/// pools them too). `seq` orders the marks of one GPU as they were recorded, so that of the
-/// marks on one stream, which runs in order, waiting for the latest is enough.
+/// pools them too).
 pub struct StreamMark {
     event: Option<Event>,
-    pub stream: usize,
-    pub seq: u64,
     pool: Arc<MarkPool>,
 }
 
@@ -79,7 +76,7 @@ impl Drop for StreamMark {
     fn drop(&mut self) {
         // re-recording later is safe: waits already enqueued keep the state they saw
         if let Some(e) = self.event.take() {
-            self.pool.state.lock().expect("mark pool").0.push(e);
+            self.pool.free.lock().expect("mark pool").push(e);
         }
     }
 }
@@ -151,23 +148,18 @@ impl Gpu {
     /// Records where `stream` is now (see `StreamMark`).
     pub fn mark_stream(&self, stream: ForeignStream) -> Result<StreamMark> {
         self.bind()?;
-        // the lock spans the record, so that `seq` follows the order of the records
-        let mut state = self.marks.state.lock().expect("mark pool");
-        let event = match state.0.pop() {
+        let pooled = self.marks.free.lock().expect("mark pool").pop();
+        let event = match pooled {
             Some(e) => e,
             None => self.new_event()?,
         };
-        if let Err(e) = event.record_foreign(stream) {
-            state.0.push(event);
-            return Err(e);
-        }
-        state.1 += 1;
-        Ok(StreamMark {
+        // on failure the mark's drop returns the event to the pool
+        let mark = StreamMark {
             event: Some(event),
-            stream: stream.0,
-            seq: state.1,
             pool: self.marks.clone(),
-        })
+        };
+        mark.event().record_foreign(stream)?;
+        Ok(mark)
     }
 
     pub fn new_event(&self) -> Result<Event> {
