@@ -283,10 +283,8 @@ fn enqueue_on_lane(
             });
         }
         e.move_input_to_device(&w.stream)?;
-    }
-    // one wait per tensor: a caller's stream handle may be reused by a new stream after the
-    // enqueue returned, so marks on "the same" handle need not be ordered
-    for e in entries.iter() {
+        // one wait per tensor: a caller's stream handle may be reused by a new stream after
+        // the enqueue returned, so marks on "the same" handle need not be ordered
         match e.device.as_ref().and_then(|d| d.ready.as_ref()) {
             Some(ReadyEvent::Owned(m)) => w.stream.wait(m.event())?,
             Some(ReadyEvent::Foreign(ev)) => w.stream.wait_foreign(*ev)?,
@@ -297,7 +295,9 @@ fn enqueue_on_lane(
     super::probe::mark("waits enqueued", n);
     // each stage of the collective's launch (packing, NCCL, unpacking) marked as it starts
     let sink = &mut |a: Option<&'static str>| {
-        super::probe::mark(a.unwrap_or("stages enqueued"), n);
+        if let Some(stage) = a {
+            super::probe::mark(stage, n);
+        }
         sink(a)
     };
     let mut ios: Vec<&mut dyn DeviceIo> =
@@ -322,7 +322,7 @@ fn enqueue_on_lane(
             other.name()
         ))),
     }?;
-    super::probe::mark("collective enqueued", entries.len());
+    super::probe::mark("collective enqueued", n);
     let event = Arc::new(gpu.new_event()?);
     event.record(&w.stream)?;
     w.last = Some(event.clone());
