@@ -115,24 +115,53 @@ impl TensorEntry {
         if let Some((gpu, ev)) = event {
             handle.add_event(gpu, ev);
         }
-        let outcome = match (outcome, self.alloc_error.take()) {
+        let outcome = self.with_alloc_error(outcome);
+        let result = outcome.map(|()| self.take_result());
+        handle.complete_one(self.index, result, value);
+    }
+
+    /// The first half of completing a GPU tensor, done while its batch runs: hands the handle
+    /// the result (as if the batch succeeds) and the batch's event, so that `finish_staged`
+    /// only counts the tensor down once the event has fired.
+    pub fn stage_on_device(&mut self, gpu: &Arc<Gpu>, event: &Arc<Event>) {
+        if self.handle.is_none() {
+            return;
+        }
+        let result = self.take_result();
+        if let Some(handle) = &self.handle {
+            handle.add_event(gpu, event);
+            handle.stage(self.index, result);
+        }
+    }
+
+    /// Completes a tensor staged by `stage_on_device`.
+    pub fn finish_staged(&mut self, outcome: Result<()>) {
+        let Some(handle) = self.handle.take() else {
+            return;
+        };
+        handle.complete_staged(self.with_alloc_error(outcome), None);
+    }
+
+    /// A failed output allocation fails an otherwise successful tensor.
+    fn with_alloc_error(&mut self, outcome: Result<()>) -> Result<()> {
+        match (outcome, self.alloc_error.take()) {
             (Ok(()), Some(e)) => Err(e),
             (o, _) => o,
-        };
-        let result = outcome.map(|()| {
-            let output = match (&mut self.output, &mut self.input) {
-                (OutputMem::Owned(v), _) | (OutputMem::InPlace, InputMem::Owned(v)) => {
-                    Some(std::mem::take(v))
-                }
-                _ => None,
-            };
-            TensorResult {
-                output,
-                shape: std::mem::take(&mut self.out_shape),
-                received_splits: std::mem::take(&mut self.received_splits),
+        }
+    }
+
+    fn take_result(&mut self) -> TensorResult {
+        let output = match (&mut self.output, &mut self.input) {
+            (OutputMem::Owned(v), _) | (OutputMem::InPlace, InputMem::Owned(v)) => {
+                Some(std::mem::take(v))
             }
-        });
-        handle.complete_one(self.index, result, value);
+            _ => None,
+        };
+        TensorResult {
+            output,
+            shape: std::mem::take(&mut self.out_shape),
+            received_splits: std::mem::take(&mut self.received_splits),
+        }
     }
 }
 

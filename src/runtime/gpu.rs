@@ -4,6 +4,7 @@
 //! and the finisher, a thread that completes GPU tensors once their batch's event has fired,
 //! so the background thread never waits for the GPU.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
@@ -386,9 +387,10 @@ impl Finisher {
 }
 
 /// Waits for `event` without holding a core for long: spins briefly (most batches are short),
-/// then yields, then sleeps. Gives up after `limit`: a rank that failed before its NCCL call
-/// leaves the others' NCCL calls waiting, and their tensors must still complete (failed).
-fn wait_for(event: &Event, limit: Option<Duration>) -> Result<()> {
+/// then yields, then sleeps, calling `between` on every round. Gives up after `limit`: a rank
+/// that failed before its NCCL call leaves the others' NCCL calls waiting, and their tensors
+/// must still complete (failed).
+fn wait_for(event: &Event, limit: Option<Duration>, between: &mut dyn FnMut()) -> Result<()> {
     let start = Instant::now();
     loop {
         if event.query()? {
@@ -403,6 +405,7 @@ fn wait_for(event: &Event, limit: Option<Duration>) -> Result<()> {
                 l.as_secs()
             )));
         }
+        between();
         if waited < Duration::from_micros(200) {
             std::hint::spin_loop();
         } else if waited < Duration::from_millis(2) {
@@ -413,40 +416,88 @@ fn wait_for(event: &Event, limit: Option<Duration>) -> Result<()> {
     }
 }
 
+/// Hands a batch's handles their results and event while the batch runs, so that once its
+/// event fires completing each tensor only counts it down (130 tensors took 25–30 µs from
+/// the event to the last handle on 2 × H200 when all of it happened then).
+fn stage(mut f: Finish) -> Finish {
+    if let Finish::Complete {
+        recorded,
+        entries,
+        ..
+    } = &mut f
+    {
+        // joining a handle's events needs the device's context
+        if recorded.gpu.bind().is_ok() {
+            for e in entries.iter_mut() {
+                e.stage_on_device(&recorded.gpu, &recorded.event);
+            }
+        }
+    }
+    f
+}
+
 fn finish_loop(rt: Arc<Runtime>, rx: Receiver<Finish>) {
     super::ON_BACKGROUND_THREAD.with(|f| f.set(true));
     let limit = (rt.config.stall_check && !rt.config.stall_shutdown.is_zero())
         .then_some(rt.config.stall_shutdown);
-    for f in rx {
+    // batches sent and staged, oldest first: their events fire in this order
+    let mut queue: VecDeque<Finish> = VecDeque::new();
+    loop {
+        if queue.is_empty() {
+            match rx.recv() {
+                Ok(f) => queue.push_back(stage(f)),
+                Err(_) => return,
+            }
+        }
+        let Some(f) = queue.pop_front() else {
+            continue;
+        };
+        let (Finish::Complete { recorded, .. } | Finish::Release { recorded, .. }) = &f;
+        let mut arrived = Vec::new();
+        let fired = recorded.gpu.bind().and_then(|()| {
+            wait_for(&recorded.event, limit, &mut || {
+                while let Ok(next) = rx.try_recv() {
+                    arrived.push(stage(next));
+                }
+            })
+        });
         match f {
             Finish::Complete {
                 set,
                 recorded,
                 entries,
             } => {
-                let outcome = recorded
-                    .gpu
-                    .bind()
-                    .and_then(|()| wait_for(&recorded.event, limit))
-                    .and_then(|()| recorded.outcome());
+                let outcome = fired.and_then(|()| recorded.outcome());
                 super::probe::mark("fired", entries.len());
                 let n = entries.len();
-                let spent = complete(&rt, set, entries, outcome, Some(&recorded));
+                let spent = complete_staged(&rt, set, entries, outcome);
                 super::probe::mark("completed", n);
                 drop(spent);
             }
-            Finish::Release { recorded, memory } => {
-                if let Err(e) = recorded
-                    .gpu
-                    .bind()
-                    .and_then(|()| wait_for(&recorded.event, limit))
-                {
+            Finish::Release { memory, .. } => {
+                if let Err(e) = fired {
                     tracing::error!("GPU work did not finish: {e}; its device memory is not freed");
                     std::mem::forget(memory);
                 }
             }
         }
+        queue.extend(arrived);
     }
+}
+
+/// Completes tensors staged by `stage`; returns the spent entries, to be dropped once every
+/// handle is told.
+fn complete_staged(
+    rt: &Runtime,
+    set: i32,
+    mut entries: Vec<TensorEntry>,
+    outcome: Result<()>,
+) -> Vec<TensorEntry> {
+    rt.finish_names(set, entries.iter().map(|e| e.request.name.as_str()));
+    for e in &mut entries {
+        e.finish_staged(outcome.clone());
+    }
+    entries
 }
 
 /// Completes GPU tensors with their batch's event attached to the handles; returns the spent

@@ -60,6 +60,9 @@ pub struct Handle {
     cv: Condvar,
     /// Set with the last tensor's completion (lets `wait` poll without the lock).
     done: AtomicBool,
+    /// Whether the operation succeeded, valid once `done` is set (a successful wait then
+    /// takes no lock).
+    ok: AtomicBool,
     /// GPU operations: the event recorded on ferrovod's stream after the work (what a GPU
     /// consumer waits on instead of the host).
     event: Mutex<Option<Arc<crate::transport::cuda::Event>>>,
@@ -102,41 +105,77 @@ impl Handle {
     /// Records tensor `index`; the operation completes (callback, waiters) with the last one.
     /// The first error of any tensor is the operation's error.
     pub fn complete_one(&self, index: usize, result: Result<TensorResult>, value: Option<i32>) {
-        let callback_and_outcome = {
-            let mut s = self.state.lock().expect("handle lock");
-            if s.remaining == 0 {
-                return;
-            }
-            match result {
-                Ok(r) => {
-                    if let Some(slot) = s.results.get_mut(index) {
-                        *slot = r;
-                    }
+        let mut s = self.state.lock().expect("handle lock");
+        if s.remaining == 0 {
+            return;
+        }
+        let error = match result {
+            Ok(r) => {
+                if let Some(slot) = s.results.get_mut(index) {
+                    *slot = r;
                 }
-                Err(e) => {
-                    if !matches!(s.outcome, Some(Err(_))) {
-                        s.outcome = Some(Err(e));
-                    }
-                }
+                None
             }
-            if let Some(v) = value {
-                s.value = v;
-            }
-            s.remaining -= 1;
-            if s.remaining > 0 {
-                return;
-            }
-            let outcome = s.outcome.take().unwrap_or(Ok(()));
-            s.outcome = Some(outcome.clone());
-            self.done.store(true, Ordering::Release);
-            if s.waiters > 0 {
-                self.cv.notify_all();
-            }
-            s.callback.take().map(|cb| (cb, outcome))
+            Err(e) => Some(e),
         };
-        if let Some((cb, outcome)) = callback_and_outcome {
+        self.count_down(s, error, value);
+    }
+
+    /// Stores tensor `index`'s result ahead of its completion: the GPU finisher does this
+    /// while the batch runs, so that when its event fires, completing a tensor only counts
+    /// it down (`complete_staged`).
+    pub fn stage(&self, index: usize, result: TensorResult) {
+        let mut s = self.state.lock().expect("handle lock");
+        if s.remaining > 0
+            && let Some(slot) = s.results.get_mut(index)
+        {
+            *slot = result;
+        }
+    }
+
+    /// Completes tensor `index` whose result was staged (on error the staged result is moot).
+    pub fn complete_staged(&self, outcome: Result<()>, value: Option<i32>) {
+        let s = self.state.lock().expect("handle lock");
+        if s.remaining == 0 {
+            return;
+        }
+        self.count_down(s, outcome.err(), value);
+    }
+
+    fn count_down(
+        &self,
+        mut s: std::sync::MutexGuard<'_, State>,
+        error: Option<Error>,
+        value: Option<i32>,
+    ) {
+        if let Some(e) = error
+            && !matches!(s.outcome, Some(Err(_)))
+        {
+            s.outcome = Some(Err(e));
+        }
+        if let Some(v) = value {
+            s.value = v;
+        }
+        s.remaining -= 1;
+        if s.remaining > 0 {
+            return;
+        }
+        let outcome = s.outcome.take().unwrap_or(Ok(()));
+        s.outcome = Some(outcome.clone());
+        self.ok.store(outcome.is_ok(), Ordering::Relaxed);
+        self.done.store(true, Ordering::Release);
+        if s.waiters > 0 {
+            self.cv.notify_all();
+        }
+        let callback = s.callback.take();
+        drop(s);
+        if let Some(cb) = callback {
             cb(self.id, &outcome);
         }
+    }
+
+    fn succeeded(&self) -> bool {
+        self.done.load(Ordering::Acquire) && self.ok.load(Ordering::Relaxed)
     }
 
     /// `None` while in progress.
@@ -152,6 +191,9 @@ impl Handle {
     /// Waits until completion or `timeout` (None: forever). On the background thread (inside a
     /// callback) an unfinished operation can never complete, so that is an error, not a hang.
     pub fn wait(&self, timeout: Option<Duration>) -> Result<()> {
+        if self.succeeded() {
+            return Ok(());
+        }
         if crate::runtime::on_background_thread() {
             if let Some(done) = self.poll() {
                 return done;
@@ -166,6 +208,9 @@ impl Handle {
         let poll_until = start + timeout.map_or(poll, |t| t.min(poll));
         while !self.done.load(Ordering::Acquire) && Instant::now() < poll_until {
             std::thread::yield_now();
+        }
+        if self.succeeded() {
+            return Ok(());
         }
         let mut s = self.state.lock().expect("handle lock");
         while s.remaining > 0 {
@@ -240,6 +285,7 @@ impl HandleTable {
             }),
             cv: Condvar::new(),
             done: AtomicBool::new(false),
+            ok: AtomicBool::new(false),
             event: Mutex::new(None),
         });
         self.map.lock().expect("handles").insert(id, h.clone());
