@@ -183,20 +183,31 @@ impl Negotiator {
     }
 
     pub fn submit(&mut self, req: Arc<Request>, now: Instant) {
-        if !self.fills_incomplete_group(&req.name) {
+        // looked up now, while the rank waits for the rest of its step, rather than in the vote
+        // that agrees on it (a learned bucket's last vote looked up its 130 tensors)
+        let key = (self.cache.generation(), self.groups_generation);
+        let found = match &self.index {
+            Some((k, index)) if *k == key => Some((
+                key,
+                self.cache.lookup(&req),
+                index.group_of.get(&req.name).copied(),
+            )),
+            _ => None,
+        };
+        if !self.fills_incomplete_group(found.and_then(|f| f.2)) {
             self.fresh = true;
         }
         self.waiting.push(Waiting {
             req,
             since: now,
-            found: None,
+            found,
         });
     }
 
-    /// Counts a submission towards its group (by the groups indexed at the last vote); true
-    /// while that group still lacks members here.
-    fn fills_incomplete_group(&mut self, name: &str) -> bool {
-        let Some(&g) = self.current_index().and_then(|i| i.group_of.get(name)) else {
+    /// Counts a submission towards its group (`group`, by the groups indexed at the last vote);
+    /// true while that group still lacks members here.
+    fn fills_incomplete_group(&mut self, group: Option<usize>) -> bool {
+        let Some(g) = group else {
             return false;
         };
         let (Some(n), Some(members)) = (self.group_arrived.get_mut(g), self.groups.get(g)) else {
@@ -380,7 +391,9 @@ impl Negotiator {
             NegotiationMode::Online | NegotiationMode::Offline => {
                 let (n, g) = (singles.len(), self.groups.len());
                 let mut words = ready_bitmap::encode_grouped(&vote, n, g);
+                crate::runtime::probe::mark("vote sent", self.waiting.len() + keep.len());
                 ctrl.and_words(&mut words)?;
+                crate::runtime::probe::mark("vote reduced", words.len());
                 out.control_collectives += 1;
                 out.control_bytes += 8 * words.len() as u64;
                 ready_bitmap::decode_grouped(&words, n, g)
@@ -418,14 +431,17 @@ impl Negotiator {
         for bit in invalid.into_iter().chain(dissolved) {
             self.cache.erase(bit);
         }
+        let mut taken = vec![false; bits];
         for bit in group_hit_bits.into_iter().chain(hits) {
             let resp = self.cache.take_response(bit).expect("common bit is cached");
             out.responses.push(resp);
+            taken[bit] = true;
         }
         if !out.responses.is_empty() {
-            let agreed: crate::hashing::HashSet<&str> =
-                out.responses.iter().map(|r| r.name.as_str()).collect();
-            keep.retain(|w| !agreed.contains(w.req.name.as_str()));
+            // everything kept was a hit, found under its bit
+            keep.retain(
+                |w| !matches!(w.found, Some((_, Lookup::Hit(b), _)) if taken.get(b) == Some(&true)),
+            );
         }
         self.waiting = keep;
         self.index = Some((key, index));
