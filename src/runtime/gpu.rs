@@ -442,10 +442,16 @@ fn finish_loop(rt: Arc<Runtime>, rx: Receiver<Finish>) {
         .then_some(rt.config.stall_shutdown);
     // batches sent and staged, oldest first: their events fire in this order
     let mut queue: VecDeque<Finish> = VecDeque::new();
+    // entries of completed batches, freed once the next batch arrives: when the last batch
+    // of a step completes, its caller frees the handles at the same moment
+    let mut spent: Vec<Vec<TensorEntry>> = Vec::new();
     loop {
         if queue.is_empty() {
             match rx.recv() {
-                Ok(f) => queue.push_back(stage(f)),
+                Ok(f) => {
+                    spent.clear();
+                    queue.push_back(stage(f));
+                }
                 Err(_) => return,
             }
         }
@@ -470,9 +476,8 @@ fn finish_loop(rt: Arc<Runtime>, rx: Receiver<Finish>) {
                 let outcome = fired.and_then(|()| recorded.outcome());
                 super::probe::mark("fired", entries.len());
                 let n = entries.len();
-                let spent = complete_staged(&rt, set, entries, outcome);
+                spent.push(complete_staged(&rt, set, entries, outcome));
                 super::probe::mark("completed", n);
-                drop(spent);
             }
             Finish::Release { memory, .. } => {
                 if let Err(e) = fired {
