@@ -1,6 +1,8 @@
 //! Groups a cycle's responses into batches. A pure function of the agreed response list and the
 //! threshold, so every rank computes the same batches.
 
+use std::borrow::Borrow;
+
 use crate::message::{OpKind, Response};
 
 /// Indices into the cycle's response list, executed as one collective.
@@ -40,7 +42,11 @@ const GPU_DIRECT_BYTES: usize = 32 << 20;
 /// incompatible ones). A host response of `direct_bytes` or more runs alone, in place: on host
 /// memory copying it through the fusion buffer costs more than the extra collective call. GPU
 /// responses use `GPU_DIRECT_BYTES` instead. Batches run in the order of their first member.
-pub fn plan_batches(responses: &[Response], threshold: usize, direct_bytes: usize) -> Vec<Batch> {
+pub fn plan_batches<R: Borrow<Response>>(
+    responses: &[R],
+    threshold: usize,
+    direct_bytes: usize,
+) -> Vec<Batch> {
     let fuses = |r: &Response| {
         let direct = if r.device == crate::message::CPU_DEVICE {
             direct_bytes
@@ -57,14 +63,15 @@ pub fn plan_batches(responses: &[Response], threshold: usize, direct_bytes: usiz
         }
         assigned[i] = true;
         let mut members = vec![i];
-        let head = &responses[i];
+        let head = responses[i].borrow();
         if fuses(head) {
             let mut bytes = head.fused_bytes();
             for j in i + 1..responses.len() {
-                if assigned[j] || !fusable(head, &responses[j]) || !fuses(&responses[j]) {
+                let r = responses[j].borrow();
+                if assigned[j] || !fusable(head, r) || !fuses(r) {
                     continue;
                 }
-                let b = responses[j].fused_bytes();
+                let b = r.fused_bytes();
                 if bytes + b <= threshold {
                     bytes += b;
                     assigned[j] = true;
@@ -80,8 +87,8 @@ pub fn plan_batches(responses: &[Response], threshold: usize, direct_bytes: usiz
 /// `plan_batches` over consecutive segments of `responses` (`segments`: the first segments'
 /// lengths; the rest is one more), so that no batch spans two segments. Indices are into
 /// `responses`.
-pub fn plan_segments(
-    responses: &[Response],
+pub fn plan_segments<R: Borrow<Response>>(
+    responses: &[R],
     segments: &[usize],
     threshold: usize,
     direct_bytes: usize,

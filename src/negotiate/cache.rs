@@ -3,6 +3,8 @@
 //! happens in the same order on every rank, so bit assignment is identical everywhere without
 //! ever being communicated.
 
+use std::sync::Arc;
+
 use crate::hashing::HashMap;
 use crate::message::{OpKind, Request, Response};
 
@@ -17,7 +19,9 @@ pub enum Lookup {
 }
 
 struct Entry {
-    response: Response,
+    /// Shared with the cycles that take it: a vote that agrees on a learned bucket hands out
+    /// its 130 responses without copying a name or shape.
+    response: Arc<Response>,
     /// This rank's own request when the response was cached (None if it had none, e.g. joined).
     local: Option<Request>,
     last_used: u64,
@@ -106,7 +110,7 @@ impl ResponseCache {
     }
 
     /// The cached response for `bit`, marking it most recently used.
-    pub fn take_response(&mut self, bit: usize) -> Option<Response> {
+    pub fn take_response(&mut self, bit: usize) -> Option<Arc<Response>> {
         self.clock += 1;
         let clock = self.clock;
         self.slots.get_mut(bit)?.as_mut().map(|e| {
@@ -132,7 +136,7 @@ impl ResponseCache {
         self.clock += 1;
         self.generation += 1;
         let entry = Entry {
-            response: response.clone(),
+            response: Arc::new(response.clone()),
             local,
             last_used: self.clock,
         };

@@ -25,7 +25,7 @@ pub struct StallPolicy {
 #[derive(Debug, Default)]
 pub struct CycleOutcome {
     /// Responses to execute now, in the same order on every rank.
-    pub responses: Vec<Response>,
+    pub responses: Vec<Arc<Response>>,
     /// The first responses come group by group (learned batches agreed with one bit): each
     /// group's size, in order. A group is fused on its own, so that groups agreed in one vote
     /// still run as separate collectives (on separate streams).
@@ -544,7 +544,7 @@ impl Negotiator {
                 self.self_joined = false;
             }
             self.cache.put(&resp, local);
-            out.responses.push(resp);
+            out.responses.push(Arc::new(resp));
         }
         out.shutdown = list.shutdown;
         Ok(out)

@@ -699,7 +699,7 @@ impl Background {
     /// Online mode: once `FERROVOD_PLAN_WARMUP_STEPS` steps agree, the global set votes for
     /// each of the step's fusion batches with one bit (identically on every rank: learned from
     /// agreed responses). Dissolved groups are learned again.
-    fn learn_groups(&mut self, responses: &[Response]) {
+    fn learn_groups(&mut self, responses: &[Arc<Response>]) {
         let Some(g) = self.groups.as_mut() else {
             return;
         };
@@ -816,7 +816,7 @@ impl Background {
 
     /// Feeds the global set's agreed responses to the plan being learned (identically on every
     /// rank, so every rank arms and freezes at the same response).
-    fn learn(&mut self, responses: &[Response]) {
+    fn learn(&mut self, responses: &[Arc<Response>]) {
         let warmup = self.agreed.plan_warmup_steps;
         // offline mode needs the global set alone (another set's votes could interleave with
         // a plan batch differently on different ranks), and no joined rank
@@ -1061,11 +1061,11 @@ impl Background {
         }
     }
 
-    fn execute(&mut self, id: i32, responses: &[Response], groups: &[usize]) {
+    fn execute(&mut self, id: i32, responses: &[Arc<Response>], groups: &[usize]) {
         let a = self.agreed;
         let batches = plan_segments(responses, groups, a.fusion_threshold, a.fusion_direct_bytes);
         for batch in batches {
-            let resps: Vec<&Response> = batch.members.iter().map(|i| &responses[*i]).collect();
+            let resps: Vec<&Response> = batch.members.iter().map(|i| &*responses[*i]).collect();
             let head = resps[0];
             if matches!(head.kind, OpKind::AddProcessSet | OpKind::RemoveProcessSet)
                 && head.error.is_none()

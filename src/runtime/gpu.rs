@@ -421,9 +421,7 @@ fn wait_for(event: &Event, limit: Option<Duration>, between: &mut dyn FnMut()) -
 /// the event to the last handle on 2 × H200 when all of it happened then).
 fn stage(mut f: Finish) -> Finish {
     if let Finish::Complete {
-        recorded,
-        entries,
-        ..
+        recorded, entries, ..
     } = &mut f
     {
         // joining a handle's events needs the device's context
