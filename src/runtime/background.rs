@@ -19,7 +19,7 @@ use crate::negotiate::offline::{EscapePolicy, Next, OfflineQueue};
 use crate::negotiate::online::{Negotiator, StallPolicy};
 use crate::negotiate::plan::{Plan, PlanRecorder};
 use crate::runtime::channel::{self, Channel, Job};
-use crate::runtime::entry::{InputMem, OutputMem, TensorEntry};
+use crate::runtime::entry::{InputMem, OutputMem, PendingEntries, TensorEntry};
 use crate::runtime::gpu;
 use crate::runtime::timeline::Timeline;
 use crate::runtime::{Command, Communicator, InitOptions, Runtime, Topology};
@@ -32,7 +32,7 @@ struct SetState {
     ctrl: MpiComm,
     data: MpiComm,
     negotiator: Negotiator,
-    entries: HashMap<String, TensorEntry>,
+    entries: PendingEntries,
     fusion: Vec<u8>,
     /// With more than one channel: the workers batches are handed to, and the next batch's
     /// number (identical on every rank).
@@ -171,8 +171,6 @@ struct Autotune {
 
 /// A tensor a channel holds.
 struct Pending {
-    set: i32,
-    name: String,
     handle: Option<Arc<crate::runtime::handle::Handle>>,
     index: usize,
 }
@@ -243,7 +241,7 @@ fn make_set(
                 shutdown_after: cfg.stall_shutdown,
             },
         ),
-        entries: HashMap::default(),
+        entries: PendingEntries::default(),
         fusion: Vec::new(),
         gpu: None,
         channels: if agreed.channels > 1 {
@@ -442,7 +440,6 @@ impl Background {
                         "Process set provided does not exist, or has not been registered.".into(),
                     );
                     for e in entries {
-                        self.rt.finish_name(set, &e.request.name);
                         e.complete(Err(err.clone()), None);
                     }
                     return;
@@ -453,7 +450,7 @@ impl Background {
                 {
                     for e in entries {
                         q.submit(crate::message::Request::clone(&e.request));
-                        state.entries.insert(e.request.name.clone(), e);
+                        state.entries.insert(e);
                     }
                     return;
                 }
@@ -465,7 +462,7 @@ impl Background {
                         );
                     }
                     state.negotiator.submit(e.request.clone(), now);
-                    state.entries.insert(e.request.name.clone(), e);
+                    state.entries.insert(e);
                 }
             }
         }
@@ -1009,14 +1006,12 @@ impl Background {
                         stall.shutdown_after.as_secs()
                     ));
                     for e2 in entries {
-                        self.rt.finish_name(0, &e2.request.name);
                         e2.complete(Err(e.clone()), None);
                     }
                     return Err(e);
                 }
                 Err(e) => {
                     for e2 in entries {
-                        self.rt.finish_name(0, &e2.request.name);
                         e2.complete(Err(e.clone()), None);
                     }
                     return Err(e);
@@ -1032,14 +1027,13 @@ impl Background {
                     .add_batch(entries.len() as u64, bytes as u64);
                 q.complete_batch();
                 for e in entries {
-                    self.rt.finish_name(0, &e.request.name);
                     e.complete(Ok(()), None);
                 }
                 continue;
             }
             // someone raised the flag: this batch did not count; everyone goes online
             for e in entries {
-                set.entries.insert(e.request.name.clone(), e);
+                set.entries.insert(e);
             }
             let Offline::Frozen(q) = std::mem::replace(
                 &mut self.offline,
@@ -1135,7 +1129,6 @@ impl Background {
                     None => Error::Internal("missing local tensor for an agreed response".into()),
                 };
                 for e in entries {
-                    self.rt.finish_name(id, &e.request.name);
                     e.complete(Err(err.clone()), None);
                 }
                 continue;
@@ -1160,8 +1153,6 @@ impl Background {
                     entries
                         .iter()
                         .map(|e| Pending {
-                            set: id,
-                            name: e.request.name.clone(),
                             handle: e.handle.clone(),
                             index: e.index,
                         })
@@ -1198,7 +1189,7 @@ impl Background {
             }
             let outcome = match outcome {
                 Ok(Some(recorded)) => {
-                    self.finish_device(id, entries, recorded);
+                    self.finish_device(entries, recorded);
                     continue;
                 }
                 Ok(None) => Ok(()),
@@ -1206,7 +1197,6 @@ impl Background {
             };
             let value = matches!(head.kind, OpKind::Join).then_some(head.result);
             for e in entries {
-                self.rt.finish_name(id, &e.request.name);
                 e.complete(outcome.clone(), value);
             }
         }
@@ -1214,14 +1204,14 @@ impl Background {
 
     /// GPU tensors complete when their batch's event fires (on the finisher thread), or at
     /// once with asynchronous completion (the handle's event is then what consumers wait on).
-    fn finish_device(&mut self, set: i32, mut entries: Vec<TensorEntry>, recorded: gpu::Recorded) {
+    fn finish_device(&mut self, mut entries: Vec<TensorEntry>, recorded: gpu::Recorded) {
         if self.finisher.is_none() {
             match gpu::Finisher::spawn(self.rt.clone()) {
                 Ok(f) => self.finisher = Some(f),
                 Err(e) => {
                     tracing::error!("{e}; waiting for the GPU on the background thread");
                     let outcome = recorded.event.synchronize();
-                    gpu::complete(&self.rt, set, entries, outcome, Some(&recorded));
+                    gpu::complete(entries, outcome, Some(&recorded));
                     return;
                 }
             }
@@ -1232,17 +1222,13 @@ impl Background {
                 .iter_mut()
                 .flat_map(|e| e.take_device_memory())
                 .collect();
-            gpu::complete(&self.rt, set, entries, Ok(()), Some(&recorded));
+            gpu::complete(entries, Ok(()), Some(&recorded));
             if !memory.is_empty() {
                 f.send(gpu::Finish::Release { recorded, memory });
             }
             return;
         }
-        f.send(gpu::Finish::Complete {
-            set,
-            recorded,
-            entries,
-        });
+        f.send(gpu::Finish::Complete { recorded, entries });
     }
 
     /// A channel's batch came back: account for it and complete its tensors.
@@ -1267,11 +1253,10 @@ impl Background {
             }
         }
         if let (Ok(()), Some(recorded)) = (&done.outcome, done.recorded) {
-            self.finish_device(done.set, done.entries, recorded);
+            self.finish_device(done.entries, recorded);
             return;
         }
         for e in done.entries {
-            self.rt.finish_name(done.set, &e.request.name);
             e.complete(done.outcome.clone(), None);
         }
     }
@@ -1308,7 +1293,6 @@ impl Background {
         self.mpi_unclean = true;
         for (_, pending) in self.in_channels.drain() {
             for p in pending {
-                self.rt.finish_name(p.set, &p.name);
                 if let Some(h) = p.handle {
                     h.complete_one(p.index, Err(err.clone()), None);
                 }
@@ -1346,7 +1330,6 @@ impl Background {
         };
         *self.rt.sets.write().expect("sets") = self.all_sets.clone();
         if let Some(e) = entry {
-            self.rt.finish_name(0, &resp.name);
             match outcome {
                 Ok(id) => e.complete(Ok(()), Some(id)),
                 Err(err) => e.complete(Err(err), None),
@@ -1362,8 +1345,7 @@ impl Background {
                 c.close();
                 c.join();
             }
-            for (name, e) in set.entries {
-                self.rt.finish_name(id, &name);
+            for e in set.entries {
                 e.complete(Err(err.clone()), None);
             }
         }
@@ -1399,9 +1381,8 @@ impl Background {
             f.close();
         }
         tracing::debug!("shutdown: GPU completions finished");
-        for (id, set) in std::mem::take(&mut self.member) {
-            for (name, e) in set.entries {
-                self.rt.finish_name(id, &name);
+        for set in std::mem::take(&mut self.member).into_values() {
+            for e in set.entries {
                 e.complete(Err(err.clone()), None);
             }
         }

@@ -378,3 +378,66 @@ impl DeviceIo for TensorEntry {
         self.received_splits = splits;
     }
 }
+
+/// A process set's tensors waiting for agreement, found by name. The key is the entry's own
+/// name, so taking in a submission copies no string.
+#[derive(Default)]
+pub(crate) struct PendingEntries(crate::hashing::HashSet<ByName>);
+
+pub(crate) struct ByName(TensorEntry);
+
+impl ByName {
+    fn name(&self) -> &str {
+        &self.0.request.name
+    }
+}
+
+impl std::hash::Hash for ByName {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        // as `str` hashes, so that lookups by `&str` find it
+        self.name().hash(state);
+    }
+}
+
+impl PartialEq for ByName {
+    fn eq(&self, other: &Self) -> bool {
+        self.name() == other.name()
+    }
+}
+
+impl Eq for ByName {}
+
+impl std::borrow::Borrow<str> for ByName {
+    fn borrow(&self) -> &str {
+        self.name()
+    }
+}
+
+impl PendingEntries {
+    /// Adds `e`, replacing an entry of the same name.
+    pub fn insert(&mut self, e: TensorEntry) {
+        self.0.replace(ByName(e));
+    }
+
+    pub fn remove(&mut self, name: &str) -> Option<TensorEntry> {
+        self.0.take(name).map(|b| b.0)
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl IntoIterator for PendingEntries {
+    type Item = TensorEntry;
+    type IntoIter =
+        std::iter::Map<std::collections::hash_set::IntoIter<ByName>, fn(ByName) -> TensorEntry>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.into_iter().map(|b| b.0)
+    }
+}

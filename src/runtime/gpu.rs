@@ -339,7 +339,6 @@ fn enqueue_on_lane(
 pub(crate) enum Finish {
     /// Complete the batch's tensors.
     Complete {
-        set: i32,
         recorded: Recorded,
         entries: Vec<TensorEntry>,
     },
@@ -466,15 +465,11 @@ fn finish_loop(rt: Arc<Runtime>, rx: Receiver<Finish>) {
             })
         });
         match f {
-            Finish::Complete {
-                set,
-                recorded,
-                entries,
-            } => {
+            Finish::Complete { recorded, entries } => {
                 let outcome = fired.and_then(|()| recorded.outcome());
                 super::probe::mark("fired", entries.len());
                 let n = entries.len();
-                spent.push(complete_staged(&rt, set, entries, outcome));
+                spent.push(complete_staged(entries, outcome));
                 super::probe::mark("completed", n);
             }
             Finish::Release { memory, .. } => {
@@ -490,13 +485,7 @@ fn finish_loop(rt: Arc<Runtime>, rx: Receiver<Finish>) {
 
 /// Completes tensors staged by `stage`; returns the spent entries, to be dropped once every
 /// handle is told.
-fn complete_staged(
-    rt: &Runtime,
-    set: i32,
-    mut entries: Vec<TensorEntry>,
-    outcome: Result<()>,
-) -> Vec<TensorEntry> {
-    rt.finish_names(set, entries.iter().map(|e| e.request.name.as_str()));
+fn complete_staged(mut entries: Vec<TensorEntry>, outcome: Result<()>) -> Vec<TensorEntry> {
     for e in &mut entries {
         e.finish_staged(outcome.clone());
     }
@@ -506,13 +495,10 @@ fn complete_staged(
 /// Completes GPU tensors with their batch's event attached to the handles; returns the spent
 /// entries, to be dropped once every handle is told.
 pub(crate) fn complete(
-    rt: &Runtime,
-    set: i32,
     mut entries: Vec<TensorEntry>,
     outcome: Result<()>,
     recorded: Option<&Recorded>,
 ) -> Vec<TensorEntry> {
-    rt.finish_names(set, entries.iter().map(|e| e.request.name.as_str()));
     for e in &mut entries {
         e.complete_on_device(outcome.clone(), None, recorded.map(|r| (&r.gpu, &r.event)));
     }

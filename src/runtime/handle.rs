@@ -174,6 +174,11 @@ impl Handle {
         }
     }
 
+    /// Whether every tensor of the operation has completed.
+    pub fn is_done(&self) -> bool {
+        self.done.load(Ordering::Acquire)
+    }
+
     fn succeeded(&self) -> bool {
         self.done.load(Ordering::Acquire) && self.ok.load(Ordering::Relaxed)
     }

@@ -6,6 +6,7 @@ pub(crate) mod channel;
 pub mod entry;
 pub(crate) mod gpu;
 pub mod handle;
+pub(crate) mod in_flight;
 pub mod metrics;
 pub mod probe;
 pub mod timeline;
@@ -20,7 +21,6 @@ use crossbeam::channel::{Sender, unbounded};
 use crate::config::Config;
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
-use crate::hashing::{HashMap, HashSet};
 use crate::message::{CPU_DEVICE, OpKind, ReduceOp, Request};
 use entry::{InputMem, OutputMem, SharedAllocator, TensorEntry};
 use handle::{DoneCallback, Handle, HandleTable};
@@ -132,7 +132,7 @@ pub struct Runtime {
     /// Process set id → member ranks; identical on every rank.
     sets: RwLock<BTreeMap<i32, Vec<i32>>>,
     /// Names of tensors submitted and not yet complete, per process set.
-    in_flight: Mutex<HashMap<i32, HashSet<String>>>,
+    in_flight: Mutex<in_flight::InFlight>,
     loop_ended: AtomicBool,
     shutdown_reason: Mutex<Option<String>>,
     /// A GPU batch failed after agreement (set by the background or a channel thread): the
@@ -207,7 +207,7 @@ pub fn init(opts: InitOptions) -> Result<()> {
         handles: HandleTable::default(),
         inbox: Mutex::new(Some(tx)),
         sets: RwLock::new(BTreeMap::new()),
-        in_flight: Mutex::new(HashMap::default()),
+        in_flight: Mutex::new(in_flight::InFlight::default()),
         loop_ended: AtomicBool::new(false),
         shutdown_reason: Mutex::new(None),
         gpu_failure: Mutex::new(None),
@@ -340,20 +340,16 @@ impl Runtime {
             }
         }
         let set = spec.process_set;
-        {
-            let mut fl = self.in_flight.lock().expect("in flight");
-            let names = fl.entry(set).or_default();
-            let mut seen = HashSet::default();
-            let clash = entries.iter().any(|e| {
-                let n = e.request.name.as_str();
-                names.contains(n) || (entries.len() > 1 && !seen.insert(n))
-            });
-            if clash {
-                return Err(Error::InvalidArgument("Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor that is currently being processed.  If you want to request another tensor, use a different tensor name.".into()));
-            }
-            names.extend(entries.iter().map(|e| e.request.name.clone()));
-        }
         let handle = self.handles.create(entries.len(), spec.callback.take());
+        let claimed = self.in_flight.lock().expect("in flight").claim(
+            set,
+            entries.iter().map(|e| e.request.name.as_str()),
+            &handle,
+        );
+        if !claimed {
+            let _ = self.handles.release(handle.id);
+            return Err(Error::InvalidArgument("Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor that is currently being processed.  If you want to request another tensor, use a different tensor name.".into()));
+        }
         let entries: Vec<TensorEntry> = entries
             .into_iter()
             .enumerate()
@@ -364,10 +360,8 @@ impl Runtime {
                 e
             })
             .collect();
-        if let Err(cmd) = self.send(Command::Submit { set, entries }) {
-            if let Command::Submit { entries, .. } = cmd {
-                self.finish_names(set, entries.iter().map(|e| e.request.name.as_str()));
-            }
+        if self.send(Command::Submit { set, entries }).is_err() {
+            // the operation never completes: nobody holds it once the caller has the error
             let _ = self.handles.release(handle.id);
             return Err(self.shut_down_error());
         }
@@ -433,16 +427,6 @@ impl Runtime {
         Ok((gpu, ready))
     }
 
-    /// Names of set `set` that may be submitted again (their tensors completed or failed).
-    pub(crate) fn finish_names<'a>(&self, set: i32, names: impl IntoIterator<Item = &'a str>) {
-        let mut fl = self.in_flight.lock().expect("in flight");
-        if let Some(held) = fl.get_mut(&set) {
-            for n in names {
-                held.remove(n);
-            }
-        }
-    }
-
     /// Records the first GPU failure after agreement (see `take_gpu_failure`).
     pub(crate) fn report_gpu_failure(&self, reason: &str) {
         self.gpu_failure
@@ -474,10 +458,6 @@ impl Runtime {
             return None;
         }
         self.gpu_failure.lock().expect("gpu failure").take()
-    }
-
-    pub(crate) fn finish_name(&self, set: i32, name: &str) {
-        self.finish_names(set, [name]);
     }
 
     fn build_entries(
@@ -713,19 +693,18 @@ impl Runtime {
         if self.is_shut_down() {
             return Err(self.shut_down_error());
         }
+        let handle = self.handles.create(1, None);
         if !self
             .in_flight
             .lock()
             .expect("in flight")
-            .entry(0)
-            .or_default()
-            .insert(name.clone())
+            .claim(0, [name.as_str()], &handle)
         {
+            let _ = self.handles.release(handle.id);
             return Err(Error::InvalidArgument(format!(
                 "a process set change '{name}' is already in progress"
             )));
         }
-        let handle = self.handles.create(1, None);
         let mut e = TensorEntry::new(
             Request {
                 rank: self.topology().rank,
@@ -743,13 +722,14 @@ impl Runtime {
             OutputMem::InPlace,
         );
         e.handle = Some(handle.clone());
-        if let Err(cmd) = self.send(Command::Submit {
-            set: 0,
-            entries: vec![e],
-        }) {
-            if let Command::Submit { entries, .. } = cmd {
-                self.finish_names(0, entries.iter().map(|e| e.request.name.as_str()));
-            }
+        if self
+            .send(Command::Submit {
+                set: 0,
+                entries: vec![e],
+            })
+            .is_err()
+        {
+            let _ = self.handles.release(handle.id);
             return Err(self.shut_down_error());
         }
         Ok(handle)
