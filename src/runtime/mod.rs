@@ -314,7 +314,9 @@ impl Runtime {
             return Err(self.shut_down_error());
         }
         let what = op_title(spec.kind);
-        let ranks = self.process_set_ranks(spec.process_set).ok_or_else(|| {
+        // read in place: a copy of the ranks cost an allocation per enqueue
+        let sets = self.sets.read().expect("sets");
+        let ranks = sets.get(&spec.process_set).ok_or_else(|| {
             Error::InvalidArgument(format!(
                 "{what}: Process set provided does not exist, or has not been registered."
             ))
@@ -333,7 +335,8 @@ impl Runtime {
             None
         };
         let mut spec = spec;
-        let mut entries = self.build_entries(spec.kind, &mut spec, set_rank, &ranks)?;
+        let mut entries = self.build_entries(spec.kind, &mut spec, set_rank, ranks)?;
+        drop(sets);
         if let Some((gpu, ready)) = device {
             for e in &mut entries {
                 e.move_to_device(gpu.clone(), ready.clone())?;
