@@ -287,9 +287,13 @@ impl TensorEntry {
     }
 
     /// Moves a host input (a joined rank's zeros) to the tensor's GPU before a device batch.
-    pub fn move_input_to_device(&mut self, stream: &crate::transport::cuda::Stream) -> Result<()> {
+    /// Returns whether it placed anything on `stream`.
+    pub fn move_input_to_device(
+        &mut self,
+        stream: &crate::transport::cuda::Stream,
+    ) -> Result<bool> {
         let Some(dev) = &self.device else {
-            return Ok(());
+            return Ok(false);
         };
         if let InputMem::Owned(v) = &self.input {
             let mem = dev.gpu.alloc_on(stream, v.len())?;
@@ -300,8 +304,9 @@ impl TensorEntry {
                 dev.gpu.upload(stream, v, mem.ptr())?;
             }
             self.input = InputMem::DeviceOwned(mem);
+            return Ok(true);
         }
-        Ok(())
+        Ok(false)
     }
 
     /// The device memory ferrovod owns for this tensor (a joined rank's zeros, a failed
