@@ -56,15 +56,18 @@ fn submit(gpu: &Gpu, name: &str, mem: &DeviceMem, len: usize, op: ReduceOp) -> A
     runtime::runtime().unwrap().enqueue(spec).unwrap()
 }
 
-/// Waits until every operation's GPU work has finished: for the handles, then for their
-/// completion events (already fired by default; with `HOROVOD_ENABLE_ASYNC_COMPLETION=1` the
-/// handles complete at enqueue and the events are what a GPU consumer would wait for).
+/// Waits until every operation's GPU work has finished, as a framework would: for each handle
+/// (a handle completes after its GPU work by default), and with
+/// `HOROVOD_ENABLE_ASYNC_COMPLETION=1`, where handles complete at enqueue, for their
+/// completion events too.
 fn wait_all(hs: Vec<Arc<Handle>>) {
     let rt = runtime::runtime().unwrap();
+    let async_completion = rt.config.async_completion;
     let mut events: Vec<Arc<cuda::Event>> = Vec::new();
     for h in hs {
         h.wait(None).unwrap();
-        if let Some(ev) = h.event()
+        if async_completion
+            && let Some(ev) = h.event()
             && !events.last().is_some_and(|l| Arc::ptr_eq(l, &ev))
         {
             events.push(ev);
