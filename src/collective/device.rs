@@ -121,78 +121,40 @@ fn rank_major_copies(
     copies
 }
 
-/// A second stream and NCCL communicator of the lane that a batch's in-place members may be
-/// spread over: two communicators at once move more bytes than one (2 × H200: 0.93 of one
-/// communicator's time for the same bytes), also while a batch runs alone.
-pub struct Side<'a> {
-    pub comm: &'a dyn DeviceTransport,
-    pub stream: &'a Stream,
-    /// Recorded on `stream` after the side's part; the lane's stream waits for it.
-    pub done: &'a crate::transport::cuda::Event,
-}
-
-/// Allreduce of a batch (same dtype, op and scales). True when part of it ran on `side` (the
-/// lane's stream then waits for that part at the end).
-#[allow(clippy::too_many_arguments)]
+/// Allreduce of a batch (same dtype, op and scales).
 pub fn allreduce_batch(
     t: &dyn DeviceTransport,
     host: &dyn Transport,
     lane: &mut Lane,
     resps: &[&Response],
     ios: &mut [&mut dyn DeviceIo],
-    side: Option<Side>,
     act: ActivitySink,
-) -> Result<bool> {
+) -> Result<()> {
     let head = resps[0];
     let dtype = head.dtype;
     if !t.reduces(dtype) {
-        return allreduce_staged(host, lane, resps, ios, act).map(|()| false);
+        return allreduce_staged(host, lane, resps, ios, act);
     }
     let (op, post) = device_op(head, t.size())?;
     let gpu = lane.gpu;
     let stream = lane.stream;
     let sizes: Vec<usize> = ios.iter().map(|io| io.input().1).collect();
     let direct = reduced_in_place(&sizes);
-    let fused: Vec<usize> = (0..ios.len()).filter(|i| !direct[*i]).collect();
-    let total: usize = fused.iter().map(|i| sizes[*i]).sum();
-    let on_side = match side {
-        Some(_) => spread_in_place(&sizes, &direct),
-        None => vec![false; sizes.len()],
-    };
-    // the large tensors where they are, prescaled into their outputs where asked; the side's
-    // share first, so that its communicator starts while this stream packs
+    // the large tensors where they are, prescaled into their outputs where asked
     let mut calls = Vec::with_capacity(ios.len());
-    let mut side_calls = Vec::new();
-    for which in [true, false] {
-        let (s, out) = match (which, &side) {
-            (true, Some(sd)) => (sd.stream, &mut side_calls),
-            (true, None) => continue,
-            (false, _) => (stream, &mut calls),
-        };
-        for (i, io) in ios.iter().enumerate() {
-            if !direct[i] || on_side[i] != which {
-                continue;
-            }
-            let ((input, bytes), (output, _)) = (io.input(), io.output());
-            let n = bytes / dtype.size();
-            let mut src = input;
-            if head.prescale != 1.0 {
-                gpu.scale(s, input, output, n, dtype, head.prescale)?;
-                src = output;
-            }
-            out.push((src, output, n));
+    for (io, _) in ios.iter().zip(&direct).filter(|(_, d)| **d) {
+        let ((input, bytes), (output, _)) = (io.input(), io.output());
+        let n = bytes / dtype.size();
+        let mut src = input;
+        if head.prescale != 1.0 {
+            gpu.scale(stream, input, output, n, dtype, head.prescale)?;
+            src = output;
         }
-        if let (true, Some(sd)) = (which, &side)
-            && !side_calls.is_empty()
-        {
-            sd.comm.allreduce_many(&side_calls, dtype, op, sd.stream)?;
-            for (_, out, n) in &side_calls {
-                gpu.scale(sd.stream, *out, *out, *n, dtype, post)?;
-            }
-            sd.done.record(sd.stream)?;
-        }
+        calls.push((src, output, n));
     }
     // the rest through the fusion buffer
+    let fused: Vec<usize> = (0..ios.len()).filter(|i| !direct[*i]).collect();
+    let total: usize = fused.iter().map(|i| sizes[*i]).sum();
     let buf = if fused.is_empty() {
         0
     } else {
@@ -220,42 +182,8 @@ pub fn allreduce_batch(
         act(Some("MEMCPY_OUT_FUSION_BUFFER"));
         gpu.copy_batch(stream, &copies_out)?;
     }
-    if let Some(sd) = &side
-        && !side_calls.is_empty()
-    {
-        // the batch's completion, recorded on this stream, then covers the side's part
-        stream.wait(sd.done)?;
-    }
     act(None);
-    Ok(!side_calls.is_empty())
-}
-
-/// Which in-place members of an allreduce batch (by bytes, in batch order; `direct` from
-/// `reduced_in_place`) go to the lane's second communicator: greedily, largest first, to the
-/// less loaded of the two, where the fusion buffer's part counts on the first. A batch of one
-/// tensor stays whole. A function of the agreed sizes, so every rank issues the same calls
-/// on each communicator.
-pub(crate) fn spread_in_place(sizes: &[usize], direct: &[bool]) -> Vec<bool> {
-    let mut on_side = vec![false; sizes.len()];
-    if sizes.len() < 2 {
-        return on_side;
-    }
-    let mut load = [0usize; 2];
-    load[0] = sizes
-        .iter()
-        .zip(direct)
-        .filter(|(_, d)| !**d)
-        .map(|(b, _)| b)
-        .sum();
-    let mut order: Vec<usize> = (0..sizes.len()).filter(|i| direct[*i]).collect();
-    // stable: equal sizes keep batch order
-    order.sort_by_key(|i| std::cmp::Reverse(sizes[*i]));
-    for i in order {
-        let w = usize::from(load[1] < load[0]);
-        load[w] += sizes[i];
-        on_side[i] = w == 1;
-    }
-    on_side
+    Ok(())
 }
 
 /// GPU tensors of at least this many bytes in a fused allreduce are reduced where they are, in
@@ -529,47 +457,6 @@ mod tests {
         assert_eq!(reduced_in_place(&[4]), vec![true]);
         assert_eq!(reduced_in_place(&[4, 4]), vec![false, false]);
         assert_eq!(reduced_in_place(&[]), Vec::<bool>::new());
-    }
-
-    #[test]
-    fn in_place_members_balance_the_two_communicators() {
-        let mb = 1 << 20;
-        // 9 + 4 + 4 MiB in place, 1 MiB fused (on the first): 9 to the side, then 4 to the
-        // first (1 < 9), then 4 to the first again (5 < 9)
-        let sizes = [4 * mb, 9 * mb, 64, 4 * mb, mb - 64];
-        let direct = reduced_in_place(&sizes);
-        assert_eq!(direct, vec![true, true, false, true, false]);
-        assert_eq!(
-            spread_in_place(&sizes, &direct),
-            vec![false, true, false, false, false]
-        );
-        // equal sizes alternate, ties to the first communicator
-        let eq = [2 * mb; 5];
-        let spread = spread_in_place(&eq, &reduced_in_place(&eq));
-        assert_eq!(spread, vec![false, true, false, true, false]);
-        // one tensor stays whole; an all-fused batch has nothing to spread
-        assert_eq!(spread_in_place(&[64 * mb], &[true]), vec![false]);
-        let small = [64, 128, 256];
-        assert_eq!(
-            spread_in_place(&small, &reduced_in_place(&small)),
-            vec![false; 3]
-        );
-        // every in-place member goes somewhere, the fused ones never to the side
-        let mixed = [3 * mb, 10, 5 * mb, 7 * mb, 20, 2 * mb];
-        let d = reduced_in_place(&mixed);
-        let sp = spread_in_place(&mixed, &d);
-        assert!(sp.iter().zip(&d).all(|(s, d)| !s || *d));
-        let side: usize = mixed
-            .iter()
-            .zip(&sp)
-            .filter(|(_, s)| **s)
-            .map(|(b, _)| b)
-            .sum();
-        let total: usize = mixed.iter().sum();
-        assert!(
-            side.abs_diff(total - side) <= 3 * mb,
-            "side {side} of {total}"
-        );
     }
 
     fn triples(c: &[Copy]) -> Vec<(u64, u64, u64)> {

@@ -287,13 +287,9 @@ impl TensorEntry {
     }
 
     /// Moves a host input (a joined rank's zeros) to the tensor's GPU before a device batch.
-    /// Returns whether it placed anything on `stream`.
-    pub fn move_input_to_device(
-        &mut self,
-        stream: &crate::transport::cuda::Stream,
-    ) -> Result<bool> {
+    pub fn move_input_to_device(&mut self, stream: &crate::transport::cuda::Stream) -> Result<()> {
         let Some(dev) = &self.device else {
-            return Ok(false);
+            return Ok(());
         };
         if let InputMem::Owned(v) = &self.input {
             let mem = dev.gpu.alloc_on(stream, v.len())?;
@@ -304,9 +300,8 @@ impl TensorEntry {
                 dev.gpu.upload(stream, v, mem.ptr())?;
             }
             self.input = InputMem::DeviceOwned(mem);
-            return Ok(true);
         }
-        Ok(false)
+        Ok(())
     }
 
     /// The device memory ferrovod owns for this tensor (a joined rank's zeros, a failed

@@ -45,9 +45,6 @@ struct Way {
     fusion: Option<DeviceMem>,
     /// The event after the way's latest batch (its batches finish in order).
     last: Option<Arc<Event>>,
-    /// Re-recorded for each batch that spreads members onto this way while another way runs
-    /// the batch (a wait takes the event as it is when the wait is enqueued).
-    handoff: Event,
     // declared last: dropped after the communicator and buffer that use it
     stream: Stream,
 }
@@ -99,7 +96,6 @@ impl GpuLane {
                     comm: NcclComm::new(&gpu, id, data.rank(), data.size())?,
                     fusion: None,
                     last: None,
-                    handoff: gpu.new_event()?,
                     stream,
                 })
             })
@@ -174,18 +170,6 @@ impl Drop for GpuLane {
         }
         self.abort();
         tracing::debug!("NCCL communicators aborted");
-    }
-}
-
-/// Way `a` mutably and way `b` (another one) shared.
-fn pair_mut(ways: &mut [Way], a: usize, b: usize) -> (&mut Way, &mut Way) {
-    assert_ne!(a, b);
-    if a < b {
-        let (lo, hi) = ways.split_at_mut(b);
-        (&mut lo[a], &mut hi[0])
-    } else {
-        let (lo, hi) = ways.split_at_mut(a);
-        (&mut hi[0], &mut lo[b])
     }
 }
 
@@ -286,20 +270,10 @@ fn enqueue_on_lane(
 ) -> Result<Recorded> {
     let gpu = l.gpu.clone();
     gpu.bind()?;
-    let ways = l.ways.len();
-    let k = l.batches % ways;
+    let k = l.batches % l.ways.len();
     l.batches += 1;
-    let head = resps[0];
-    // an allreduce may spread its in-place members over the next way too (decided by the
-    // agreed sizes alone, in `dev::spread_in_place`)
-    let (w, side) = if head.kind == OpKind::Allreduce && ways > 1 {
-        let (w, side) = pair_mut(&mut l.ways, k, (k + 1) % ways);
-        (w, Some(side))
-    } else {
-        (&mut l.ways[k], None)
-    };
+    let w = &mut l.ways[k];
     sink(Some("WAIT_FOR_DATA"));
-    let mut uploaded = false;
     for e in entries.iter_mut() {
         if e.device.is_none() {
             // a joined rank's stand-in: zeros on this GPU
@@ -309,23 +283,14 @@ fn enqueue_on_lane(
                 scratch: None,
             });
         }
-        uploaded |= e.move_input_to_device(&w.stream)?;
+        e.move_input_to_device(&w.stream)?;
         // one wait per tensor: a caller's stream handle may be reused by a new stream after
         // the enqueue returned, so marks on "the same" handle need not be ordered
-        for s in std::iter::once(&w.stream).chain(side.as_ref().map(|sd| &sd.stream)) {
-            match e.device.as_ref().and_then(|d| d.ready.as_ref()) {
-                Some(ReadyEvent::Owned(m)) => s.wait(m.event())?,
-                Some(ReadyEvent::Foreign(ev)) => s.wait_foreign(*ev)?,
-                None => {}
-            }
+        match e.device.as_ref().and_then(|d| d.ready.as_ref()) {
+            Some(ReadyEvent::Owned(m)) => w.stream.wait(m.event())?,
+            Some(ReadyEvent::Foreign(ev)) => w.stream.wait_foreign(*ev)?,
+            None => {}
         }
-    }
-    if let Some(sd) = &side
-        && uploaded
-    {
-        // inputs placed on this way's stream (a joined rank's zeros) before the side reads them
-        w.handoff.record(&w.stream)?;
-        sd.stream.wait(&w.handoff)?;
     }
     let n = entries.len();
     super::probe::mark("waits enqueued", n);
@@ -338,34 +303,21 @@ fn enqueue_on_lane(
     };
     let mut ios: Vec<&mut dyn DeviceIo> =
         entries.iter_mut().map(|e| e as &mut dyn DeviceIo).collect();
+    let head = resps[0];
     let mut lane_ref = Lane {
         gpu: &gpu,
         stream: &w.stream,
         fusion: &mut w.fusion,
     };
     let t = &w.comm;
-    // whether the batch ran partly on `side`
-    let spread = match head.kind {
-        OpKind::Allreduce => {
-            let sd = side.as_ref().map(|sd| dev::Side {
-                comm: &sd.comm,
-                stream: &sd.stream,
-                done: &sd.handoff,
-            });
-            dev::allreduce_batch(t, data, &mut lane_ref, resps, &mut ios, sd, sink)
-        }
-        OpKind::Allgather => {
-            dev::allgather_batch(t, &mut lane_ref, resps, &mut ios, sink).map(|()| false)
-        }
+    match head.kind {
+        OpKind::Allreduce => dev::allreduce_batch(t, data, &mut lane_ref, resps, &mut ios, sink),
+        OpKind::Allgather => dev::allgather_batch(t, &mut lane_ref, resps, &mut ios, sink),
         OpKind::Reducescatter => {
-            dev::reducescatter_batch(t, data, &mut lane_ref, resps, &mut ios, sink).map(|()| false)
+            dev::reducescatter_batch(t, data, &mut lane_ref, resps, &mut ios, sink)
         }
-        OpKind::Broadcast => {
-            dev::broadcast(t, &mut lane_ref, head, &mut *ios[0], sink).map(|()| false)
-        }
-        OpKind::Alltoall => {
-            dev::alltoall(t, data, &mut lane_ref, head, &mut *ios[0], sink).map(|()| false)
-        }
+        OpKind::Broadcast => dev::broadcast(t, &mut lane_ref, head, &mut *ios[0], sink),
+        OpKind::Alltoall => dev::alltoall(t, data, &mut lane_ref, head, &mut *ios[0], sink),
         other => Err(Error::Internal(format!(
             "{} is not a GPU batch",
             other.name()
@@ -375,10 +327,6 @@ fn enqueue_on_lane(
     let event = Arc::new(gpu.new_event()?);
     event.record(&w.stream)?;
     w.last = Some(event.clone());
-    if let (true, Some(sd)) = (spread, side) {
-        // this stream waited for the side's part before the event
-        sd.last = Some(event.clone());
-    }
     super::probe::mark("launched", entries.len());
     Ok(Recorded {
         gpu,
