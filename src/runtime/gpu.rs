@@ -419,10 +419,7 @@ fn wait_for(event: &Event, limit: Option<Duration>, between: &mut dyn FnMut()) -
 /// event fires completing each tensor only counts it down (130 tensors took 25–30 µs from
 /// the event to the last handle on 2 × H200 when all of it happened then).
 fn stage(mut f: Finish) -> Finish {
-    if let Finish::Complete {
-        recorded, entries, ..
-    } = &mut f
-    {
+    if let Finish::Complete { recorded, entries } = &mut f {
         // joining a handle's events needs the device's context
         if recorded.gpu.bind().is_ok() {
             for e in entries.iter_mut() {
@@ -439,8 +436,8 @@ fn finish_loop(rt: Arc<Runtime>, rx: Receiver<Finish>) {
         .then_some(rt.config.stall_shutdown);
     // batches sent and staged, oldest first: their events fire in this order
     let mut queue: VecDeque<Finish> = VecDeque::new();
-    // entries of completed batches, freed once the next batch arrives: when the last batch
-    // of a step completes, its caller frees the handles at the same moment
+    // entries of completed batches, freed when the next batch arrives (when the last batch of
+    // a step completes, its caller frees the handles at that moment)
     let mut spent: Vec<Vec<TensorEntry>> = Vec::new();
     loop {
         if queue.is_empty() {
@@ -460,6 +457,7 @@ fn finish_loop(rt: Arc<Runtime>, rx: Receiver<Finish>) {
         let fired = recorded.gpu.bind().and_then(|()| {
             wait_for(&recorded.event, limit, &mut || {
                 while let Ok(next) = rx.try_recv() {
+                    spent.clear();
                     arrived.push(stage(next));
                 }
             })
