@@ -391,7 +391,7 @@ impl Negotiator {
             NegotiationMode::Online | NegotiationMode::Offline => {
                 let (n, g) = (singles.len(), self.groups.len());
                 let mut words = ready_bitmap::encode_grouped(&vote, n, g);
-                crate::runtime::probe::mark("vote sent", self.waiting.len() + keep.len());
+                crate::runtime::probe::mark("vote sent", keep.len() + to_send.len());
                 ctrl.and_words(&mut words)?;
                 crate::runtime::probe::mark("vote reduced", words.len());
                 out.control_collectives += 1;

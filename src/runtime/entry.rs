@@ -139,7 +139,7 @@ impl TensorEntry {
         let Some(handle) = self.handle.take() else {
             return;
         };
-        handle.complete_staged(self.with_alloc_error(outcome), None);
+        handle.complete_staged(self.with_alloc_error(outcome));
     }
 
     /// A failed output allocation fails an otherwise successful tensor.

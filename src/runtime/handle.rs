@@ -133,13 +133,13 @@ impl Handle {
         }
     }
 
-    /// Completes tensor `index` whose result was staged (on error the staged result is moot).
-    pub fn complete_staged(&self, outcome: Result<()>, value: Option<i32>) {
+    /// Completes a tensor whose result was staged (on error the staged result is moot).
+    pub fn complete_staged(&self, outcome: Result<()>) {
         let s = self.state.lock().expect("handle lock");
         if s.remaining == 0 {
             return;
         }
-        self.count_down(s, outcome.err(), value);
+        self.count_down(s, outcome.err(), None);
     }
 
     fn count_down(
@@ -180,7 +180,7 @@ impl Handle {
     }
 
     fn succeeded(&self) -> bool {
-        self.done.load(Ordering::Acquire) && self.ok.load(Ordering::Relaxed)
+        self.is_done() && self.ok.load(Ordering::Relaxed)
     }
 
     /// `None` while in progress.
@@ -355,6 +355,33 @@ mod tests {
         assert!(table.release(h.id).is_ok());
         assert!(table.get(h.id).is_err());
         assert!(table.release(h.id).is_err());
+    }
+
+    #[test]
+    fn staged_results_are_seen_once_the_tensors_complete() {
+        let table = HandleTable::default();
+        let h = table.create(2, None);
+        let shaped = |d: i64| TensorResult {
+            shape: vec![d],
+            ..TensorResult::default()
+        };
+        h.stage(0, shaped(3));
+        h.stage(1, shaped(5));
+        assert!(h.poll().is_none() && !h.is_done());
+        h.complete_staged(Ok(()));
+        assert!(!h.is_done());
+        h.complete_staged(Ok(()));
+        assert_eq!(h.wait(Some(Duration::ZERO)), Ok(()));
+        assert_eq!(h.result(1).map(|r| r.shape), Some(vec![5]));
+        // a failed batch fails the operation whatever was staged
+        let f = table.create(1, None);
+        f.stage(0, shaped(3));
+        f.complete_staged(Err(Error::Aborted("gone".into())));
+        assert!(f.is_done());
+        assert_eq!(f.wait(None), Err(Error::Aborted("gone".into())));
+        // staging after completion changes nothing
+        f.stage(0, shaped(9));
+        assert_eq!(f.result(0).map(|r| r.shape), Some(vec![3]));
     }
 
     #[test]
