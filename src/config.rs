@@ -109,6 +109,10 @@ pub struct Config {
     /// streams per GPU lane; consecutive GPU batches alternate between them and run at once.
     /// Two measured 1.1× the bandwidth of one on NVLink. Rank 0's value decides.
     pub nccl_streams: usize,
+    /// `FERROVOD_GPU_GRAPHS` (1 or 0, default 1): a fused GPU allreduce that repeats with its
+    /// tensors at the same addresses is launched as one captured CUDA graph. Rank 0's value
+    /// decides (NCCL needs every rank to capture alike).
+    pub gpu_graphs: bool,
     /// `FERROVOD_POLL` (1 or 0; default: where each local rank has at least 4 cores): waiting
     /// threads poll briefly before they sleep (see `runtime::handle::set_polling`).
     pub poll: Option<bool>,
@@ -189,6 +193,7 @@ impl Config {
             autotune_window: env_num("FERROVOD_AUTOTUNE_WINDOW_CYCLES", 200usize).max(1),
             async_completion: env_bool("HOROVOD_ENABLE_ASYNC_COMPLETION"),
             nccl_streams: env_num("HOROVOD_NUM_NCCL_STREAMS", 2usize).clamp(1, 8),
+            gpu_graphs: env_str("FERROVOD_GPU_GRAPHS").is_none() || env_bool("FERROVOD_GPU_GRAPHS"),
             poll: env_str("FERROVOD_POLL").map(|_| env_bool("FERROVOD_POLL")),
         }
     }

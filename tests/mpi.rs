@@ -229,6 +229,21 @@ const GPU_SCENARIOS: &[Scenario] = &[
         ],
         true,
     ),
+    (
+        "gpu_graphs",
+        2,
+        &[("FERROVOD_PLAN_WARMUP_STEPS", "2")],
+        true,
+    ),
+    (
+        "gpu_graphs",
+        2,
+        &[
+            ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+            ("HOROVOD_ENABLE_ASYNC_COMPLETION", "1"),
+        ],
+        true,
+    ),
     ("gpu_streams", 2, &[], true),
     (
         "gpu_streams",
@@ -469,6 +484,7 @@ fn run_rank(name: &str) {
         "gpu_streams" => gpu_streams(),
         "gpu_failure" => gpu_failure(),
         "gpu_kernels" => gpu_kernels(),
+        "gpu_graphs" => gpu_graphs(),
         other => panic!("unknown scenario {other}"),
     }
 }
@@ -2768,6 +2784,90 @@ fn gpu_streams() {
             bad.map(|i| got[i])
         );
     }
+    finish_job();
+}
+
+/// Fused GPU allreduces replayed from CUDA graphs: a step of tensors (two large enough to be
+/// reduced in place, three packed) repeated with new values, each step checked against the
+/// host's sums. One rank moving a tensor to new memory (rank 1 at step 8), then every rank
+/// (step 11), must not replay a graph with the old addresses; the batches are replayed again
+/// once the tensors stay put.
+fn gpu_graphs() {
+    use ferrovod::transport::memory::DeviceRange;
+    init();
+    let me = rank();
+    let n = size();
+    let rt = runtime::runtime().unwrap();
+    let gpu = gpu::this_gpu();
+    let stream = gpu.new_stream().unwrap();
+    let counts = [600_000usize, 300, 1000, 400_000, 7];
+    let mut mems: Vec<_> = counts.iter().map(|c| gpu.alloc(c * 4).unwrap()).collect();
+    let value =
+        |r: usize, step: usize, t: usize, i: usize| ((r + 1) * (step + 1) + t + i % 5) as f64;
+    let mut replayed_after_moves = 0;
+    for step in 0..20 {
+        // the new memory is taken while the old is still held: a new address
+        if step == 8 && me == 1 {
+            mems[2] = gpu.alloc(counts[2] * 4).unwrap();
+        }
+        if step == 11 {
+            mems[0] = gpu.alloc(counts[0] * 4).unwrap();
+        }
+        let before = rt.metrics.snapshot().graph_launches;
+        for (t, (m, c)) in mems.iter().zip(counts).enumerate() {
+            let vals: Vec<f64> = (0..c).map(|i| value(me, step, t, i)).collect();
+            gpu.upload(&stream, &encode(DataType::F32, &vals), m.ptr())
+                .unwrap();
+        }
+        stream.synchronize().unwrap();
+        let handles: Vec<_> = mems
+            .iter()
+            .zip(counts)
+            .enumerate()
+            .map(|(t, (m, c))| {
+                let mut spec = OpSpec::new(
+                    OpKind::Allreduce,
+                    vec![TensorSpec {
+                        name: format!("graphs.{t}"),
+                        dtype: DataType::F32,
+                        shape: vec![c as i64],
+                        input: InputMem::Device(DeviceRange {
+                            ptr: m.ptr(),
+                            len: c * 4,
+                        }),
+                        output: OutputMem::InPlace,
+                        splits: None,
+                    }],
+                );
+                spec.device = gpu.ordinal;
+                spec.reduce_op = ReduceOp::Sum;
+                rt.enqueue(spec).unwrap()
+            })
+            .collect();
+        for h in handles {
+            h.wait(Some(Duration::from_secs(60))).unwrap();
+            if let Some(ev) = h.event() {
+                ev.synchronize().unwrap();
+            }
+            rt.handles.release(h.id).unwrap();
+        }
+        if step > 11 {
+            replayed_after_moves += rt.metrics.snapshot().graph_launches - before;
+        }
+        for (t, (m, c)) in mems.iter().zip(counts).enumerate() {
+            let mut got = vec![0u8; c * 4];
+            gpu.download(&stream, m.ptr(), &mut got).unwrap();
+            let got = decode(DataType::F32, &got);
+            for (i, g) in got.iter().enumerate() {
+                let want: f64 = (0..n).map(|r| value(r, step, t, i)).sum();
+                assert_eq!(*g, want, "step {step}, tensor {t}, element {i}");
+            }
+        }
+    }
+    assert!(
+        replayed_after_moves > 0,
+        "no batch was replayed from a graph once the tensors stayed put"
+    );
     finish_job();
 }
 

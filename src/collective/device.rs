@@ -4,6 +4,7 @@
 //! tensors (and a batch of one) are reduced in the tensor's own memory. Reductions the device
 //! backend lacks (16-bit integers, bool) are staged through host memory and the host transport.
 
+use crate::collective::replay::{Launch, LaunchGraphs, ReplayKey};
 use crate::collective::{
     ActivitySink, allgather_contributions, allgather_shape, alltoall_counts, backend_op,
     reducescatter_segments, reducescatter_shape,
@@ -32,6 +33,12 @@ pub struct Lane<'a> {
     pub gpu: &'a Gpu,
     pub stream: &'a Stream,
     pub fusion: &'a mut Option<DeviceMem>,
+    /// The way's graphs; a fusion buffer that moves takes them along.
+    pub graphs: &'a mut LaunchGraphs,
+    /// Set for a batch that may be replayed as a graph (a fused allreduce).
+    pub replay: Option<ReplayKey>,
+    /// Set by a batch launched from a replayed graph.
+    pub replayed: bool,
 }
 
 impl Lane<'_> {
@@ -43,6 +50,8 @@ impl Lane<'_> {
             if let Some(old) = self.fusion.take() {
                 old.free_on(self.stream)?;
             }
+            // identical on every rank: the buffer grows at the same agreed batch everywhere
+            self.graphs.clear();
             let len = bytes.next_power_of_two().max(1 << 20);
             *self.fusion = Some(self.gpu.alloc_on(self.stream, len)?);
         }
@@ -121,7 +130,8 @@ fn rank_major_copies(
     copies
 }
 
-/// Allreduce of a batch (same dtype, op and scales).
+/// Allreduce of a batch (same dtype, op and scales). With `lane.replay`, the launches are
+/// captured into a graph and replayed as `replay` decides.
 pub fn allreduce_batch(
     t: &dyn DeviceTransport,
     host: &dyn Transport,
@@ -136,23 +146,8 @@ pub fn allreduce_batch(
         return allreduce_staged(host, lane, resps, ios, act);
     }
     let (op, post) = device_op(head, t.size())?;
-    let gpu = lane.gpu;
-    let stream = lane.stream;
     let sizes: Vec<usize> = ios.iter().map(|io| io.input().1).collect();
     let direct = reduced_in_place(&sizes);
-    // the large tensors where they are, prescaled into their outputs where asked
-    let mut calls = Vec::with_capacity(ios.len());
-    for (io, _) in ios.iter().zip(&direct).filter(|(_, d)| **d) {
-        let ((input, bytes), (output, _)) = (io.input(), io.output());
-        let n = bytes / dtype.size();
-        let mut src = input;
-        if head.prescale != 1.0 {
-            gpu.scale(stream, input, output, n, dtype, head.prescale)?;
-            src = output;
-        }
-        calls.push((src, output, n));
-    }
-    // the rest through the fusion buffer
     let fused: Vec<usize> = (0..ios.len()).filter(|i| !direct[*i]).collect();
     let total: usize = fused.iter().map(|i| sizes[*i]).sum();
     let buf = if fused.is_empty() {
@@ -160,30 +155,112 @@ pub fn allreduce_batch(
     } else {
         lane.fusion(total)?
     };
-    let copies_out = consecutive_copies(
+    let batch = FusedAllreduce {
+        ios,
+        direct: &direct,
+        fused: &fused,
         buf,
-        fused.iter().map(|i| (ios[*i].output().0, sizes[*i])),
-        false,
-    );
-    if !fused.is_empty() {
-        act(Some("MEMCPY_IN_FUSION_BUFFER"));
-        let copies_in = consecutive_copies(buf, fused.iter().map(|i| ios[*i].input()), true);
-        gpu.copy_batch(stream, &copies_in)?;
-        let n = total / dtype.size();
-        gpu.scale(stream, buf, buf, n, dtype, head.prescale)?;
-        calls.push((buf, buf, n));
+        op,
+        prescale: head.prescale,
+        post,
+        dtype,
+    };
+    let (gpu, stream) = (lane.gpu, lane.stream);
+    let Some(key) = lane.replay else {
+        return batch.launch(t, gpu, stream, act);
+    };
+    let how = lane.graphs.decide(key);
+    if how == Launch::Eager {
+        return batch.launch(t, gpu, stream, act);
     }
-    act(Some("NCCL_ALLREDUCE"));
-    t.allreduce_many(&calls, dtype, op, stream)?;
-    for (_, out, n) in &calls {
-        gpu.scale(stream, *out, *out, *n, dtype, post)?;
+    let addresses = batch.addresses();
+    if how == Launch::Replay {
+        act(Some("NCCL_ALLREDUCE"));
+        lane.graphs.graph(key.batch, &addresses)?.launch(stream)?;
+        lane.replayed = true;
+        act(None);
+        return Ok(());
     }
-    if !fused.is_empty() {
-        act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-        gpu.copy_batch(stream, &copies_out)?;
-    }
-    act(None);
+    let graph = stream.capture(|| batch.launch(t, gpu, stream, act))?;
+    graph.launch(stream)?;
+    lane.graphs.keep(key.batch, addresses, graph);
     Ok(())
+}
+
+/// A fused allreduce's launches: large tensors where they are, the rest through `buf`.
+struct FusedAllreduce<'a, 'b> {
+    ios: &'a [&'b mut dyn DeviceIo],
+    direct: &'a [bool],
+    fused: &'a [usize],
+    buf: DevicePtr,
+    op: ReduceOp,
+    prescale: f64,
+    post: f64,
+    dtype: DataType,
+}
+
+impl FusedAllreduce<'_, '_> {
+    /// This rank's addresses the launches use (what a replayed graph must find again).
+    fn addresses(&self) -> Vec<u64> {
+        let mut a = Vec::with_capacity(1 + 2 * self.ios.len());
+        a.push(self.buf);
+        for io in self.ios {
+            a.extend([io.input().0, io.output().0]);
+        }
+        a
+    }
+
+    /// Enqueues the batch's copies, scaling and NCCL group on `stream`.
+    fn launch(
+        &self,
+        t: &dyn DeviceTransport,
+        gpu: &Gpu,
+        stream: &Stream,
+        act: ActivitySink,
+    ) -> Result<()> {
+        let (ios, dtype, buf) = (self.ios, self.dtype, self.buf);
+        // the large tensors where they are, prescaled into their outputs where asked
+        let mut calls = Vec::with_capacity(ios.len());
+        for (io, _) in ios.iter().zip(self.direct).filter(|(_, d)| **d) {
+            let ((input, bytes), (output, _)) = (io.input(), io.output());
+            let n = bytes / dtype.size();
+            let mut src = input;
+            if self.prescale != 1.0 {
+                gpu.scale(stream, input, output, n, dtype, self.prescale)?;
+                src = output;
+            }
+            calls.push((src, output, n));
+        }
+        // the rest through the fusion buffer
+        if !self.fused.is_empty() {
+            act(Some("MEMCPY_IN_FUSION_BUFFER"));
+            let copies_in =
+                consecutive_copies(buf, self.fused.iter().map(|i| ios[*i].input()), true);
+            gpu.copy_batch(stream, &copies_in)?;
+            let total: usize = self.fused.iter().map(|i| ios[*i].input().1).sum();
+            let n = total / dtype.size();
+            gpu.scale(stream, buf, buf, n, dtype, self.prescale)?;
+            calls.push((buf, buf, n));
+        }
+        act(Some("NCCL_ALLREDUCE"));
+        t.allreduce_many(&calls, dtype, self.op, stream)?;
+        for (_, out, n) in &calls {
+            gpu.scale(stream, *out, *out, *n, dtype, self.post)?;
+        }
+        if !self.fused.is_empty() {
+            act(Some("MEMCPY_OUT_FUSION_BUFFER"));
+            let copies_out = consecutive_copies(
+                buf,
+                self.fused
+                    .iter()
+                    .map(|i| (ios[*i].output().0, ios[*i].input().1)),
+                false,
+            );
+            gpu.copy_batch(stream, &copies_out)?;
+        }
+        act(None);
+        Ok(())
+    }
 }
 
 /// GPU tensors of at least this many bytes in a fused allreduce are reduced where they are, in

@@ -4,6 +4,7 @@
 
 pub mod device;
 pub mod reduce;
+pub mod replay;
 
 use crate::dtype::DataType;
 use crate::error::{Error, Result};

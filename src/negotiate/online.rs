@@ -35,6 +35,9 @@ pub struct CycleOutcome {
     /// With the shutdown: some rank's GPU collective failed after agreement, so GPU work
     /// still running everywhere cannot finish and is to be aborted at once.
     pub abort_gpu: bool,
+    /// Some rank's GPU tensors moved (or a rank has joined): nothing agreed now is replayed
+    /// from a graph captured before (`collective::replay`).
+    pub gpu_moved: bool,
     /// Control collectives this cycle issued (for metrics).
     pub control_collectives: u32,
     /// Bytes this rank contributed to them.
@@ -260,12 +263,14 @@ impl Negotiator {
 
     /// Runs one negotiation cycle over `ctrl`. All members of the set must call this the same
     /// number of times, in the same order relative to other sets. `abort_gpu` (with
-    /// `want_shutdown`): this rank's GPU work failed after agreement.
+    /// `want_shutdown`): this rank's GPU work failed after agreement. `gpu_moved`: a GPU
+    /// tensor submitted here at new addresses is not launched yet.
     pub fn cycle(
         &mut self,
         ctrl: &dyn Transport,
         want_shutdown: bool,
         abort_gpu: bool,
+        gpu_moved: bool,
         now: Instant,
     ) -> Result<CycleOutcome> {
         let mut out = CycleOutcome::default();
@@ -380,6 +385,8 @@ impl Negotiator {
             // a bit this rank invalidates must not also count as its hit
             vote.hits.retain(|b| !vote.invalid.contains(b));
         }
+        // a joined rank's stand-ins for missing tensors are new memory every time
+        vote.gpu_moved = gpu_moved || self.self_joined;
         let coordinator_check =
             stall_check_due && self.coordinator.as_ref().is_some_and(|c| c.has_pending());
         vote.uncached = !to_send.is_empty() || !self.cache.enabled() || coordinator_check;
@@ -409,6 +416,7 @@ impl Negotiator {
         };
 
         // 3. apply the agreement identically everywhere
+        out.gpu_moved = agreed.any_gpu_moved;
         let invalid: Vec<usize> = agreed.invalid.iter().map(|c| singles[*c]).collect();
         let hits: Vec<usize> = agreed.common_hits.iter().map(|c| singles[*c]).collect();
         let mut group_hit_bits = Vec::new();

@@ -4,9 +4,10 @@
 
 /// Layout: word bits `[0, FLAGS)` status flags (inverted), then `n` hit bits, then `n` inverted
 /// invalid bits.
-const FLAGS: usize = 2;
+const FLAGS: usize = 3;
 const FLAG_SHUTDOWN: usize = 0;
 const FLAG_UNCACHED: usize = 1;
+const FLAG_GPU_MOVED: usize = 2;
 
 /// One rank's vote before the AND.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -14,6 +15,9 @@ pub struct Vote {
     pub shutdown: bool,
     /// This rank has requests that need a coordinator round.
     pub uncached: bool,
+    /// Some GPU tensor waiting here is at other addresses than at its last submission: no
+    /// batch agreed now may be replayed from a graph (`collective::replay`).
+    pub gpu_moved: bool,
     pub hits: Vec<usize>,
     pub invalid: Vec<usize>,
     /// Plan batches (groups) all of whose tensors are ready here: one bit per batch.
@@ -27,6 +31,7 @@ pub struct Vote {
 pub struct Agreement {
     pub any_shutdown: bool,
     pub any_uncached: bool,
+    pub any_gpu_moved: bool,
     /// Bits every rank voted for, ascending.
     pub common_hits: Vec<usize>,
     /// Bits any rank found invalid, ascending.
@@ -58,6 +63,7 @@ pub fn encode(vote: &Vote, num_bits: usize) -> Vec<u64> {
     let mut w = vec![0u64; words_for(num_bits)];
     set(&mut w, FLAG_SHUTDOWN, !vote.shutdown);
     set(&mut w, FLAG_UNCACHED, !vote.uncached);
+    set(&mut w, FLAG_GPU_MOVED, !vote.gpu_moved);
     for i in 0..num_bits {
         set(&mut w, FLAGS + num_bits + i, true);
     }
@@ -75,6 +81,7 @@ pub fn decode(words: &[u64], num_bits: usize) -> Agreement {
     Agreement {
         any_shutdown: !get(words, FLAG_SHUTDOWN),
         any_uncached: !get(words, FLAG_UNCACHED),
+        any_gpu_moved: !get(words, FLAG_GPU_MOVED),
         common_hits: (0..num_bits).filter(|b| get(words, FLAGS + b)).collect(),
         invalid: (0..num_bits)
             .filter(|b| !get(words, FLAGS + num_bits + b))
@@ -94,6 +101,7 @@ pub fn encode_split(vote: &Vote, num_bits: usize) -> (Vec<u64>, Vec<u64>) {
     let mut flags = vec![0u64; (FLAGS + num_bits).div_ceil(64)];
     set(&mut flags, FLAG_SHUTDOWN, vote.shutdown);
     set(&mut flags, FLAG_UNCACHED, vote.uncached);
+    set(&mut flags, FLAG_GPU_MOVED, vote.gpu_moved);
     for &b in &vote.invalid {
         set(&mut flags, FLAGS + b, true);
     }
@@ -105,6 +113,7 @@ pub fn decode_split(hits: &[u64], flags: &[u64], num_bits: usize) -> Agreement {
     Agreement {
         any_shutdown: get(flags, FLAG_SHUTDOWN),
         any_uncached: get(flags, FLAG_UNCACHED),
+        any_gpu_moved: get(flags, FLAG_GPU_MOVED),
         common_hits: (0..num_bits).filter(|b| get(hits, *b)).collect(),
         invalid: (0..num_bits).filter(|b| get(flags, FLAGS + b)).collect(),
         ..Agreement::default()
@@ -166,6 +175,7 @@ mod tests {
         let b = Vote {
             shutdown: false,
             uncached: false,
+            gpu_moved: true,
             hits: vec![5, 70, 98],
             invalid: vec![64],
             ..Vote::default()
@@ -183,6 +193,7 @@ mod tests {
             Agreement {
                 any_shutdown: true,
                 any_uncached: true,
+                any_gpu_moved: true,
                 common_hits: vec![5, 70],
                 invalid: vec![3, 64],
                 ..Agreement::default()
@@ -204,6 +215,7 @@ mod tests {
             Vote {
                 shutdown: false,
                 uncached: false,
+                gpu_moved: true,
                 hits: vec![5, 70, 128, 129],
                 invalid: vec![64, 129],
                 ..Vote::default()
@@ -255,7 +267,7 @@ mod tests {
             ..Vote::default()
         };
         assert_eq!(encode_grouped(&plain, n, 0), encode(&plain, n));
-        // 200 tensors in 10 batches: 2 + 2*10 bits instead of 2 + 2*200
+        // 200 tensors in 10 batches: 3 + 2*10 bits instead of 3 + 2*200
         assert_eq!(encode_grouped(&Vote::default(), 0, 10).len(), 1);
     }
 

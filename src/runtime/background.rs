@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use crossbeam::channel::{Receiver, RecvTimeoutError, Sender};
 
+use crate::collective::replay::{ReplayKey, batch_fingerprint};
 use crate::collective::{self, TensorIo};
 use crate::config::NegotiationMode;
 use crate::error::{Error, Result, SHUT_DOWN_MESSAGE};
@@ -40,6 +41,8 @@ struct SetState {
     batch_seq: u64,
     /// GPU batches run here (opened by the set's first one).
     gpu: Option<gpu::GpuLane>,
+    /// Advanced by every vote in which some rank's GPU tensors moved (`collective::replay`).
+    graph_epoch: u64,
 }
 
 /// Settings that change which collectives run, taken from rank 0 so that a rank launched with a
@@ -60,6 +63,8 @@ struct Agreed {
     /// Autotune's sampling window in cycles; 0: autotune off (every rank broadcasts rank 0's
     /// choice at the same cycles, so this must be agreed).
     autotune_window: usize,
+    /// Fused GPU allreduces may be replayed from CUDA graphs.
+    gpu_graphs: bool,
 }
 
 impl Agreed {
@@ -76,6 +81,7 @@ impl Agreed {
             cfg.plan_warmup_steps,
             cfg.channels,
             if cfg.autotune { cfg.autotune_window } else { 0 },
+            usize::from(cfg.gpu_graphs),
         ];
         let bytes: Vec<u8> = mine
             .iter()
@@ -88,7 +94,7 @@ impl Agreed {
             .collect();
         if v[..] != mine[..] {
             tracing::warn!(
-                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS / HOROVOD_AUTOTUNE differ from rank 0's; using rank 0's values {v:?}"
+                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS / HOROVOD_AUTOTUNE / FERROVOD_GPU_GRAPHS differ from rank 0's; using rank 0's values {v:?}"
             );
         }
         Ok(Agreed {
@@ -101,6 +107,7 @@ impl Agreed {
             plan_warmup_steps: v[6],
             channels: v[7],
             autotune_window: v[8],
+            gpu_graphs: v[9] != 0,
         })
     }
 }
@@ -244,6 +251,7 @@ fn make_set(
         entries: PendingEntries::default(),
         fusion: Vec::new(),
         gpu: None,
+        graph_epoch: 0,
         channels: if agreed.channels > 1 {
             let done = rt
                 .inbox
@@ -533,7 +541,8 @@ impl Background {
                 let started = Instant::now();
                 super::probe::mark("vote", set.entries.len());
                 let abort = want && self.rt.gpu_aborting();
-                let outcome = set.negotiator.cycle(&set.ctrl, want, abort, started);
+                let moved = self.rt.gpu_moved();
+                let outcome = set.negotiator.cycle(&set.ctrl, want, abort, moved, started);
                 super::probe::mark("voted", outcome.as_ref().map_or(0, |o| o.responses.len()));
                 if let Ok(o) = &outcome {
                     self.rt.metrics.add_negotiation(
@@ -565,6 +574,9 @@ impl Background {
                     continue;
                 }
                 let Ok(outcome) = outcome else { continue };
+                if outcome.gpu_moved {
+                    set.graph_epoch += 1;
+                }
                 if id == 0 && !matches!(self.offline, Offline::Off) {
                     self.learn(&outcome.responses);
                 }
@@ -1133,6 +1145,15 @@ impl Background {
                 }
                 continue;
             }
+            // a fused GPU allreduce may be replayed from a graph (decided from agreed data)
+            let replay = (a.gpu_graphs
+                && head.error.is_none()
+                && head.kind == OpKind::Allreduce
+                && gpu::on_device(head))
+            .then(|| ReplayKey {
+                batch: batch_fingerprint(&resps),
+                epoch: set.graph_epoch,
+            });
             let timeline = &mut self.timeline;
             // only the timeline needs the names
             let names: Vec<String> = match timeline {
@@ -1164,6 +1185,7 @@ impl Background {
                     set: id,
                     resps: resps.iter().map(|r| (*r).clone()).collect(),
                     entries,
+                    replay,
                 });
                 continue;
             }
@@ -1178,7 +1200,15 @@ impl Background {
                     self.rt
                         .metrics
                         .add_batch(entries.len() as u64, bytes as u64);
-                    run_batch(&self.rt, set, &resps, &mut entries, timeline, &names)
+                    run_batch(
+                        &self.rt,
+                        set,
+                        &resps,
+                        &mut entries,
+                        replay,
+                        timeline,
+                        &names,
+                    )
                 }
             };
             if let Some(t) = timeline.as_mut() {
@@ -1460,17 +1490,24 @@ fn run_batch(
     set: &mut SetState,
     resps: &[&Response],
     entries: &mut [TensorEntry],
+    replay: Option<ReplayKey>,
     timeline: &mut Option<Timeline>,
     names: &[String],
 ) -> Result<Option<gpu::Recorded>> {
     let mut sink = Timeline::activities(timeline, names);
     let head = resps[0];
     if gpu::on_device(head) {
-        return gpu::run_device_batch(rt, &mut set.gpu, &set.data, resps, entries, &mut sink)
-            .map(Some)
-            .inspect_err(|e| {
-                tracing::error!("set {}: GPU {} failed: {e}", set.id, head.kind.name())
-            });
+        return gpu::run_device_batch(
+            rt,
+            &mut set.gpu,
+            &set.data,
+            resps,
+            entries,
+            replay,
+            &mut sink,
+        )
+        .map(Some)
+        .inspect_err(|e| tracing::error!("set {}: GPU {} failed: {e}", set.id, head.kind.name()));
     }
     // host memory is ready when enqueued
     sink(Some("WAIT_FOR_DATA"));

@@ -26,6 +26,8 @@ pub(crate) struct Job {
     pub set: i32,
     pub resps: Vec<Response>,
     pub entries: Vec<TensorEntry>,
+    /// A fused GPU allreduce that may be replayed from a graph.
+    pub replay: Option<crate::collective::replay::ReplayKey>,
 }
 
 /// A finished job, back to the background thread.
@@ -147,6 +149,7 @@ fn run(
                     &comm,
                     &refs,
                     &mut job.entries,
+                    job.replay,
                     &mut |_| {},
                 )
                 .map(Some);

@@ -68,6 +68,8 @@ pub struct TensorEntry {
     pub index: usize,
     /// Set for GPU tensors.
     pub device: Option<OnDevice>,
+    /// Held until launch by a GPU tensor at other addresses than its name's last submission.
+    pub(crate) moved: Option<crate::runtime::in_flight::MovedMark>,
     /// Copied from the request at creation, on the submitting thread: the finisher then
     /// hands it over without allocating (allocating there made completing a 130-tensor GPU
     /// batch 20 µs slower on 2 × H200).
@@ -90,6 +92,7 @@ impl TensorEntry {
             handle: None,
             index: 0,
             device: None,
+            moved: None,
             received_splits: Vec::new(),
             alloc_error: None,
         }
@@ -284,6 +287,12 @@ impl TensorEntry {
             scratch: None,
         });
         Ok(())
+    }
+
+    /// A GPU tensor's input and output addresses (None on the host).
+    pub(crate) fn place(&self) -> Option<crate::runtime::in_flight::Place> {
+        self.device.as_ref()?;
+        Some([DeviceIo::input(self).0, DeviceIo::output(self).0])
     }
 
     /// Moves a host input (a joined rank's zeros) to the tensor's GPU before a device batch.

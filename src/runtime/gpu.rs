@@ -14,10 +14,12 @@ use crossbeam::channel::{Receiver, Sender, unbounded};
 
 use crate::collective::ActivitySink;
 use crate::collective::device::{self as dev, DeviceIo, Lane};
+use crate::collective::replay::{LaunchGraphs, ReplayKey};
 use crate::error::{Error, Result};
 use crate::message::{OpKind, Response};
 use crate::runtime::Runtime;
 use crate::runtime::entry::{ReadyEvent, TensorEntry};
+use crate::runtime::metrics::Metrics;
 use crate::transport::Transport;
 use crate::transport::cuda::{DeviceMem, Event, Gpu, Stream};
 use crate::transport::mpi::MpiComm;
@@ -41,6 +43,8 @@ pub(crate) struct GpuLane {
 }
 
 struct Way {
+    /// Declared first: NCCL waits, when a communicator goes, for the graphs that use it.
+    graphs: LaunchGraphs,
     comm: NcclComm,
     fusion: Option<DeviceMem>,
     /// The event after the way's latest batch (its batches finish in order).
@@ -93,6 +97,7 @@ impl GpuLane {
             .zip(ids.chunks_exact(nccl::UNIQUE_ID_BYTES))
             .map(|(stream, id)| {
                 Ok(Way {
+                    graphs: LaunchGraphs::default(),
                     comm: NcclComm::new(&gpu, id, data.rank(), data.size())?,
                     fusion: None,
                     last: None,
@@ -123,6 +128,7 @@ impl GpuLane {
                 s.spawn(move || {
                     // binding failed means a broken context; abort anyway
                     let _ = gpu.bind();
+                    w.graphs.clear();
                     w.comm.abort();
                 });
             }
@@ -214,6 +220,7 @@ pub(crate) fn run_device_batch(
     data: &MpiComm,
     resps: &[&Response],
     entries: &mut [TensorEntry],
+    replay: Option<ReplayKey>,
     sink: ActivitySink,
 ) -> Result<Recorded> {
     if lane.is_none() {
@@ -243,7 +250,7 @@ pub(crate) fn run_device_batch(
                 .into(),
         ));
     }
-    enqueue_on_lane(l, data, resps, entries, sink).map_err(|e| {
+    enqueue_on_lane(l, data, resps, entries, replay, &rt.metrics, sink).map_err(|e| {
         // the other ranks' NCCL calls for this batch wait for this rank's forever: stop this
         // rank's communicators and have the job shut down (the vote tells every rank)
         l.abort();
@@ -266,6 +273,8 @@ fn enqueue_on_lane(
     data: &MpiComm,
     resps: &[&Response],
     entries: &mut [TensorEntry],
+    replay: Option<ReplayKey>,
+    metrics: &Metrics,
     sink: ActivitySink,
 ) -> Result<Recorded> {
     let gpu = l.gpu.clone();
@@ -284,6 +293,8 @@ fn enqueue_on_lane(
             });
         }
         e.move_input_to_device(&w.stream)?;
+        // launched: its addresses no longer keep votes from agreeing on replays
+        e.moved = None;
         // one wait per tensor: a caller's stream handle may be reused by a new stream after
         // the enqueue returned, so marks on "the same" handle need not be ordered
         match e.device.as_ref().and_then(|d| d.ready.as_ref()) {
@@ -308,6 +319,9 @@ fn enqueue_on_lane(
         gpu: &gpu,
         stream: &w.stream,
         fusion: &mut w.fusion,
+        graphs: &mut w.graphs,
+        replay: replay.filter(|_| head.kind == OpKind::Allreduce),
+        replayed: false,
     };
     let t = &w.comm;
     match head.kind {
@@ -323,6 +337,9 @@ fn enqueue_on_lane(
             other.name()
         ))),
     }?;
+    if lane_ref.replayed {
+        metrics.add_graph_launch();
+    }
     super::probe::mark("collective enqueued", n);
     let event = Arc::new(gpu.new_event()?);
     event.record(&w.stream)?;

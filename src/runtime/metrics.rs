@@ -15,6 +15,7 @@ pub struct Metrics {
     data_bytes: AtomicU64,
     fused_batches: AtomicU64,
     tensors: AtomicU64,
+    graph_launches: AtomicU64,
 }
 
 /// A copy of the counters at one moment. Every field counts from init.
@@ -36,6 +37,8 @@ pub struct MetricsSnapshot {
     pub fused_batches: u64,
     /// Tensors completed by data collectives.
     pub tensors: u64,
+    /// GPU batches launched by replaying a captured CUDA graph (`collective::replay`).
+    pub graph_launches: u64,
 }
 
 impl Metrics {
@@ -57,6 +60,10 @@ impl Metrics {
         }
     }
 
+    pub(crate) fn add_graph_launch(&self) {
+        self.graph_launches.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub fn snapshot(&self) -> MetricsSnapshot {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         MetricsSnapshot {
@@ -68,6 +75,7 @@ impl Metrics {
             data_bytes: get(&self.data_bytes),
             fused_batches: get(&self.fused_batches),
             tensors: get(&self.tensors),
+            graph_launches: get(&self.graph_launches),
         }
     }
 }
@@ -83,6 +91,7 @@ mod tests {
         m.add_negotiation(3, 100, Duration::from_micros(7));
         m.add_batch(1, 40);
         m.add_batch(4, 400);
+        m.add_graph_launch();
         assert_eq!(
             m.snapshot(),
             MetricsSnapshot {
@@ -94,6 +103,7 @@ mod tests {
                 data_bytes: 440,
                 fused_batches: 1,
                 tensors: 5,
+                graph_launches: 1,
             }
         );
     }

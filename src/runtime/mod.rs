@@ -133,6 +133,8 @@ pub struct Runtime {
     sets: RwLock<BTreeMap<i32, Vec<i32>>>,
     /// Names of tensors submitted and not yet complete, per process set.
     in_flight: Mutex<in_flight::InFlight>,
+    /// GPU tensors submitted at new addresses and not yet launched (`in_flight::MovedMark`).
+    gpu_moved: Arc<std::sync::atomic::AtomicUsize>,
     loop_ended: AtomicBool,
     shutdown_reason: Mutex<Option<String>>,
     /// A GPU batch failed after agreement (set by the background or a channel thread): the
@@ -208,6 +210,7 @@ pub fn init(opts: InitOptions) -> Result<()> {
         inbox: Mutex::new(Some(tx)),
         sets: RwLock::new(BTreeMap::new()),
         in_flight: Mutex::new(in_flight::InFlight::default()),
+        gpu_moved: Arc::default(),
         loop_ended: AtomicBool::new(false),
         shutdown_reason: Mutex::new(None),
         gpu_failure: Mutex::new(None),
@@ -309,6 +312,12 @@ impl Runtime {
         Ok(ranks.iter().position(|r| *r == me).map_or(-1, |p| p as i32))
     }
 
+    /// Whether a GPU tensor submitted at new addresses is not launched yet (read by the
+    /// background thread after taking submissions in, before it votes).
+    pub(crate) fn gpu_moved(&self) -> bool {
+        self.gpu_moved.load(std::sync::atomic::Ordering::SeqCst) > 0
+    }
+
     pub fn enqueue(&self, spec: OpSpec) -> Result<Arc<Handle>> {
         if self.is_shut_down() {
             return Err(self.shut_down_error());
@@ -346,13 +355,13 @@ impl Runtime {
         let handle = self.handles.create(entries.len(), spec.callback.take());
         let claimed = self.in_flight.lock().expect("in flight").claim(
             set,
-            entries.iter().map(|e| e.request.name.as_str()),
+            entries.iter().map(|e| (e.request.name.as_str(), e.place())),
             &handle,
         );
-        if !claimed {
+        let Some(moved) = claimed else {
             let _ = self.handles.release(handle.id);
             return Err(Error::InvalidArgument("Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor that is currently being processed.  If you want to request another tensor, use a different tensor name.".into()));
-        }
+        };
         let entries: Vec<TensorEntry> = entries
             .into_iter()
             .enumerate()
@@ -360,6 +369,9 @@ impl Runtime {
                 e.index = i;
                 e.handle = Some(handle.clone());
                 e.allocator = spec.allocator.clone();
+                if moved && e.device.is_some() {
+                    e.moved = Some(in_flight::MovedMark::new(&self.gpu_moved));
+                }
                 e
             })
             .collect();
@@ -697,11 +709,12 @@ impl Runtime {
             return Err(self.shut_down_error());
         }
         let handle = self.handles.create(1, None);
-        if !self
+        if self
             .in_flight
             .lock()
             .expect("in flight")
-            .claim(0, [name.as_str()], &handle)
+            .claim(0, [(name.as_str(), None)], &handle)
+            .is_none()
         {
             let _ = self.handles.release(handle.id);
             return Err(Error::InvalidArgument(format!(

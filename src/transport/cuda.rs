@@ -390,6 +390,64 @@ impl Stream {
         // SAFETY: a live stream of ours.
         unsafe { result::stream::synchronize(self.0) }.map_err(|e| driver("stream synchronize", e))
     }
+
+    /// Records the work `launch` enqueues on this stream as a graph instead of running it, so
+    /// that it can be replayed with one launch. Relaxed capture: other threads (the finisher,
+    /// the framework) keep using CUDA meanwhile. The capture ends even when `launch` fails.
+    pub fn capture(&self, launch: impl FnOnce() -> Result<()>) -> Result<GraphExec> {
+        // SAFETY: a live stream of ours, not capturing (captures end before this returns).
+        unsafe {
+            sys::cuStreamBeginCapture_v2(
+                self.0,
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+            )
+        }
+        .result()
+        .map_err(|e| driver("stream capture", e))?;
+        let launched = launch();
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: ends the capture begun above; `graph` receives a graph we destroy below.
+        let ended = unsafe { sys::cuStreamEndCapture(self.0, &mut graph) }
+            .result()
+            .map_err(|e| driver("stream capture", e));
+        let exec = launched.and(ended).and_then(|()| {
+            let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+            // SAFETY: `graph` is the live graph just captured.
+            unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) }
+                .result()
+                .map_err(|e| driver("graph instantiate", e))?;
+            Ok(GraphExec(exec))
+        });
+        if !graph.is_null() {
+            // SAFETY: the captured graph, no longer needed once instantiated (or failed).
+            let _ = unsafe { sys::cuGraphDestroy(graph) };
+        }
+        exec
+    }
+}
+
+/// Launches captured from a stream, replayed with one host call: a fused batch's copies and
+/// NCCL group cost the host tens of microseconds to launch one by one, a graph a few.
+pub struct GraphExec(sys::CUgraphExec);
+
+// SAFETY: an executable graph may be launched and destroyed from any thread of its context.
+unsafe impl Send for GraphExec {}
+
+impl GraphExec {
+    /// Enqueues the captured work on `stream`, after what is already there.
+    pub fn launch(&self, stream: &Stream) -> Result<()> {
+        // SAFETY: a live executable graph and stream of ours.
+        unsafe { sys::cuGraphLaunch(self.0, stream.0) }
+            .result()
+            .map_err(|e| driver("graph launch", e))
+    }
+}
+
+impl Drop for GraphExec {
+    fn drop(&mut self) {
+        // SAFETY: ours, not launched after this; launches already enqueued still complete.
+        let _ = unsafe { sys::cuGraphExecDestroy(self.0) };
+    }
 }
 
 impl Drop for Stream {

@@ -257,7 +257,9 @@ fn resnet(
             ReduceOp::Average,
         )
     };
-    for _ in 0..5 {
+    // warm-up: buckets are learned in FERROVOD_PLAN_WARMUP_STEPS (5) steps, and a bucket is
+    // replayed from a CUDA graph from its third launch on
+    for _ in 0..10 {
         step();
         one_allreduce();
     }
@@ -334,9 +336,10 @@ fn resnet(
             );
         }
         println!(
-            "# resnet50 per step: {:.1} negotiation cycles, {:.1} collectives",
+            "# resnet50 per step: {:.1} negotiation cycles, {:.1} collectives, {:.1} replayed from CUDA graphs",
             per_step(after.cycles, before.cycles),
-            per_step(after.data_collectives, before.data_collectives)
+            per_step(after.data_collectives, before.data_collectives),
+            per_step(after.graph_launches, before.graph_launches)
         );
         println!(
             "# resnet50: {} tensors, {} bytes: ferrovod {:.1} us (submitting {:.1} us), one NCCL allreduce {:.1} us, ratio {:.3}",
@@ -549,6 +552,105 @@ fn engine_floors(
                 ));
             }
         }
+    }
+    // the runtime's launches of 64 MiB buckets (>= 1 MiB in place) replayed as CUDA graphs,
+    // whole or each split over both communicators
+    let big = ferrovod::collective::device::gpu_in_place_bytes();
+    let groups = buckets(64 << 20);
+    // a bucket's NCCL calls, in place or on the packed rest (`half`: every other in-place call
+    // by bytes, the packed rest with the first half)
+    let launch = |r: &std::ops::Range<usize>, half: Option<bool>, comm: &NcclComm, s: &Stream| {
+        let (mut inplace, mut small) = (Vec::new(), Vec::new());
+        let (mut a, mut b) = (0usize, 0usize);
+        for i in r.clone() {
+            let len = cin[i].len as usize;
+            if len < big {
+                small.push(i);
+                continue;
+            }
+            let first = a <= b;
+            *(if first { &mut a } else { &mut b }) += len;
+            if half.is_none_or(|h| h == first) {
+                inplace.push((cin[i].src, cin[i].src, len / 4));
+            }
+        }
+        let packed: Vec<_> = small.iter().map(|i| cin[*i]).collect();
+        let lo = packed
+            .first()
+            .map(|c| c.dst)
+            .filter(|_| half != Some(false));
+        if let Some(lo) = lo {
+            let n: u64 = packed.iter().map(|c| c.len).sum();
+            gpu.copy_batch(s, &packed).unwrap();
+            inplace.push((lo, lo, n as usize / 4));
+        }
+        comm.allreduce_many(&inplace, f32, avg, s).unwrap();
+        if lo.is_some() {
+            let back: Vec<_> = small.iter().map(|i| cout[*i]).collect();
+            gpu.copy_batch(s, &back).unwrap();
+        }
+    };
+    if comms.len() > 1 {
+        let whole: Vec<cuda::GraphExec> = groups
+            .iter()
+            .enumerate()
+            .map(|(k, r)| {
+                let s = &streams[k % 2];
+                s.capture(|| {
+                    launch(r, None, comms[k % 2], s);
+                    Ok(())
+                })
+                .unwrap()
+            })
+            .collect();
+        let split: Vec<(usize, cuda::GraphExec)> = groups
+            .iter()
+            .flat_map(|r| [(r, true), (r, false)])
+            .map(|(r, h)| {
+                let k = usize::from(!h);
+                let s = &streams[k];
+                let g = s.capture(|| {
+                    launch(r, Some(h), comms[k], s);
+                    Ok(())
+                });
+                (k, g.unwrap())
+            })
+            .collect();
+        let first = &groups[0];
+        let what = format!("host enqueue, first bucket ({} tensors): ", first.len());
+        for (part, f) in [
+            (
+                "copies and NCCL group".to_string(),
+                &(|| launch(first, None, comms[0], stream)) as &dyn Fn(),
+            ),
+            ("one CUDA graph of them".to_string(), &|| {
+                whole[0].launch(stream).unwrap()
+            }),
+        ] {
+            out.push((format!("{what}{part}"), host_only(f)));
+        }
+        out.push((
+            format!(
+                "{} buckets of <= 64 MiB, >= 1 MiB in place, 2 lanes, each bucket one CUDA graph",
+                groups.len()
+            ),
+            time(&|| {
+                for (k, g) in whole.iter().enumerate() {
+                    g.launch(&streams[k % 2]).unwrap();
+                }
+            }),
+        ));
+        out.push((
+            format!(
+                "{} buckets of <= 64 MiB, >= 1 MiB in place, each split over both communicators, one CUDA graph per half",
+                groups.len()
+            ),
+            time(&|| {
+                for (k, g) in &split {
+                    g.launch(&streams[*k]).unwrap();
+                }
+            }),
+        ));
     }
     // a pipeline: packing and unpacking on their own streams, NCCL on a high-priority one
     for limit in [8usize << 20, 16 << 20, 32 << 20] {
