@@ -16,6 +16,6 @@ cp target/release/ferrovod-bench .gpu/ferrovod-bench
 cp "$test_bin" .gpu/mpi-tests
 strip --strip-debug .gpu/ferrovod-bench .gpu/mpi-tests
 data=${FERROVOD_DATA_DIR:-../shared/data}
-cp "$data/resnet50_grads.tsv" .gpu/data/
+cp "$data/resnet50_grads.tsv" "$data/bert_base_grads.tsv" .gpu/data/
 ex=$(git rev-parse --git-path info/exclude); mkdir -p "$(dirname "$ex")"; grep -qx '/.gpu/' "$ex" 2>/dev/null || echo '/.gpu/' >> "$ex"
 du -sh .gpu
