@@ -511,55 +511,13 @@ fn engine_floors(
             out.push((format!("{what}{part}"), host_only(f)));
         }
     }
-    // zero-copy for large gradients: tensors of >= `big` bytes are reduced where they are (one
-    // NCCL group per bucket), only the small rest is packed
-    for lanes in 1..=comms.len() {
-        for big in [256usize << 10, 1 << 20, 4 << 20] {
-            for limit in [16usize << 20, 32 << 20, 64 << 20] {
-                let groups = buckets(limit);
-                out.push((
-                    format!(
-                        "{} buckets of <= {} MiB, >= {} KiB in place, rest packed, {lanes} lane(s)",
-                        groups.len(),
-                        limit >> 20,
-                        big >> 10
-                    ),
-                    time(&|| {
-                        for (k, r) in groups.iter().enumerate() {
-                            let (s, comm) = (&streams[k % lanes], comms[k % lanes]);
-                            let (mut inplace, mut small) = (Vec::new(), Vec::new());
-                            for i in r.clone() {
-                                if cin[i].len as usize >= big {
-                                    inplace.push((cin[i].src, cin[i].src, cin[i].len as usize / 4));
-                                } else {
-                                    small.push(i);
-                                }
-                            }
-                            let packed: Vec<_> = small.iter().map(|i| cin[*i]).collect();
-                            let lo = packed.first().map(|c| c.dst);
-                            let n: u64 = packed.iter().map(|c| c.len).sum();
-                            if let Some(lo) = lo {
-                                gpu.copy_batch(s, &packed).unwrap();
-                                inplace.push((lo, lo, n as usize / 4));
-                            }
-                            comm.allreduce_many(&inplace, f32, avg, s).unwrap();
-                            if lo.is_some() {
-                                let back: Vec<_> = small.iter().map(|i| cout[*i]).collect();
-                                gpu.copy_batch(s, &back).unwrap();
-                            }
-                        }
-                    }),
-                ));
-            }
-        }
-    }
-    // the runtime's launches of 64 MiB buckets (>= 1 MiB in place) replayed as CUDA graphs,
-    // whole or each split over both communicators
-    let big = ferrovod::collective::device::gpu_in_place_bytes();
-    let groups = buckets(64 << 20);
-    // a bucket's NCCL calls, in place or on the packed rest (`half`: every other in-place call
-    // by bytes, the packed rest with the first half)
-    let launch = |r: &std::ops::Range<usize>, half: Option<bool>, comm: &NcclComm, s: &Stream| {
+    // a bucket's NCCL calls: members of >= `big` bytes in place, the rest packed (`half`: every
+    // other in-place call by bytes, the packed rest with the first half)
+    let launch = |r: &std::ops::Range<usize>,
+                  big: usize,
+                  half: Option<bool>,
+                  comm: &NcclComm,
+                  s: &Stream| {
         let (mut inplace, mut small) = (Vec::new(), Vec::new());
         let (mut a, mut b) = (0usize, 0usize);
         for i in r.clone() {
@@ -590,6 +548,32 @@ fn engine_floors(
             gpu.copy_batch(s, &back).unwrap();
         }
     };
+    // zero-copy for large gradients: tensors of >= `big` bytes are reduced where they are (one
+    // NCCL group per bucket), only the small rest is packed
+    for lanes in 1..=comms.len() {
+        for big in [256usize << 10, 1 << 20, 4 << 20] {
+            for limit in [16usize << 20, 32 << 20, 64 << 20] {
+                let groups = buckets(limit);
+                out.push((
+                    format!(
+                        "{} buckets of <= {} MiB, >= {} KiB in place, rest packed, {lanes} lane(s)",
+                        groups.len(),
+                        limit >> 20,
+                        big >> 10
+                    ),
+                    time(&|| {
+                        for (k, r) in groups.iter().enumerate() {
+                            launch(r, big, None, comms[k % lanes], &streams[k % lanes]);
+                        }
+                    }),
+                ));
+            }
+        }
+    }
+    // the runtime's launches of 48 MiB buckets (>= 1 MiB in place) replayed as CUDA graphs,
+    // whole or each split over both communicators
+    let big = ferrovod::collective::device::gpu_in_place_bytes();
+    let groups = buckets(48 << 20);
     if comms.len() > 1 {
         let whole: Vec<cuda::GraphExec> = groups
             .iter()
@@ -597,7 +581,7 @@ fn engine_floors(
             .map(|(k, r)| {
                 let s = &streams[k % 2];
                 s.capture(|| {
-                    launch(r, None, comms[k % 2], s);
+                    launch(r, big, None, comms[k % 2], s);
                     Ok(())
                 })
                 .unwrap()
@@ -610,7 +594,7 @@ fn engine_floors(
                 let k = usize::from(!h);
                 let s = &streams[k];
                 let g = s.capture(|| {
-                    launch(r, Some(h), comms[k], s);
+                    launch(r, big, Some(h), comms[k], s);
                     Ok(())
                 });
                 (k, g.unwrap())
@@ -621,7 +605,7 @@ fn engine_floors(
         for (part, f) in [
             (
                 "copies and NCCL group".to_string(),
-                &(|| launch(first, None, comms[0], stream)) as &dyn Fn(),
+                &(|| launch(first, big, None, comms[0], stream)) as &dyn Fn(),
             ),
             ("one CUDA graph of them".to_string(), &|| {
                 whole[0].launch(stream).unwrap()
@@ -631,7 +615,7 @@ fn engine_floors(
         }
         out.push((
             format!(
-                "{} buckets of <= 64 MiB, >= 1 MiB in place, 2 lanes, each bucket one CUDA graph",
+                "{} buckets of <= 48 MiB, >= 1 MiB in place, 2 lanes, each bucket one CUDA graph",
                 groups.len()
             ),
             time(&|| {
@@ -642,7 +626,7 @@ fn engine_floors(
         ));
         out.push((
             format!(
-                "{} buckets of <= 64 MiB, >= 1 MiB in place, each split over both communicators, one CUDA graph per half",
+                "{} buckets of <= 48 MiB, >= 1 MiB in place, each split over both communicators, one CUDA graph per half",
                 groups.len()
             ),
             time(&|| {
