@@ -33,7 +33,7 @@ pub struct Lane<'a> {
     pub gpu: &'a Gpu,
     pub stream: &'a Stream,
     pub fusion: &'a mut Option<DeviceMem>,
-    /// The way's graphs; a fusion buffer that moves takes them along.
+    /// The way's graphs (forgotten when the fusion buffer moves).
     pub graphs: &'a mut LaunchGraphs,
     /// Set for a batch that may be replayed as a graph (a fused allreduce).
     pub replay: Option<ReplayKey>,
