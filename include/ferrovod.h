@@ -205,6 +205,10 @@ typedef struct fv_metrics {
    Tensors completed by data collectives.
    */
   uint64_t tensors;
+  /*
+   GPU batches launched by replaying a captured CUDA graph.
+   */
+  uint64_t graph_launches;
 } fv_metrics;
 
 /*

@@ -346,6 +346,8 @@ pub struct fv_metrics {
     pub fused_batches: u64,
     /// Tensors completed by data collectives.
     pub tensors: u64,
+    /// GPU batches launched by replaying a captured CUDA graph.
+    pub graph_launches: u64,
 }
 
 /// Reads the counters into `*out`.
@@ -364,6 +366,7 @@ pub extern "C" fn fv_read_metrics(out: *mut fv_metrics) -> Status {
                 data_bytes: m.data_bytes,
                 fused_batches: m.fused_batches,
                 tensors: m.tensors,
+                graph_launches: m.graph_launches,
             },
             "out",
         )

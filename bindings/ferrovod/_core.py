@@ -118,7 +118,7 @@ class _InitOptions(ctypes.Structure):
 class _Metrics(ctypes.Structure):
     _fields_ = [(name, ctypes.c_uint64) for name in (
         "cycles", "control_collectives", "control_bytes", "negotiation_ns", "data_collectives",
-        "data_bytes", "fused_batches", "tensors")]
+        "data_bytes", "fused_batches", "tensors", "graph_launches")]
 
 
 def library_path():
@@ -262,7 +262,8 @@ def _query(fn):
 
 def metrics():
     """Counters since init: cycles, control collectives and bytes, negotiation time, data
-    collectives and bytes, fused batches, tensors (a dict; see fv_read_metrics in ferrovod.h)."""
+    collectives and bytes, fused batches, tensors, GPU batches replayed from CUDA graphs (a dict;
+    see fv_read_metrics in ferrovod.h)."""
     out = _Metrics()
     check(LIB.fv_read_metrics(ctypes.byref(out)))
     return {name: int(getattr(out, name)) for name, _ in _Metrics._fields_}

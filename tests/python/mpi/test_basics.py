@@ -108,7 +108,8 @@ def test_join_returns_last_rank():
 def test_metrics_count_this_process_traffic():
     before = hvd.metrics()
     assert set(before) == {"cycles", "control_collectives", "control_bytes", "negotiation_ns",
-                           "data_collectives", "data_bytes", "fused_batches", "tensors"}
+                           "data_collectives", "data_bytes", "fused_batches", "tensors",
+                           "graph_launches"}
     hs = [_core.enqueue(_core.ALLREDUCE, [np.ones(25, np.float32)], ["metrics.%d" % k])
           for k in range(3)]
     for h in hs:
@@ -118,3 +119,4 @@ def test_metrics_count_this_process_traffic():
     assert after["data_bytes"] - before["data_bytes"] == 3 * 25 * 4
     assert after["control_collectives"] > before["control_collectives"]
     assert after["cycles"] > before["cycles"]
+    assert after["graph_launches"] == before["graph_launches"]  # host batches have no graphs
