@@ -63,6 +63,9 @@ pub struct Negotiator {
     joined: Vec<i32>,
     /// This rank has joined and is waiting for the JOIN response.
     self_joined: bool,
+    /// A GPU tensor was agreed in this set (identical on every rank): from then on the votes
+    /// carry the "GPU tensors moved" flag.
+    gpu_agreed: bool,
     stall: StallPolicy,
     last_stall_check: Instant,
     /// Global ranks of the set, for reports.
@@ -109,6 +112,7 @@ impl Negotiator {
             sent: HashMap::default(),
             joined: Vec::new(),
             self_joined: false,
+            gpu_agreed: false,
             stall,
             last_stall_check: Instant::now(),
             global_ranks,
@@ -273,6 +277,25 @@ impl Negotiator {
         gpu_moved: bool,
         now: Instant,
     ) -> Result<CycleOutcome> {
+        let out = self.agree(ctrl, want_shutdown, abort_gpu, gpu_moved, now)?;
+        if !self.gpu_agreed {
+            self.gpu_agreed = out
+                .responses
+                .iter()
+                .any(|r| r.device != crate::message::CPU_DEVICE);
+        }
+        Ok(out)
+    }
+
+    /// One cycle's agreement (`cycle` also notes whether it agreed on a GPU tensor).
+    fn agree(
+        &mut self,
+        ctrl: &dyn Transport,
+        want_shutdown: bool,
+        abort_gpu: bool,
+        gpu_moved: bool,
+        now: Instant,
+    ) -> Result<CycleOutcome> {
         let mut out = CycleOutcome::default();
         self.fresh = false;
         let stall_check_due = self.stall.enabled
@@ -386,7 +409,8 @@ impl Negotiator {
             vote.hits.retain(|b| !vote.invalid.contains(b));
         }
         // a joined rank's stand-ins for missing tensors are new memory every time
-        vote.gpu_moved = gpu_moved || self.self_joined;
+        let carried = self.gpu_agreed;
+        vote.gpu_moved = carried.then_some(gpu_moved || self.self_joined);
         let coordinator_check =
             stall_check_due && self.coordinator.as_ref().is_some_and(|c| c.has_pending());
         vote.uncached = !to_send.is_empty() || !self.cache.enabled() || coordinator_check;
@@ -403,7 +427,7 @@ impl Negotiator {
                 crate::runtime::probe::mark("vote reduced", words.len());
                 out.control_collectives += 1;
                 out.control_bytes += 8 * words.len() as u64;
-                ready_bitmap::decode_grouped(&words, n, g)
+                ready_bitmap::decode_grouped(&words, n, g, carried)
             }
             NegotiationMode::Horovod => {
                 let (mut hits, mut flags) = ready_bitmap::encode_split(&vote, bits);
@@ -411,12 +435,13 @@ impl Negotiator {
                 ctrl.or_words(&mut flags)?;
                 out.control_collectives += 2;
                 out.control_bytes += 8 * (hits.len() + flags.len()) as u64;
-                ready_bitmap::decode_split(&hits, &flags, bits)
+                ready_bitmap::decode_split(&hits, &flags, bits, carried)
             }
         };
 
-        // 3. apply the agreement identically everywhere
-        out.gpu_moved = agreed.any_gpu_moved;
+        // 3. apply the agreement identically everywhere (before the first GPU tensor was
+        // agreed, nothing says that GPU tensors stayed put)
+        out.gpu_moved = !carried || agreed.any_gpu_moved;
         let invalid: Vec<usize> = agreed.invalid.iter().map(|c| singles[*c]).collect();
         let hits: Vec<usize> = agreed.common_hits.iter().map(|c| singles[*c]).collect();
         let mut group_hit_bits = Vec::new();

@@ -2,12 +2,17 @@
 //! "Any rank" conditions are stored inverted so that AND computes OR for them; that lets one
 //! collective carry status flags, common cache hits and the union of invalidated bits.
 
-/// Layout: word bits `[0, FLAGS)` status flags (inverted), then `n` hit bits, then `n` inverted
-/// invalid bits.
-const FLAGS: usize = 3;
+/// Layout: word bits `[0, flags)` status flags (inverted), then `n` hit bits, then `n` inverted
+/// invalid bits. The "GPU tensors moved" flag is carried only by sets that have agreed on GPU
+/// tensors (`flags`), so a host job's vote keeps its size.
 const FLAG_SHUTDOWN: usize = 0;
 const FLAG_UNCACHED: usize = 1;
 const FLAG_GPU_MOVED: usize = 2;
+
+/// Status flags in a vote that carries the GPU flag (`gpu`) or not.
+fn flags(gpu: bool) -> usize {
+    2 + usize::from(gpu)
+}
 
 /// One rank's vote before the AND.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -16,8 +21,9 @@ pub struct Vote {
     /// This rank has requests that need a coordinator round.
     pub uncached: bool,
     /// Some GPU tensor waiting here is at other addresses than at its last submission: no
-    /// batch agreed now may be replayed from a graph (`collective::replay`).
-    pub gpu_moved: bool,
+    /// batch agreed now may be replayed from a graph (`collective::replay`). None: the vote
+    /// carries no GPU flag (the same on every rank).
+    pub gpu_moved: Option<bool>,
     pub hits: Vec<usize>,
     pub invalid: Vec<usize>,
     /// Plan batches (groups) all of whose tensors are ready here: one bit per batch.
@@ -42,8 +48,8 @@ pub struct Agreement {
     pub group_invalid: Vec<usize>,
 }
 
-fn words_for(num_bits: usize) -> usize {
-    (FLAGS + 2 * num_bits).div_ceil(64)
+fn words_for(flags: usize, num_bits: usize) -> usize {
+    (flags + 2 * num_bits).div_ceil(64)
 }
 
 fn set(words: &mut [u64], i: usize, v: bool) {
@@ -60,31 +66,35 @@ fn get(words: &[u64], i: usize) -> bool {
 
 /// Encodes a vote for a cache with `num_bits` bits (identical on every rank).
 pub fn encode(vote: &Vote, num_bits: usize) -> Vec<u64> {
-    let mut w = vec![0u64; words_for(num_bits)];
+    let f = flags(vote.gpu_moved.is_some());
+    let mut w = vec![0u64; words_for(f, num_bits)];
     set(&mut w, FLAG_SHUTDOWN, !vote.shutdown);
     set(&mut w, FLAG_UNCACHED, !vote.uncached);
-    set(&mut w, FLAG_GPU_MOVED, !vote.gpu_moved);
+    if let Some(moved) = vote.gpu_moved {
+        set(&mut w, FLAG_GPU_MOVED, !moved);
+    }
     for i in 0..num_bits {
-        set(&mut w, FLAGS + num_bits + i, true);
+        set(&mut w, f + num_bits + i, true);
     }
     for &b in &vote.hits {
-        set(&mut w, FLAGS + b, true);
+        set(&mut w, f + b, true);
     }
     for &b in &vote.invalid {
-        set(&mut w, FLAGS + num_bits + b, false);
+        set(&mut w, f + num_bits + b, false);
     }
     w
 }
 
-/// Decodes the AND of every rank's `encode`.
-pub fn decode(words: &[u64], num_bits: usize) -> Agreement {
+/// Decodes the AND of every rank's `encode` (`gpu`: the votes carried the GPU flag).
+pub fn decode(words: &[u64], num_bits: usize, gpu: bool) -> Agreement {
+    let f = flags(gpu);
     Agreement {
         any_shutdown: !get(words, FLAG_SHUTDOWN),
         any_uncached: !get(words, FLAG_UNCACHED),
-        any_gpu_moved: !get(words, FLAG_GPU_MOVED),
-        common_hits: (0..num_bits).filter(|b| get(words, FLAGS + b)).collect(),
+        any_gpu_moved: gpu && !get(words, FLAG_GPU_MOVED),
+        common_hits: (0..num_bits).filter(|b| get(words, f + b)).collect(),
         invalid: (0..num_bits)
-            .filter(|b| !get(words, FLAGS + num_bits + b))
+            .filter(|b| !get(words, f + num_bits + b))
             .collect(),
         ..Agreement::default()
     }
@@ -94,28 +104,32 @@ pub fn decode(words: &[u64], num_bits: usize) -> Agreement {
 /// allreduce and a vector of status flags and invalid bits (not inverted) for a bitwise-OR
 /// allreduce.
 pub fn encode_split(vote: &Vote, num_bits: usize) -> (Vec<u64>, Vec<u64>) {
+    let f = flags(vote.gpu_moved.is_some());
     let mut hits = vec![0u64; num_bits.div_ceil(64).max(1)];
     for &b in &vote.hits {
         set(&mut hits, b, true);
     }
-    let mut flags = vec![0u64; (FLAGS + num_bits).div_ceil(64)];
-    set(&mut flags, FLAG_SHUTDOWN, vote.shutdown);
-    set(&mut flags, FLAG_UNCACHED, vote.uncached);
-    set(&mut flags, FLAG_GPU_MOVED, vote.gpu_moved);
-    for &b in &vote.invalid {
-        set(&mut flags, FLAGS + b, true);
+    let mut flag_words = vec![0u64; (f + num_bits).div_ceil(64)];
+    set(&mut flag_words, FLAG_SHUTDOWN, vote.shutdown);
+    set(&mut flag_words, FLAG_UNCACHED, vote.uncached);
+    if let Some(moved) = vote.gpu_moved {
+        set(&mut flag_words, FLAG_GPU_MOVED, moved);
     }
-    (hits, flags)
+    for &b in &vote.invalid {
+        set(&mut flag_words, f + b, true);
+    }
+    (hits, flag_words)
 }
 
 /// Decodes the AND of every rank's hit vector and the OR of their flag vectors.
-pub fn decode_split(hits: &[u64], flags: &[u64], num_bits: usize) -> Agreement {
+pub fn decode_split(hits: &[u64], flag_words: &[u64], num_bits: usize, gpu: bool) -> Agreement {
+    let f = flags(gpu);
     Agreement {
-        any_shutdown: get(flags, FLAG_SHUTDOWN),
-        any_uncached: get(flags, FLAG_UNCACHED),
-        any_gpu_moved: get(flags, FLAG_GPU_MOVED),
+        any_shutdown: get(flag_words, FLAG_SHUTDOWN),
+        any_uncached: get(flag_words, FLAG_UNCACHED),
+        any_gpu_moved: gpu && get(flag_words, FLAG_GPU_MOVED),
         common_hits: (0..num_bits).filter(|b| get(hits, *b)).collect(),
-        invalid: (0..num_bits).filter(|b| get(flags, FLAGS + b)).collect(),
+        invalid: (0..num_bits).filter(|b| get(flag_words, f + b)).collect(),
         ..Agreement::default()
     }
 }
@@ -123,7 +137,7 @@ pub fn decode_split(hits: &[u64], flags: &[u64], num_bits: usize) -> Agreement {
 /// The online vote with groups: `encode`'s layout for `num_bits` single tensors, then one hit
 /// bit and one inverted invalid bit per group (plan batch).
 pub fn encode_grouped(vote: &Vote, num_bits: usize, groups: usize) -> Vec<u64> {
-    let base = FLAGS + 2 * num_bits;
+    let base = flags(vote.gpu_moved.is_some()) + 2 * num_bits;
     let mut w = encode(vote, num_bits);
     w.resize((base + 2 * groups).div_ceil(64), 0);
     for g in 0..groups {
@@ -139,9 +153,9 @@ pub fn encode_grouped(vote: &Vote, num_bits: usize, groups: usize) -> Vec<u64> {
 }
 
 /// Decodes the AND of every rank's `encode_grouped`.
-pub fn decode_grouped(words: &[u64], num_bits: usize, groups: usize) -> Agreement {
-    let base = FLAGS + 2 * num_bits;
-    let mut a = decode(words, num_bits);
+pub fn decode_grouped(words: &[u64], num_bits: usize, groups: usize, gpu: bool) -> Agreement {
+    let base = flags(gpu) + 2 * num_bits;
+    let mut a = decode(words, num_bits, gpu);
     a.common_group_hits = (0..groups).filter(|g| get(words, base + g)).collect();
     a.group_invalid = (0..groups)
         .filter(|g| !get(words, base + groups + g))
@@ -168,6 +182,7 @@ mod tests {
         let a = Vote {
             shutdown: false,
             uncached: true,
+            gpu_moved: Some(false),
             hits: vec![1, 5, 70, 99],
             invalid: vec![3],
             ..Vote::default()
@@ -175,7 +190,7 @@ mod tests {
         let b = Vote {
             shutdown: false,
             uncached: false,
-            gpu_moved: true,
+            gpu_moved: Some(true),
             hits: vec![5, 70, 98],
             invalid: vec![64],
             ..Vote::default()
@@ -183,11 +198,13 @@ mod tests {
         let c = Vote {
             shutdown: true,
             uncached: false,
+            gpu_moved: Some(false),
             hits: vec![0, 5, 70, 99],
             invalid: vec![],
             ..Vote::default()
         };
-        let agreed = decode(&and_all(&[encode(&a, n), encode(&b, n), encode(&c, n)]), n);
+        let votes = [encode(&a, n), encode(&b, n), encode(&c, n)];
+        let agreed = decode(&and_all(&votes), n, true);
         assert_eq!(
             agreed,
             Agreement {
@@ -204,37 +221,43 @@ mod tests {
     #[test]
     fn split_vote_agrees_with_the_single_vote() {
         let n = 130;
-        let votes = [
-            Vote {
-                shutdown: false,
-                uncached: true,
-                hits: vec![1, 5, 70, 129],
-                invalid: vec![3],
-                ..Vote::default()
-            },
-            Vote {
-                shutdown: false,
-                uncached: false,
-                gpu_moved: true,
-                hits: vec![5, 70, 128, 129],
-                invalid: vec![64, 129],
-                ..Vote::default()
-            },
-            Vote::default(),
-        ];
-        for k in 1..=votes.len() {
-            let vs = &votes[..k];
-            let single = decode(
-                &and_all(&vs.iter().map(|v| encode(v, n)).collect::<Vec<_>>()),
-                n,
-            );
-            let (mut hits, mut flags) = encode_split(&vs[0], n);
-            for v in &vs[1..] {
-                let (h, f) = encode_split(v, n);
-                hits.iter_mut().zip(h).for_each(|(o, x)| *o &= x);
-                flags.iter_mut().zip(f).for_each(|(o, x)| *o |= x);
+        for gpu in [None, Some(false)] {
+            let votes = [
+                Vote {
+                    shutdown: false,
+                    uncached: true,
+                    gpu_moved: gpu,
+                    hits: vec![1, 5, 70, 129],
+                    invalid: vec![3],
+                    ..Vote::default()
+                },
+                Vote {
+                    shutdown: false,
+                    uncached: false,
+                    gpu_moved: gpu.map(|_| true),
+                    hits: vec![5, 70, 128, 129],
+                    invalid: vec![64, 129],
+                    ..Vote::default()
+                },
+                Vote {
+                    gpu_moved: gpu,
+                    ..Vote::default()
+                },
+            ];
+            for k in 1..=votes.len() {
+                let vs = &votes[..k];
+                let words: Vec<_> = vs.iter().map(|v| encode(v, n)).collect();
+                let single = decode(&and_all(&words), n, gpu.is_some());
+                assert_eq!(single.any_gpu_moved, gpu.is_some() && k > 1);
+                let (mut hits, mut flags) = encode_split(&vs[0], n);
+                for v in &vs[1..] {
+                    let (h, f) = encode_split(v, n);
+                    hits.iter_mut().zip(h).for_each(|(o, x)| *o &= x);
+                    flags.iter_mut().zip(f).for_each(|(o, x)| *o |= x);
+                }
+                let split = decode_split(&hits, &flags, n, gpu.is_some());
+                assert_eq!(split, single, "{k} ranks");
             }
-            assert_eq!(decode_split(&hits, &flags, n), single, "{k} ranks");
         }
     }
 
@@ -257,6 +280,7 @@ mod tests {
             &and_all(&[encode_grouped(&a, n, g), encode_grouped(&b, n, g)]),
             n,
             g,
+            false,
         );
         assert_eq!(agreed.common_hits, [1]);
         assert_eq!(agreed.common_group_hits, [0, 4]);
@@ -267,15 +291,25 @@ mod tests {
             ..Vote::default()
         };
         assert_eq!(encode_grouped(&plain, n, 0), encode(&plain, n));
-        // 200 tensors in 10 batches: 3 + 2*10 bits instead of 3 + 2*200
+        // 200 tensors in 10 batches: 2 + 2*10 bits instead of 2 + 2*200
         assert_eq!(encode_grouped(&Vote::default(), 0, 10).len(), 1);
+        // the GPU flag takes a bit only in sets that carry it
+        assert_eq!(encode_grouped(&Vote::default(), 0, 31).len(), 1);
+        let gpu = Vote {
+            gpu_moved: Some(false),
+            ..Vote::default()
+        };
+        assert_eq!(encode_grouped(&gpu, 0, 31).len(), 2);
     }
 
     #[test]
     fn idle_vote_agrees_on_nothing() {
         for n in [0, 1, 31, 64, 1024] {
             let v = encode(&Vote::default(), n);
-            assert_eq!(decode(&and_all(&[v.clone(), v]), n), Agreement::default());
+            assert_eq!(
+                decode(&and_all(&[v.clone(), v]), n, false),
+                Agreement::default()
+            );
         }
     }
 }
