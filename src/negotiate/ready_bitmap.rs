@@ -48,8 +48,8 @@ pub struct Agreement {
     pub group_invalid: Vec<usize>,
 }
 
-fn words_for(flags: usize, num_bits: usize) -> usize {
-    (flags + 2 * num_bits).div_ceil(64)
+fn words_for(f: usize, num_bits: usize) -> usize {
+    (f + 2 * num_bits).div_ceil(64)
 }
 
 fn set(words: &mut [u64], i: usize, v: bool) {
