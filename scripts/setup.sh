@@ -1,21 +1,111 @@
 #!/usr/bin/env bash
-# Installs what ferrovod needs on a fresh Debian/Ubuntu machine: Open MPI (runtime and headers,
-# for rsmpi and the mpicc-built shim), libclang (bindgen), a C compiler and Python 3 (tests).
+# Installs the system packages ferrovod's build and tests use on a fresh Debian/Ubuntu machine.
+# Each requirement is checked for exactly what uses it (the command the build runs, the library
+# bindgen loads, the header the shim includes), not for something that merely looks alike: the
+# image ships libclang-cpp.so.14, which bindgen cannot use, without libclang.so, which it loads.
+#
+#   bash scripts/setup.sh           install what is missing (apt), then check again
+#   bash scripts/setup.sh --check   print one line per missing requirement and exit 1; install nothing
+#
+# FERROVOD_SETUP_LIBCLANG_DIRS (tests only) replaces the directories searched for libclang.
 set -euo pipefail
-need=()
-command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
-command -v mpicc >/dev/null 2>&1 || need+=(libopenmpi-dev)
-[ -n "$(ls /usr/lib/llvm-*/lib/libclang*.so* 2>/dev/null | head -n1)" ] || need+=(libclang-dev clang)
-command -v cc >/dev/null 2>&1 || need+=(build-essential)
-command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
-command -v python3 >/dev/null 2>&1 || need+=(python3)
-if [ ${#need[@]} -gt 0 ]; then
+
+mode=install
+case "${1:-}" in
+  "") ;;
+  --check) mode=check ;;
+  *) echo "usage: $0 [--check]" >&2; exit 2 ;;
+esac
+
+missing=()   # "package|what is missing"
+pkgs=()
+
+have() { command -v "$1" >/dev/null 2>&1; }
+
+# clang-sys (bindgen) loads libclang.so or libclang-<version>.so from LIBCLANG_PATH or these
+# directories; libclang-cpp.so.N is a different library and does not count.
+libclang_found() {
+  local dirs=${FERROVOD_SETUP_LIBCLANG_DIRS:-"${LIBCLANG_PATH:-} /usr/lib/llvm-*/lib /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/local/lib"}
+  local d f
+  for d in $dirs; do
+    for f in "$d"/libclang.so "$d"/libclang-[0-9]*.so; do
+      [ -e "$f" ] && return 0
+    done
+  done
+  return 1
+}
+
+# bindgen parses mpi.h with clang's own builtin headers (stddef.h, stdarg.h …)
+clang_headers_found() {
+  local dirs=${FERROVOD_SETUP_LIBCLANG_DIRS:-"/usr/lib/llvm-*/lib"}
+  local d
+  for d in $dirs; do
+    ls "$d"/clang/*/include/stddef.h >/dev/null 2>&1 && return 0
+  done
+  return 1
+}
+
+# mpi.h where the wrapper compiler says it is (rsmpi's probe and build.rs both ask mpicc)
+mpi_header_found() {
+  have mpicc || return 1
+  local d
+  for d in $(mpicc --showme:incdirs 2>/dev/null); do
+    [ -f "$d/mpi.h" ] && return 0
+  done
+  return 1
+}
+
+check_all() {
+  missing=()
+  have mpirun || missing+=("openmpi-bin|command mpirun (launches every multi-rank test)")
+  have mpicc || missing+=("libopenmpi-dev|command mpicc (rsmpi's build probe, the MPI constants shim)")
+  mpi_header_found || missing+=("libopenmpi-dev|mpi.h in mpicc --showme:incdirs")
+  libclang_found || missing+=("libclang-dev|libclang.so or libclang-<N>.so (bindgen loads it; libclang-cpp.so does not count)")
+  clang_headers_found || missing+=("libclang-dev|clang builtin headers (<llvm>/lib/clang/<N>/include/stddef.h)")
+  have cc || missing+=("build-essential|command cc (C API test program)")
+  have g++ || missing+=("build-essential|command g++ (TensorFlow op library)")
+  have pkg-config || missing+=("pkg-config|command pkg-config (rsmpi's build probe)")
+  if ! have python3; then
+    missing+=("python3|command python3")
+  elif ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then
+    missing+=("python3-venv|python3 modules venv and ensurepip (creates .venv)")
+  fi
+  if ! have cargo; then
+    missing+=("rustup|command cargo: install Rust with rustup (https://rustup.rs)")
+  fi
+}
+
+report() {
+  local m
+  for m in "${missing[@]}"; do
+    echo "setup: missing: ${m#*|} — Debian package ${m%%|*}" >&2
+  done
+}
+
+check_all
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+if [ "$mode" = check ]; then
+  report
+  exit 1
+fi
+
+for m in "${missing[@]}"; do
+  p=${m%%|*}
+  [ "$p" = rustup ] && continue
+  case " ${pkgs[*]:-} " in *" $p "*) ;; *) pkgs+=("$p") ;; esac
+done
+if [ ${#pkgs[@]} -gt 0 ]; then
   sudo=""
   [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  echo "setup: installing ${pkgs[*]}" >&2
   $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${pkgs[@]}" >/dev/null
 fi
-command -v cargo >/dev/null 2>&1 || {
-  echo "setup: cargo not found; install Rust with rustup (https://rustup.rs)" >&2
+check_all
+if [ ${#missing[@]} -gt 0 ]; then
+  report
+  echo "setup: still missing after installing; see the lines above" >&2
   exit 1
-}
+fi

@@ -140,6 +140,13 @@ fn env_num<T: std::str::FromStr>(key: &str, default: T) -> T {
 }
 
 impl Config {
+    /// How long a wait for other ranks may last before this rank gives up on them: the stall
+    /// shutdown time, unless stall checks or the shutdown are disabled (then for ever, as the
+    /// user asked).
+    pub fn stall_limit(&self) -> Option<Duration> {
+        (self.stall_check && self.stall_shutdown > Duration::ZERO).then_some(self.stall_shutdown)
+    }
+
     pub fn from_env() -> Config {
         let warn = env_num("HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0f64).max(0.0);
         let mut shutdown = env_num(
@@ -197,6 +204,23 @@ impl Config {
             poll: env_str("FERROVOD_POLL").map(|_| env_bool("FERROVOD_POLL")),
         }
     }
+}
+
+/// Fault injection for the tests of failure paths: `FERROVOD_TEST_FAULT=<point>:<rank>` makes
+/// `point` fail on that global rank. Points: `panic` (the background thread panics before a
+/// batch it agreed to run), `stop_in_batch` (the process stops itself with SIGSTOP there, as a
+/// hung rank), `negotiation_error` (a vote fails locally before it is sent), `decode` (rank
+/// 0 cannot decode a request list). Not for production use.
+pub fn test_fault(point: &str, rank: i32) -> bool {
+    static FAULT: std::sync::OnceLock<Option<(String, i32)>> = std::sync::OnceLock::new();
+    FAULT
+        .get_or_init(|| {
+            let v = env_str("FERROVOD_TEST_FAULT")?;
+            let (p, r) = v.rsplit_once(':')?;
+            Some((p.to_string(), r.parse().ok()?))
+        })
+        .as_ref()
+        .is_some_and(|(p, r)| p == point && *r == rank)
 }
 
 /// Installs the log subscriber once (`HOROVOD_LOG_LEVEL`, default warning), unless the host

@@ -29,6 +29,24 @@ const STALL_FAST: &[(&str, &str)] = &[
     ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
 ];
 
+const STALL_FAST_HOROVOD: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+    ("FERROVOD_NEGOTIATION", "horovod"),
+];
+
+const STOP_IN_BATCH: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+    ("FERROVOD_TEST_FAULT", "stop_in_batch:1"),
+];
+
+const NEGOTIATION_FAULT: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+    ("FERROVOD_TEST_FAULT", "negotiation_error:1"),
+];
+
 #[rustfmt::skip]
 const OFFLINE: &[(&str, &str)] = &[
     ("FERROVOD_NEGOTIATION", "offline"),
@@ -179,6 +197,26 @@ const SCENARIOS: &[Scenario] = &[
     ("shutdown_pending", 2, &[], true),
     ("rank_exits", 2, &[], true),
     ("rank_killed", 2, &[], false),
+    // a rank that hangs (stops) rather than dies: in a vote, inside a data collective
+    ("rank_stopped", 2, STALL_FAST, false),
+    ("rank_stopped", 3, STALL_FAST, false),
+    ("rank_stopped", 3, STALL_FAST_HOROVOD, false),
+    ("rank_stopped_in_batch", 2, STOP_IN_BATCH, false),
+    ("rank_stopped_in_batch", 3, STOP_IN_BATCH, false),
+    // local failures after the ranks agreed
+    (
+        "fault_panic",
+        2,
+        &[("FERROVOD_TEST_FAULT", "panic:1")],
+        false,
+    ),
+    ("fault_negotiation", 3, NEGOTIATION_FAULT, false),
+    (
+        "fault_decode",
+        3,
+        &[("FERROVOD_TEST_FAULT", "decode:0")],
+        true,
+    ),
     ("preinitialized_mpi", 4, &[], true),
     ("init_subset", 3, &[], true),
     (
@@ -314,7 +352,16 @@ fn main() {
         for (k, v) in *env {
             cmd.env(k, v).args(["-x", k]);
         }
-        let out = run_with_timeout(cmd, Duration::from_secs(300));
+        // failure scenarios must end soon after their stall limit: a hang is the failure
+        let limit = match *name {
+            "rank_stopped"
+            | "rank_stopped_in_batch"
+            | "fault_panic"
+            | "fault_negotiation"
+            | "fault_decode" => 60,
+            _ => 300,
+        };
+        let out = run_with_timeout(cmd, Duration::from_secs(limit));
         let secs = start.elapsed().as_secs_f64();
         let (ok, why) = match &out {
             None => (false, "timed out (hang)".to_string()),
@@ -329,13 +376,23 @@ fn main() {
                         ),
                     )
                 } else {
-                    // a scenario that prints a marker must print it before the job fails
-                    let marker = match *name {
-                        "offline_stall" => "OFFLINE-STALL-REPORTED",
-                        _ => "",
+                    // a scenario that prints a marker must print it before the job fails,
+                    // on as many ranks as it says
+                    let (marker, count) = match *name {
+                        "offline_stall" => ("OFFLINE-STALL-REPORTED", 1),
+                        "rank_stopped" | "fault_negotiation" => ("STALL-REPORTED", np - 1),
+                        _ => ("", 0),
+                    };
+                    let reported = match *name {
+                        "rank_stopped_in_batch" => {
+                            stderr.matches("Missing ranks: 1.").count() >= np - 1
+                        }
+                        "fault_panic" => stderr.contains("background thread panicked"),
+                        "fault_negotiation" => stdout.contains("FAULT-REPORTED rank=1"),
+                        _ => true,
                     };
                     (
-                        !status.success() && stdout.contains(marker),
+                        !status.success() && stdout.matches(marker).count() >= count && reported,
                         format!("expected the job to fail, exit {status}\n{stdout}\n{stderr}"),
                     )
                 }
@@ -465,6 +522,11 @@ fn run_rank(name: &str) {
         "shutdown_pending" => shutdown_pending(),
         "rank_exits" => rank_exits(),
         "rank_killed" => rank_killed(),
+        "rank_stopped" => rank_stopped(),
+        "rank_stopped_in_batch" => rank_stopped_in_batch(),
+        "fault_panic" => fault_panic(),
+        "fault_negotiation" => fault_negotiation(),
+        "fault_decode" => fault_decode(),
         "preinitialized_mpi" => preinitialized_mpi(),
         "init_subset" => init_subset(),
         "timeline" => timeline(),
@@ -2449,6 +2511,137 @@ fn rank_killed() {
         vec![tensor("pending", DataType::F32, &[1], &[1.0], false)],
     ));
     std::thread::sleep(Duration::from_secs(120));
+}
+
+/// A few steps every rank runs together.
+fn steps_together(n: usize) {
+    for step in 0..n {
+        let out = run(OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor(
+                "together",
+                DataType::F32,
+                &[1],
+                &[1.0 + step as f64],
+                false,
+            )],
+        ))
+        .expect("a step before the fault");
+        let want = (size() as f64) * (1.0 + step as f64);
+        assert_eq!(output(&out[0], DataType::F32), vec![want]);
+    }
+}
+
+/// Prints the marker a failing scenario's harness counts, then ends this process without
+/// finalizing MPI (as a framework's uncaught exception does); mpirun ends the job.
+fn report_and_exit(marker: &str, msg: &str) -> ! {
+    use std::io::Write;
+    println!("{marker} rank={}: {msg}", rank());
+    std::io::stdout().flush().unwrap();
+    std::process::exit(1);
+}
+
+/// A rank that hangs instead of dying (kill -STOP, as a stuck file system or GPU does): the
+/// others wait in a negotiation vote, report the stall naming it once the stall shutdown time
+/// has passed, and end.
+fn rank_stopped() {
+    init();
+    steps_together(3);
+    if rank() == 1 {
+        let _ = Command::new("kill")
+            .args(["-STOP", &std::process::id().to_string()])
+            .status();
+        unreachable!("a stopped rank is killed by mpirun");
+    }
+    let start = Instant::now();
+    let err = run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("after.stop", DataType::F32, &[1], &[1.0], false)],
+    ))
+    .unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, Error::ShutDown(_)), "{err:?}");
+    assert!(msg.contains("Missing ranks: 1."), "{msg}");
+    assert!(
+        msg.contains("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=2"),
+        "{msg}"
+    );
+    // the limit (2 s) plus the presence probe (3 s) plus a margin
+    assert!(
+        start.elapsed() < Duration::from_secs(15),
+        "took {:?}",
+        start.elapsed()
+    );
+    report_and_exit("STALL-REPORTED", &msg);
+}
+
+/// Rank 1 stops itself after agreeing to run a batch: the others wait inside the blocking
+/// data collective, which no error can interrupt; the watchdog names rank 1 and aborts the
+/// job (checked by the harness on stderr).
+fn rank_stopped_in_batch() {
+    init();
+    let _ = run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor(
+            "stopped.in.batch",
+            DataType::F32,
+            &[1],
+            &[1.0],
+            false,
+        )],
+    ));
+    std::thread::sleep(Duration::from_secs(120));
+}
+
+/// Rank 1's background thread panics before a batch every rank agreed to run: it aborts the
+/// job at once with a message (the others may already wait inside the batch's collective).
+fn fault_panic() {
+    init();
+    let _ = run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("panics", DataType::F32, &[1], &[1.0], false)],
+    ));
+    std::thread::sleep(Duration::from_secs(120));
+}
+
+/// Rank 1's vote fails locally: its operation gets the error; its background thread is gone,
+/// so the others report it missing after the stall shutdown time.
+fn fault_negotiation() {
+    init();
+    let err = run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("fault.vote", DataType::F32, &[1], &[1.0], false)],
+    ))
+    .unwrap_err();
+    let msg = err.to_string();
+    if rank() == 1 {
+        assert!(msg.contains("test fault: negotiation_error"), "{msg}");
+        use std::io::Write;
+        println!("FAULT-REPORTED rank=1: {msg}");
+        std::io::stdout().flush().unwrap();
+        // alive, but no longer negotiating: the others must not wait for ever
+        std::thread::sleep(Duration::from_secs(120));
+    }
+    assert!(msg.contains("Missing ranks: 1."), "{msg}");
+    report_and_exit("STALL-REPORTED", &msg);
+}
+
+/// Rank 0 cannot decode a request list: it answers the round with a shutdown instead of
+/// leaving the others waiting in its broadcast. Every rank gets the reason; MPI stays usable.
+fn fault_decode() {
+    init();
+    let err = run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("fault.decode", DataType::F32, &[1], &[1.0], false)],
+    ))
+    .unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, Error::ShutDown(_)), "{err:?}");
+    assert!(msg.contains("test fault: decode"), "{msg}");
+    let err = submit(OpSpec::new(OpKind::Barrier, vec![])).unwrap_err();
+    assert!(err.to_string().contains("test fault: decode"), "{err}");
+    runtime::shutdown();
+    pass();
 }
 
 /// MPI initialised by the program (as mpi4py does); ferrovod runs on two halves of the world

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::config::NegotiationMode;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::hashing::HashMap;
 use crate::message::{OpKind, Request, Response};
 use crate::negotiate::cache::{Lookup, ResponseCache};
@@ -70,6 +70,7 @@ pub struct Negotiator {
     last_stall_check: Instant,
     /// Global ranks of the set, for reports.
     global_ranks: Vec<i32>,
+    set_rank: usize,
     mode: NegotiationMode,
     /// Online mode with a learned plan: its batches, each voted with one bit (names, in order).
     groups: Vec<Vec<String>>,
@@ -116,6 +117,7 @@ impl Negotiator {
             stall,
             last_stall_check: Instant::now(),
             global_ranks,
+            set_rank,
             mode,
             groups: Vec::new(),
             group_patience: Duration::from_secs(1),
@@ -415,6 +417,11 @@ impl Negotiator {
             stall_check_due && self.coordinator.as_ref().is_some_and(|c| c.has_pending());
         vote.uncached = !to_send.is_empty() || !self.cache.enabled() || coordinator_check;
 
+        if !to_send.is_empty()
+            && crate::config::test_fault("negotiation_error", self.global_ranks[self.set_rank])
+        {
+            return Err(Error::Internal("test fault: negotiation_error".into()));
+        }
         // 2. the vote: one AND allreduce (Horovod: an AND and an OR allreduce, no groups)
         let bits = self.cache.num_bits();
         let agreed = match self.mode {
@@ -526,13 +533,35 @@ impl Negotiator {
         out.control_bytes += mine.len() as u64;
         let reply = match self.coordinator.as_mut() {
             Some(coord) => {
-                let lists = gathered
+                let decoded = gathered
                     .iter()
-                    .map(|b| wire::decode_requests(b).map(|l| l.requests))
-                    .collect::<Result<Vec<_>>>()?;
-                let responses = coord.add_round(lists, now);
-                let mut shutdown = None;
-                if stall_check_due {
+                    .enumerate()
+                    .map(|(r, b)| {
+                        if crate::config::test_fault("decode", self.global_ranks[0]) && r > 0 {
+                            return Err(Error::Internal("test fault: decode".into()));
+                        }
+                        wire::decode_requests(b).map(|l| l.requests).map_err(|e| {
+                            Error::Internal(format!(
+                                "rank {} sent a request list that rank {} cannot decode: {e}",
+                                self.global_ranks[r], self.global_ranks[0]
+                            ))
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>();
+                // the others wait in the broadcast below: an error here is their error too
+                let (lists, mut shutdown) = match decoded {
+                    Ok(lists) => (lists, None),
+                    Err(e) => (
+                        Vec::new(),
+                        Some(format!("ferrovod negotiation failed: {e}")),
+                    ),
+                };
+                let responses = if shutdown.is_none() {
+                    coord.add_round(lists, now)
+                } else {
+                    Vec::new()
+                };
+                if stall_check_due && shutdown.is_none() {
                     self.last_stall_check = now;
                     let stalled = coord.stalled(now, self.stall.warn_after);
                     if !stalled.is_empty() {

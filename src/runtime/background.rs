@@ -25,7 +25,7 @@ use crate::runtime::gpu;
 use crate::runtime::timeline::Timeline;
 use crate::runtime::{Command, Communicator, InitOptions, Runtime, Topology};
 use crate::transport::Transport;
-use crate::transport::mpi::{MpiComm, finalize_mpi, init_mpi};
+use crate::transport::mpi::{MpiComm, Watchdog, finalize_mpi, init_mpi};
 
 /// One process set this rank belongs to.
 struct SetState {
@@ -159,6 +159,8 @@ struct Background {
     groups: Option<GroupLearner>,
     /// Completes GPU tensors once their events fire (started with the first GPU batch).
     finisher: Option<gpu::Finisher>,
+    /// Ends the job when a blocking MPI call outlives the stall shutdown time.
+    _watchdog: Watchdog,
 }
 
 /// Online mode's batch learner: the recorder, and a plan waiting for its step to end.
@@ -209,8 +211,28 @@ pub(crate) fn run(
     let _ = ready.send(Ok(()));
     // A panic in the loop must still fail this rank's pending operations rather than leave
     // their waiters hanging.
-    let reason = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| bg.run_loop(&rx)))
-        .unwrap_or_else(|_| Some("internal error: ferrovod's background thread panicked".into()));
+    let reason = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| bg.run_loop(&rx))) {
+        Ok(reason) => reason,
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            let topo = rt.topology.get().cloned().unwrap_or_default();
+            if topo.size > 1 {
+                // the other ranks may already wait in a collective this rank agreed to run:
+                // no shutdown can be agreed any more
+                crate::transport::mpi::abort_job(&format!(
+                    "ferrovod: internal error on rank {}: the background thread panicked ({what}); aborting the job so that no rank waits for this one",
+                    topo.rank
+                ));
+            }
+            Some(format!(
+                "internal error: ferrovod's background thread panicked ({what})"
+            ))
+        }
+    };
     bg.stop(&rx, reason);
     let unclean = bg.mpi_unclean;
     drop(bg);
@@ -234,9 +256,15 @@ fn make_set(
 ) -> Result<SetState> {
     let cfg = &rt.config;
     let set_rank = comm.rank();
+    let ctrl = comm.dup()?.bounded(
+        cfg.stall_limit(),
+        cfg.stall_warn,
+        ranks.clone(),
+        format!("process set {id}"),
+    )?;
     Ok(SetState {
         id,
-        ctrl: comm.dup()?,
+        ctrl,
         negotiator: Negotiator::new(
             set_rank,
             ranks,
@@ -355,6 +383,7 @@ impl Background {
             world: world.dup()?,
             rt: rt.clone(),
             finisher: None,
+            _watchdog: Watchdog::start(rt.config.stall_limit(), world.dup()?, multiple),
         };
         bg.member
             .insert(0, make_set(0, world, world_ranks.clone(), &rt, &agreed)?);
@@ -551,7 +580,13 @@ impl Background {
                         started.elapsed(),
                     );
                 }
+                if outcome.is_err() {
+                    // a control collective may still be posted, or the others wait in one
+                    // this rank left: finalizing would wait for ever
+                    self.mpi_unclean = true;
+                }
                 let stop = match &outcome {
+                    Err(e @ Error::ShutDown(_)) => Some(e.to_string()),
                     Err(e) => Some(format!("ferrovod negotiation failed: {e}")),
                     Ok(o) => o.shutdown.clone().filter(|r| r != SHUT_DOWN_MESSAGE),
                 };
@@ -1078,6 +1113,16 @@ impl Background {
             {
                 self.change_process_set(head);
                 continue;
+            }
+            let me = self.world.rank() as i32;
+            if head.kind == OpKind::Allreduce && crate::config::test_fault("panic", me) {
+                panic!("test fault: panic before an agreed batch");
+            }
+            if head.kind == OpKind::Allreduce && crate::config::test_fault("stop_in_batch", me) {
+                // as a hung rank: the whole process stops, mid-step
+                let _ = std::process::Command::new("kill")
+                    .args(["-STOP", &std::process::id().to_string()])
+                    .status();
             }
             let Some(set) = self.member.get_mut(&id) else {
                 return;

@@ -2,7 +2,9 @@
 //! calls of the runtime are made from its background thread.
 
 use std::ffi::{c_int, c_void};
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
 use mpi::ffi;
@@ -21,6 +23,147 @@ unsafe extern "C" {
 /// Largest element count passed to one MPI call (MPI counts are C ints); larger transfers are
 /// split into several calls.
 pub const MAX_COUNT: usize = 1 << 30;
+
+/// Tag of the presence probe (on private communicators only).
+const PROBE_TAG: usize = 7;
+
+/// How long a rank that gave up waiting listens for the others' presence probes: ranks stuck
+/// in the same wait reach their limit within a second of each other (the watchdog looks
+/// every 200 ms).
+const PROBE_GRACE: Duration = Duration::from_secs(3);
+
+/// The error text of a wait that outlived the stall shutdown time. `absent`: the global ranks
+/// that did not answer the presence probe (None: no probe could be made).
+pub fn stall_message(me: i32, limit: Duration, what: &str, absent: Option<&[i32]>) -> String {
+    let missing = match absent {
+        Some([]) => {
+            "none found (every rank answered; they may wait in different collectives)".to_string()
+        }
+        Some(a) => a
+            .iter()
+            .map(|r| r.to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
+        None => "unknown (MPI_THREAD_MULTIPLE is needed to ask)".to_string(),
+    };
+    format!(
+        "Stalled ranks: rank {me} waited more than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={} in {what} for ranks that never joined it. Missing ranks: {missing}. A missing rank is stopped, hung, or blocked elsewhere. Shutting down.",
+        limit.as_secs()
+    )
+}
+
+/// Blocking MPI calls in progress, one slot per thread that has made one: when each started
+/// and what it is. The watchdog reads them.
+static BLOCKED: Mutex<Vec<Option<(Instant, &'static str)>>> = Mutex::new(Vec::new());
+
+thread_local! {
+    static BLOCKED_SLOT: usize = {
+        let mut slots = BLOCKED.lock().unwrap_or_else(|e| e.into_inner());
+        slots.push(None);
+        slots.len() - 1
+    };
+}
+
+/// Marks this thread as inside a blocking MPI call until dropped (an outer mark, if any, is
+/// kept: calls split into several nest).
+struct Blocked(usize, Option<(Instant, &'static str)>);
+
+fn blocked(what: &'static str) -> Blocked {
+    let slot = BLOCKED_SLOT.with(|s| *s);
+    let mut slots = BLOCKED.lock().unwrap_or_else(|e| e.into_inner());
+    let outer = slots[slot];
+    slots[slot] = Some(outer.unwrap_or((Instant::now(), what)));
+    Blocked(slot, outer)
+}
+
+impl Drop for Blocked {
+    fn drop(&mut self) {
+        BLOCKED.lock().unwrap_or_else(|e| e.into_inner())[self.0] = self.1;
+    }
+}
+
+/// The longest-running blocking MPI call: how long, and which.
+fn longest_blocked() -> Option<(Duration, &'static str)> {
+    BLOCKED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .flatten()
+        .map(|(t, w)| (t.elapsed(), *w))
+        .max_by_key(|(d, _)| *d)
+}
+
+/// Ends the whole job from this process: MPI_Abort on MPI_COMM_WORLD, after `message` is on
+/// stderr. For failures that leave the ranks unable to agree on a shutdown.
+pub fn abort_job(message: &str) -> ! {
+    eprintln!("{message}");
+    tracing::error!("{message}");
+    if mpi_initialized() {
+        // SAFETY: MPI is initialised; MPI_Abort does not return.
+        unsafe { ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, 1) };
+    }
+    std::process::exit(1)
+}
+
+/// A thread that ends the job when a blocking MPI call (a data collective a rank never joins:
+/// it is stopped, or hung) has waited longer than the stall shutdown time. The waiting thread
+/// cannot be interrupted, so the watchdog names the missing ranks, if it may make MPI calls
+/// beside it, and aborts the job.
+pub struct Watchdog {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<MpiComm>>,
+}
+
+impl Watchdog {
+    /// `probe`: a private duplicate of the world communicator (made on every rank).
+    /// `concurrent`: MPI_THREAD_MULTIPLE, so the watchdog may probe while another thread
+    /// waits inside MPI.
+    pub fn start(limit: Option<Duration>, probe: MpiComm, concurrent: bool) -> Watchdog {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("ferrovod-watchdog".into())
+            .spawn(move || {
+                while !flag.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(200));
+                    let (Some(limit), Some((waited, what))) = (limit, longest_blocked()) else {
+                        continue;
+                    };
+                    if waited < limit {
+                        continue;
+                    }
+                    let absent: Option<Vec<i32>> = concurrent.then(|| {
+                        probe
+                            .absent_ranks(PROBE_GRACE)
+                            .into_iter()
+                            .map(|r| r as i32)
+                            .collect()
+                    });
+                    let msg = stall_message(probe.rank as i32, limit, what, absent.as_deref());
+                    eprintln!("ferrovod: {msg} Aborting the job.");
+                    // the other waiting ranks report too before the abort reaches them
+                    std::thread::sleep(Duration::from_secs(1));
+                    abort_job("ferrovod: aborting the job after a stalled MPI call");
+                }
+                probe
+            })
+            .expect("spawn the watchdog thread");
+        Watchdog {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            // the probe communicator is freed here, on the thread that owns MPI
+            drop(t.join());
+        }
+    }
+}
 
 fn in_place() -> *mut c_void {
     // SAFETY: a constant initialised at load time by the C shim.
@@ -306,6 +449,20 @@ pub struct MpiComm {
     size: usize,
     /// Largest count per MPI call (`MAX_COUNT`, lowered in tests to exercise the split paths).
     max_count: usize,
+    /// Control communicators only: how long their collectives wait for the other ranks.
+    bound: Option<Box<Bound>>,
+}
+
+/// The limit on a control communicator's waits, and what names the ranks that never came.
+struct Bound {
+    /// None: wait for ever (stall checks disabled on this rank).
+    limit: Option<Duration>,
+    warn: Duration,
+    /// A private duplicate, used only to find out who is still there.
+    probe: MpiComm,
+    /// The global rank of each member.
+    global: Vec<i32>,
+    what: String,
 }
 
 // SAFETY: a communicator handle may be used from any thread; the runtime uses each from one
@@ -343,8 +500,8 @@ impl MpiComm {
             )
         };
         check(rc, what)?;
-        match wait_polled(&mut req, None, &mut |_| {}) {
-            Ok(_) => {
+        match self.wait_control(&mut req, "a negotiation vote") {
+            Ok(()) => {
                 words.copy_from_slice(&buf);
                 Ok(())
             }
@@ -353,6 +510,116 @@ impl MpiComm {
                 Err(e)
             }
         }
+    }
+
+    /// Makes this a control communicator: its collectives give up after `limit` (the stall
+    /// shutdown time) with an error that names the ranks that never joined, found through a
+    /// private duplicate made here (collective: every member calls this, whatever its limit).
+    pub fn bounded(
+        mut self,
+        limit: Option<Duration>,
+        warn: Duration,
+        global: Vec<i32>,
+        what: String,
+    ) -> Result<MpiComm> {
+        let probe = MpiComm::dup_raw(self.comm)?;
+        self.bound = Some(Box::new(Bound {
+            limit,
+            warn,
+            probe,
+            global,
+            what,
+        }));
+        Ok(self)
+    }
+
+    /// Waits for a control collective's request within the communicator's bound. After the
+    /// limit the request stays posted (its buffers must be leaked by the caller) and the
+    /// error names the ranks that did not answer a presence probe.
+    fn wait_control(&self, req: &mut ffi::MPI_Request, what: &str) -> Result<()> {
+        let Some(b) = self.bound.as_deref() else {
+            wait_polled(req, None, &mut |_| {})?;
+            return Ok(());
+        };
+        let me = b.global.get(self.rank).copied().unwrap_or(-1);
+        let mut warned = false;
+        let mut slow = |waited: Duration| {
+            if !warned && waited >= b.warn {
+                warned = true;
+                tracing::warn!(
+                    "rank {me} has waited {} s in {what} of {} for ranks that have not joined it; a rank may be stopped or hung",
+                    waited.as_secs(),
+                    b.what
+                );
+            }
+        };
+        if wait_polled(req, b.limit, &mut slow)? {
+            return Ok(());
+        }
+        let absent: Vec<i32> = b
+            .probe
+            .absent_ranks(PROBE_GRACE)
+            .into_iter()
+            .map(|r| b.global.get(r).copied().unwrap_or(r as i32))
+            .collect();
+        Err(Error::ShutDown(stall_message(
+            me,
+            b.limit.unwrap_or_default(),
+            &format!("{what} of {}", b.what),
+            Some(&absent),
+        )))
+    }
+
+    /// Ranks of this communicator that do not answer within `grace`: every rank that calls
+    /// this sends each other rank one byte and listens for theirs. Ranks stuck in the same
+    /// wait call it at about the same time; a stopped or hung rank never answers. The
+    /// requests are left posted (the job is ending).
+    fn absent_ranks(&self, grace: Duration) -> Vec<usize> {
+        static PRESENT: u8 = 1;
+        let got: &'static mut [u8] = Box::leak(vec![0u8; self.size].into_boxed_slice());
+        let mut recvs = Vec::new();
+        for p in (0..self.size).filter(|p| *p != self.rank) {
+            // the send buffer is static; each receive has its own leaked byte
+            let sent = self.post(
+                Direction::Send,
+                (&raw const PRESENT).cast_mut().cast(),
+                1,
+                p,
+                PROBE_TAG,
+            );
+            let recv = self.post(Direction::Recv, (&raw mut got[p]).cast(), 1, p, PROBE_TAG);
+            // a rank whose probe cannot even be posted counts as absent
+            recvs.push((p, sent.and(recv).ok(), false));
+        }
+        let start = Instant::now();
+        loop {
+            for (_, req, present) in recvs.iter_mut() {
+                if let (Some(r), false) = (req.as_mut(), *present) {
+                    let mut done: c_int = 0;
+                    // SAFETY: r is an active request of this process (tested until it completes).
+                    let rc = unsafe { ffi::MPI_Test(r, &mut done, ffi::RSMPI_STATUS_IGNORE) };
+                    *present = rc == 0 && done != 0;
+                }
+            }
+            let absent: Vec<usize> = recvs
+                .iter()
+                .filter(|(_, _, present)| !present)
+                .map(|(p, _, _)| *p)
+                .collect();
+            if absent.is_empty() || start.elapsed() >= grace {
+                return absent;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Posts one non-blocking control collective with `start` and waits for it within the
+    /// communicator's bound. On an error the caller leaks the buffers the request uses.
+    fn control(&self, start: impl FnOnce(&mut ffi::MPI_Request) -> c_int) -> Result<()> {
+        // SAFETY: zeroed is a valid placeholder for the request out-parameter.
+        let mut req = unsafe { std::mem::zeroed::<ffi::MPI_Request>() };
+        check(start(&mut req), "a non-blocking MPI collective")?;
+        self.wait_control(&mut req, "a negotiation round")
     }
 
     fn wrap(comm: ffi::MPI_Comm) -> Result<MpiComm> {
@@ -369,6 +636,7 @@ impl MpiComm {
             rank: rank as usize,
             size: size as usize,
             max_count: MAX_COUNT,
+            bound: None,
         })
     }
 
@@ -506,6 +774,7 @@ impl MpiComm {
 
     /// The largest of every rank's `v`.
     fn max_u64(&self, v: u64) -> Result<u64> {
+        let _blocked = blocked("MPI_Allreduce(MAX)");
         let mut out = v;
         // SAFETY: one u64 in place.
         check(
@@ -535,6 +804,7 @@ impl MpiComm {
     }
 
     fn bcast_chunked(&self, data: &mut [u8], root: usize) -> Result<()> {
+        let _blocked = blocked("MPI_Bcast");
         for chunk in data.chunks_mut(self.max_count) {
             // SAFETY: chunk is valid for chunk.len() bytes; collective over the communicator.
             check(
@@ -570,6 +840,7 @@ impl Transport for MpiComm {
         dtype: DataType,
         op: ReduceOp,
     ) -> Result<()> {
+        let _blocked = blocked("MPI_Allreduce");
         let esz = dtype.size();
         let ty = native_type(dtype);
         let mop = mpi_op(dtype, op)?;
@@ -653,6 +924,7 @@ impl Transport for MpiComm {
     }
 
     fn allgatherv(&self, send: Option<&[u8]>, recv: &mut [u8], counts: &[usize]) -> Result<()> {
+        let _blocked = blocked("MPI_Allgatherv");
         let displs = displacements(counts);
         if !fits(counts, self.max_count) {
             if let Some(s) = send {
@@ -696,6 +968,7 @@ impl Transport for MpiComm {
         recv: &mut [u8],
         recv_counts: &[usize],
     ) -> Result<()> {
+        let _blocked = blocked("MPI_Alltoallv");
         let sd = displacements(send_counts);
         let rd = displacements(recv_counts);
         // Each rank sees only its own counts, so the choice of path is agreed first.
@@ -770,6 +1043,7 @@ impl Transport for MpiComm {
         dtype: DataType,
         op: ReduceOp,
     ) -> Result<()> {
+        let _blocked = blocked("MPI_Reduce_scatter");
         let esz = dtype.size();
         let ty = native_type(dtype);
         let mop = mpi_op(dtype, op)?;
@@ -823,47 +1097,68 @@ impl Transport for MpiComm {
 
     fn gather_bytes(&self, send: &[u8], root: usize) -> Result<Vec<Vec<u8>>> {
         let is_root = self.rank == root;
-        let mut lens = vec![0u8; if is_root { 8 * self.size } else { 0 }];
-        let mine = (send.len() as u64).to_le_bytes();
-        // SAFETY: 8 bytes from each rank into lens (root only).
-        check(
-            unsafe {
-                ffi::MPI_Gather(
-                    ptr(&mine),
-                    8,
-                    byte_type(),
-                    ptr_mut(&mut lens),
-                    8,
-                    byte_type(),
-                    root as c_int,
-                    self.comm,
-                )
-            },
-            "MPI_Gather",
-        )?;
+        let mut lens: Box<[u8]> = vec![0u8; if is_root { 8 * self.size } else { 0 }].into();
+        let mine: Box<[u8]> = (send.len() as u64).to_le_bytes().into();
+        // SAFETY: 8 bytes from each rank into lens (root only); both buffers outlive the
+        // request (leaked if it fails).
+        let posted = self.control(|req| unsafe {
+            ffi::MPI_Igather(
+                ptr(&mine),
+                8,
+                byte_type(),
+                ptr_mut(&mut lens),
+                8,
+                byte_type(),
+                root as c_int,
+                self.comm,
+                req,
+            )
+        });
+        if let Err(e) = posted {
+            Box::leak(lens);
+            Box::leak(mine);
+            return Err(e);
+        }
         let counts: Vec<usize> = lens
             .chunks_exact(8)
             .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")) as usize)
             .collect();
         let displs = displacements(&counts);
-        let mut all = vec![0u8; counts.iter().sum()];
-        // SAFETY: root's buffer holds the sum of the gathered lengths.
-        check(
-            unsafe {
-                ffi::MPI_Gatherv(
-                    ptr(send),
-                    send.len() as c_int,
-                    byte_type(),
-                    ptr_mut(&mut all),
-                    ints(&counts).as_ptr(),
-                    ints(&displs).as_ptr(),
-                    byte_type(),
-                    root as c_int,
-                    self.comm,
-                )
-            },
-            "MPI_Gatherv",
-        )?;
+        let total: usize = counts.iter().sum();
+        if send.len() > c_int::MAX as usize || total > c_int::MAX as usize {
+            // every rank's own length is checked; the root also checks the sum
+            return Err(Error::Backend(format!(
+                "a negotiation message of {} bytes (gathered: {total}) exceeds MPI's {} byte limit",
+                send.len(),
+                c_int::MAX
+            )));
+        }
+        let mut all: Box<[u8]> = vec![0u8; total].into();
+        let data: Box<[u8]> = send.into();
+        let (c, d) = (ints(&counts), ints(&displs));
+        // SAFETY: root's buffer holds the sum of the gathered lengths (checked to fit a C
+        // int); every buffer outlives the request (leaked if it fails).
+        let posted = self.control(|req| unsafe {
+            ffi::MPI_Igatherv(
+                ptr(&data),
+                data.len() as c_int,
+                byte_type(),
+                ptr_mut(&mut all),
+                c.as_ptr(),
+                d.as_ptr(),
+                byte_type(),
+                root as c_int,
+                self.comm,
+                req,
+            )
+        });
+        if let Err(e) = posted {
+            Box::leak(all);
+            Box::leak(data);
+            Box::leak(c.into_boxed_slice());
+            Box::leak(d.into_boxed_slice());
+            return Err(e);
+        }
         Ok(counts
             .iter()
             .zip(&displs)
@@ -871,15 +1166,53 @@ impl Transport for MpiComm {
             .collect())
     }
 
-    fn broadcast_bytes(&self, mut data: Vec<u8>, root: usize) -> Result<Vec<u8>> {
-        let mut len = (data.len() as u64).to_le_bytes();
-        self.bcast_chunked(&mut len, root)?;
-        data.resize(u64::from_le_bytes(len) as usize, 0);
-        self.bcast_chunked(&mut data, root)?;
-        Ok(data)
+    fn broadcast_bytes(&self, data: Vec<u8>, root: usize) -> Result<Vec<u8>> {
+        let mut len: Box<[u8]> = (data.len() as u64).to_le_bytes().into();
+        // SAFETY: 8 bytes; len outlives the request (leaked if it fails).
+        let posted = self.control(|req| unsafe {
+            ffi::MPI_Ibcast(
+                ptr_mut(&mut len),
+                8,
+                byte_type(),
+                root as c_int,
+                self.comm,
+                req,
+            )
+        });
+        if let Err(e) = posted {
+            Box::leak(len);
+            return Err(e);
+        }
+        let n = u64::from_le_bytes((*len).try_into().expect("8 bytes")) as usize;
+        let mut data: Box<[u8]> = {
+            let mut d = data;
+            d.resize(n, 0);
+            d.into()
+        };
+        for at in (0..n).step_by(self.max_count.max(1)) {
+            let chunk = self.max_count.min(n - at);
+            // SAFETY: data[at..at + chunk] is valid and outlives the request (leaked if it
+            // fails).
+            let posted = self.control(|req| unsafe {
+                ffi::MPI_Ibcast(
+                    data.as_mut_ptr().add(at).cast(),
+                    chunk as c_int,
+                    byte_type(),
+                    root as c_int,
+                    self.comm,
+                    req,
+                )
+            });
+            if let Err(e) = posted {
+                Box::leak(data);
+                return Err(e);
+            }
+        }
+        Ok(data.into_vec())
     }
 
     fn barrier(&self) -> Result<()> {
+        let _blocked = blocked("MPI_Barrier");
         // SAFETY: comm is valid.
         check(unsafe { ffi::MPI_Barrier(self.comm) }, "MPI_Barrier")
     }
