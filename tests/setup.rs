@@ -1,0 +1,146 @@
+//! The setup scripts' checks: each requirement is found by exactly what uses it, and a missing
+//! one is named with the package that provides it. Run after `scripts/setup.sh` (the test
+//! command runs it first), so the unmodified check passes; each other test takes one thing away.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ferrovod-setup-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn check(script: &str, env: &[(&str, &Path)], path: Option<&Path>) -> Output {
+    let mut cmd = Command::new("/bin/bash");
+    cmd.arg(root().join("scripts").join(script))
+        .arg("--check")
+        .current_dir(root());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    if let Some(p) = path {
+        cmd.env("PATH", p);
+    }
+    cmd.output().expect("run the setup check")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn which(cmd: &str) -> PathBuf {
+    let out = Command::new("bash")
+        .args(["-c", &format!("command -v {cmd}")])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{cmd} is not installed here");
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
+/// The interpreter itself, not a pyenv shim (shims need the rest of PATH).
+fn real_python() -> PathBuf {
+    let out = Command::new("python3")
+        .args(["-c", "import sys; print(sys.executable)"])
+        .output()
+        .unwrap();
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
+#[test]
+fn setup_check_passes_once_set_up() {
+    let out = check("setup.sh", &[], None);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(stderr(&out), "");
+}
+
+/// A PATH holding every command the check looks for but `mpirun`: exactly that is reported.
+#[test]
+fn setup_check_names_a_missing_command() {
+    let bin = scratch("bin");
+    let link = |name: &str, target: &Path| {
+        std::os::unix::fs::symlink(target, bin.join(name)).unwrap();
+    };
+    for c in ["ls", "mpicc", "cc", "g++", "pkg-config", "cargo"] {
+        link(c, &which(c));
+    }
+    link("python3", &real_python());
+    let out = check("setup.sh", &[], Some(&bin));
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("command mpirun"), "{err}");
+    assert!(err.contains("Debian package openmpi-bin"), "{err}");
+    // and with mpirun back, nothing is missing
+    link("mpirun", &which("mpirun"));
+    let out = check("setup.sh", &[], Some(&bin));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let _ = std::fs::remove_dir_all(&bin);
+}
+
+/// The image ships libclang-cpp.so.14 without libclang.so: bindgen cannot use it, and the
+/// check must not take it for libclang.
+#[test]
+fn setup_check_is_not_fooled_by_libclang_cpp() {
+    let dir = scratch("llvm");
+    std::fs::write(dir.join("libclang-cpp.so.14"), b"").unwrap();
+    std::fs::create_dir_all(dir.join("clang/14/include")).unwrap();
+    std::fs::write(dir.join("clang/14/include/stddef.h"), b"").unwrap();
+    let env = [("FERROVOD_SETUP_LIBCLANG_DIRS", dir.as_path())];
+    let out = check("setup.sh", &env, None);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("libclang.so or libclang-<N>.so"), "{err}");
+    assert!(err.contains("Debian package libclang-dev"), "{err}");
+    // what libclang-dev installs: found
+    std::fs::write(dir.join("libclang-14.so"), b"").unwrap();
+    let out = check("setup.sh", &env, None);
+    assert!(out.status.success(), "{}", stderr(&out));
+    // the builtin headers are needed too
+    std::fs::remove_file(dir.join("clang/14/include/stddef.h")).unwrap();
+    let out = check("setup.sh", &env, None);
+    assert!(stderr(&out).contains("clang builtin headers"), "{}", stderr(&out));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A virtual environment without the Python requirements: each is named with its pinned
+/// version, and ferrovod's own packages too.
+#[test]
+fn setup_python_check_names_missing_packages() {
+    let dir = scratch("venv");
+    let venv = dir.join("venv");
+    let made = Command::new(real_python())
+        .args(["-m", "venv", "--without-pip"])
+        .arg(&venv)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let out = check("setup-python.sh", &[("FERROVOD_VENV", venv.as_path())], None);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    for want in [
+        "pytest in",
+        "tensorflow-cpu==2.21.0 in",
+        "tf_keras==2.21.0 in",
+        "scikit-learn in",
+        "ferrovod in",
+        "horovod in",
+    ] {
+        assert!(err.contains(&format!("missing: {want}")), "{want}: {err}");
+    }
+    assert_eq!(err.lines().count(), 6, "{err}");
+    // no environment at all
+    let out = check(
+        "setup-python.sh",
+        &[("FERROVOD_VENV", dir.join("absent").as_path())],
+        None,
+    );
+    assert!(stderr(&out).contains("missing: virtual environment"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
