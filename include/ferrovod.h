@@ -247,7 +247,10 @@ typedef struct fv_tensor {
 } fv_tensor;
 
 /*
- Called once when an operation completes, with its handle and status.
+ Called once when an operation completes, with its handle and status, on one of ferrovod's
+ threads (background, channel or GPU finisher). It is also called for operations that a
+ shutdown fails, after the runtime is gone: inside the callback, the `fv_handle_*` queries of
+ its own handle still answer. It must not block on other ferrovod operations.
  */
 typedef void (*fv_done_fn)(void *user_data, fv_handle handle, int32_t status);
 
@@ -291,7 +294,7 @@ typedef struct fv_op {
   const struct fv_tensor *tensors;
   int32_t num_tensors;
   /*
-   Optional completion callback (background thread).
+   Optional completion callback (on a ferrovod thread, see `fv_done_fn`).
    */
   fv_done_fn done;
   void *done_user_data;
@@ -313,10 +316,6 @@ typedef struct fv_op {
    */
   void *ready_event;
 } fv_op;
-
-#define fv_dtype_ALL { fv_dtype_U8, fv_dtype_I8, fv_dtype_U16, fv_dtype_I16, fv_dtype_I32, fv_dtype_I64, fv_dtype_F16, fv_dtype_F32, fv_dtype_F64, fv_dtype_Bool, fv_dtype_BF16, }
-
-#define fv_op_kind_ALL { fv_op_kind_Allreduce, fv_op_kind_Allgather, fv_op_kind_Broadcast, fv_op_kind_Join, fv_op_kind_Alltoall, fv_op_kind_Barrier, fv_op_kind_Reducescatter, fv_op_kind_AddProcessSet, fv_op_kind_RemoveProcessSet, }
 
 #ifdef __cplusplus
 extern "C" {

@@ -4,7 +4,8 @@
 //! handle (`fv_handle_error`).
 //!
 //! Threads: every function may be called from any thread. Callbacks (`fv_done_fn`,
-//! `fv_alloc_fn`) run on ferrovod's background thread and must not block on other ferrovod
+//! `fv_alloc_fn`) run on one of ferrovod's threads (the background thread, a channel's thread,
+//! or the GPU finisher), never on the caller's, and must not block on other ferrovod
 //! operations.
 #![allow(non_camel_case_types)]
 // C callers cannot mark calls unsafe; every pointer is null-checked before use and the
@@ -29,7 +30,10 @@ use crate::transport::memory::HostBuffer;
 /// Identifies an enqueued operation until `fv_release`.
 pub type fv_handle = u64;
 
-/// Called once when an operation completes, with its handle and status.
+/// Called once when an operation completes, with its handle and status, on one of ferrovod's
+/// threads (background, channel or GPU finisher). It is also called for operations that a
+/// shutdown fails, after the runtime is gone: inside the callback, the `fv_handle_*` queries of
+/// its own handle still answer. It must not block on other ferrovod operations.
 pub type fv_done_fn =
     Option<unsafe extern "C" fn(user_data: *mut c_void, handle: fv_handle, status: i32)>;
 
@@ -82,7 +86,7 @@ pub struct fv_op {
     pub device: i32,
     pub tensors: *const fv_tensor,
     pub num_tensors: i32,
-    /// Optional completion callback (background thread).
+    /// Optional completion callback (on a ferrovod thread, see `fv_done_fn`).
     pub done: fv_done_fn,
     pub done_user_data: *mut c_void,
     /// Optional output allocator; without one, ferrovod allocates and `fv_handle_output` reads.
@@ -118,8 +122,10 @@ thread_local! {
     static LAST_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
 }
 
+/// Thread-locals may be gone while a thread exits (a callback from a destructor): then the
+/// message is dropped rather than panicking outside any boundary.
 fn set_last_error(msg: String) {
-    LAST_ERROR.with(|e| *e.borrow_mut() = msg);
+    let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = msg);
 }
 
 /// Runs `f` behind a panic boundary and turns its result into a status.
@@ -195,8 +201,12 @@ fn copy_str(s: &str, buf: *mut c_char, len: usize, needed: *mut usize) -> Result
 /// truncated to `len`); `needed` (optional) receives the full length including the NUL.
 #[unsafe(no_mangle)]
 pub extern "C" fn fv_last_error(buf: *mut c_char, len: usize, needed: *mut usize) -> Status {
-    let msg = LAST_ERROR.with(|e| e.borrow().clone());
-    match catch_unwind(AssertUnwindSafe(|| copy_str(&msg, buf, len, needed))) {
+    match catch_unwind(AssertUnwindSafe(|| {
+        let msg = LAST_ERROR
+            .try_with(|e| e.borrow().clone())
+            .unwrap_or_default();
+        copy_str(&msg, buf, len, needed)
+    })) {
         Ok(_) => Status::Ok,
         Err(_) => Status::Internal,
     }
@@ -396,9 +406,13 @@ pub unsafe extern "C" fn fv_built_with(what: *const c_char) -> i32 {
     if s.eq_ignore_ascii_case("mpi") {
         return 1;
     }
-    // GPU support is compiled in; it is usable where the libraries load
-    let gpu = crate::transport::cuda::cuda_present() && crate::transport::nccl::nccl_present();
-    i32::from(gpu && (s.eq_ignore_ascii_case("nccl") || s.eq_ignore_ascii_case("cuda")))
+    // GPU support is compiled in; it is usable where the libraries load (probing them loads
+    // foreign libraries: behind the panic boundary)
+    catch_unwind(|| {
+        let gpu = crate::transport::cuda::cuda_present() && crate::transport::nccl::nccl_present();
+        i32::from(gpu && (s.eq_ignore_ascii_case("nccl") || s.eq_ignore_ascii_case("cuda")))
+    })
+    .unwrap_or(0)
 }
 
 /// `sizeof` of the C API's struct named `name` ("fv_tensor", "fv_op", "fv_init_options",
@@ -471,6 +485,39 @@ impl OutputAllocator for CAllocator {
 /// Whether two byte ranges of length `len` starting at `a` and `b` share a byte.
 fn overlaps(a: usize, b: usize, len: usize) -> bool {
     len > 0 && a < b.saturating_add(len) && b < a.saturating_add(len)
+}
+
+/// The tensors of one grouped operation must not share memory that any of them writes: one
+/// tensor's result would overwrite another's input or result, in an order nobody chose.
+fn check_no_aliasing(raw: &[fv_tensor], specs: &[TensorSpec]) -> Result<()> {
+    // (start, end, tensor, written)
+    let mut ranges: Vec<(usize, usize, usize, bool)> = Vec::new();
+    for (i, (t, s)) in raw.iter().zip(specs).enumerate() {
+        let bytes = s.shape.iter().product::<i64>() as usize * s.dtype.size();
+        if bytes == 0 {
+            continue;
+        }
+        let input = t.input as usize;
+        let in_place = matches!(s.output, OutputMem::InPlace);
+        ranges.push((input, input.saturating_add(bytes), i, in_place));
+        if matches!(s.output, OutputMem::Borrowed(_)) {
+            let out = t.output as usize;
+            ranges.push((out, out.saturating_add(bytes), i, true));
+        }
+    }
+    ranges.sort_unstable();
+    for (k, a) in ranges.iter().enumerate() {
+        for b in ranges[k + 1..].iter().take_while(|b| b.0 < a.1) {
+            if a.2 != b.2 && (a.3 || b.3) {
+                return Err(Error::InvalidArgument(format!(
+                    "tensors '{}' and '{}' of one grouped operation share memory that the operation writes",
+                    specs[a.2.min(b.2)].name,
+                    specs[a.2.max(b.2)].name
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// # Safety
@@ -562,11 +609,15 @@ pub unsafe extern "C" fn fv_enqueue(op: *const fv_op, out: *mut fv_handle) -> St
             .ok_or_else(|| Error::InvalidArgument(format!("unknown reduce op {}", op.reduce_op)))?;
         // SAFETY: `num_tensors` readable elements per the contract.
         let tensors = unsafe { slice(op.tensors, op.num_tensors, "tensors") }?;
-        let tensors = tensors
+        let specs = tensors
             .iter()
             // SAFETY: each element is a valid fv_tensor.
             .map(|t| unsafe { tensor_spec(t, kind) })
             .collect::<Result<Vec<_>>>()?;
+        if tensors.len() > 1 {
+            check_no_aliasing(tensors, &specs)?;
+        }
+        let tensors = specs;
         let mut spec = OpSpec::new(kind, tensors);
         spec.reduce_op = reduce_op;
         spec.prescale = op.prescale;
@@ -628,6 +679,9 @@ fn with_handle<R>(
     h: fv_handle,
     f: impl FnOnce(&runtime::handle::Handle) -> Result<R>,
 ) -> Result<R> {
+    if let Some(handle) = runtime::handle::in_callback(h) {
+        return f(&handle);
+    }
     let rt = runtime::runtime()?;
     let handle = rt.handles.get(h)?;
     f(&handle)
@@ -645,12 +699,26 @@ pub extern "C" fn fv_poll(h: fv_handle, done: *mut i32) -> Status {
 #[unsafe(no_mangle)]
 pub extern "C" fn fv_wait(h: fv_handle, timeout_seconds: f64) -> Status {
     guard(|| {
-        let timeout = (timeout_seconds >= 0.0).then(|| Duration::from_secs_f64(timeout_seconds));
+        let timeout = wait_limit(timeout_seconds)?;
         let rt = runtime::runtime()?;
         let handle = rt.handles.get(h)?;
         drop(rt);
         handle.wait(timeout)
     })
+}
+
+/// `fv_wait`'s timeout: negative or +inf waits for ever, as does one too large for a
+/// `Duration`; NaN is refused.
+fn wait_limit(seconds: f64) -> Result<Option<Duration>> {
+    if seconds.is_nan() {
+        return Err(Error::InvalidArgument(
+            "fv_wait: timeout_seconds is NaN".into(),
+        ));
+    }
+    if seconds < 0.0 {
+        return Ok(None);
+    }
+    Ok(Duration::try_from_secs_f64(seconds).ok())
 }
 
 /// Forgets a handle (and any output ferrovod allocated for it). Unknown handles are an error.
@@ -683,6 +751,11 @@ pub extern "C" fn fv_handle_error(
     })
 }
 
+fn tensor_index(index: i32) -> Result<usize> {
+    usize::try_from(index)
+        .map_err(|_| Error::InvalidArgument(format!("tensor index {index} is negative")))
+}
+
 fn completed_ok(hd: &runtime::handle::Handle, h: fv_handle) -> Result<()> {
     match hd.poll() {
         None => Err(Error::InvalidArgument(format!(
@@ -705,7 +778,7 @@ pub extern "C" fn fv_handle_output(
         with_handle(h, |hd| {
             completed_ok(hd, h)?;
             let (p, n) = hd
-                .with_result(index.max(0) as usize, |r| {
+                .with_result(tensor_index(index)?, |r| {
                     r.output
                         .as_ref()
                         .map(|v| (v.as_ptr() as *const c_void, v.len() as u64))
@@ -736,7 +809,7 @@ pub extern "C" fn fv_handle_shape(
         with_handle(h, |hd| {
             completed_ok(hd, h)?;
             let dims = hd
-                .result(index.max(0) as usize)
+                .result(tensor_index(index)?)
                 .ok_or_else(|| Error::InvalidArgument(format!("no tensor {index}")))?
                 .shape;
             put(ndim, dims.len() as i32, "ndim")?;
@@ -762,7 +835,7 @@ pub extern "C" fn fv_handle_received_splits(
         with_handle(h, |hd| {
             completed_ok(hd, h)?;
             let s = hd
-                .result(index.max(0) as usize)
+                .result(tensor_index(index)?)
                 .ok_or_else(|| Error::InvalidArgument(format!("no tensor {index}")))?
                 .received_splits;
             put(n, s.len() as i32, "n")?;
@@ -890,6 +963,30 @@ mod tests {
             committed == generated,
             "include/ferrovod.h is stale: run `FERROVOD_UPDATE_HEADER=1 cargo test committed_header`"
         );
+    }
+
+    #[test]
+    fn wait_limits() {
+        use super::wait_limit;
+        use std::time::Duration;
+        assert!(wait_limit(f64::NAN).is_err());
+        assert_eq!(wait_limit(-1.0).unwrap(), None);
+        assert_eq!(wait_limit(f64::INFINITY).unwrap(), None);
+        assert_eq!(wait_limit(1e20).unwrap(), None);
+        assert_eq!(wait_limit(0.5).unwrap(), Some(Duration::from_millis(500)));
+    }
+
+    #[test]
+    fn header_names_only_c_identifiers() {
+        let h = include_str!(concat!(env!("OUT_DIR"), "/ferrovod.h"));
+        assert!(!h.contains("_ALL {"), "a Rust-only list reached the header");
+    }
+
+    #[test]
+    fn tensor_indices_are_not_negative() {
+        use super::tensor_index;
+        assert_eq!(tensor_index(3).unwrap(), 3);
+        assert!(tensor_index(-1).is_err());
     }
 
     #[test]

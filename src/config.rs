@@ -129,6 +129,30 @@ fn env_bool(key: &str) -> bool {
     })
 }
 
+/// A duration given in `unit` (seconds per unit, e.g. 0.001 for milliseconds). Negative, NaN,
+/// infinite or too large values are refused with a warning, and `default` (in units) is used.
+fn env_duration(key: &str, default: f64, unit: f64) -> Duration {
+    duration_of(key, env_str(key).as_deref(), default, unit)
+}
+
+fn duration_of(key: &str, raw: Option<&str>, default: f64, unit: f64) -> Duration {
+    let fallback = Duration::from_secs_f64(default * unit);
+    let Some(raw) = raw else {
+        return fallback;
+    };
+    let v = match raw.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => v,
+        _ => {
+            tracing::warn!("ignoring {key}={raw}: expected a finite number >= 0");
+            return fallback;
+        }
+    };
+    Duration::try_from_secs_f64(v * unit).unwrap_or_else(|_| {
+        tracing::warn!("ignoring {key}={raw}: too large");
+        fallback
+    })
+}
+
 fn env_num<T: std::str::FromStr>(key: &str, default: T) -> T {
     match env_str(key) {
         None => default,
@@ -148,28 +172,26 @@ impl Config {
     }
 
     pub fn from_env() -> Config {
-        let warn = env_num("HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0f64).max(0.0);
-        let mut shutdown = env_num(
+        let warn = env_duration("HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0, 1.0);
+        let mut shutdown = env_duration(
             "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
             DEFAULT_STALL_SHUTDOWN_SECONDS as f64,
-        )
-        .max(0.0);
-        if shutdown > 0.0 && shutdown < warn {
+            1.0,
+        );
+        if shutdown > Duration::ZERO && shutdown < warn {
             tracing::warn!(
-                "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS ({shutdown}) is less than HOROVOD_STALL_CHECK_TIME_SECONDS ({warn}); using the check time"
+                "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS ({shutdown:?}) is less than HOROVOD_STALL_CHECK_TIME_SECONDS ({warn:?}); using the check time"
             );
             shutdown = warn;
         }
         Config {
-            cycle_time: Duration::from_secs_f64(
-                env_num("HOROVOD_CYCLE_TIME", 1.0f64).max(0.0) / 1000.0,
-            ),
+            cycle_time: env_duration("HOROVOD_CYCLE_TIME", 1.0, 1e-3),
             fusion_threshold: env_num("HOROVOD_FUSION_THRESHOLD", 128usize * 1024 * 1024),
             fusion_direct_bytes: env_num("FERROVOD_FUSION_DIRECT_BYTES", 64usize * 1024),
             cache_capacity: env_num("HOROVOD_CACHE_CAPACITY", 1024usize),
             stall_check: !env_bool("HOROVOD_STALL_CHECK_DISABLE"),
-            stall_warn: Duration::from_secs_f64(warn),
-            stall_shutdown: Duration::from_secs_f64(shutdown),
+            stall_warn: warn,
+            stall_shutdown: shutdown,
             mpi_threads_disable: env_bool("HOROVOD_MPI_THREADS_DISABLE"),
             timeline: env_str("HOROVOD_TIMELINE").filter(|t| t != "DYNAMIC"),
             timeline_mark_cycles: env_bool("HOROVOD_TIMELINE_MARK_CYCLES"),
@@ -186,9 +208,7 @@ impl Config {
             },
             plan_file: env_str("FERROVOD_PLAN_FILE"),
             plan_warmup_steps: env_num("FERROVOD_PLAN_WARMUP_STEPS", 5usize).max(1),
-            plan_escape: Duration::from_secs_f64(
-                env_num("FERROVOD_PLAN_ESCAPE_MS", 1000.0f64).max(0.0) / 1000.0,
-            ),
+            plan_escape: env_duration("FERROVOD_PLAN_ESCAPE_MS", 1000.0, 1e-3),
             channels: env_num(
                 "FERROVOD_CHANNELS",
                 env_num("PERSEUS_ALLREDUCE_STREAMS", 1usize),
@@ -240,4 +260,24 @@ pub fn init_logging() {
         .with_writer(std::io::stderr)
         .with_target(false)
         .try_init();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_refuse_what_cannot_be_a_duration() {
+        let d = |raw| duration_of("X", raw, 2.0, 1e-3);
+        assert_eq!(d(None), Duration::from_millis(2));
+        assert_eq!(d(Some("5")), Duration::from_millis(5));
+        assert_eq!(d(Some(" 0.5 ")), Duration::from_micros(500));
+        for bad in ["inf", "-inf", "NaN", "-1", "1e300", "abc"] {
+            assert_eq!(d(Some(bad)), Duration::from_millis(2), "{bad}");
+        }
+        assert_eq!(
+            duration_of("X", Some("1e20"), 60.0, 1.0),
+            Duration::from_secs(60)
+        );
+    }
 }

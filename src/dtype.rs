@@ -19,6 +19,8 @@ pub enum DataType {
 }
 
 impl DataType {
+    /// Rust only: as a C macro it would name identifiers that do not exist.
+    /// cbindgen:ignore
     pub const ALL: [DataType; 11] = [
         DataType::U8,
         DataType::I8,

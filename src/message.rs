@@ -20,6 +20,8 @@ pub enum OpKind {
 }
 
 impl OpKind {
+    /// Rust only: as a C macro it would name identifiers that do not exist.
+    /// cbindgen:ignore
     pub const ALL: [OpKind; 9] = [
         OpKind::Allreduce,
         OpKind::Allgather,

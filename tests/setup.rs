@@ -105,7 +105,11 @@ fn setup_check_is_not_fooled_by_libclang_cpp() {
     // the builtin headers are needed too
     std::fs::remove_file(dir.join("clang/14/include/stddef.h")).unwrap();
     let out = check("setup.sh", &env, None);
-    assert!(stderr(&out).contains("clang builtin headers"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("clang builtin headers"),
+        "{}",
+        stderr(&out)
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -121,7 +125,11 @@ fn setup_python_check_names_missing_packages() {
         .status()
         .unwrap();
     assert!(made.success());
-    let out = check("setup-python.sh", &[("FERROVOD_VENV", venv.as_path())], None);
+    let out = check(
+        "setup-python.sh",
+        &[("FERROVOD_VENV", venv.as_path())],
+        None,
+    );
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(1), "{err}");
     for want in [

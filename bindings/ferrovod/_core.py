@@ -347,15 +347,59 @@ def remove_process_set(set_id):
     check(LIB.fv_remove_process_set(int(set_id)))
 
 
+# Operations in flight: handle id -> the buffers (numpy arrays, ctypes structs) that ferrovod
+# may still read or write. They stay here until the handle is released, whatever happens to
+# the Python objects, as Horovod's _handle_map does. Handles dropped before release are
+# "orphans": released (and their buffers freed) by a later enqueue once they have completed.
+# Shared by every framework binding.
+_in_flight = {}
+_orphans = set()
+_in_flight_lock = threading.Lock()
+
+
+def _register(hid, keep):
+    with _in_flight_lock:
+        _in_flight[hid] = keep
+
+
+def _forget(hid):
+    with _in_flight_lock:
+        _in_flight.pop(hid, None)
+        _orphans.discard(hid)
+
+
+def _sweep_orphans():
+    with _in_flight_lock:
+        orphans = list(_orphans)
+    for hid in orphans:
+        done = ctypes.c_int32()
+        if LIB.fv_poll(hid, ctypes.byref(done)) != OK or done.value:
+            LIB.fv_release(hid)
+            _forget(hid)
+
+
+def in_flight_count():
+    """Operations whose buffers ferrovod may still use (for tests and leak checks)."""
+    with _in_flight_lock:
+        return len(_in_flight)
+
+
 class Handle:
-    """An enqueued operation. Keeps its numpy inputs and outputs alive until completion."""
+    """An enqueued operation. Its numpy inputs and outputs stay alive in the in-flight
+    registry until it is released, even if this object is dropped first."""
 
     def __init__(self, hid, keep, outputs, kind):
         self.id = hid
-        self._keep = keep
+        _register(hid, keep)
         self._outputs = outputs
         self._kind = kind
         self._released = False
+
+    def __del__(self):
+        if not getattr(self, "_released", True):
+            with _in_flight_lock:
+                if self.id in _in_flight:
+                    _orphans.add(self.id)
 
     def poll(self):
         done = ctypes.c_int32()
@@ -379,9 +423,10 @@ class Handle:
         return np.frombuffer(raw, dtype=dtype).reshape(dims).copy()
 
     def received_splits(self, index=0):
-        buf = (ctypes.c_int32 * 65536)()
         n = ctypes.c_int32()
-        check(LIB.fv_handle_received_splits(self.id, index, buf, len(buf), ctypes.byref(n)))
+        check(LIB.fv_handle_received_splits(self.id, index, None, 0, ctypes.byref(n)))
+        buf = (ctypes.c_int32 * max(n.value, 1))()
+        check(LIB.fv_handle_received_splits(self.id, index, buf, n.value, ctypes.byref(n)))
         return np.array(buf[: n.value], dtype=np.int32)
 
     def value(self):
@@ -415,7 +460,7 @@ class Handle:
         if not self._released:
             self._released = True
             LIB.fv_release(self.id)
-            self._keep = None
+            _forget(self.id)
 
 
 _name_lock = threading.Lock()
@@ -436,6 +481,7 @@ def enqueue(kind, arrays, names, reduce_op=SUM, prescale=1.0, postscale=1.0, roo
     Allreduce/broadcast write a new array (or the input itself with `inplace=True`);
     allgather/alltoall/reducescatter outputs are allocated by ferrovod and copied out on wait.
     """
+    _sweep_orphans()
     arrays = [np.ascontiguousarray(a) for a in arrays]
     n = len(arrays)
     tensors = (_Tensor * max(n, 1))()

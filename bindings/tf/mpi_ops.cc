@@ -6,6 +6,7 @@
 // Built by ferrovod/tensorflow/build.py against the installed TensorFlow's headers. The fv_*
 // symbols are resolved at load time from libferrovod, which ferrovod._core loads RTLD_GLOBAL.
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -87,27 +88,56 @@ struct Pending {
   bool join_output = false;                // join: output = last joined rank
 };
 
+// The message of a failed operation; if even that cannot be read, says so with both codes.
+std::string HandleError(fv_handle h, int32_t code) {
+  size_t needed = 0;
+  int32_t rc = fv_handle_error(h, nullptr, 0, &needed);
+  std::string msg(needed, '\0');
+  if (rc == FV_STATUS_OK && needed > 0) rc = fv_handle_error(h, msg.data(), needed, nullptr);
+  if (rc != FV_STATUS_OK) {
+    return "ferrovod: the operation failed with status " + std::to_string(code) +
+           ", and its message could not be read (status " + std::to_string(rc) + ": " +
+           LastError() + ")";
+  }
+  msg.resize(needed > 0 ? needed - 1 : 0);
+  return msg;
+}
+
+// Every query of the handle is checked: a failed query fails the op with its reason instead
+// of completing it with made-up outputs.
 void OnDone(void* user, fv_handle h, int32_t code) {
   std::unique_ptr<Pending> p(static_cast<Pending*>(user));
   if (code != FV_STATUS_OK) {
-    char buf[4096] = {0};
-    fv_handle_error(h, buf, sizeof buf, nullptr);
-    p->ctx->SetStatus(ToStatus(code, buf));
+    p->ctx->SetStatus(ToStatus(code, HandleError(h, code)));
   } else if (p->splits_output) {
-    std::vector<int32_t> got(4096);
+    // as many received splits as there are ranks in the set: ask for the count first
     int32_t n = 0;
-    fv_handle_received_splits(h, 0, got.data(), static_cast<int32_t>(got.size()), &n);
-    Tensor* out = nullptr;
-    auto s = p->ctx->allocate_output(1, TensorShape({n}), &out);
-    if (s.ok()) std::memcpy(out->flat<int32_t>().data(), got.data(), sizeof(int32_t) * n);
-    p->ctx->SetStatus(s);
+    int32_t rc = fv_handle_received_splits(h, 0, nullptr, 0, &n);
+    std::vector<int32_t> got(std::max<int32_t>(n, 0));
+    if (rc == FV_STATUS_OK && n > 0) {
+      int32_t again = 0;
+      rc = fv_handle_received_splits(h, 0, got.data(), n, &again);
+      if (rc == FV_STATUS_OK && again != n) rc = FV_STATUS_UNKNOWN;
+    }
+    if (rc != FV_STATUS_OK) {
+      p->ctx->SetStatus(ToStatus(rc, "ferrovod: reading alltoall's received splits failed: " + LastError()));
+    } else {
+      Tensor* out = nullptr;
+      auto s = p->ctx->allocate_output(1, TensorShape({n}), &out);
+      if (s.ok() && n > 0) std::memcpy(out->flat<int32_t>().data(), got.data(), sizeof(int32_t) * n);
+      p->ctx->SetStatus(s);
+    }
   } else if (p->join_output) {
     int32_t last = -1;
-    fv_handle_value(h, &last);
-    Tensor* out = nullptr;
-    auto s = p->ctx->allocate_output(0, TensorShape({}), &out);
-    if (s.ok()) out->scalar<int32_t>()() = last;
-    p->ctx->SetStatus(s);
+    int32_t rc = fv_handle_value(h, &last);
+    if (rc != FV_STATUS_OK) {
+      p->ctx->SetStatus(ToStatus(rc, "ferrovod: reading join's last rank failed: " + LastError()));
+    } else {
+      Tensor* out = nullptr;
+      auto s = p->ctx->allocate_output(0, TensorShape({}), &out);
+      if (s.ok()) out->scalar<int32_t>()() = last;
+      p->ctx->SetStatus(s);
+    }
   }
   p->done();
 }

@@ -54,6 +54,20 @@ pub(crate) fn polling() -> bool {
     POLLING.load(Ordering::Relaxed)
 }
 
+thread_local! {
+    /// Handles whose done callback runs on this thread now.
+    static CALLING: std::cell::RefCell<Vec<Arc<Handle>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The handle `id` if its done callback is running on this thread: callbacks can read their
+/// results and errors without the runtime (which is gone when a shutdown fails them).
+pub fn in_callback(id: HandleId) -> Option<Arc<Handle>> {
+    CALLING
+        .try_with(|c| c.borrow().iter().rev().find(|h| h.id == id).cloned())
+        .ok()
+        .flatten()
+}
+
 pub struct Handle {
     pub id: HandleId,
     state: Mutex<State>,
@@ -104,7 +118,12 @@ impl Handle {
 
     /// Records tensor `index`; the operation completes (callback, waiters) with the last one.
     /// The first error of any tensor is the operation's error.
-    pub fn complete_one(&self, index: usize, result: Result<TensorResult>, value: Option<i32>) {
+    pub fn complete_one(
+        self: &Arc<Self>,
+        index: usize,
+        result: Result<TensorResult>,
+        value: Option<i32>,
+    ) {
         let mut s = self.state.lock().expect("handle lock");
         if s.remaining == 0 {
             return;
@@ -134,7 +153,7 @@ impl Handle {
     }
 
     /// Completes a tensor whose result was staged (on error the staged result is moot).
-    pub fn complete_staged(&self, outcome: Result<()>) {
+    pub fn complete_staged(self: &Arc<Self>, outcome: Result<()>) {
         let s = self.state.lock().expect("handle lock");
         if s.remaining == 0 {
             return;
@@ -143,7 +162,7 @@ impl Handle {
     }
 
     fn count_down(
-        &self,
+        self: &Arc<Self>,
         mut s: std::sync::MutexGuard<'_, State>,
         error: Option<Error>,
         value: Option<i32>,
@@ -170,7 +189,10 @@ impl Handle {
         let callback = s.callback.take();
         drop(s);
         if let Some(cb) = callback {
+            // the callback may query its handle after shutdown removed the runtime
+            CALLING.with(|c| c.borrow_mut().push(self.clone()));
             cb(self.id, &outcome);
+            CALLING.with(|c| c.borrow_mut().pop());
         }
     }
 

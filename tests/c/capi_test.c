@@ -54,6 +54,21 @@ static void on_done(void *user, fv_handle h, int32_t status) {
     __atomic_store_n(&ctx->calls, ctx->calls + 1, __ATOMIC_SEQ_CST);
 }
 
+/* a callback that reads its own handle's error, as a framework's does (also after shutdown) */
+struct query_ctx {
+    volatile int calls;
+    int32_t status;
+    int32_t query_status;
+    char msg[512];
+};
+
+static void on_done_query(void *user, fv_handle h, int32_t status) {
+    struct query_ctx *ctx = (struct query_ctx *)user;
+    ctx->status = status;
+    ctx->query_status = fv_handle_error(h, ctx->msg, sizeof ctx->msg, NULL);
+    __atomic_store_n(&ctx->calls, ctx->calls + 1, __ATOMIC_SEQ_CST);
+}
+
 static struct fv_op op_of(int32_t kind, const struct fv_tensor *t, int32_t n) {
     struct fv_op op;
     memset(&op, 0, sizeof op);
@@ -116,6 +131,23 @@ int main(void) {
         CHECK(fv_enqueue(&op, &h) == FV_STATUS_INVALID_ARGUMENT, "overlapping output");
         CHECK(strstr(last_error(), "overlaps") != NULL, "%s", last_error());
     }
+    {
+        /* two tensors of one grouped allreduce sharing memory that it writes */
+        float buf[8] = {0};
+        int64_t shape[1] = {4};
+        struct fv_tensor ts[2] = {
+            {"alias.a", FV_DTYPE_F32, 1, shape, buf, buf, NULL, 0},
+            {"alias.b", FV_DTYPE_F32, 1, shape, buf + 2, buf + 2, NULL, 0},
+        };
+        struct fv_op op = op_of(FV_OP_KIND_ALLREDUCE, ts, 2);
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_INVALID_ARGUMENT, "aliased group");
+        CHECK(strstr(last_error(), "share memory") != NULL, "%s", last_error());
+        /* one tensor's output on another's input */
+        float other[4] = {0};
+        ts[1].input = other;
+        ts[1].output = buf + 1;
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_INVALID_ARGUMENT, "output on another input");
+    }
 
     /* allreduce, in place, waited on by handle */
     {
@@ -126,6 +158,12 @@ int main(void) {
         struct fv_op op = op_of(FV_OP_KIND_ALLREDUCE, &t, 1);
         CHECK(fv_enqueue(&op, &h) == FV_STATUS_OK, "allreduce enqueue: %s", last_error());
         CHECK(fv_wait(h, 60.0) == FV_STATUS_OK, "allreduce wait: %s", last_error());
+        CHECK(fv_wait(h, 0.0 / 0.0) == FV_STATUS_INVALID_ARGUMENT, "wait NaN");
+        CHECK(fv_wait(h, 1.0 / 0.0) == FV_STATUS_OK, "wait +inf: %s", last_error());
+        CHECK(fv_wait(h, 1e20) == FV_STATUS_OK, "wait 1e20: %s", last_error());
+        int64_t dims[2];
+        int32_t nd = 0;
+        CHECK(fv_handle_shape(h, -1, dims, 2, &nd) == FV_STATUS_INVALID_ARGUMENT, "negative index");
         int32_t done = 0;
         CHECK(fv_poll(h, &done) == FV_STATUS_OK && done == 1, "poll");
         CHECK(fv_release(h) == FV_STATUS_OK, "release");
@@ -266,7 +304,27 @@ int main(void) {
         CHECK(fv_enqueue(&op, &h) == FV_STATUS_OK && fv_wait(h, 60.0) == FV_STATUS_OK, "barrier");
         fv_release(h);
     }
+    /* an operation no other rank submits, failed by the shutdown: its callback still reads
+       its handle */
+    struct query_ctx q;
+    memset(&q, 0, sizeof q);
+    {
+        static float lone[2] = {1, 2};
+        static char name[64];
+        static int64_t shape[1] = {2};
+        snprintf(name, sizeof name, "only.on.rank%d", rank);
+        static struct fv_tensor t;
+        t = (struct fv_tensor){name, FV_DTYPE_F32, 1, shape, lone, lone, NULL, 0};
+        struct fv_op op = op_of(FV_OP_KIND_ALLREDUCE, &t, 1);
+        op.done = on_done_query;
+        op.done_user_data = &q;
+        CHECK(fv_enqueue(&op, NULL) == FV_STATUS_OK, "lone enqueue: %s", last_error());
+    }
     CHECK(fv_shutdown() == FV_STATUS_OK, "shutdown");
+    CHECK(__atomic_load_n(&q.calls, __ATOMIC_SEQ_CST) == 1, "callback of a failed op ran once");
+    CHECK(q.status == FV_STATUS_SHUT_DOWN, "failed op status %d", q.status);
+    CHECK(q.query_status == FV_STATUS_OK, "handle query in the callback: %d", q.query_status);
+    CHECK(strstr(q.msg, "shut down") != NULL, "callback read: %s", q.msg);
     CHECK(fv_is_initialized() == 0, "is_initialized after shutdown");
     CHECK(fv_rank(&rank) == FV_STATUS_NOT_INITIALIZED, "rank after shutdown");
 

@@ -120,3 +120,37 @@ def test_metrics_count_this_process_traffic():
     assert after["control_collectives"] > before["control_collectives"]
     assert after["cycles"] > before["cycles"]
     assert after["graph_launches"] == before["graph_launches"]  # host batches have no graphs
+
+
+def test_dropped_handle_keeps_its_buffers_until_completion():
+    """A handle dropped before its operation completes must not free the arrays ferrovod still
+    writes: the in-flight registry holds them, and a later enqueue frees them once done."""
+    import gc
+    import time
+    import weakref
+
+    r, n = hvd.rank(), hvd.size()
+    before = _core.in_flight_count()
+    x = np.full(1 << 16, float(r + 1), dtype=np.float32)
+    if r == 0:
+        h = _core.enqueue(_core.ALLREDUCE, [x], ["dropped.handle"])
+        out = h._outputs[0]
+        alive = weakref.ref(out)
+        del h, out, x
+        gc.collect()
+        # the other ranks submit only after this; the output must still be there
+        assert alive() is not None
+        assert _core.in_flight_count() == before + 1
+        _core.enqueue(_core.BARRIER, [], []).wait()
+        # completes once the others submitted; then the next enqueue's sweep releases it
+        deadline = time.time() + 30
+        while alive() is not None and time.time() < deadline:
+            _core._sweep_orphans()
+            gc.collect()
+            time.sleep(0.01)
+        assert alive() is None
+        assert _core.in_flight_count() == before
+    else:
+        _core.enqueue(_core.BARRIER, [], []).wait()
+        (got,) = _core.enqueue(_core.ALLREDUCE, [x], ["dropped.handle"]).wait()
+        np.testing.assert_array_equal(got, np.full(1 << 16, n * (n + 1) / 2, dtype=np.float32))
