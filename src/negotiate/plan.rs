@@ -113,7 +113,12 @@ impl Plan {
             .map(|k| word(rest, 8 + 8 * k))
             .collect::<Result<Vec<_>>>()?;
         let list = wire::decode_responses(&rest[8 + 8 * n..])?;
-        if sizes.iter().sum::<usize>() != list.responses.len() || sizes.contains(&0) {
+        if !list.joined.is_empty() || list.shutdown.is_some() {
+            // a plan never holds them: a file that does was not written by ferrovod
+            return Err(bad("join or shutdown state"));
+        }
+        let total = sizes.iter().try_fold(0usize, |a, s| a.checked_add(*s));
+        if total != Some(list.responses.len()) || sizes.contains(&0) {
             return Err(bad("batch sizes"));
         }
         let mut it = list.responses.into_iter();
@@ -490,5 +495,20 @@ mod tests {
         let mut bytes = plan.encode();
         bytes.truncate(bytes.len() - 3);
         assert!(Plan::decode(&bytes).is_err());
+        // batch sizes whose sum overflows (to the number of responses, 0) are refused
+        let mut huge = FILE_MAGIC.to_vec();
+        huge.extend(2u64.to_le_bytes());
+        huge.extend((1u64 << 63).to_le_bytes());
+        huge.extend((1u64 << 63).to_le_bytes());
+        huge.extend(wire::encode_responses(&ResponseList::default()));
+        assert!(Plan::decode(&huge).is_err());
+        // an embedded list with joined ranks (found by the wire fuzz target) is not a plan
+        let mut joined = FILE_MAGIC.to_vec();
+        joined.extend(0u64.to_le_bytes());
+        joined.extend(wire::encode_responses(&ResponseList {
+            joined: vec![59],
+            ..Default::default()
+        }));
+        assert!(Plan::decode(&joined).is_err());
     }
 }

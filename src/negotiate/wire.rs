@@ -213,7 +213,11 @@ pub fn decode_responses(buf: &[u8]) -> Result<ResponseList> {
         1 => Some(r.str()?),
         _ => return Err(corrupt("bad shutdown flag")),
     };
-    let joined = r.i64s()?.into_iter().map(|v| v as i32).collect();
+    let joined = r
+        .i64s()?
+        .into_iter()
+        .map(|v| i32::try_from(v).map_err(|_| corrupt("joined rank out of range")))
+        .collect::<Result<Vec<i32>>>()?;
     let n = r.len(4)?;
     let mut responses = Vec::with_capacity(n);
     for _ in 0..n {
@@ -318,5 +322,13 @@ mod tests {
         let mut extra = encode_requests(&RequestList::default());
         extra.push(0);
         assert!(decode_requests(&extra).is_err());
+        // a joined rank beyond i32 (found by the wire fuzz target): refused, not truncated
+        let mut joined = encode_responses(&ResponseList {
+            joined: vec![5],
+            ..Default::default()
+        });
+        // magic, shutdown flag, joined count, then the rank as an i64
+        joined[9..17].copy_from_slice(&(1i64 << 32 | 5).to_le_bytes());
+        assert!(decode_responses(&joined).is_err());
     }
 }
