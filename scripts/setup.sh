@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs the system packages ferrovod's build and tests use on a fresh Debian/Ubuntu machine.
+# Installs the system packages ferrovod's build and tests use on a fresh Debian/Ubuntu machine,
+# and cargo-fuzz (the fuzz targets' runner, from crates.io).
 # Each requirement is checked for exactly what uses it (the command the build runs, the library
 # bindgen loads, the header the shim includes), not for something that merely looks alike: the
 # image ships libclang-cpp.so.14, which bindgen cannot use, without libclang.so, which it loads.
@@ -72,13 +73,19 @@ check_all() {
   fi
   if ! have cargo; then
     missing+=("rustup|command cargo: install Rust with rustup (https://rustup.rs)")
+  elif ! cargo fuzz --version >/dev/null 2>&1; then
+    missing+=("cargo:cargo-fuzz|cargo fuzz (the fuzz targets in fuzz/)")
   fi
 }
 
 report() {
-  local m
+  local m p
   for m in "${missing[@]}"; do
-    echo "setup: missing: ${m#*|} — Debian package ${m%%|*}" >&2
+    p=${m%%|*}
+    case "$p" in
+      cargo:*) echo "setup: missing: ${m#*|} — cargo install ${p#cargo:} --locked" >&2 ;;
+      *) echo "setup: missing: ${m#*|} — Debian package $p" >&2 ;;
+    esac
   done
 }
 
@@ -91,9 +98,13 @@ if [ "$mode" = check ]; then
   exit 1
 fi
 
+crates=()
 for m in "${missing[@]}"; do
   p=${m%%|*}
-  [ "$p" = rustup ] && continue
+  case "$p" in
+    rustup) continue ;;
+    cargo:*) crates+=("${p#cargo:}"); continue ;;
+  esac
   case " ${pkgs[*]:-} " in *" $p "*) ;; *) pkgs+=("$p") ;; esac
 done
 if [ ${#pkgs[@]} -gt 0 ]; then
@@ -102,6 +113,10 @@ if [ ${#pkgs[@]} -gt 0 ]; then
   echo "setup: installing ${pkgs[*]}" >&2
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${pkgs[@]}" >/dev/null
+fi
+if [ ${#crates[@]} -gt 0 ]; then
+  echo "setup: installing ${crates[*]} (cargo install)" >&2
+  cargo install -q --locked "${crates[@]}"
 fi
 check_all
 if [ ${#missing[@]} -gt 0 ]; then

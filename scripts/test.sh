@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Runs every check: formatting, clippy, unit tests, the C API program, the multi-rank
-# scenarios under mpirun (np 2, 3 and 4, oversubscribed), then the Python packages in .venv
-# (pytest under mpirun -np 2 and 4, and the launcher).
+# Runs every check: the setup checks, formatting, clippy, unit tests, the C API program, the
+# multi-rank scenarios under mpirun (np 2, 3 and 4, oversubscribed), the fuzz targets for a
+# bounded time, then the Python packages in .venv (pytest under mpirun -np 2 and 4, and the
+# launcher).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -14,6 +15,19 @@ cargo test --release
 # collectives and join scenarios once more with polling on
 FERROVOD_POLL=1 cargo test --release --test mpi -- collectives
 FERROVOD_POLL=1 cargo test --release --test mpi -- join
+# fuzz the C boundary's argument checks and the wire/plan decoders for a bounded time
+# (FUZZ_SECONDS each; longer by hand, see docs/fuzzing.md)
+(cd fuzz && cargo fmt --check)
+fuzz_log=$(mktemp)
+for target in wire enqueue; do
+  if ! cargo fuzz run -s none -O "$target" -- -max_total_time="${FUZZ_SECONDS:-60}" >"$fuzz_log" 2>&1; then
+    tail -n 80 "$fuzz_log"
+    echo "fuzz target $target failed (its input is in fuzz/artifacts/$target/)" >&2
+    exit 1
+  fi
+  echo "fuzz $target: $(grep -E '^Done' "$fuzz_log")"
+done
+rm -f "$fuzz_log"
 
 bash scripts/setup-python.sh
 # a test that desynchronises the ranks fails within a minute instead of the 600 s default

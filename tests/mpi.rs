@@ -338,6 +338,12 @@ fn main() {
         .args(["--mca", "mpi_yield_when_idle", "1", "--bind-to", "none"])
         .args(["-x", "FERROVOD_TEST_DIR", "-x", "FERROVOD_TEST_SHARED"])
         .args(["-x", "FERROVOD_TEST_GPU", "-x", "NCCL_NVLS_ENABLE"])
+        // as the launcher and the Python package do (docs/gpu.md)
+        .env(
+            "NCCL_RUNTIME_CONNECT",
+            std::env::var("NCCL_RUNTIME_CONNECT").unwrap_or_else(|_| "0".into()),
+        )
+        .args(["-x", "NCCL_RUNTIME_CONNECT"])
         .arg(&exe)
         .arg(name)
         .env("FERROVOD_TEST_DIR", &dir)

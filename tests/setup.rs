@@ -80,7 +80,15 @@ fn setup_check_names_a_missing_command() {
     link("mpirun", &which("mpirun"));
     let out = check("setup.sh", &[], Some(&bin));
     assert!(out.status.success(), "{}", stderr(&out));
+    // cargo finds `cargo fuzz` through PATH and its home's bin: with neither, it is named
+    let home = scratch("cargo-home");
+    let out = check("setup.sh", &[("CARGO_HOME", home.as_path())], Some(&bin));
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("cargo install cargo-fuzz --locked"), "{err}");
     let _ = std::fs::remove_dir_all(&bin);
+    let _ = std::fs::remove_dir_all(&home);
 }
 
 /// The image ships libclang-cpp.so.14 without libclang.so: bindgen cannot use it, and the

@@ -133,6 +133,13 @@ def library_path():
 
 
 def _load():
+    # NCCL (2.22+) connects peers lazily, inside the first collective that needs them, and
+    # blocks the calling thread until the peer connects too: a failed peer would stop
+    # ferrovod's background thread there. Connecting when a communicator is created avoids
+    # that. Set here, at import and before any ferrovod thread exists, rather than by the
+    # library (changing the environment while other threads may read it is unsound); the
+    # launcher exports it too. A value the user chose is kept.
+    os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
     # RTLD_GLOBAL: the TensorFlow op library resolves the fv_* symbols from this library.
     lib = ctypes.CDLL(library_path(), mode=ctypes.RTLD_GLOBAL)
     i32p = ctypes.POINTER(ctypes.c_int32)

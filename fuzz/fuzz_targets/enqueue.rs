@@ -61,7 +61,14 @@ fuzz_target!(|data: &[u8]| {
         shapes.push((0..ndim).map(|_| b.i64()).collect());
         let ns = b.u8() % 5;
         splits.push((0..ns).map(|_| b.i32()).collect());
-        specs.push((b.u8(), b.i32(), b.i32(), b.u8(), (b.i32() as usize) % ARENA, b.u8()));
+        specs.push((
+            b.u8(),
+            b.i32(),
+            b.i32(),
+            b.u8(),
+            (b.i32() as usize) % ARENA,
+            b.u8(),
+        ));
     }
     // SAFETY (of what the library may assume): every pointer below is NULL or inside `arena`,
     // `names`, `shapes` or `splits`, all alive until the end of this function.
@@ -69,28 +76,46 @@ fuzz_target!(|data: &[u8]| {
     let tensors: Vec<fv_tensor> = specs
         .iter()
         .enumerate()
-        .map(|(i, (flags, dtype, ndim_claim, out_mode, off, split_flags))| fv_tensor {
-            name: if flags & 1 == 0 { names[i].as_ptr().cast() } else { std::ptr::null() },
-            dtype: *dtype % 16,
-            ndim: if flags & 2 == 0 { shapes[i].len() as i32 } else { *ndim_claim % 8 },
-            shape: if shapes[i].is_empty() { std::ptr::null() } else { shapes[i].as_ptr() },
-            input: if flags & 4 == 0 { at(*off) } else { std::ptr::null() },
-            output: match out_mode % 3 {
-                0 => std::ptr::null_mut(),
-                1 => at(*off),
-                _ => at((*off + (*out_mode as usize)) % ARENA),
+        .map(
+            |(i, (flags, dtype, ndim_claim, out_mode, off, split_flags))| fv_tensor {
+                name: if flags & 1 == 0 {
+                    names[i].as_ptr().cast()
+                } else {
+                    std::ptr::null()
+                },
+                dtype: *dtype % 16,
+                ndim: if flags & 2 == 0 {
+                    shapes[i].len() as i32
+                } else {
+                    *ndim_claim % 8
+                },
+                shape: if shapes[i].is_empty() {
+                    std::ptr::null()
+                } else {
+                    shapes[i].as_ptr()
+                },
+                input: if flags & 4 == 0 {
+                    at(*off)
+                } else {
+                    std::ptr::null()
+                },
+                output: match out_mode % 3 {
+                    0 => std::ptr::null_mut(),
+                    1 => at(*off),
+                    _ => at((*off + (*out_mode as usize)) % ARENA),
+                },
+                splits: if split_flags & 1 == 0 || splits[i].is_empty() {
+                    std::ptr::null()
+                } else {
+                    splits[i].as_ptr()
+                },
+                nsplits: if split_flags & 2 == 0 {
+                    splits[i].len() as i32
+                } else {
+                    (*split_flags as i32 >> 2).min(splits[i].len() as i32)
+                },
             },
-            splits: if split_flags & 1 == 0 || splits[i].is_empty() {
-                std::ptr::null()
-            } else {
-                splits[i].as_ptr()
-            },
-            nsplits: if split_flags & 2 == 0 {
-                splits[i].len() as i32
-            } else {
-                (*split_flags as i32 >> 2).min(splits[i].len() as i32)
-            },
-        })
+        )
         .collect();
     // a claimed ndim larger than the shape array would read past it: keep the claim within it
     let tensors: Vec<fv_tensor> = tensors
@@ -112,7 +137,11 @@ fuzz_target!(|data: &[u8]| {
         root_rank: b.i32(),
         process_set: b.i32(),
         device: b.i32() % 3 - 1,
-        tensors: if tensors.is_empty() { std::ptr::null() } else { tensors.as_ptr() },
+        tensors: if tensors.is_empty() {
+            std::ptr::null()
+        } else {
+            tensors.as_ptr()
+        },
         num_tensors: (claimed as i32).min(tensors.len() as i32) - i32::from(claimed == 7),
         done: None,
         done_user_data: std::ptr::null_mut(),
@@ -122,7 +151,11 @@ fuzz_target!(|data: &[u8]| {
         ready_event: std::ptr::null_mut(),
     };
     let mut h = 0u64;
-    let out = if b.u8() & 1 == 0 { &mut h as *mut u64 } else { std::ptr::null_mut() };
+    let out = if b.u8() & 1 == 0 {
+        &mut h as *mut u64
+    } else {
+        std::ptr::null_mut()
+    };
     // SAFETY: as above.
     ok(unsafe { capi::fv_enqueue(&op, out) });
     // handle queries with arbitrary arguments
@@ -130,6 +163,12 @@ fuzz_target!(|data: &[u8]| {
     ok(capi::fv_wait(hid, b.f64()));
     let mut dims = [0i64; 4];
     let mut nd = 0i32;
-    ok(capi::fv_handle_shape(hid, b.i32(), dims.as_mut_ptr(), 4, &mut nd));
+    ok(capi::fv_handle_shape(
+        hid,
+        b.i32(),
+        dims.as_mut_ptr(),
+        4,
+        &mut nd,
+    ));
     drop(arena);
 });

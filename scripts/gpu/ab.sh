@@ -7,6 +7,7 @@
 # each variant's first run goes to stderr. Summarise with scripts/gpu/ab_summary.py.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+export NCCL_RUNTIME_CONNECT=${NCCL_RUNTIME_CONNECT:-0}
 export NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export FERROVOD_DATA_DIR=$PWD/.gpu/data
 rounds=$1
@@ -18,7 +19,7 @@ for i in $(seq "$rounds"); do
     if [ "$v" != "$b" ]; then
       for e in $(echo "${v#*:}" | tr ',' ' '); do envs+=(-x "$e"); done
     fi
-    r=$(mpirun -np 2 --bind-to none -x NCCL_NVLS_ENABLE -x FERROVOD_DATA_DIR "${envs[@]}" \
+    r=$(mpirun -np 2 --bind-to none -x NCCL_NVLS_ENABLE -x NCCL_RUNTIME_CONNECT -x FERROVOD_DATA_DIR "${envs[@]}" \
       "./.gpu/$b" gpu --min-bytes 2 --max-bytes 1 2>&1)
     echo "$v $(echo "$r" | grep -oE 'ratio [0-9.]+') $(echo "$r" | grep -oE 'enqueue \(us each\): median [0-9.]+') $(echo "$r" | grep -oE '(ferrovod|one NCCL allreduce) [0-9.]+ us' | tr '\n' ' ')"
     if [ "$i" = 1 ]; then

@@ -15,6 +15,7 @@ what=${1:-all}
 out=${OUT:-/tmp/ferrovod-gpu}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export NCCL_RUNTIME_CONNECT=${NCCL_RUNTIME_CONNECT:-0}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
 export FERROVOD_DATA_DIR=$PWD/.gpu/data
 ngpu=$(nvidia-smi -L | wc -l)
@@ -27,7 +28,7 @@ if [ "$what" != tests ]; then
   : > "$out/bench.jsonl"
   for np in 2 4 8; do
     [ "$np" -le "$ngpu" ] || continue
-    mpirun -np "$np" --bind-to none -x NCCL_NVLS_ENABLE -x FERROVOD_DATA_DIR \
+    mpirun -np "$np" --bind-to none -x NCCL_NVLS_ENABLE -x NCCL_RUNTIME_CONNECT -x FERROVOD_DATA_DIR \
       ./.gpu/ferrovod-bench gpu --floors 2>&1 | tee -a "$out/bench.log" | grep '^JSON ' | sed 's/^JSON //' >> "$out/bench.jsonl" || rc=1
     mpirun -np "$np" --bind-to none -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x PYTHONUNBUFFERED \
       python3 scripts/gpu/torch_allreduce.py .gpu/data/resnet50_grads.tsv 2>&1 | tee -a "$out/torch.log" | grep '^JSON ' | sed 's/^JSON //' >> "$out/bench.jsonl" || rc=1

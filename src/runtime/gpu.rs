@@ -471,14 +471,30 @@ fn finish_loop(rt: Arc<Runtime>, rx: Receiver<Finish>) {
         };
         let (Finish::Complete { recorded, .. } | Finish::Release { recorded, .. }) = &f;
         let mut arrived = Vec::new();
-        let fired = recorded.gpu.bind().and_then(|()| {
-            wait_for(&recorded.event, limit, &mut || {
-                while let Ok(next) = rx.try_recv() {
-                    spent.clear();
-                    arrived.push(stage(next));
-                }
-            })
-        });
+        let mut take_arrivals = || {
+            while let Ok(next) = rx.try_recv() {
+                spent.clear();
+                arrived.push(stage(next));
+            }
+        };
+        let mut fired = recorded
+            .gpu
+            .bind()
+            .and_then(|()| wait_for(&recorded.event, limit, &mut take_arrivals));
+        if let Err(e @ Error::Aborted(_)) = &fired {
+            // The job cannot go on: every rank learns it through the shutdown vote and aborts
+            // its NCCL communicators. The callers may free these tensors once told, so they
+            // are told only after the work is stopped (the abort lets the event fire).
+            tracing::error!("{e}");
+            rt.report_gpu_failure(&e.to_string());
+            let stopped = wait_for(&recorded.event, limit, &mut take_arrivals);
+            if stopped.is_err() {
+                tracing::error!(
+                    "GPU work still not stopped after the NCCL abort was requested; failing its tensors anyway"
+                );
+            }
+            fired = Err(e.clone());
+        }
         match f {
             Finish::Complete { recorded, entries } => {
                 let outcome = fired.and_then(|()| recorded.outcome());

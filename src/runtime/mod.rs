@@ -200,7 +200,6 @@ pub fn init(opts: InitOptions) -> Result<()> {
         return Ok(()); // another thread initialised meanwhile
     }
     crate::config::init_logging();
-    crate::transport::nccl::connect_at_creation();
     let config = opts.config.clone().unwrap_or_else(Config::from_env);
     let (tx, rx) = unbounded();
     let rt = Arc::new(Runtime {

@@ -387,6 +387,8 @@ impl Stream {
     }
 
     pub fn synchronize(&self) -> Result<()> {
+        // the stream may hold collectives that wait for other ranks
+        let _blocked = crate::transport::mpi::blocked("cuStreamSynchronize");
         // SAFETY: a live stream of ours.
         unsafe { result::stream::synchronize(self.0) }.map_err(|e| driver("stream synchronize", e))
     }

@@ -64,11 +64,12 @@ thread_local! {
     };
 }
 
-/// Marks this thread as inside a blocking MPI call until dropped (an outer mark, if any, is
-/// kept: calls split into several nest).
-struct Blocked(usize, Option<(Instant, &'static str)>);
+/// Marks this thread as inside a blocking call that waits for other ranks (MPI, NCCL's
+/// communicator creation, a stream the other ranks' work holds up) until dropped; an outer
+/// mark, if any, is kept (calls split into several nest).
+pub(crate) struct Blocked(usize, Option<(Instant, &'static str)>);
 
-fn blocked(what: &'static str) -> Blocked {
+pub(crate) fn blocked(what: &'static str) -> Blocked {
     let slot = BLOCKED_SLOT.with(|s| *s);
     let mut slots = BLOCKED.lock().unwrap_or_else(|e| e.into_inner());
     let outer = slots[slot];
@@ -105,8 +106,9 @@ pub fn abort_job(message: &str) -> ! {
     std::process::exit(1)
 }
 
-/// A thread that ends the job when a blocking MPI call (a data collective a rank never joins:
-/// it is stopped, or hung) has waited longer than the stall shutdown time. The waiting thread
+/// A thread that ends the job when a blocking call that waits for other ranks (a data
+/// collective a rank never joins: it is stopped, or hung) has waited longer than the stall
+/// shutdown time. The waiting thread
 /// cannot be interrupted, so the watchdog names the missing ranks, if it may make MPI calls
 /// beside it, and aborts the job.
 pub struct Watchdog {

@@ -39,20 +39,6 @@ pub fn unique_id() -> Result<Vec<u8>> {
     Ok(id.internal.iter().map(|c| *c as u8).collect())
 }
 
-/// Has NCCL connect its communicators' peers when they are created, unless the user chose
-/// otherwise (`NCCL_RUNTIME_CONNECT`). NCCL 2.22+ connects lazily, inside the first collective
-/// that needs a connection, and that call then blocks the calling thread until the peer makes
-/// its own: a rank that failed before its part would stop ferrovod's background thread there,
-/// and with it the votes that tell every rank to shut down. Creating a lane is a point every
-/// rank reaches together, so connecting there costs no waiting.
-pub fn connect_at_creation() {
-    if std::env::var_os("NCCL_RUNTIME_CONNECT").is_none() {
-        // SAFETY: called by `runtime::init` before ferrovod starts its threads; NCCL reads
-        // its environment once, when the first communicator is created (later).
-        unsafe { std::env::set_var("NCCL_RUNTIME_CONNECT", "0") };
-    }
-}
-
 /// The NCCL version as NCCL encodes it (e.g. 22803).
 pub fn version() -> Result<i32> {
     require_nccl()?;
@@ -89,6 +75,8 @@ impl NcclComm {
         }
         gpu.bind()?;
         let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+        // every rank must come: one that failed before it leaves the others here
+        let _blocked = crate::transport::mpi::blocked("ncclCommInitRank");
         // SAFETY: `comm` is a valid out-pointer; the id came from ncclGetUniqueId on one rank.
         unsafe { result::comm_init_rank(&mut comm, size as i32, uid, rank as i32) }
             .map_err(|e| nccl("communicator init", e))?;

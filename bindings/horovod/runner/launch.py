@@ -220,6 +220,9 @@ def run_commandline(argv=None):
         sys.exit("horovodrun: mpirun not found; install Open MPI (apt-get install openmpi-bin)")
     env = dict(os.environ)
     env.update(tuning_env(args))
+    # NCCL connects peers when a communicator is created, not lazily inside a collective
+    # (where a failed peer would block ferrovod's background thread); a user's value is kept
+    env.setdefault("NCCL_RUNTIME_CONNECT", "0")
     cmd = mpirun_command(args, env, mpirun)
     if args.verbose:
         print(" ".join(shlex.quote(c) for c in cmd), flush=True)
