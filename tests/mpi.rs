@@ -1843,6 +1843,14 @@ fn join() {
 }
 
 fn process_sets() {
+    // a rank listed twice is refused, as fv_add_process_set refuses it (not deduplicated),
+    // before anything collective starts: init can be retried
+    let err = runtime::init(runtime::InitOptions {
+        process_sets: vec![vec![0, 2], vec![1, 1, 3]],
+        ..Default::default()
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("must be distinct ranks"), "{err}");
     // static sets at init: {0, 2} and {1, 3}, plus a duplicate that maps to the same id
     runtime::init(runtime::InitOptions {
         process_sets: vec![vec![0, 2], vec![1, 3], vec![2, 0]],

@@ -389,6 +389,19 @@ pub(crate) struct AlltoallCounts {
     pub shape: Vec<i64>,
 }
 
+/// Rows per rank of an alltoall without splits. Splits are 32-bit in Horovod's API (and in
+/// the received splits ferrovod returns), so more rows per rank than that is an error rather
+/// than a count cut short.
+fn even_split(rows: usize, size: usize) -> Result<i32> {
+    let per = rows / size.max(1);
+    i32::try_from(per).map_err(|_| {
+        Error::InvalidArgument(format!(
+            "alltoall of {rows} rows over {size} ranks: {per} rows per rank exceed the largest split ({})",
+            i32::MAX
+        ))
+    })
+}
+
 /// Rows go to each rank as `splits` says (or evenly); the row counts are exchanged over `host`
 /// so that each rank knows what it receives before its output is allocated.
 pub(crate) fn alltoall_counts(
@@ -399,10 +412,9 @@ pub(crate) fn alltoall_counts(
 ) -> Result<AlltoallCounts> {
     let size = host.size();
     let row_bytes = byte_len(resp.row_elements(), resp.dtype);
-    let dim0 = (input_bytes / row_bytes.max(1)) as i32;
     let splits: Vec<i32> = match splits {
         Some(s) => s.to_vec(),
-        None => vec![dim0 / size as i32; size],
+        None => vec![even_split(input_bytes / row_bytes.max(1), size)?; size],
     };
     let recv_splits = exchange_splits(host, &splits)?;
     let mut shape = resp.shape.clone();
@@ -444,6 +456,14 @@ pub fn alltoall(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn even_alltoall_splits_are_never_cut_short() {
+        assert_eq!(even_split(10, 2).unwrap(), 5);
+        assert_eq!(even_split(i32::MAX as usize * 2, 2).unwrap(), i32::MAX);
+        // 2^32 rows over 2 ranks: 2^31 each, one more than a split holds (was truncated)
+        assert!(even_split(1 << 32, 2).is_err());
+    }
 
     #[test]
     fn reducescatter_remainder_goes_to_lowest_ranks() {

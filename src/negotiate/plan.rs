@@ -201,6 +201,10 @@ fn groupable(r: &Response) -> bool {
 /// rank feeds the same responses and freezes at the same one. Steps are compared by
 /// fingerprint, and a step whose tensors the caller already holds is not kept: in a steady
 /// job this runs for every agreed tensor, on the path from a vote to its collective.
+/// The most tensors one learned step may hold; a longer run of names without a repeat is not
+/// a training step.
+const MAX_STEP_TENSORS: usize = 1 << 16;
+
 pub struct PlanRecorder {
     warmup: usize,
     /// Whether GPU tensors may be in the step (online groups), or only host ones (plans).
@@ -293,6 +297,12 @@ impl PlanRecorder {
             return None;
         }
         let name = std::hash::BuildHasher::hash_one(&rustc_hash::FxBuildHasher, &r.name);
+        if self.current_names.len() >= MAX_STEP_TENSORS && !self.current_names.contains(&name) {
+            // names that never repeat (unnamed ops) make no step: forget them rather than
+            // grow without bound
+            self.reset();
+            return None;
+        }
         let mut done = None;
         if self.current_names.contains(&name) {
             let step = std::mem::take(&mut self.current);
@@ -337,6 +347,25 @@ mod tests {
 
     fn resp(name: &str, n: i64) -> Response {
         Response::from_request(&Request::test(name, OpKind::Allreduce, DataType::F32, &[n]))
+    }
+
+    #[test]
+    fn names_that_never_repeat_are_not_kept_for_ever() {
+        let mut rec = PlanRecorder::new(2);
+        for k in 0..MAX_STEP_TENSORS + 10 {
+            assert!(
+                rec.observe(&resp(&format!("noname.{k}"), 4), k as u64, false)
+                    .is_none()
+            );
+            assert!(
+                rec.current.len() <= MAX_STEP_TENSORS
+                    && rec.current_names.len() <= MAX_STEP_TENSORS
+            );
+        }
+        assert!(
+            rec.current_names.len() < 20,
+            "reset once the bound was reached"
+        );
     }
 
     fn feed(rec: &mut PlanRecorder, names: &[&str]) -> Option<Vec<Response>> {

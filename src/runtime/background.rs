@@ -392,9 +392,14 @@ impl Background {
             let mut sorted = ranks.clone();
             sorted.sort_unstable();
             sorted.dedup();
-            if sorted.is_empty() || sorted.iter().any(|r| *r < 0 || *r >= size) {
+            // the same rule as fv_add_process_set (identical lists on every rank: every rank
+            // fails alike)
+            if sorted.is_empty()
+                || sorted.len() != ranks.len()
+                || sorted.iter().any(|r| *r < 0 || *r >= size)
+            {
                 return Err(Error::InvalidArgument(format!(
-                    "process set {ranks:?} must hold ranks in [0, {size})"
+                    "process set ranks {ranks:?} must be distinct ranks in [0, {size})"
                 )));
             }
             bg.create_set(sorted)?;

@@ -195,6 +195,17 @@ pub fn init(opts: InitOptions) -> Result<()> {
     if let Some(old) = old {
         old.join_thread();
     }
+    // checked before anything collective starts, so that a caller can correct it and retry
+    for ranks in &opts.process_sets {
+        let mut sorted = ranks.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if sorted.is_empty() || sorted.len() != ranks.len() || sorted[0] < 0 {
+            return Err(Error::InvalidArgument(format!(
+                "process set ranks {ranks:?} must be distinct ranks in [0, size)"
+            )));
+        }
+    }
     let mut global = lock_global();
     if global.is_some() {
         return Ok(()); // another thread initialised meanwhile

@@ -4,6 +4,11 @@
 //! chrome://tracing load; it is closed properly at shutdown.
 
 use std::collections::HashMap;
+
+/// Tensor tracks in one timeline; further names share `OTHER_TRACK`, so that a job whose names
+/// never repeat does not keep a map entry per operation.
+const MAX_TRACKS: usize = 1 << 14;
+const OTHER_TRACK: &str = "(other tensors)";
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::time::Instant;
@@ -57,6 +62,10 @@ impl Timeline {
     fn pid(&mut self, name: &str) -> usize {
         if let Some(p) = self.pids.get(name) {
             return *p;
+        }
+        if self.pids.len() >= MAX_TRACKS && name != OTHER_TRACK {
+            // names that never repeat (unnamed ops): later ones share one track
+            return self.pid(OTHER_TRACK);
         }
         let pid = self.pids.len() + 1;
         self.pids.insert(name.to_string(), pid);
@@ -158,5 +167,25 @@ impl Timeline {
             "{{\"name\": \"timeline_end\", \"ph\": \"i\", \"ts\": {ts}, \"pid\": 0, \"tid\": 0, \"s\": \"g\"}}\n]"
         );
         let _ = self.out.flush();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tracks_are_bounded() {
+        let path =
+            std::env::temp_dir().join(format!("ferrovod-timeline-{}.json", std::process::id()));
+        let mut t = Timeline::create(path.to_str().unwrap(), false).unwrap();
+        for k in 0..MAX_TRACKS + 100 {
+            t.begin(&format!("noname.{k}"), "ALLREDUCE");
+        }
+        assert_eq!(t.pids.len(), MAX_TRACKS + 1);
+        assert_eq!(t.pid("noname.1"), 2);
+        assert_eq!(t.pid("noname.new"), t.pid(OTHER_TRACK));
+        drop(t);
+        let _ = std::fs::remove_file(path);
     }
 }

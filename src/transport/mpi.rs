@@ -324,13 +324,29 @@ macro_rules! half_op {
             len: *mut c_int,
             _dt: *mut ffi::MPI_Datatype,
         ) {
+            let align = std::mem::align_of::<$t>();
             // SAFETY: MPI passes two buffers of `*len` elements of the 16-bit carrier type,
-            // which has the size and alignment of `$t`.
+            // which has the size of `$t`; slices are made over them only where they are
+            // aligned for `$t`, otherwise the elements are copied bytewise.
             unsafe {
-                let n = *len as usize;
-                let x = std::slice::from_raw_parts(invec as *const $t, n);
-                let acc = std::slice::from_raw_parts_mut(inoutvec as *mut $t, n);
-                $kernel(acc, x, $op);
+                let n = (*len).max(0) as usize;
+                if invec as usize % align == 0 && inoutvec as usize % align == 0 {
+                    let x = std::slice::from_raw_parts(invec as *const $t, n);
+                    let acc = std::slice::from_raw_parts_mut(inoutvec as *mut $t, n);
+                    $kernel(acc, x, $op);
+                } else {
+                    let bytes = n * std::mem::size_of::<$t>();
+                    let mut x = vec![<$t>::ZERO; n];
+                    let mut acc = vec![<$t>::ZERO; n];
+                    std::ptr::copy_nonoverlapping(invec as *const u8, x.as_mut_ptr().cast(), bytes);
+                    std::ptr::copy_nonoverlapping(
+                        inoutvec as *const u8,
+                        acc.as_mut_ptr().cast(),
+                        bytes,
+                    );
+                    $kernel(&mut acc, &x, $op);
+                    std::ptr::copy_nonoverlapping(acc.as_ptr().cast(), inoutvec as *mut u8, bytes);
+                }
             }
         }
     };
@@ -1217,5 +1233,44 @@ impl Transport for MpiComm {
         let _blocked = blocked("MPI_Barrier");
         // SAFETY: comm is valid.
         check(unsafe { ffi::MPI_Barrier(self.comm) }, "MPI_Barrier")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// MPI may hand a user operation unaligned buffers: the f16 sum must read them bytewise
+    /// and give the same result as on aligned ones.
+    #[test]
+    fn half_ops_take_unaligned_buffers() {
+        let a: Vec<f16> = [1.0f32, 2.5, -3.0]
+            .iter()
+            .map(|v| f16::from_f32(*v))
+            .collect();
+        let b: Vec<f16> = [0.5f32, 0.5, 4.0]
+            .iter()
+            .map(|v| f16::from_f32(*v))
+            .collect();
+        let mut inb = vec![0u8; 7];
+        let mut io = vec![0u8; 7];
+        for (k, (x, y)) in a.iter().zip(&b).enumerate() {
+            inb[1 + 2 * k..3 + 2 * k].copy_from_slice(&x.to_le_bytes());
+            io[1 + 2 * k..3 + 2 * k].copy_from_slice(&y.to_le_bytes());
+        }
+        let mut len: c_int = 3;
+        // SAFETY: both buffers hold 3 f16 values from offset 1 (odd: unaligned for f16).
+        unsafe {
+            f16_sum(
+                inb.as_mut_ptr().add(1).cast(),
+                io.as_mut_ptr().add(1).cast(),
+                &mut len,
+                std::ptr::null_mut(),
+            )
+        };
+        let got: Vec<f32> = (0..3)
+            .map(|k| f16::from_le_bytes([io[1 + 2 * k], io[2 + 2 * k]]).to_f32())
+            .collect();
+        assert_eq!(got, vec![1.5, 3.0, 1.0]);
     }
 }
