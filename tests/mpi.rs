@@ -41,6 +41,18 @@ const STOP_IN_BATCH: &[(&str, &str)] = &[
     ("FERROVOD_TEST_FAULT", "stop_in_batch:1"),
 ];
 
+const NCCL_INIT_FAULT: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+    ("FERROVOD_TEST_FAULT", "nccl_init:1"),
+];
+
+const GPU_ALLTOALL_FAULT: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+    ("FERROVOD_TEST_FAULT", "gpu_alltoall:1"),
+];
+
 const NEGOTIATION_FAULT: &[(&str, &str)] = &[
     ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
     ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
@@ -232,6 +244,10 @@ const SCENARIOS: &[Scenario] = &[
 /// `local_rank`, against the same host-computed references. `np` above the GPU count is
 /// skipped (NCCL needs a GPU per rank).
 const GPU_SCENARIOS: &[Scenario] = &[
+    // failure paths of GPU batches: none may hang
+    ("rank_stopped", 2, STALL_FAST, false),
+    ("fault_nccl_init", 2, NCCL_INIT_FAULT, false),
+    ("gpu_alltoall_fault", 2, GPU_ALLTOALL_FAULT, false),
     ("collectives", 2, &[], true),
     ("collectives", 4, &[], true),
     (
@@ -364,7 +380,9 @@ fn main() {
             | "rank_stopped_in_batch"
             | "fault_panic"
             | "fault_negotiation"
-            | "fault_decode" => 60,
+            | "fault_decode"
+            | "fault_nccl_init"
+            | "gpu_alltoall_fault" => 60,
             _ => 300,
         };
         let out = run_with_timeout(cmd, Duration::from_secs(limit));
@@ -395,6 +413,8 @@ fn main() {
                         }
                         "fault_panic" => stderr.contains("background thread panicked"),
                         "fault_negotiation" => stdout.contains("FAULT-REPORTED rank=1"),
+                        "fault_nccl_init" => stderr.contains("in ncclCommInitRank"),
+                        "gpu_alltoall_fault" => stderr.contains("Stalled ranks"),
                         _ => true,
                     };
                     (
@@ -533,6 +553,8 @@ fn run_rank(name: &str) {
         "fault_panic" => fault_panic(),
         "fault_negotiation" => fault_negotiation(),
         "fault_decode" => fault_decode(),
+        "fault_nccl_init" => fault_nccl_init(),
+        "gpu_alltoall_fault" => gpu_alltoall_fault(),
         "preinitialized_mpi" => preinitialized_mpi(),
         "init_subset" => init_subset(),
         "timeline" => timeline(),
@@ -2656,6 +2678,34 @@ fn fault_decode() {
     assert!(err.to_string().contains("test fault: decode"), "{err}");
     runtime::shutdown();
     pass();
+}
+
+/// GPU: rank 1 fails just before creating its NCCL communicator; rank 0 waits in
+/// ncclCommInitRank, which nothing interrupts: the watchdog names the wait and ends the job.
+fn fault_nccl_init() {
+    init();
+    let _ = run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("nccl.init", DataType::F32, &[4], &[1.0; 4], false)],
+    ));
+    std::thread::sleep(Duration::from_secs(120));
+}
+
+/// GPU: rank 1's alltoall fails before the split exchange over MPI that rank 0 waits in.
+fn gpu_alltoall_fault() {
+    init();
+    let rows = size() as i64;
+    let _ = run(OpSpec::new(
+        OpKind::Alltoall,
+        vec![tensor(
+            "a2a.fault",
+            DataType::F32,
+            &[rows],
+            &vec![1.0; rows as usize],
+            true,
+        )],
+    ));
+    std::thread::sleep(Duration::from_secs(120));
 }
 
 /// MPI initialised by the program (as mpi4py does); ferrovod runs on two halves of the world

@@ -10,7 +10,7 @@ use crate::collective::{
     reducescatter_segments, reducescatter_shape,
 };
 use crate::dtype::DataType;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::message::{ReduceOp, Response};
 use crate::transport::cuda::{Copy, DeviceMem, Gpu, Stream};
 use crate::transport::{DevicePtr, DeviceTransport, Transport};
@@ -508,6 +508,10 @@ pub fn alltoall(
     act: ActivitySink,
 ) -> Result<()> {
     act(Some("MPI_ALLTOALL"));
+    if crate::config::test_fault("gpu_alltoall", host.rank() as i32) {
+        // a local failure before the host-MPI step the other ranks wait in
+        return Err(Error::Internal("test fault: gpu_alltoall".into()));
+    }
     let c = alltoall_counts(host, resp, io.input().1, io.send_splits())?;
     act(Some("ALLOCATE_OUTPUT"));
     io.allocate_output(&c.shape, c.recv.iter().sum())?;

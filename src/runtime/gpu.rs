@@ -96,6 +96,9 @@ impl GpuLane {
             .into_iter()
             .zip(ids.chunks_exact(nccl::UNIQUE_ID_BYTES))
             .map(|(stream, id)| {
+                if crate::config::test_fault("nccl_init", data.rank() as i32) {
+                    return Err(Error::Internal("test fault: nccl_init".into()));
+                }
                 Ok(Way {
                     graphs: LaunchGraphs::default(),
                     comm: NcclComm::new(&gpu, id, data.rank(), data.size())?,

@@ -556,6 +556,8 @@ impl MpiComm {
     /// error names the ranks that did not answer a presence probe.
     fn wait_control(&self, req: &mut ffi::MPI_Request, what: &str) -> Result<()> {
         let Some(b) = self.bound.as_deref() else {
+            // not a control communicator: the watchdog bounds this wait
+            let _blocked = blocked("an MPI collective (non-blocking, waited for)");
             wait_polled(req, None, &mut |_| {})?;
             return Ok(());
         };
