@@ -1446,6 +1446,11 @@ impl Background {
         };
         self.drain_channels(rx, &err);
         tracing::debug!("shutdown: channels drained");
+        if self.mpi_unclean {
+            // a rank stopped responding: NCCL communicators are aborted, not destroyed (that
+            // may wait for the missing rank)
+            self.rt.abort_gpu_work();
+        }
         // before the finisher: a lane whose work cannot finish (another rank failed) aborts
         // it when dropped, so that the finisher's waits end. All at once: one lane's abort
         // may wait for the device, which another's stuck kernels keep busy.

@@ -165,10 +165,16 @@ impl Drop for GpuLane {
                 }
             },
         });
-        if finished {
+        let abort_all = self.abort_all.load(Ordering::SeqCst);
+        if finished && !abort_all {
             return;
         }
-        match self.abort_all.load(Ordering::SeqCst) {
+        match abort_all {
+            // destroying a communicator may wait for its peers (NCCL's own clean-up), which
+            // a stopped or failed rank never answers: abort even when no work is left
+            true if finished => tracing::debug!(
+                "aborting the NCCL communicators: a rank failed or stopped responding"
+            ),
             true => tracing::error!(
                 "GPU collectives still running at shutdown after a GPU failure: aborting the NCCL communicators"
             ),
