@@ -20,7 +20,10 @@ FERROVOD_POLL=1 cargo test --release --test mpi -- join
 (cd fuzz && cargo fmt --check)
 fuzz_log=$(mktemp)
 for target in wire enqueue; do
-  if ! cargo fuzz run -s none -O "$target" -- -max_total_time="${FUZZ_SECONDS:-60}" >"$fuzz_log" 2>&1; then
+  # fuzz/seeds/<target>: inputs that once failed, replayed first (regressions)
+  mkdir -p "fuzz/corpus/$target"
+  if ! cargo fuzz run -s none -O "$target" "fuzz/corpus/$target" "fuzz/seeds/$target" -- \
+    -max_total_time="${FUZZ_SECONDS:-60}" >"$fuzz_log" 2>&1; then
     tail -n 80 "$fuzz_log"
     echo "fuzz target $target failed (its input is in fuzz/artifacts/$target/)" >&2
     exit 1

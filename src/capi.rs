@@ -493,7 +493,12 @@ fn check_no_aliasing(raw: &[fv_tensor], specs: &[TensorSpec]) -> Result<()> {
     // (start, end, tensor, written)
     let mut ranges: Vec<(usize, usize, usize, bool)> = Vec::new();
     for (i, (t, s)) in raw.iter().zip(specs).enumerate() {
-        let bytes = s.shape.iter().product::<i64>() as usize * s.dtype.size();
+        // tensor_spec checked that the size fits; saturate anyway rather than trust it here
+        let bytes = s
+            .shape
+            .iter()
+            .try_fold(s.dtype.size(), |acc, d| acc.checked_mul(*d as usize))
+            .unwrap_or(usize::MAX);
         if bytes == 0 {
             continue;
         }

@@ -246,6 +246,7 @@ const SCENARIOS: &[Scenario] = &[
 const GPU_SCENARIOS: &[Scenario] = &[
     // failure paths of GPU batches: none may hang
     ("rank_stopped", 2, STALL_FAST, false),
+    ("rank_stopped_in_batch", 2, STOP_IN_BATCH, false),
     ("fault_nccl_init", 2, NCCL_INIT_FAULT, false),
     ("gpu_alltoall_fault", 2, GPU_ALLTOALL_FAULT, false),
     ("collectives", 2, &[], true),
@@ -408,8 +409,10 @@ fn main() {
                         _ => ("", 0),
                     };
                     let reported = match *name {
+                        // host: the watchdog's report; GPU: each survivor's error
                         "rank_stopped_in_batch" => {
                             stderr.matches("Missing ranks: 1.").count() >= np - 1
+                                || stdout.matches("STALL-REPORTED").count() >= np - 1
                         }
                         "fault_panic" => stderr.contains("background thread panicked"),
                         "fault_negotiation" => stdout.contains("FAULT-REPORTED rank=1"),
@@ -2614,9 +2617,13 @@ fn rank_stopped() {
 /// Rank 1 stops itself after agreeing to run a batch: the others wait inside the blocking
 /// data collective, which no error can interrupt; the watchdog names rank 1 and aborts the
 /// job (checked by the harness on stderr).
+///
+/// On GPUs rank 0 launched the batch's NCCL call and waits for its completion event while it
+/// votes: the vote's limit (or the completion's) fails the operation, the NCCL communicators are
+/// aborted, and rank 0 ends as a framework would on the error.
 fn rank_stopped_in_batch() {
     init();
-    let _ = run(OpSpec::new(
+    let err = run(OpSpec::new(
         OpKind::Allreduce,
         vec![tensor(
             "stopped.in.batch",
@@ -2625,8 +2632,16 @@ fn rank_stopped_in_batch() {
             &[1.0],
             false,
         )],
-    ));
-    std::thread::sleep(Duration::from_secs(120));
+    ))
+    .unwrap_err();
+    // host memory: the watchdog aborted the job before this
+    assert!(gpu_mode(), "the blocking collective returned: {err}");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("Missing ranks: 1.") || msg.contains("GPU collective did not finish within"),
+        "{msg}"
+    );
+    report_and_exit("STALL-REPORTED", &msg);
 }
 
 /// Rank 1's background thread panics before a batch every rank agreed to run: it aborts the
@@ -2975,7 +2990,6 @@ fn gpu_failure() {
 /// or the caller's event; the handle's event (also through the C API) orders a consumer.
 fn gpu_streams() {
     use ferrovod::transport::cuda::{ForeignEvent, ForeignStream};
-    use ferrovod::transport::memory::DeviceRange;
     init();
     let me = rank();
     let n = size();
@@ -2988,10 +3002,17 @@ fn gpu_streams() {
     let want = 2.0 * (n * (n + 1) / 2) as f64;
     for (k, by_event) in [false, true, false, true].into_iter().enumerate() {
         let data = gpu.alloc(host.len()).unwrap();
-        gpu.upload(&upload, &host, data.ptr()).unwrap();
+        gpu.upload(&upload, &host, data.range()).unwrap();
         // the producer doubles the values; nothing waits for it on the host
-        gpu.scale(&producer, data.ptr(), data.ptr(), count, DataType::F32, 2.0)
-            .unwrap();
+        gpu.scale(
+            &producer,
+            data.range(),
+            data.range(),
+            count,
+            DataType::F32,
+            2.0,
+        )
+        .unwrap();
         let name = format!("gpu.stream.{k}");
         let mut spec = OpSpec::new(
             OpKind::Allreduce,
@@ -2999,10 +3020,7 @@ fn gpu_streams() {
                 name: name.clone(),
                 dtype: DataType::F32,
                 shape: vec![count as i64],
-                input: InputMem::Device(DeviceRange {
-                    ptr: data.ptr(),
-                    len: host.len(),
-                }),
+                input: InputMem::Device(data.range().first(host.len()).expect("allocated for it")),
                 output: OutputMem::InPlace,
                 splits: None,
             }],
@@ -3031,7 +3049,7 @@ fn gpu_streams() {
             .wait_foreign(unsafe { ForeignEvent::from_raw(raw) })
             .unwrap();
         let mut got = vec![0u8; host.len()];
-        gpu.download(&consumer, data.ptr(), &mut got).unwrap();
+        gpu.download(&consumer, data.range(), &mut got).unwrap();
         runtime::runtime().unwrap().handles.release(h.id).unwrap();
         let got = decode(DataType::F32, &got);
         let bad = got.iter().position(|v| *v != want);
@@ -3050,7 +3068,6 @@ fn gpu_streams() {
 /// (step 11), must not replay a graph with the old addresses; the batches are replayed again
 /// once the tensors stay put.
 fn gpu_graphs() {
-    use ferrovod::transport::memory::DeviceRange;
     init();
     let me = rank();
     let n = size();
@@ -3073,7 +3090,7 @@ fn gpu_graphs() {
         let before = rt.metrics.snapshot().graph_launches;
         for (t, (m, c)) in mems.iter().zip(counts).enumerate() {
             let vals: Vec<f64> = (0..c).map(|i| value(me, step, t, i)).collect();
-            gpu.upload(&stream, &encode(DataType::F32, &vals), m.ptr())
+            gpu.upload(&stream, &encode(DataType::F32, &vals), m.range())
                 .unwrap();
         }
         stream.synchronize().unwrap();
@@ -3088,10 +3105,7 @@ fn gpu_graphs() {
                         name: format!("graphs.{t}"),
                         dtype: DataType::F32,
                         shape: vec![c as i64],
-                        input: InputMem::Device(DeviceRange {
-                            ptr: m.ptr(),
-                            len: c * 4,
-                        }),
+                        input: InputMem::Device(m.range().first(c * 4).expect("allocated for it")),
                         output: OutputMem::InPlace,
                         splits: None,
                     }],
@@ -3113,7 +3127,7 @@ fn gpu_graphs() {
         }
         for (t, (m, c)) in mems.iter().zip(counts).enumerate() {
             let mut got = vec![0u8; c * 4];
-            gpu.download(&stream, m.ptr(), &mut got).unwrap();
+            gpu.download(&stream, m.range(), &mut got).unwrap();
             let got = decode(DataType::F32, &got);
             for (i, g) in got.iter().enumerate() {
                 let want: f64 = (0..n).map(|r| value(r, step, t, i)).sum();
@@ -3168,16 +3182,16 @@ fn gpu_kernels() {
     let d32 = gpu.alloc(n * 4).unwrap();
     let d16 = gpu.alloc(n * 2).unwrap();
     let back = gpu.alloc(n * 4).unwrap();
-    gpu.upload(&s, &src, d32.ptr()).unwrap();
+    gpu.upload(&s, &src, d32.range()).unwrap();
     for half_type in [DataType::F16, DataType::BF16] {
-        gpu.cast(&s, d32.ptr(), DataType::F32, d16.ptr(), half_type, n)
+        gpu.cast(&s, d32.range(), DataType::F32, d16.range(), half_type, n)
             .unwrap();
-        gpu.cast(&s, d16.ptr(), half_type, back.ptr(), DataType::F32, n)
+        gpu.cast(&s, d16.range(), half_type, back.range(), DataType::F32, n)
             .unwrap();
         let mut h16 = vec![0u8; n * 2];
         let mut h32 = vec![0u8; n * 4];
-        gpu.download(&s, d16.ptr(), &mut h16).unwrap();
-        gpu.download(&s, back.ptr(), &mut h32).unwrap();
+        gpu.download(&s, d16.range(), &mut h16).unwrap();
+        gpu.download(&s, back.range(), &mut h32).unwrap();
         for (i, v) in vals.iter().enumerate() {
             let got = u16::from_le_bytes([h16[2 * i], h16[2 * i + 1]]);
             let (want, wide) = match half_type {
@@ -3215,15 +3229,15 @@ fn gpu_kernels() {
         let bytes = encode(dtype, &xs);
         let dev = gpu.alloc(bytes.len()).unwrap();
         let out = gpu.alloc(bytes.len()).unwrap();
-        gpu.upload(&s, &bytes, dev.ptr()).unwrap();
+        gpu.upload(&s, &bytes, dev.range()).unwrap();
         for factor in [0.37, 2.5, -1.25] {
             if factor < 0.0 && matches!(dtype, DataType::U8 | DataType::U16) {
                 continue;
             }
-            gpu.scale(&s, dev.ptr(), out.ptr(), count, dtype, factor)
+            gpu.scale(&s, dev.range(), out.range(), count, dtype, factor)
                 .unwrap();
             let mut got = vec![0u8; bytes.len()];
-            gpu.download(&s, out.ptr(), &mut got).unwrap();
+            gpu.download(&s, out.range(), &mut got).unwrap();
             let mut want = bytes.clone();
             ferrovod::collective::reduce::scale(&mut want, dtype, factor).unwrap();
             assert_eq!(
@@ -3239,8 +3253,8 @@ fn gpu_kernels() {
     let host_src: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
     let dsrc = gpu.alloc(len).unwrap();
     let ddst = gpu.alloc(len).unwrap();
-    gpu.upload(&s, &host_src, dsrc.ptr()).unwrap();
-    gpu.memset_zero(&s, ddst.ptr(), len).unwrap();
+    gpu.upload(&s, &host_src, dsrc.range()).unwrap();
+    gpu.memset_zero(&s, ddst.range()).unwrap();
     let mut want = vec![0u8; len];
     let mut copies = Vec::new();
     let mut at = 0usize;
@@ -3264,16 +3278,19 @@ fn gpu_kernels() {
             break;
         }
         want[at..at + n].copy_from_slice(&host_src[from..from + n]);
-        copies.push(Copy {
-            src: dsrc.ptr() + from as u64,
-            dst: ddst.ptr() + at as u64,
-            len: n as u64,
-        });
+        copies.push(
+            Copy::new(
+                dsrc.range().sub(from, n).unwrap(),
+                ddst.range().sub(at, n).unwrap(),
+                n,
+            )
+            .unwrap(),
+        );
         at += n + (k % 5);
     }
     gpu.copy_batch(&s, &copies).unwrap();
     let mut got = vec![0u8; len];
-    gpu.download(&s, ddst.ptr(), &mut got).unwrap();
+    gpu.download(&s, ddst.range(), &mut got).unwrap();
     let bad = got.iter().zip(&want).position(|(g, w)| g != w);
     assert!(bad.is_none(), "batched copy differs at byte {bad:?}");
     finish_job();

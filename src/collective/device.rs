@@ -13,14 +13,15 @@ use crate::dtype::DataType;
 use crate::error::{Error, Result};
 use crate::message::{ReduceOp, Response};
 use crate::transport::cuda::{Copy, DeviceMem, Gpu, Stream};
-use crate::transport::{DevicePtr, DeviceTransport, Transport};
+use crate::transport::memory::DeviceRange;
+use crate::transport::{DeviceTransport, Transport};
 
 /// The device memory of one tensor taking part in a collective.
 pub trait DeviceIo {
-    /// Input address and bytes.
-    fn input(&self) -> (DevicePtr, usize);
-    /// Output address and bytes (the input's for in-place ops).
-    fn output(&self) -> (DevicePtr, usize);
+    /// The input's device memory.
+    fn input(&self) -> DeviceRange;
+    /// The output's device memory (the input's for in-place ops).
+    fn output(&self) -> DeviceRange;
     /// For ops whose output size is known only after negotiation.
     fn allocate_output(&mut self, shape: &[i64], bytes: usize) -> Result<()>;
     fn send_splits(&self) -> Option<&[i32]>;
@@ -43,7 +44,7 @@ pub struct Lane<'a> {
 
 impl Lane<'_> {
     /// The fusion buffer, grown to at least `bytes`.
-    fn fusion(&mut self, bytes: usize) -> Result<DevicePtr> {
+    fn fusion(&mut self, bytes: usize) -> Result<DeviceRange> {
         if self.fusion.as_ref().is_none_or(|f| f.len() < bytes) {
             // both in stream order: the old buffer goes after the work that still uses it,
             // without stalling the device or this thread
@@ -55,7 +56,10 @@ impl Lane<'_> {
             let len = bytes.next_power_of_two().max(1 << 20);
             *self.fusion = Some(self.gpu.alloc_on(self.stream, len)?);
         }
-        Ok(self.fusion.as_ref().map_or(0, |f| f.ptr()))
+        Ok(self
+            .fusion
+            .as_ref()
+            .map_or_else(DeviceRange::empty, DeviceMem::range))
     }
 }
 
@@ -79,55 +83,64 @@ fn device_op(resp: &Response, size: usize) -> Result<(ReduceOp, f64)> {
     backend_op(resp.reduce_op, size, resp.postscale)
 }
 
-/// One copy between a tensor's memory and a place in a fusion buffer, in either direction.
-fn between(tensor: DevicePtr, buffer: DevicePtr, len: u64, into_buffer: bool) -> Copy {
-    let (src, dst) = if into_buffer {
-        (tensor, buffer)
-    } else {
-        (buffer, tensor)
-    };
-    Copy { src, dst, len }
+/// One copy of `len` bytes between a tensor's memory and a place in a fusion buffer, in
+/// either direction.
+fn between(
+    tensor: DeviceRange,
+    buffer: DeviceRange,
+    len: usize,
+    into_buffer: bool,
+) -> Result<Copy> {
+    match into_buffer {
+        true => Copy::new(tensor, buffer, len),
+        false => Copy::new(buffer, tensor, len),
+    }
 }
 
-/// Copies between `(address, bytes)` ranges and consecutive places of a fusion buffer from
-/// `at`, in range order: into the buffer, or out of it.
+/// Copies between `(range, bytes)` tensors and consecutive places of the buffer range `at`, in
+/// tensor order: into the buffer, or out of it.
 fn consecutive_copies(
-    at: DevicePtr,
-    ranges: impl Iterator<Item = (DevicePtr, usize)>,
+    at: DeviceRange,
+    ranges: impl Iterator<Item = (DeviceRange, usize)>,
     into_buffer: bool,
-) -> Vec<Copy> {
-    let mut place = at;
+) -> Result<Vec<Copy>> {
+    let mut place = 0;
     ranges
         .map(|(tensor, len)| {
-            let c = between(tensor, place, len as u64, into_buffer);
-            place += len as u64;
+            let c = between(tensor, at.sub(place, len)?, len, into_buffer);
+            place += len;
             c
         })
         .collect()
 }
 
-/// Copies between a rank-major fusion buffer from `buf` (rank by rank, each rank's segments
-/// in tensor order, `bytes[tensor][rank]` long) and the tensors, whose segments follow one
-/// another from `tensors[tensor]`: into the buffer, or out of it.
+/// Copies between a rank-major fusion buffer `buf` (rank by rank, each rank's segments in
+/// tensor order, `bytes[tensor][rank]` long) and the tensors, whose segments follow one
+/// another in `tensors[tensor]`: into the buffer, or out of it.
 fn rank_major_copies(
-    buf: DevicePtr,
-    tensors: &[DevicePtr],
+    buf: DeviceRange,
+    tensors: &[DeviceRange],
     bytes: &[Vec<usize>],
     into_buffer: bool,
-) -> Vec<Copy> {
+) -> Result<Vec<Copy>> {
     let ranks = bytes.first().map_or(0, Vec::len);
-    let mut place = buf;
-    let mut done = vec![0u64; tensors.len()];
+    let mut place = 0;
+    let mut done = vec![0usize; tensors.len()];
     let mut copies = Vec::with_capacity(tensors.len() * ranks);
     for r in 0..ranks {
         for (i, (tensor, b)) in tensors.iter().zip(bytes).enumerate() {
-            let n = b[r] as u64;
-            copies.push(between(tensor + done[i], place, n, into_buffer));
+            let n = b[r];
+            copies.push(between(
+                tensor.sub(done[i], n)?,
+                buf.sub(place, n)?,
+                n,
+                into_buffer,
+            )?);
             done[i] += n;
             place += n;
         }
     }
-    copies
+    Ok(copies)
 }
 
 /// Allreduce of a batch (same dtype, op and scales). With `lane.replay`, the launches are
@@ -146,14 +159,14 @@ pub fn allreduce_batch(
         return allreduce_staged(host, lane, resps, ios, act);
     }
     let (op, post) = device_op(head, t.size())?;
-    let sizes: Vec<usize> = ios.iter().map(|io| io.input().1).collect();
+    let sizes: Vec<usize> = ios.iter().map(|io| io.input().len()).collect();
     let direct = reduced_in_place(&sizes);
     let fused: Vec<usize> = (0..ios.len()).filter(|i| !direct[*i]).collect();
     let total: usize = fused.iter().map(|i| sizes[*i]).sum();
     let buf = if fused.is_empty() {
-        0
+        DeviceRange::empty()
     } else {
-        lane.fusion(total)?
+        lane.fusion(total)?.first(total)?
     };
     let batch = FusedAllreduce {
         ios,
@@ -192,7 +205,7 @@ struct FusedAllreduce<'a, 'b> {
     ios: &'a [&'b mut dyn DeviceIo],
     direct: &'a [bool],
     fused: &'a [usize],
-    buf: DevicePtr,
+    buf: DeviceRange,
     op: ReduceOp,
     prescale: f64,
     post: f64,
@@ -203,9 +216,9 @@ impl FusedAllreduce<'_, '_> {
     /// This rank's addresses the launches use (what a replayed graph must find again).
     fn addresses(&self) -> Vec<u64> {
         let mut a = Vec::with_capacity(1 + 2 * self.ios.len());
-        a.push(self.buf);
+        a.push(self.buf.ptr());
         for io in self.ios {
-            a.extend([io.input().0, io.output().0]);
+            a.extend([io.input().ptr(), io.output().ptr()]);
         }
         a
     }
@@ -222,8 +235,8 @@ impl FusedAllreduce<'_, '_> {
         // the large tensors where they are, prescaled into their outputs where asked
         let mut calls = Vec::with_capacity(ios.len());
         for (io, _) in ios.iter().zip(self.direct).filter(|(_, d)| **d) {
-            let ((input, bytes), (output, _)) = (io.input(), io.output());
-            let n = bytes / dtype.size();
+            let (input, output) = (io.input(), io.output());
+            let n = input.len() / dtype.size();
             let mut src = input;
             if self.prescale != 1.0 {
                 gpu.scale(stream, input, output, n, dtype, self.prescale)?;
@@ -234,10 +247,15 @@ impl FusedAllreduce<'_, '_> {
         // the rest through the fusion buffer
         if !self.fused.is_empty() {
             act(Some("MEMCPY_IN_FUSION_BUFFER"));
-            let copies_in =
-                consecutive_copies(buf, self.fused.iter().map(|i| ios[*i].input()), true);
+            let copies_in = consecutive_copies(
+                buf,
+                self.fused
+                    .iter()
+                    .map(|i| (ios[*i].input(), ios[*i].input().len())),
+                true,
+            )?;
             gpu.copy_batch(stream, &copies_in)?;
-            let total: usize = self.fused.iter().map(|i| ios[*i].input().1).sum();
+            let total: usize = self.fused.iter().map(|i| ios[*i].input().len()).sum();
             let n = total / dtype.size();
             gpu.scale(stream, buf, buf, n, dtype, self.prescale)?;
             calls.push((buf, buf, n));
@@ -253,9 +271,9 @@ impl FusedAllreduce<'_, '_> {
                 buf,
                 self.fused
                     .iter()
-                    .map(|i| (ios[*i].output().0, ios[*i].input().1)),
+                    .map(|i| (ios[*i].output(), ios[*i].input().len())),
                 false,
-            );
+            )?;
             gpu.copy_batch(stream, &copies_out)?;
         }
         act(None);
@@ -297,12 +315,13 @@ fn allreduce_staged(
 ) -> Result<()> {
     let head = resps[0];
     let (op, post) = backend_op(head.reduce_op, host.size(), head.postscale)?;
-    let total: usize = ios.iter().map(|io| io.input().1).sum();
+    let total: usize = ios.iter().map(|io| io.input().len()).sum();
     let mut buf = vec![0u8; total];
     act(Some("MEMCPY_DEVICE_TO_HOST"));
     let mut off = 0;
     for io in ios.iter() {
-        let (src, len) = io.input();
+        let src = io.input();
+        let len = src.len();
         lane.gpu
             .download(lane.stream, src, &mut buf[off..off + len])?;
         off += len;
@@ -321,8 +340,12 @@ fn allreduce_staged(
 fn upload_outputs(lane: &Lane, src: &[u8], ios: &[&mut dyn DeviceIo]) -> Result<()> {
     let mut off = 0;
     for io in ios {
-        let (dst, len) = io.output();
-        lane.gpu.upload(lane.stream, &src[off..off + len], dst)?;
+        let dst = io.output();
+        let len = dst.len();
+        let part = src
+            .get(off..off + len)
+            .ok_or_else(|| Error::Internal("staged result shorter than the outputs".into()))?;
+        lane.gpu.upload(lane.stream, part, dst)?;
         off += len;
     }
     Ok(())
@@ -346,18 +369,12 @@ pub fn allgather_batch(
     }
     let (gpu, stream) = (lane.gpu, lane.stream);
     if ios.len() == 1 {
-        let (src, len) = ios[0].input();
-        let (out, _) = ios[0].output();
+        let src = ios[0].input();
+        let out = ios[0].output();
         let mine: usize = bytes[0][..me].iter().sum();
         act(Some("NCCL_ALLGATHER"));
-        gpu.copy_batch(
-            stream,
-            &[Copy {
-                src,
-                dst: out + mine as u64,
-                len: len as u64,
-            }],
-        )?;
+        let place = out.sub(mine, src.len())?;
+        gpu.copy_batch(stream, &[Copy::new(src, place, src.len())?])?;
         t.allgatherv_in_place(out, &bytes[0], stream)?;
         act(None);
         return Ok(());
@@ -366,16 +383,20 @@ pub fn allgather_batch(
         .map(|r| bytes.iter().map(|b| b[r]).sum())
         .collect();
     let total: usize = counts.iter().sum();
-    let buf = lane.fusion(total)?;
+    let buf = lane.fusion(total)?.first(total)?;
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
-    let mine = buf + counts[..me].iter().sum::<usize>() as u64;
-    let copies = consecutive_copies(mine, ios.iter().map(|io| io.input()), true);
+    let mine = buf.sub(counts[..me].iter().sum(), counts[me])?;
+    let copies = consecutive_copies(
+        mine,
+        ios.iter().map(|io| (io.input(), io.input().len())),
+        true,
+    )?;
     gpu.copy_batch(stream, &copies)?;
     act(Some("NCCL_ALLGATHER"));
     t.allgatherv_in_place(buf, &counts, stream)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-    let outputs: Vec<DevicePtr> = ios.iter().map(|io| io.output().0).collect();
-    gpu.copy_batch(stream, &rank_major_copies(buf, &outputs, &bytes, false))?;
+    let outputs: Vec<DeviceRange> = ios.iter().map(|io| io.output()).collect();
+    gpu.copy_batch(stream, &rank_major_copies(buf, &outputs, &bytes, false)?)?;
     act(None);
     Ok(())
 }
@@ -407,26 +428,30 @@ pub fn reducescatter_batch(
     let (gpu, stream) = (lane.gpu, lane.stream);
     if ios.len() == 1 && head.prescale == 1.0 {
         // one tensor is already laid out rank-major
-        let (src, _) = ios[0].input();
-        let (dst, n) = ios[0].output();
+        let src = ios[0].input();
+        let dst = ios[0].output();
         act(Some("NCCL_REDUCESCATTER"));
         t.reduce_scatter(src, dst, &elems, dtype, op, stream)?;
-        gpu.scale(stream, dst, dst, n / dtype.size(), dtype, post)?;
+        gpu.scale(stream, dst, dst, dst.len() / dtype.size(), dtype, post)?;
         act(None);
         return Ok(());
     }
     let total: usize = counts.iter().sum();
-    let buf = lane.fusion(total + counts[me])?;
-    let recv = buf + total as u64;
+    let fusion = lane.fusion(total + counts[me])?;
+    let (buf, recv) = (fusion.first(total)?, fusion.sub(total, counts[me])?);
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
-    let inputs: Vec<DevicePtr> = ios.iter().map(|io| io.input().0).collect();
-    gpu.copy_batch(stream, &rank_major_copies(buf, &inputs, &seg, true))?;
+    let inputs: Vec<DeviceRange> = ios.iter().map(|io| io.input()).collect();
+    gpu.copy_batch(stream, &rank_major_copies(buf, &inputs, &seg, true)?)?;
     gpu.scale(stream, buf, buf, total / dtype.size(), dtype, head.prescale)?;
     act(Some("NCCL_REDUCESCATTER"));
     t.reduce_scatter(buf, recv, &elems, dtype, op, stream)?;
     gpu.scale(stream, recv, recv, elems[me], dtype, post)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-    let copies = consecutive_copies(recv, ios.iter().map(|io| io.output()), false);
+    let copies = consecutive_copies(
+        recv,
+        ios.iter().map(|io| (io.output(), io.output().len())),
+        false,
+    )?;
     gpu.copy_batch(stream, &copies)?;
     act(None);
     Ok(())
@@ -448,15 +473,15 @@ fn reducescatter_staged(
     let mut send = vec![0u8; total];
     act(Some("MEMCPY_DEVICE_TO_HOST"));
     let mut dst = 0;
-    let mut src = vec![0u64; ios.len()];
+    let mut src = vec![0usize; ios.len()];
     #[allow(clippy::needless_range_loop)] // walks a [tensor][rank] matrix rank-major
     for r in 0..host.size() {
         for (i, io) in ios.iter().enumerate() {
             let n = seg[i][r];
-            let at = io.input().0 + src[i];
+            let at = io.input().sub(src[i], n)?;
             lane.gpu
                 .download(lane.stream, at, &mut send[dst..dst + n])?;
-            src[i] += n as u64;
+            src[i] += n;
             dst += n;
         }
     }
@@ -479,20 +504,14 @@ pub fn broadcast(
     io: &mut dyn DeviceIo,
     act: ActivitySink,
 ) -> Result<()> {
-    let (src, len) = io.input();
-    let (dst, _) = io.output();
-    if t.rank() == resp.root as usize && src != dst {
-        lane.gpu.copy_batch(
-            lane.stream,
-            &[Copy {
-                src,
-                dst,
-                len: len as u64,
-            }],
-        )?;
+    let src = io.input();
+    let dst = io.output().first(src.len())?;
+    if t.rank() == resp.root as usize && src.ptr() != dst.ptr() {
+        lane.gpu
+            .copy_batch(lane.stream, &[Copy::new(src, dst, src.len())?])?;
     }
     act(Some("NCCL_BCAST"));
-    t.broadcast(dst, len, resp.root as usize, lane.stream)?;
+    t.broadcast(dst, resp.root as usize, lane.stream)?;
     act(None);
     Ok(())
 }
@@ -512,11 +531,11 @@ pub fn alltoall(
         // a local failure before the host-MPI step the other ranks wait in
         return Err(Error::Internal("test fault: gpu_alltoall".into()));
     }
-    let c = alltoall_counts(host, resp, io.input().1, io.send_splits())?;
+    let c = alltoall_counts(host, resp, io.input().len(), io.send_splits())?;
     act(Some("ALLOCATE_OUTPUT"));
     io.allocate_output(&c.shape, c.recv.iter().sum())?;
     act(Some("NCCL_ALLTOALL"));
-    t.alltoallv(io.input().0, &c.send, io.output().0, &c.recv, lane.stream)?;
+    t.alltoallv(io.input(), &c.send, io.output(), &c.recv, lane.stream)?;
     io.set_received_splits(c.recv_splits);
     act(None);
     Ok(())
@@ -541,30 +560,37 @@ mod tests {
     }
 
     fn triples(c: &[Copy]) -> Vec<(u64, u64, u64)> {
-        c.iter().map(|c| (c.src, c.dst, c.len)).collect()
+        c.iter().map(Copy::parts).collect()
+    }
+
+    fn r(ptr: u64, len: usize) -> DeviceRange {
+        DeviceRange::for_test(ptr, len)
     }
 
     #[test]
     fn consecutive_copies_pack_and_unpack_in_order() {
-        let ranges = [(1000, 4), (2000, 8), (3000, 0)];
-        let into = consecutive_copies(100, ranges.iter().copied(), true);
+        let ranges = [(r(1000, 4), 4), (r(2000, 8), 8), (r(3000, 0), 0)];
+        let into = consecutive_copies(r(100, 12), ranges.iter().copied(), true).unwrap();
         assert_eq!(
             triples(&into),
             [(1000, 100, 4), (2000, 104, 8), (3000, 112, 0)]
         );
-        let out = consecutive_copies(100, ranges.iter().copied(), false);
+        let out = consecutive_copies(r(100, 12), ranges.iter().copied(), false).unwrap();
         assert_eq!(
             triples(&out),
             [(100, 1000, 4), (104, 2000, 8), (112, 3000, 0)]
         );
+        // a buffer too short, or a tensor shorter than its bytes: refused, nothing enqueued
+        assert!(consecutive_copies(r(100, 11), ranges.iter().copied(), true).is_err());
+        assert!(consecutive_copies(r(100, 12), [(r(1000, 3), 4)].into_iter(), true).is_err());
     }
 
     #[test]
     fn rank_major_copies_walk_ranks_then_tensors() {
         // two tensors over three ranks: [tensor][rank] segment bytes
         let bytes = vec![vec![2, 3, 1], vec![4, 0, 5]];
-        let tensors = [1000, 2000];
-        let out = rank_major_copies(100, &tensors, &bytes, false);
+        let tensors = [r(1000, 6), r(2000, 9)];
+        let out = rank_major_copies(r(100, 15), &tensors, &bytes, false).unwrap();
         assert_eq!(
             triples(&out),
             [
@@ -576,11 +602,13 @@ mod tests {
                 (110, 2004, 5),
             ]
         );
-        let into = rank_major_copies(100, &tensors, &bytes, true);
+        let into = rank_major_copies(r(100, 15), &tensors, &bytes, true).unwrap();
         let flipped: Vec<_> = triples(&into)
             .iter()
             .map(|(s, d, n)| (*d, *s, *n))
             .collect();
         assert_eq!(flipped, triples(&out));
+        assert!(rank_major_copies(r(100, 14), &tensors, &bytes, true).is_err());
+        assert!(rank_major_copies(r(100, 15), &[r(1000, 6), r(2000, 8)], &bytes, true).is_err());
     }
 }

@@ -7,7 +7,6 @@ use crate::collective::device::DeviceIo;
 use crate::error::{Error, Result};
 use crate::message::Request;
 use crate::runtime::handle::{Handle, TensorResult};
-use crate::transport::DevicePtr;
 use crate::transport::cuda::{DeviceMem, Event, Gpu, StreamMark};
 use crate::transport::memory::{DeviceRange, HostBuffer};
 
@@ -259,10 +258,7 @@ impl TensorIo for TensorEntry {
 impl TensorEntry {
     /// Marks this tensor as GPU memory: the caller's pointers are device addresses.
     pub fn move_to_device(&mut self, gpu: Arc<Gpu>, ready: Option<ReadyEvent>) -> Result<()> {
-        let device = |b: &HostBuffer| DeviceRange {
-            ptr: b.as_ptr() as DevicePtr,
-            len: b.len(),
-        };
+        let device = |b: &HostBuffer| b.device_range();
         self.input = match std::mem::replace(&mut self.input, InputMem::Owned(Vec::new())) {
             InputMem::Borrowed(b) => InputMem::Device(device(&b)),
             InputMem::Owned(_) => {
@@ -292,7 +288,7 @@ impl TensorEntry {
     /// A GPU tensor's input and output addresses (None on the host).
     pub(crate) fn place(&self) -> Option<crate::runtime::in_flight::Place> {
         self.device.as_ref()?;
-        Some([DeviceIo::input(self).0, DeviceIo::output(self).0])
+        Some([DeviceIo::input(self).ptr(), DeviceIo::output(self).ptr()])
     }
 
     /// Moves a host input (a joined rank's zeros) to the tensor's GPU before a device batch.
@@ -304,9 +300,9 @@ impl TensorEntry {
             let mem = dev.gpu.alloc_on(stream, v.len())?;
             if v.iter().all(|b| *b == 0) {
                 // a joined rank's zeros: set in stream order, no host wait
-                dev.gpu.memset_zero(stream, mem.ptr(), v.len())?;
+                dev.gpu.memset_zero(stream, mem.range())?;
             } else {
-                dev.gpu.upload(stream, v, mem.ptr())?;
+                dev.gpu.upload(stream, v, mem.range())?;
             }
             self.input = InputMem::DeviceOwned(mem);
         }
@@ -331,22 +327,22 @@ impl TensorEntry {
 }
 
 impl DeviceIo for TensorEntry {
-    fn input(&self) -> (DevicePtr, usize) {
+    fn input(&self) -> DeviceRange {
         match &self.input {
-            InputMem::Device(r) => (r.ptr, r.len),
-            InputMem::DeviceOwned(m) => (m.ptr(), m.len()),
-            InputMem::Borrowed(_) | InputMem::Owned(_) => (0, 0),
+            InputMem::Device(r) => *r,
+            InputMem::DeviceOwned(m) => m.range(),
+            InputMem::Borrowed(_) | InputMem::Owned(_) => DeviceRange::empty(),
         }
     }
 
-    fn output(&self) -> (DevicePtr, usize) {
+    fn output(&self) -> DeviceRange {
         if let Some(m) = self.device.as_ref().and_then(|d| d.scratch.as_ref()) {
-            return (m.ptr(), m.len());
+            return m.range();
         }
         match &self.output {
-            OutputMem::Device(r) => (r.ptr, r.len),
+            OutputMem::Device(r) => *r,
             OutputMem::InPlace | OutputMem::Later => DeviceIo::input(self),
-            OutputMem::Borrowed(_) | OutputMem::Owned(_) => (0, 0),
+            OutputMem::Borrowed(_) | OutputMem::Owned(_) => DeviceRange::empty(),
         }
     }
 
@@ -355,10 +351,7 @@ impl DeviceIo for TensorEntry {
         let allocated = match &self.allocator {
             Some(alloc) => self
                 .call_allocator(alloc, shape, bytes)
-                .map(|buf| DeviceRange {
-                    ptr: buf.as_ptr() as DevicePtr,
-                    len: bytes,
-                }),
+                .and_then(|buf| buf.device_range().first(bytes)),
             None => Err(Error::InvalidArgument(format!(
                 "GPU tensor '{}' needs an output allocator",
                 self.request.name

@@ -574,7 +574,7 @@ impl Runtime {
             let input_len = match &t.input {
                 InputMem::Borrowed(b) => b.len(),
                 InputMem::Owned(v) => v.len(),
-                InputMem::Device(r) => r.len,
+                InputMem::Device(r) => r.len(),
                 InputMem::DeviceOwned(m) => m.len(),
             };
             if input_len != bytes {
@@ -591,7 +591,7 @@ impl Runtime {
                 (OutputMem::Later, true) | (OutputMem::InPlace, false) => {}
                 (OutputMem::Borrowed(b), false) if b.len() == bytes => {}
                 (OutputMem::Owned(v), false) if v.len() == bytes => {}
-                (OutputMem::Device(r), false) if r.len == bytes => {}
+                (OutputMem::Device(r), false) if r.len() == bytes => {}
                 (OutputMem::Later, false) => {
                     return Err(Error::InvalidArgument(format!(
                         "{what}: tensor '{}' needs an output buffer",

@@ -13,6 +13,7 @@ use cudarc::driver::{CudaContext, DriverError, result};
 
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
+use crate::transport::memory::DeviceRange;
 
 /// The error every GPU request gets where no CUDA driver can be loaded.
 pub fn no_cuda_error(device: i32) -> Error {
@@ -228,8 +229,8 @@ impl Gpu {
             // 256 threads of 16 bytes each, 4 rounds a block; at most 512 blocks a copy
             let blocks = longest.div_ceil(256 * 16 * 4).clamp(1, 512) as u32;
             let mut params = [(&mut batch as *mut CopyBatch).cast::<c_void>()];
-            // SAFETY: the kernel reads `batch` (copied by the launch) and the caller's ranges,
-            // which the caller guarantees are valid device memory for the stream's work.
+            // SAFETY: the kernel reads `batch` (copied by the launch); each `Copy` was made from
+            // ranges checked to hold its bytes (`Copy::new`).
             unsafe {
                 result::launch_kernel(
                     self.kernels.batched_copy,
@@ -250,36 +251,41 @@ impl Gpu {
     pub fn scale(
         &self,
         stream: &Stream,
-        src: CUdeviceptr,
-        dst: CUdeviceptr,
+        src: DeviceRange,
+        dst: DeviceRange,
         n: usize,
         dtype: DataType,
         factor: f64,
     ) -> Result<()> {
-        if factor == 1.0 && src == dst || n == 0 {
+        if factor == 1.0 && src.ptr() == dst.ptr() || n == 0 {
             return Ok(());
         }
+        let bytes = n.saturating_mul(dtype.size());
+        src.holds(bytes, "scale source")?;
+        dst.holds(bytes, "scale destination")?;
         let f =
             *self.kernels.scale.get(&dtype).ok_or_else(|| {
                 Error::InvalidArgument(format!("{} cannot be scaled", dtype.name()))
             })?;
-        self.launch_elementwise(f, stream, src, dst, n, Some(factor))
+        self.launch_elementwise(f, stream, src.ptr(), dst.ptr(), n, Some(factor))
     }
 
     /// Converts `n` elements between f32 and f16/bf16 (round to nearest even).
     pub fn cast(
         &self,
         stream: &Stream,
-        src: CUdeviceptr,
+        src: DeviceRange,
         from: DataType,
-        dst: CUdeviceptr,
+        dst: DeviceRange,
         to: DataType,
         n: usize,
     ) -> Result<()> {
+        src.holds(n.saturating_mul(from.size()), "cast source")?;
+        dst.holds(n.saturating_mul(to.size()), "cast destination")?;
         let f = *self.kernels.cast.get(&(from, to)).ok_or_else(|| {
             Error::InvalidArgument(format!("no GPU cast from {} to {}", from.name(), to.name()))
         })?;
-        self.launch_elementwise(f, stream, src, dst, n, None)
+        self.launch_elementwise(f, stream, src.ptr(), dst.ptr(), n, None)
     }
 
     fn launch_elementwise(
@@ -304,40 +310,44 @@ impl Gpu {
         if factor.is_some() {
             params.push((&mut k as *mut f64).cast());
         }
-        // SAFETY: the kernel's parameters match `params` (pointers, count, factor); the ranges
-        // are valid device memory of `n` elements per the caller.
+        // SAFETY: the kernel's parameters match `params` (pointers, count, factor); both
+        // ranges were checked to hold `n` elements (`scale`, `cast`).
         unsafe { result::launch_kernel(f.0, (blocks, 1, 1), (256, 1, 1), 0, stream.0, &mut params) }
             .map_err(|e| driver("kernel launch", e))
     }
 
-    pub fn memset_zero(&self, stream: &Stream, ptr: CUdeviceptr, len: usize) -> Result<()> {
-        if len == 0 {
+    pub fn memset_zero(&self, stream: &Stream, range: DeviceRange) -> Result<()> {
+        if range.is_empty() {
             return Ok(());
         }
-        // SAFETY: `ptr` is valid device memory of `len` bytes per the caller.
-        unsafe { result::memset_d8_async(ptr, 0, len, stream.0) }.map_err(|e| driver("memset", e))
+        // SAFETY: the range is device memory of its length (`DeviceRange`).
+        unsafe { result::memset_d8_async(range.ptr(), 0, range.len(), stream.0) }
+            .map_err(|e| driver("memset", e))
     }
 
     /// Device to host, waiting for the stream's earlier work and the copy.
-    pub fn download(&self, stream: &Stream, src: CUdeviceptr, dst: &mut [u8]) -> Result<()> {
+    pub fn download(&self, stream: &Stream, src: DeviceRange, dst: &mut [u8]) -> Result<()> {
         if dst.is_empty() {
             return Ok(());
         }
-        // SAFETY: `src` holds `dst.len()` bytes per the caller; synchronised before return.
+        src.holds(dst.len(), "copy to host")?;
+        // SAFETY: `src` holds `dst.len()` bytes (checked); synchronised before return.
         unsafe {
-            result::memcpy_dtoh_async(dst, src, stream.0).map_err(|e| driver("copy to host", e))?;
+            result::memcpy_dtoh_async(dst, src.ptr(), stream.0)
+                .map_err(|e| driver("copy to host", e))?;
         }
         stream.synchronize()
     }
 
     /// Host to device, finished before return.
-    pub fn upload(&self, stream: &Stream, src: &[u8], dst: CUdeviceptr) -> Result<()> {
+    pub fn upload(&self, stream: &Stream, src: &[u8], dst: DeviceRange) -> Result<()> {
         if src.is_empty() {
             return Ok(());
         }
-        // SAFETY: `dst` holds `src.len()` bytes per the caller; synchronised before return.
+        dst.holds(src.len(), "copy to device")?;
+        // SAFETY: `dst` holds `src.len()` bytes (checked); synchronised before return.
         unsafe {
-            result::memcpy_htod_async(dst, src, stream.0)
+            result::memcpy_htod_async(dst.ptr(), src, stream.0)
                 .map_err(|e| driver("copy to device", e))?;
         }
         stream.synchronize()
@@ -549,6 +559,13 @@ impl DeviceMem {
         self.ptr
     }
 
+    /// The whole allocation, for the functions that enqueue work on it.
+    pub fn range(&self) -> DeviceRange {
+        // SAFETY: ferrovod's own allocation of `len` bytes on this GPU, freed only after the
+        // work enqueued on it (Drop, or `free_on` in stream order).
+        unsafe { DeviceRange::from_raw(self.ptr, self.len) }
+    }
+
     pub fn len(&self) -> usize {
         self.len
     }
@@ -582,9 +599,28 @@ impl Drop for DeviceMem {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Copy {
-    pub src: CUdeviceptr,
-    pub dst: CUdeviceptr,
-    pub len: u64,
+    src: CUdeviceptr,
+    dst: CUdeviceptr,
+    len: u64,
+}
+
+impl Copy {
+    /// (source, destination, bytes), for unit tests of layouts.
+    #[cfg(test)]
+    pub(crate) fn parts(&self) -> (u64, u64, u64) {
+        (self.src, self.dst, self.len)
+    }
+
+    /// `len` bytes from `src` to `dst`, both of which must hold them.
+    pub fn new(src: DeviceRange, dst: DeviceRange, len: usize) -> Result<Copy> {
+        src.holds(len, "copy source")?;
+        dst.holds(len, "copy destination")?;
+        Ok(Copy {
+            src: src.ptr(),
+            dst: dst.ptr(),
+            len: len as u64,
+        })
+    }
 }
 
 /// Ranges per batched-copy launch: the descriptors travel as the kernel's parameter (3 KiB of

@@ -10,6 +10,7 @@ pub mod nccl;
 use crate::dtype::DataType;
 use crate::error::Result;
 use crate::message::ReduceOp;
+use crate::transport::memory::DeviceRange;
 
 /// A communicator over which collectives run. Counts are bytes and 64-bit: a backend with
 /// 32-bit counts splits the work itself. Every rank must take the same path through each call:
@@ -89,7 +90,8 @@ pub type DevicePtr = u64;
 
 /// A communicator over GPU memory. Calls enqueue work on `stream` and return without waiting;
 /// counts are bytes unless named elements. Every rank must make the same calls in the same
-/// order on each communicator.
+/// order on each communicator. Memory comes as `DeviceRange`s, and every count is checked
+/// against them before anything is enqueued.
 pub trait DeviceTransport {
     fn rank(&self) -> usize;
     fn size(&self) -> usize;
@@ -101,8 +103,8 @@ pub trait DeviceTransport {
     #[allow(clippy::too_many_arguments)]
     fn allreduce(
         &self,
-        send: DevicePtr,
-        recv: DevicePtr,
+        send: DeviceRange,
+        recv: DeviceRange,
         count: usize,
         dtype: DataType,
         op: ReduceOp,
@@ -113,7 +115,7 @@ pub trait DeviceTransport {
     /// launched together (one NCCL group): no fusion copies, one launch.
     fn allreduce_many(
         &self,
-        tensors: &[(DevicePtr, DevicePtr, usize)],
+        tensors: &[(DeviceRange, DeviceRange, usize)],
         dtype: DataType,
         op: ReduceOp,
         stream: &cuda::Stream,
@@ -123,25 +125,19 @@ pub trait DeviceTransport {
     /// are already at their place in `recv`.
     fn allgatherv_in_place(
         &self,
-        recv: DevicePtr,
+        recv: DeviceRange,
         counts: &[usize],
         stream: &cuda::Stream,
     ) -> Result<()>;
 
-    /// `bytes` bytes from `root`'s `data` into every rank's `data`.
-    fn broadcast(
-        &self,
-        data: DevicePtr,
-        bytes: usize,
-        root: usize,
-        stream: &cuda::Stream,
-    ) -> Result<()>;
+    /// `root`'s `data` into every rank's `data` (all of it).
+    fn broadcast(&self, data: DeviceRange, root: usize, stream: &cuda::Stream) -> Result<()>;
 
     fn alltoallv(
         &self,
-        send: DevicePtr,
+        send: DeviceRange,
         send_counts: &[usize],
-        recv: DevicePtr,
+        recv: DeviceRange,
         recv_counts: &[usize],
         stream: &cuda::Stream,
     ) -> Result<()>;
@@ -150,8 +146,8 @@ pub trait DeviceTransport {
     /// result lands in `recv`.
     fn reduce_scatter(
         &self,
-        send: DevicePtr,
-        recv: DevicePtr,
+        send: DeviceRange,
+        recv: DeviceRange,
         counts: &[usize],
         dtype: DataType,
         op: ReduceOp,

@@ -127,7 +127,11 @@ impl Watchdog {
             .name("ferrovod-watchdog".into())
             .spawn(move || {
                 while !flag.load(Ordering::Relaxed) {
-                    std::thread::sleep(Duration::from_millis(200));
+                    // woken at once when the runtime stops
+                    std::thread::park_timeout(Duration::from_millis(200));
+                    if flag.load(Ordering::Relaxed) {
+                        break;
+                    }
                     let (Some(limit), Some((waited, what))) = (limit, longest_blocked()) else {
                         continue;
                     };
@@ -161,6 +165,7 @@ impl Drop for Watchdog {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
         if let Some(t) = self.thread.take() {
+            t.thread().unpark();
             // the probe communicator is freed here, on the thread that owns MPI
             drop(t.join());
         }

@@ -7,6 +7,7 @@ use crate::dtype::DataType;
 use crate::error::{Error, Result};
 use crate::message::ReduceOp;
 use crate::transport::cuda::{Gpu, Stream};
+use crate::transport::memory::DeviceRange;
 use crate::transport::{DevicePtr, DeviceTransport};
 
 fn nccl(what: &str, e: result::NcclError) -> Error {
@@ -169,6 +170,17 @@ fn ptr(p: DevicePtr) -> *mut std::ffi::c_void {
     p as usize as *mut std::ffi::c_void
 }
 
+/// One count per rank of the communicator.
+fn counts_fit(counts: &[usize], size: usize) -> Result<()> {
+    if counts.len() != size {
+        return Err(Error::Internal(format!(
+            "{} counts for a communicator of {size}",
+            counts.len()
+        )));
+    }
+    Ok(())
+}
+
 fn bytes_type() -> sys::ncclDataType_t {
     sys::ncclDataType_t::ncclUint8
 }
@@ -188,18 +200,21 @@ impl DeviceTransport for NcclComm {
 
     fn allreduce(
         &self,
-        send: DevicePtr,
-        recv: DevicePtr,
+        send: DeviceRange,
+        recv: DeviceRange,
         count: usize,
         dtype: DataType,
         op: ReduceOp,
         stream: &Stream,
     ) -> Result<()> {
-        // SAFETY: `send`/`recv` hold `count` elements on this communicator's GPU per the caller.
+        let bytes = count.saturating_mul(dtype.size());
+        send.holds(bytes, "allreduce input")?;
+        recv.holds(bytes, "allreduce output")?;
+        // SAFETY: `send`/`recv` hold `count` elements (checked) of device memory (`DeviceRange`).
         unsafe {
             result::all_reduce(
-                ptr(send),
-                ptr(recv),
+                ptr(send.ptr()),
+                ptr(recv.ptr()),
                 count,
                 typed(dtype)?,
                 nccl_op(op)?,
@@ -213,7 +228,7 @@ impl DeviceTransport for NcclComm {
 
     fn allreduce_many(
         &self,
-        tensors: &[(DevicePtr, DevicePtr, usize)],
+        tensors: &[(DeviceRange, DeviceRange, usize)],
         dtype: DataType,
         op: ReduceOp,
         stream: &Stream,
@@ -231,10 +246,13 @@ impl DeviceTransport for NcclComm {
 
     fn allgatherv_in_place(
         &self,
-        recv: DevicePtr,
+        recv: DeviceRange,
         counts: &[usize],
         stream: &Stream,
     ) -> Result<()> {
+        counts_fit(counts, self.size)?;
+        recv.holds(counts.iter().sum(), "allgather output")?;
+        let recv = recv.ptr();
         let s = stream.raw().cast();
         if counts.iter().all(|c| *c == counts[0]) {
             let me = recv + (self.rank * counts[0]) as u64;
@@ -269,12 +287,13 @@ impl DeviceTransport for NcclComm {
         })
     }
 
-    fn broadcast(&self, data: DevicePtr, bytes: usize, root: usize, stream: &Stream) -> Result<()> {
-        // SAFETY: `data` holds `bytes` bytes per the caller; in place.
+    fn broadcast(&self, data: DeviceRange, root: usize, stream: &Stream) -> Result<()> {
+        let bytes = data.len();
+        // SAFETY: `data` is device memory of `bytes` bytes (`DeviceRange`); in place.
         unsafe {
             result::broadcast(
-                ptr(data),
-                ptr(data),
+                ptr(data.ptr()),
+                ptr(data.ptr()),
                 bytes,
                 bytes_type(),
                 root as i32,
@@ -288,12 +307,17 @@ impl DeviceTransport for NcclComm {
 
     fn alltoallv(
         &self,
-        send: DevicePtr,
+        send: DeviceRange,
         send_counts: &[usize],
-        recv: DevicePtr,
+        recv: DeviceRange,
         recv_counts: &[usize],
         stream: &Stream,
     ) -> Result<()> {
+        counts_fit(send_counts, self.size)?;
+        counts_fit(recv_counts, self.size)?;
+        send.holds(send_counts.iter().sum(), "alltoall input")?;
+        recv.holds(recv_counts.iter().sum(), "alltoall output")?;
+        let (send, recv) = (send.ptr(), recv.ptr());
         let s = stream.raw().cast();
         self.group(|| {
             let (mut so, mut ro) = (0u64, 0u64);
@@ -332,13 +356,24 @@ impl DeviceTransport for NcclComm {
 
     fn reduce_scatter(
         &self,
-        send: DevicePtr,
-        recv: DevicePtr,
+        send: DeviceRange,
+        recv: DeviceRange,
         counts: &[usize],
         dtype: DataType,
         op: ReduceOp,
         stream: &Stream,
     ) -> Result<()> {
+        counts_fit(counts, self.size)?;
+        let esz = dtype.size();
+        send.holds(
+            counts.iter().sum::<usize>().saturating_mul(esz),
+            "reducescatter input",
+        )?;
+        recv.holds(
+            counts[self.rank].saturating_mul(esz),
+            "reducescatter output",
+        )?;
+        let (send, recv) = (send.ptr(), recv.ptr());
         let s = stream.raw().cast();
         let (ty, nop) = (typed(dtype)?, nccl_op(op)?);
         if counts.iter().all(|c| *c == counts[0]) {

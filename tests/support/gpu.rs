@@ -11,7 +11,7 @@ use ferrovod::runtime::entry::{InputMem, OutputAllocator, OutputMem};
 use ferrovod::runtime::handle::{Handle, HandleId, TensorResult};
 use ferrovod::runtime::{self, OpSpec};
 use ferrovod::transport::cuda::{self, DeviceMem, Gpu};
-use ferrovod::transport::memory::{DeviceRange, HostBuffer};
+use ferrovod::transport::memory::HostBuffer;
 
 /// This rank's GPU: local rank modulo the GPUs present.
 pub fn this_gpu() -> Arc<Gpu> {
@@ -71,19 +71,13 @@ pub fn submit(mut spec: OpSpec) -> Result<Arc<Handle>, Error> {
             panic!("GPU mode takes host tensors built by the scenario")
         };
         let m = gpu.alloc(bytes.len())?;
-        gpu.upload(&stream, bytes, m.ptr())?;
-        t.input = InputMem::Device(DeviceRange {
-            ptr: m.ptr(),
-            len: bytes.len(),
-        });
+        gpu.upload(&stream, bytes, m.range())?;
+        t.input = InputMem::Device(m.range().first(bytes.len()).expect("allocated for it"));
         op.inputs.push(m);
         let out = match &t.output {
             OutputMem::Owned(v) => {
                 let o = gpu.alloc(v.len())?;
-                t.output = OutputMem::Device(DeviceRange {
-                    ptr: o.ptr(),
-                    len: v.len(),
-                });
+                t.output = OutputMem::Device(o.range().first(v.len()).expect("allocated for it"));
                 Some(o)
             }
             OutputMem::Later => {
@@ -133,7 +127,7 @@ impl Op {
                 .or(self.inputs.get(i))
                 .expect("tensor memory");
             let mut bytes = vec![0u8; mem.len()];
-            self.gpu.download(&stream, mem.ptr(), &mut bytes).unwrap();
+            self.gpu.download(&stream, mem.range(), &mut bytes).unwrap();
             r.output = Some(bytes);
         }
     }

@@ -43,10 +43,7 @@ fn submit(gpu: &Gpu, name: &str, mem: &DeviceMem, len: usize, op: ReduceOp) -> A
             name: name.to_string(),
             dtype: DataType::F32,
             shape: vec![(len / 4) as i64],
-            input: InputMem::Device(DeviceRange {
-                ptr: mem.ptr(),
-                len,
-            }),
+            input: InputMem::Device(mem.range().first(len).unwrap()),
             output: OutputMem::InPlace,
             splits: None,
         }],
@@ -105,7 +102,7 @@ fn nccl_round(
     host.barrier().unwrap();
     let t = Instant::now();
     for m in mems {
-        comm.allreduce(m.ptr(), m.ptr(), len / 4, DataType::F32, op, stream)
+        comm.allreduce(m.range(), m.range(), len / 4, DataType::F32, op, stream)
             .unwrap();
     }
     stream.synchronize().unwrap();
@@ -148,7 +145,7 @@ pub fn run(o: &Options, grads: &[(String, usize)]) {
         let mems: Vec<DeviceMem> = (0..iters)
             .map(|_| {
                 let m = gpu.alloc(bytes).unwrap();
-                gpu.memset_zero(&stream, m.ptr(), bytes).unwrap();
+                gpu.memset_zero(&stream, m.range()).unwrap();
                 m
             })
             .collect();
@@ -216,13 +213,13 @@ fn resnet(
         .iter()
         .map(|(n, elems)| {
             let m = gpu.alloc(elems * 4).unwrap();
-            gpu.memset_zero(stream, m.ptr(), elems * 4).unwrap();
+            gpu.memset_zero(stream, m.range()).unwrap();
             (n.clone(), m, elems * 4)
         })
         .collect();
     let total: usize = mems.iter().map(|(_, _, b)| b).sum();
     let flat = gpu.alloc(total).unwrap();
-    gpu.memset_zero(stream, flat.ptr(), total).unwrap();
+    gpu.memset_zero(stream, flat.range()).unwrap();
     stream.synchronize().unwrap();
     // each enqueue's own time, over the measured steps (ns)
     let each = std::cell::RefCell::new(Vec::new());
@@ -367,11 +364,12 @@ fn engine_floors(
     flat: &DeviceMem,
     reps: usize,
 ) -> Vec<(String, f64)> {
-    let tensors: Vec<(u64, u64, usize)> = mems
+    let tensors: Vec<(DeviceRange, DeviceRange, usize)> = mems
         .iter()
         .rev()
-        .map(|(_, m, b)| (m.ptr(), m.ptr(), b / 4))
+        .map(|(_, m, b)| (m.range(), m.range(), b / 4))
         .collect();
+    let whole = flat.range();
     let streams: Vec<Stream> = (0..comms.len())
         .map(|_| gpu.new_stream().unwrap())
         .collect();
@@ -413,45 +411,45 @@ fn engine_floors(
         out.push((
             "two communicators at once, half the flat buffer each (no copies)".to_string(),
             time(&|| {
+                let first = whole.first(half).unwrap();
                 comms[0]
-                    .allreduce(flat.ptr(), flat.ptr(), half / 4, f32, avg, &streams[0])
+                    .allreduce(first, first, half / 4, f32, avg, &streams[0])
                     .unwrap();
-                let rest = flat.ptr() + half as u64;
+                let rest = whole.sub(half, flat.len() - half).unwrap();
                 comms[1]
-                    .allreduce(rest, rest, (flat.len() - half) / 4, f32, avg, &streams[1])
+                    .allreduce(rest, rest, rest.len() / 4, f32, avg, &streams[1])
                     .unwrap();
             }),
         ));
     }
-    // fusion-buffer layout of the gradients in backward order
-    let mut off = 0u64;
+    // fusion-buffer layout of the gradients in backward order: each tensor, its place
+    let mut off = 0;
+    let mut places: Vec<(DeviceRange, DeviceRange)> = Vec::new();
     let (mut cin, mut cout) = (Vec::new(), Vec::new());
     for (p, _, n) in &tensors {
-        let len = *n as u64 * 4;
-        let at = flat.ptr() + off;
-        cin.push(cuda::Copy {
-            src: *p,
-            dst: at,
-            len,
-        });
-        cout.push(cuda::Copy {
-            src: at,
-            dst: *p,
-            len,
-        });
+        let len = n * 4;
+        let at = whole.sub(off, len).unwrap();
+        cin.push(cuda::Copy::new(*p, at, len).unwrap());
+        cout.push(cuda::Copy::new(at, *p, len).unwrap());
+        places.push((*p, at));
         off += len;
     }
+    // the flat buffer's bytes from tensor i's place on, `bytes` long
+    let region = |i: usize, bytes: usize| {
+        let start = places[i].1.ptr() - whole.ptr();
+        whole.sub(start as usize, bytes).unwrap()
+    };
     out.push((
         "pack alone".to_string(),
         time(&|| gpu.copy_batch(stream, &cin).unwrap()),
     ));
     // the runtime's rule for GPU buckets
-    let sizes: Vec<usize> = cin.iter().map(|c| c.len as usize).collect();
+    let sizes: Vec<usize> = places.iter().map(|(t, _)| t.len()).collect();
     let buckets = |limit: usize| ferrovod::negotiate::plan::bucket_ranges(&sizes, limit);
     let reduce = |r: &std::ops::Range<usize>, comm: &NcclComm, s: &Stream| {
-        let lo = cin[r.start].dst;
-        let n: u64 = cin[r.clone()].iter().map(|c| c.len).sum();
-        comm.allreduce(lo, lo, n as usize / 4, f32, avg, s).unwrap();
+        let n: usize = sizes[r.clone()].iter().sum();
+        let lo = region(r.start, n);
+        comm.allreduce(lo, lo, n / 4, f32, avg, s).unwrap();
     };
     // ferrovod's lanes: bucket k packs, reduces and unpacks on lane k % lanes
     for lanes in 1..=comms.len() {
@@ -477,19 +475,17 @@ fn engine_floors(
     // host time to enqueue the runtime's launch of the last 64 MiB bucket, part by part
     let host_only = |f: &dyn Fn()| measure(f, true);
     if let Some(last) = buckets(64 << 20).last().cloned() {
-        let big = ferrovod::collective::device::gpu_in_place_bytes() as u64;
-        let small: Vec<cuda::Copy> = cin[last.clone()]
-            .iter()
-            .filter(|c| c.len < big)
-            .copied()
+        let big = ferrovod::collective::device::gpu_in_place_bytes();
+        let small_at: Vec<usize> = last.clone().filter(|i| sizes[*i] < big).collect();
+        let small: Vec<cuda::Copy> = small_at.iter().map(|i| cin[*i]).collect();
+        let mut calls: Vec<(DeviceRange, DeviceRange, usize)> = last
+            .clone()
+            .filter(|i| sizes[*i] >= big)
+            .map(|i| (places[i].0, places[i].0, sizes[i] / 4))
             .collect();
-        let mut calls: Vec<(u64, u64, usize)> = cin[last.clone()]
-            .iter()
-            .filter(|c| c.len >= big)
-            .map(|c| (c.src, c.src, c.len as usize / 4))
-            .collect();
-        let n: u64 = small.iter().map(|c| c.len).sum();
-        calls.push((small[0].dst, small[0].dst, n as usize / 4));
+        let n: usize = small_at.iter().map(|i| sizes[*i]).sum();
+        let fused = region(small_at[0], n);
+        calls.push((fused, fused, n / 4));
         let what = format!("host enqueue, last bucket ({} tensors): ", last.len());
         for (part, f) in [
             (
@@ -521,7 +517,7 @@ fn engine_floors(
         let (mut inplace, mut small) = (Vec::new(), Vec::new());
         let (mut a, mut b) = (0usize, 0usize);
         for i in r.clone() {
-            let len = cin[i].len as usize;
+            let len = sizes[i];
             if len < big {
                 small.push(i);
                 continue;
@@ -529,18 +525,16 @@ fn engine_floors(
             let first = a <= b;
             *(if first { &mut a } else { &mut b }) += len;
             if half.is_none_or(|h| h == first) {
-                inplace.push((cin[i].src, cin[i].src, len / 4));
+                inplace.push((places[i].0, places[i].0, len / 4));
             }
         }
         let packed: Vec<_> = small.iter().map(|i| cin[*i]).collect();
-        let lo = packed
-            .first()
-            .map(|c| c.dst)
-            .filter(|_| half != Some(false));
+        let lo = small.first().copied().filter(|_| half != Some(false));
         if let Some(lo) = lo {
-            let n: u64 = packed.iter().map(|c| c.len).sum();
+            let n: usize = small.iter().map(|i| sizes[*i]).sum();
             gpu.copy_batch(s, &packed).unwrap();
-            inplace.push((lo, lo, n as usize / 4));
+            let fused = region(lo, n);
+            inplace.push((fused, fused, n / 4));
         }
         comm.allreduce_many(&inplace, f32, avg, s).unwrap();
         if lo.is_some() {
