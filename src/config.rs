@@ -230,7 +230,9 @@ impl Config {
 /// `point` fail on that global rank. Points: `panic` (the background thread panics before a
 /// batch it agreed to run), `stop_in_batch` (the process stops itself with SIGSTOP there, as a
 /// hung rank), `negotiation_error` (a vote fails locally before it is sent), `decode` (rank
-/// 0 cannot decode a request list), `nccl_init` (a rank fails before creating its NCCL
+/// 0 cannot decode a request list), `stop_in_round` (stops itself between the vote and the
+/// coordinator round), `autotune`, `freeze` and `offline` (autotune, freezing an offline plan
+/// or running one fails locally), `nccl_init` (a rank fails before creating its NCCL
 /// communicator), `gpu_alltoall` (a GPU alltoall fails before its host-MPI split exchange).
 /// Ranks are global ranks (set ranks for the last two, the same in the tests' global set).
 /// Not for production use.

@@ -53,6 +53,43 @@ const GPU_ALLTOALL_FAULT: &[(&str, &str)] = &[
     ("FERROVOD_TEST_FAULT", "gpu_alltoall:1"),
 ];
 
+const AUTOTUNE_FAULT: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+    ("HOROVOD_AUTOTUNE", "1"),
+    ("FERROVOD_TEST_FAULT", "autotune:1"),
+];
+
+const FREEZE_FAULT: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+    ("FERROVOD_NEGOTIATION", "offline"),
+    ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+    ("FERROVOD_TEST_FAULT", "freeze:1"),
+];
+
+const OFFLINE_FAULT: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+    ("FERROVOD_NEGOTIATION", "offline"),
+    ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+    ("FERROVOD_TEST_FAULT", "offline:1"),
+];
+
+const STOP_IN_ROUND: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+    ("FERROVOD_TEST_FAULT", "stop_in_round:1"),
+];
+
+const OFFLINE_STOP: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+    ("FERROVOD_NEGOTIATION", "offline"),
+    ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+    ("FERROVOD_PLAN_ESCAPE_MS", "200"),
+];
+
 const NEGOTIATION_FAULT: &[(&str, &str)] = &[
     ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
     ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
@@ -223,6 +260,16 @@ const SCENARIOS: &[Scenario] = &[
         false,
     ),
     ("fault_negotiation", 3, NEGOTIATION_FAULT, false),
+    // the same for each other way the background loop can end on one rank alone
+    ("fault_negotiation", 2, AUTOTUNE_FAULT, false),
+    ("fault_negotiation", 3, FREEZE_FAULT, false),
+    ("fault_negotiation", 2, OFFLINE_FAULT, false),
+    // a rank that stops between the vote and the coordinator round (rank 0 waits in the
+    // gather; with 3 ranks, rank 2 in the broadcast)
+    ("rank_stopped", 2, STOP_IN_ROUND, false),
+    ("rank_stopped", 3, STOP_IN_ROUND, false),
+    // offline negotiation: the plan froze, then rank 1 stops
+    ("rank_stopped", 2, OFFLINE_STOP, false),
     (
         "fault_decode",
         3,
@@ -2571,12 +2618,14 @@ fn steps_together(n: usize) {
     }
 }
 
-/// Prints the marker a failing scenario's harness counts, then ends this process without
-/// finalizing MPI (as a framework's uncaught exception does); mpirun ends the job.
+/// Prints the marker a failing scenario's harness counts, then ends this process as a
+/// framework's uncaught exception does: shutdown (the C API's exit handler), exit without
+/// finalizing MPI; mpirun ends the job.
 fn report_and_exit(marker: &str, msg: &str) -> ! {
     use std::io::Write;
     println!("{marker} rank={}: {msg}", rank());
     std::io::stdout().flush().unwrap();
+    runtime::shutdown();
     std::process::exit(1);
 }
 
@@ -2585,19 +2634,31 @@ fn report_and_exit(marker: &str, msg: &str) -> ! {
 /// has passed, and end.
 fn rank_stopped() {
     init();
-    steps_together(3);
-    if rank() == 1 {
-        let _ = Command::new("kill")
-            .args(["-STOP", &std::process::id().to_string()])
-            .status();
-        unreachable!("a stopped rank is killed by mpirun");
-    }
-    let start = Instant::now();
-    let err = run(OpSpec::new(
-        OpKind::Allreduce,
-        vec![tensor("after.stop", DataType::F32, &[1], &[1.0], false)],
-    ))
-    .unwrap_err();
+    let start;
+    let err = if std::env::var("FERROVOD_TEST_FAULT").is_ok_and(|f| f.starts_with("stop_in_round"))
+    {
+        // rank 1 stops inside the first coordinator round: the first step fails
+        start = Instant::now();
+        run(OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor("in.round", DataType::F32, &[1], &[1.0], false)],
+        ))
+        .unwrap_err()
+    } else {
+        steps_together(3);
+        if rank() == 1 {
+            let _ = Command::new("kill")
+                .args(["-STOP", &std::process::id().to_string()])
+                .status();
+            unreachable!("a stopped rank is killed by mpirun");
+        }
+        start = Instant::now();
+        run(OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor("after.stop", DataType::F32, &[1], &[1.0], false)],
+        ))
+        .unwrap_err()
+    };
     let msg = err.to_string();
     assert!(matches!(err, Error::ShutDown(_)), "{err:?}");
     assert!(msg.contains("Missing ranks: 1."), "{msg}");
@@ -2659,14 +2720,24 @@ fn fault_panic() {
 /// so the others report it missing after the stall shutdown time.
 fn fault_negotiation() {
     init();
-    let err = run(OpSpec::new(
-        OpKind::Allreduce,
-        vec![tensor("fault.vote", DataType::F32, &[1], &[1.0], false)],
-    ))
-    .unwrap_err();
-    let msg = err.to_string();
+    // steps until the fault (at once, or once an offline plan froze) fails one
+    let mut failed = None;
+    for step in 0..12 {
+        let v = 1.0 + step as f64;
+        match run(OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor("fault.step", DataType::F32, &[1], &[v], false)],
+        )) {
+            Ok(out) => assert_eq!(output(&out[0], DataType::F32), vec![size() as f64 * v]),
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        }
+    }
+    let msg = failed.expect("the fault failed no step").to_string();
     if rank() == 1 {
-        assert!(msg.contains("test fault: negotiation_error"), "{msg}");
+        assert!(msg.contains("test fault:"), "{msg}");
         use std::io::Write;
         println!("FAULT-REPORTED rank=1: {msg}");
         std::io::stdout().flush().unwrap();

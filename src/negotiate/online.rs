@@ -528,6 +528,12 @@ impl Negotiator {
         for req in to_send {
             self.sent.insert(req.name.clone(), req);
         }
+        if crate::config::test_fault("stop_in_round", self.global_ranks[self.set_rank]) {
+            // as a hung rank: stops between the vote and the coordinator round
+            let _ = std::process::Command::new("kill")
+                .args(["-STOP", &std::process::id().to_string()])
+                .status();
+        }
         let gathered = ctrl.gather_bytes(&mine, 0)?;
         out.control_collectives += 1;
         out.control_bytes += mine.len() as u64;

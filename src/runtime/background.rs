@@ -236,6 +236,12 @@ pub(crate) fn run(
     bg.stop(&rx, reason);
     let unclean = bg.mpi_unclean;
     drop(bg);
+    if unclean {
+        // The other ranks still there gave up at the same time and are reporting the same
+        // stall; when this process exits, mpirun ends the job and may cut their reports short.
+        // Shutting down (the exit handler) waits this long first.
+        std::thread::sleep(UNCLEAN_EXIT_GRACE);
+    }
     tracing::debug!("shutdown: runtime state freed");
     if mpi_ours && !unclean {
         finalize_mpi();
@@ -681,11 +687,15 @@ impl Background {
     /// takes rank 0's next settings (one broadcast per window, only while tuning).
     fn autotune_cycle(&mut self) -> Result<()> {
         let window = self.agreed.autotune_window;
+        let me = self.world.rank() as i32;
         let Some(at) = self.autotune.as_mut() else {
             return Ok(());
         };
         if at.tuner.done() {
             return Ok(());
+        }
+        if crate::config::test_fault("autotune", me) {
+            return Err(Error::Internal("test fault: autotune".into()));
         }
         at.cycles += 1;
         if at.cycles % window != 0 {
@@ -919,6 +929,9 @@ impl Background {
         if !matches!(&self.offline, Offline::Armed { remaining, .. } if remaining.is_empty()) {
             return Ok(());
         }
+        if crate::config::test_fault("freeze", self.world.rank() as i32) {
+            return Err(Error::Internal("test fault: freeze".into()));
+        }
         let Offline::Armed { plan, .. } = std::mem::replace(&mut self.offline, Offline::Off) else {
             unreachable!("checked above");
         };
@@ -991,6 +1004,9 @@ impl Background {
                 Next::Wait => return Ok(()),
             };
             let resps = q.plan().batches[batch].clone();
+            if crate::config::test_fault("offline", self.world.rank() as i32) {
+                return Err(Error::Internal("test fault: offline".into()));
+            }
             let Some(set) = self.member.get_mut(&0) else {
                 return Ok(());
             };
@@ -1052,8 +1068,17 @@ impl Background {
                 Ok(collective::Flagged::Done { raised }) => raised,
                 Ok(collective::Flagged::TimedOut) => {
                     self.mpi_unclean = true;
+                    let missing = set.ctrl.missing_ranks().map_or_else(
+                        || "unknown".to_string(),
+                        |m| {
+                            m.iter()
+                                .map(|r| r.to_string())
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        },
+                    );
                     let e = Error::ShutDown(format!(
-                        "Stalled: offline plan batch {batch} ({}) waited longer than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={} for other ranks; a rank has not submitted these tensors or stopped submitting. Shutting down.",
+                        "Stalled: offline plan batch {batch} ({}) waited longer than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={} for other ranks; a rank has not submitted these tensors, stopped submitting, or stopped responding. Missing ranks: {missing}. Shutting down.",
                         names.join(", "),
                         stall.shutdown_after.as_secs()
                     ));
@@ -1484,6 +1509,9 @@ impl Background {
 /// tensor; a large one there (35 MB at 64 MiB) is exposed, but a last bucket cut smaller
 /// behind a large first one on the same NCCL stream waits for it (1.28×).
 const GPU_BUCKET_BYTES: usize = 48 << 20;
+
+/// How long a runtime that gave up on missing ranks waits before its shutdown returns.
+const UNCLEAN_EXIT_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Cores per local rank from which waiting threads poll by default: a submitting thread, the
 /// background thread and the GPU finisher each may hold one.

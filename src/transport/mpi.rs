@@ -595,6 +595,20 @@ impl MpiComm {
         )))
     }
 
+    /// For a control communicator: the global ranks that do not answer a presence probe (see
+    /// `absent_ranks`), once a wait on the set's other communicators gave up on them. Every
+    /// rank still there must be giving up too (they reach the same limit together).
+    pub fn missing_ranks(&self) -> Option<Vec<i32>> {
+        let b = self.bound.as_deref()?;
+        Some(
+            b.probe
+                .absent_ranks(PROBE_GRACE)
+                .into_iter()
+                .map(|r| b.global.get(r).copied().unwrap_or(r as i32))
+                .collect(),
+        )
+    }
+
     /// Ranks of this communicator that do not answer within `grace`: every rank that calls
     /// this sends each other rank one byte and listens for theirs. Ranks stuck in the same
     /// wait call it at about the same time; a stopped or hung rank never answers. The
@@ -818,10 +832,30 @@ impl MpiComm {
         Ok(out)
     }
 
-    /// Allgather of one i64 per rank.
+    /// Allgather of one i64 per rank: a control collective (bounded on control communicators,
+    /// watched elsewhere).
     pub fn allgather_i64(&self, v: i64) -> Result<Vec<i64>> {
-        let mut out = vec![0u8; 8 * self.size];
-        self.allgatherv(Some(&v.to_le_bytes()), &mut out, &vec![8; self.size])?;
+        let mine: Box<[u8]> = v.to_le_bytes().into();
+        let mut out: Box<[u8]> = vec![0u8; 8 * self.size].into();
+        // SAFETY: 8 bytes from every rank into `out`; both buffers outlive the request (leaked
+        // if it fails).
+        let posted = self.control(|req| unsafe {
+            ffi::MPI_Iallgather(
+                ptr(&mine),
+                8,
+                byte_type(),
+                ptr_mut(&mut out),
+                8,
+                byte_type(),
+                self.comm,
+                req,
+            )
+        });
+        if let Err(e) = posted {
+            Box::leak(mine);
+            Box::leak(out);
+            return Err(e);
+        }
         Ok(out
             .chunks_exact(8)
             .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
