@@ -533,6 +533,10 @@ impl Negotiator {
             let _ = std::process::Command::new("kill")
                 .args(["-STOP", &std::process::id().to_string()])
                 .status();
+            // the stop is asynchronous: this thread must not go on meanwhile
+            loop {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
         }
         let gathered = ctrl.gather_bytes(&mine, 0)?;
         out.control_collectives += 1;

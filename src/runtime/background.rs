@@ -1153,6 +1153,10 @@ impl Background {
                 let _ = std::process::Command::new("kill")
                     .args(["-STOP", &std::process::id().to_string()])
                     .status();
+                // the stop is asynchronous: this thread must not go on meanwhile
+                loop {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
             }
             let Some(set) = self.member.get_mut(&id) else {
                 return;

@@ -68,19 +68,25 @@ def test_gloo_is_refused():
 def test_horovodrun_runs_a_script(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(
+        # before anything of ferrovod is imported: what the launcher exported
+        "import os\n"
+        "print('nccl connect %s' % os.environ.get('NCCL_RUNTIME_CONNECT'))\n"
         "import numpy as np\n"
         "from horovod.common.basics import HorovodBasics\n"
         "from ferrovod import _core\n"
-        "import os\n"
         "hvd = HorovodBasics()\n"
         "hvd.init()\n"
         "(x,) = _core.enqueue(_core.ALLREDUCE, [np.ones(4, np.float32) * (hvd.rank() + 1)], ['x']).wait()\n"
         "print('rank %d of %d sum %s cycle %s' % (hvd.rank(), hvd.size(), x.tolist(), os.environ['HOROVOD_CYCLE_TIME']))\n"
     )
     bindir = os.path.dirname(sys.executable)
+    env = {k: v for k, v in os.environ.items() if k != "NCCL_RUNTIME_CONNECT"}
     out = subprocess.run([os.path.join(bindir, "horovodrun"), "-np", "2", "--cycle-time-ms", "3",
                           sys.executable, str(script)],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     for r in range(2):
         assert "rank %d of 2 sum [3.0, 3.0, 3.0, 3.0] cycle 3" % r in out.stdout, out.stdout
+    # NCCL connects peers when communicators are created (set by the launcher, not by the
+    # library at run time)
+    assert out.stdout.count("nccl connect 0") == 2, out.stdout
