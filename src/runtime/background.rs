@@ -572,6 +572,8 @@ impl Background {
                 if id == 0 && matches!(self.offline, Offline::Frozen(_)) {
                     if let Err(e) = self.run_offline(want) {
                         let reason = format!("ferrovod offline negotiation failed: {e}");
+                        // the others may wait in a collective this rank left
+                        self.mpi_unclean = true;
                         tracing::error!("{reason}");
                         self.reason.get_or_insert(reason);
                         return self.reason.clone();
@@ -639,6 +641,7 @@ impl Background {
                     && let Err(e) = self.autotune_cycle()
                 {
                     let reason = format!("ferrovod autotune failed: {e}");
+                    self.mpi_unclean = true;
                     tracing::error!("{reason}");
                     self.reason.get_or_insert(reason);
                     return self.reason.clone();
@@ -647,6 +650,7 @@ impl Background {
                     && let Err(e) = self.maybe_freeze()
                 {
                     let reason = format!("ferrovod offline negotiation failed: {e}");
+                    self.mpi_unclean = true;
                     tracing::error!("{reason}");
                     self.reason.get_or_insert(reason);
                     return self.reason.clone();
