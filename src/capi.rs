@@ -489,27 +489,21 @@ fn overlaps(a: usize, b: usize, len: usize) -> bool {
 
 /// The tensors of one grouped operation must not share memory that any of them writes: one
 /// tensor's result would overwrite another's input or result, in an order nobody chose.
-fn check_no_aliasing(raw: &[fv_tensor], specs: &[TensorSpec]) -> Result<()> {
-    // (start, end, tensor, written)
+fn check_no_aliasing(specs: &[TensorSpec]) -> Result<()> {
+    // (start, end, tensor, written), from the buffers `tensor_spec` sized
     let mut ranges: Vec<(usize, usize, usize, bool)> = Vec::new();
-    for (i, (t, s)) in raw.iter().zip(specs).enumerate() {
-        // tensor_spec checked that the size fits; saturate anyway rather than trust it here
-        let bytes = s
-            .shape
-            .iter()
-            .try_fold(s.dtype.size(), |acc, d| acc.checked_mul(*d as usize))
-            .unwrap_or(usize::MAX);
-        if bytes == 0 {
-            continue;
-        }
-        let input = t.input as usize;
+    for (i, s) in specs.iter().enumerate() {
         let in_place = matches!(s.output, OutputMem::InPlace);
-        ranges.push((input, input.saturating_add(bytes), i, in_place));
-        if matches!(s.output, OutputMem::Borrowed(_)) {
-            let out = t.output as usize;
-            ranges.push((out, out.saturating_add(bytes), i, true));
+        if let InputMem::Borrowed(b) = &s.input {
+            let start = b.as_ptr() as usize;
+            ranges.push((start, start.saturating_add(b.len()), i, in_place));
+        }
+        if let OutputMem::Borrowed(b) = &s.output {
+            let start = b.as_ptr() as usize;
+            ranges.push((start, start.saturating_add(b.len()), i, true));
         }
     }
+    ranges.retain(|(start, end, _, _)| start < end);
     ranges.sort_unstable();
     for (k, a) in ranges.iter().enumerate() {
         for b in ranges[k + 1..].iter().take_while(|b| b.0 < a.1) {
@@ -614,15 +608,14 @@ pub unsafe extern "C" fn fv_enqueue(op: *const fv_op, out: *mut fv_handle) -> St
             .ok_or_else(|| Error::InvalidArgument(format!("unknown reduce op {}", op.reduce_op)))?;
         // SAFETY: `num_tensors` readable elements per the contract.
         let tensors = unsafe { slice(op.tensors, op.num_tensors, "tensors") }?;
-        let specs = tensors
+        let tensors = tensors
             .iter()
             // SAFETY: each element is a valid fv_tensor.
             .map(|t| unsafe { tensor_spec(t, kind) })
             .collect::<Result<Vec<_>>>()?;
         if tensors.len() > 1 {
-            check_no_aliasing(tensors, &specs)?;
+            check_no_aliasing(&tensors)?;
         }
-        let tensors = specs;
         let mut spec = OpSpec::new(kind, tensors);
         spec.reduce_op = reduce_op;
         spec.prescale = op.prescale;

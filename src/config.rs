@@ -248,6 +248,17 @@ pub fn test_fault(point: &str, rank: i32) -> bool {
         .is_some_and(|(p, r)| p == point && *r == rank)
 }
 
+/// For the stopping test faults: stops this whole process (SIGSTOP), as a hung rank. The stop
+/// is asynchronous, so the calling thread then waits for ever rather than go on meanwhile.
+pub fn stop_this_process() -> ! {
+    let _ = std::process::Command::new("kill")
+        .args(["-STOP", &std::process::id().to_string()])
+        .status();
+    loop {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// Installs the log subscriber once (`HOROVOD_LOG_LEVEL`, default warning), unless the host
 /// program already installed one.
 pub fn init_logging() {

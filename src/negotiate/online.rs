@@ -530,13 +530,7 @@ impl Negotiator {
         }
         if crate::config::test_fault("stop_in_round", self.global_ranks[self.set_rank]) {
             // as a hung rank: stops between the vote and the coordinator round
-            let _ = std::process::Command::new("kill")
-                .args(["-STOP", &std::process::id().to_string()])
-                .status();
-            // the stop is asynchronous: this thread must not go on meanwhile
-            loop {
-                std::thread::sleep(std::time::Duration::from_millis(10));
-            }
+            crate::config::stop_this_process();
         }
         let gathered = ctrl.gather_bytes(&mine, 0)?;
         out.control_collectives += 1;

@@ -25,7 +25,7 @@ use crate::runtime::gpu;
 use crate::runtime::timeline::Timeline;
 use crate::runtime::{Command, Communicator, InitOptions, Runtime, Topology};
 use crate::transport::Transport;
-use crate::transport::mpi::{MpiComm, Watchdog, finalize_mpi, init_mpi};
+use crate::transport::mpi::{MpiComm, Watchdog, finalize_mpi, init_mpi, rank_list};
 
 /// One process set this rank belongs to.
 struct SetState {
@@ -395,19 +395,8 @@ impl Background {
             .insert(0, make_set(0, world, world_ranks.clone(), &rt, &agreed)?);
         bg.all_sets.insert(0, world_ranks);
         for ranks in &opts.process_sets {
-            let mut sorted = ranks.clone();
-            sorted.sort_unstable();
-            sorted.dedup();
-            // the same rule as fv_add_process_set (identical lists on every rank: every rank
-            // fails alike)
-            if sorted.is_empty()
-                || sorted.len() != ranks.len()
-                || sorted.iter().any(|r| *r < 0 || *r >= size)
-            {
-                return Err(Error::InvalidArgument(format!(
-                    "process set ranks {ranks:?} must be distinct ranks in [0, {size})"
-                )));
-            }
+            // identical lists on every rank (checked above): every rank fails alike
+            let sorted = super::process_set_ranks(ranks, Some(size))?;
             bg.create_set(sorted)?;
         }
         *rt.sets.write().expect("sets") = bg.all_sets.clone();
@@ -571,12 +560,7 @@ impl Background {
                 let want = id == 0 && self.want_shutdown;
                 if id == 0 && matches!(self.offline, Offline::Frozen(_)) {
                     if let Err(e) = self.run_offline(want) {
-                        let reason = format!("ferrovod offline negotiation failed: {e}");
-                        // the others may wait in a collective this rank left
-                        self.mpi_unclean = true;
-                        tracing::error!("{reason}");
-                        self.reason.get_or_insert(reason);
-                        return self.reason.clone();
+                        return self.leave(format!("ferrovod offline negotiation failed: {e}"));
                     }
                     continue;
                 }
@@ -640,20 +624,12 @@ impl Background {
                 if id == 0
                     && let Err(e) = self.autotune_cycle()
                 {
-                    let reason = format!("ferrovod autotune failed: {e}");
-                    self.mpi_unclean = true;
-                    tracing::error!("{reason}");
-                    self.reason.get_or_insert(reason);
-                    return self.reason.clone();
+                    return self.leave(format!("ferrovod autotune failed: {e}"));
                 }
                 if id == 0
                     && let Err(e) = self.maybe_freeze()
                 {
-                    let reason = format!("ferrovod offline negotiation failed: {e}");
-                    self.mpi_unclean = true;
-                    tracing::error!("{reason}");
-                    self.reason.get_or_insert(reason);
-                    return self.reason.clone();
+                    return self.leave(format!("ferrovod offline negotiation failed: {e}"));
                 }
             }
             // Tensors still wait here: vote again soon rather than a cycle time later — at once
@@ -685,6 +661,15 @@ impl Background {
                 t.flush();
             }
         }
+    }
+
+    /// Ends the loop on this rank alone, without an agreed shutdown: the others may wait in a
+    /// collective this rank left, so MPI is not finalized (they end at their stall limit).
+    fn leave(&mut self, reason: String) -> Option<String> {
+        self.mpi_unclean = true;
+        tracing::error!("{reason}");
+        self.reason.get_or_insert(reason);
+        self.reason.clone()
     }
 
     /// Counts a global-set cycle; at the end of each window, rank 0 scores it and every rank
@@ -1072,15 +1057,10 @@ impl Background {
                 Ok(collective::Flagged::Done { raised }) => raised,
                 Ok(collective::Flagged::TimedOut) => {
                     self.mpi_unclean = true;
-                    let missing = set.ctrl.missing_ranks().map_or_else(
-                        || "unknown".to_string(),
-                        |m| {
-                            m.iter()
-                                .map(|r| r.to_string())
-                                .collect::<Vec<_>>()
-                                .join(", ")
-                        },
-                    );
+                    let missing = set
+                        .ctrl
+                        .missing_ranks()
+                        .map_or_else(|| "unknown".to_string(), |m| rank_list(&m));
                     let e = Error::ShutDown(format!(
                         "Stalled: offline plan batch {batch} ({}) waited longer than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={} for other ranks; a rank has not submitted these tensors, stopped submitting, or stopped responding. Missing ranks: {missing}. Shutting down.",
                         names.join(", "),
@@ -1154,13 +1134,7 @@ impl Background {
             }
             if head.kind == OpKind::Allreduce && crate::config::test_fault("stop_in_batch", me) {
                 // as a hung rank: the whole process stops, mid-step
-                let _ = std::process::Command::new("kill")
-                    .args(["-STOP", &std::process::id().to_string()])
-                    .status();
-                // the stop is asynchronous: this thread must not go on meanwhile
-                loop {
-                    std::thread::sleep(std::time::Duration::from_millis(10));
-                }
+                crate::config::stop_this_process();
             }
             let Some(set) = self.member.get_mut(&id) else {
                 return;

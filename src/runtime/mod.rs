@@ -177,6 +177,22 @@ pub fn is_initialized() -> bool {
 
 /// Starts the runtime (MPI, communicators, background thread). A second call while running is
 /// a no-op, as in Horovod.
+/// A process set's ranks, sorted: distinct, at least one, each in [0, size) (the size is
+/// checked where it is known). One rule for sets given at init and added later.
+pub(crate) fn process_set_ranks(ranks: &[i32], size: Option<i32>) -> Result<Vec<i32>> {
+    let mut sorted = ranks.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let in_range = |r: &i32| *r >= 0 && size.is_none_or(|n| *r < n);
+    if sorted.is_empty() || sorted.len() != ranks.len() || !sorted.iter().all(in_range) {
+        let bound = size.map_or("size".to_string(), |n| n.to_string());
+        return Err(Error::InvalidArgument(format!(
+            "process set ranks {ranks:?} must be distinct ranks in [0, {bound})"
+        )));
+    }
+    Ok(sorted)
+}
+
 pub fn init(opts: InitOptions) -> Result<()> {
     if on_background_thread() {
         return Err(Error::InvalidArgument(
@@ -195,16 +211,10 @@ pub fn init(opts: InitOptions) -> Result<()> {
     if let Some(old) = old {
         old.join_thread();
     }
-    // checked before anything collective starts, so that a caller can correct it and retry
+    // checked before anything collective starts (the size is not known yet), so that a
+    // caller can correct it and retry
     for ranks in &opts.process_sets {
-        let mut sorted = ranks.clone();
-        sorted.sort_unstable();
-        sorted.dedup();
-        if sorted.is_empty() || sorted.len() != ranks.len() || sorted[0] < 0 {
-            return Err(Error::InvalidArgument(format!(
-                "process set ranks {ranks:?} must be distinct ranks in [0, size)"
-            )));
-        }
+        process_set_ranks(ranks, None)?;
     }
     let mut global = lock_global();
     if global.is_some() {
@@ -677,18 +687,7 @@ impl Runtime {
     /// Registers a process set on every rank (all ranks must call it with the same ranks).
     pub fn add_process_set(&self, ranks: &[i32]) -> Result<Arc<Handle>> {
         refuse_on_background_thread("add_process_set")?;
-        let size = self.topology().size;
-        let mut sorted = ranks.to_vec();
-        sorted.sort_unstable();
-        sorted.dedup();
-        if sorted.is_empty()
-            || sorted.len() != ranks.len()
-            || sorted.iter().any(|r| *r < 0 || *r >= size)
-        {
-            return Err(Error::InvalidArgument(format!(
-                "process set ranks {ranks:?} must be distinct ranks in [0, {size})"
-            )));
-        }
+        let sorted = process_set_ranks(ranks, Some(self.topology().size))?;
         self.enqueue_control(
             OpKind::AddProcessSet,
             format!("process_set.add.{sorted:?}"),

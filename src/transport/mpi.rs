@@ -32,6 +32,15 @@ const PROBE_TAG: usize = 7;
 /// every 200 ms).
 const PROBE_GRACE: Duration = Duration::from_secs(3);
 
+/// Ranks as a report lists them: "1, 3".
+pub fn rank_list(ranks: &[i32]) -> String {
+    ranks
+        .iter()
+        .map(|r| r.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// The error text of a wait that outlived the stall shutdown time. `absent`: the global ranks
 /// that did not answer the presence probe (None: no probe could be made).
 pub fn stall_message(me: i32, limit: Duration, what: &str, absent: Option<&[i32]>) -> String {
@@ -39,11 +48,7 @@ pub fn stall_message(me: i32, limit: Duration, what: &str, absent: Option<&[i32]
         Some([]) => {
             "none found (every rank answered; they may wait in different collectives)".to_string()
         }
-        Some(a) => a
-            .iter()
-            .map(|r| r.to_string())
-            .collect::<Vec<_>>()
-            .join(", "),
+        Some(a) => rank_list(a),
         None => "unknown (MPI_THREAD_MULTIPLE is needed to ask)".to_string(),
     };
     format!(
@@ -507,11 +512,10 @@ impl MpiComm {
     /// threads) instead of spinning inside MPI. The request works on a buffer of its own,
     /// leaked if MPI fails so that MPI can never write to freed memory.
     fn bitwise_words(&self, words: &mut [u64], op: ffi::MPI_Op, what: &str) -> Result<()> {
-        let mut buf: Box<[u64]> = words.into();
-        // SAFETY: zeroed is a valid placeholder for the request out-parameter.
-        let mut req = unsafe { std::mem::zeroed::<ffi::MPI_Request>() };
-        // SAFETY: buf stays valid until the request completes (or forever, if it fails).
-        let rc = unsafe {
+        let buf: Box<[u64]> = words.into();
+        // SAFETY: `buf` holds `buf.len()` words and is owned by `control` until the request
+        // completes (leaked if it does not).
+        let buf = self.control(what, "a negotiation vote", buf, |buf, req| unsafe {
             ffi::MPI_Iallreduce(
                 in_place(),
                 buf.as_mut_ptr().cast(),
@@ -519,20 +523,11 @@ impl MpiComm {
                 ffi::RSMPI_UINT64_T,
                 op,
                 self.comm,
-                &mut req,
+                req,
             )
-        };
-        check(rc, what)?;
-        match self.wait_control(&mut req, "a negotiation vote") {
-            Ok(()) => {
-                words.copy_from_slice(&buf);
-                Ok(())
-            }
-            Err(e) => {
-                Box::leak(buf);
-                Err(e)
-            }
-        }
+        })?;
+        words.copy_from_slice(&buf);
+        Ok(())
     }
 
     /// Makes this a control communicator: its collectives give up after `limit` (the stall
@@ -581,17 +576,11 @@ impl MpiComm {
         if wait_polled(req, b.limit, &mut slow)? {
             return Ok(());
         }
-        let absent: Vec<i32> = b
-            .probe
-            .absent_ranks(PROBE_GRACE)
-            .into_iter()
-            .map(|r| b.global.get(r).copied().unwrap_or(r as i32))
-            .collect();
         Err(Error::ShutDown(stall_message(
             me,
             b.limit.unwrap_or_default(),
             &format!("{what} of {}", b.what),
-            Some(&absent),
+            self.missing_ranks().as_deref(),
         )))
     }
 
@@ -652,13 +641,28 @@ impl MpiComm {
         }
     }
 
-    /// Posts one non-blocking control collective with `start` and waits for it within the
-    /// communicator's bound. On an error the caller leaks the buffers the request uses.
-    fn control(&self, start: impl FnOnce(&mut ffi::MPI_Request) -> c_int) -> Result<()> {
+    /// Posts one non-blocking control collective with `start` over `bufs` (the buffers the
+    /// request reads and writes, which this owns meanwhile) and waits for it within the
+    /// communicator's bound (`waiting_in` names it in the stall report). Returns the buffers;
+    /// when the wait gives up they are leaked, since the request may still use them. They
+    /// must be heap memory (`Vec`, `Box`): an inline array would move with `bufs`.
+    fn control<B>(
+        &self,
+        call: &str,
+        waiting_in: &str,
+        mut bufs: B,
+        start: impl FnOnce(&mut B, &mut ffi::MPI_Request) -> c_int,
+    ) -> Result<B> {
         // SAFETY: zeroed is a valid placeholder for the request out-parameter.
         let mut req = unsafe { std::mem::zeroed::<ffi::MPI_Request>() };
-        check(start(&mut req), "a non-blocking MPI collective")?;
-        self.wait_control(&mut req, "a negotiation round")
+        check(start(&mut bufs, &mut req), call)?;
+        match self.wait_control(&mut req, waiting_in) {
+            Ok(()) => Ok(bufs),
+            Err(e) => {
+                std::mem::forget(bufs);
+                Err(e)
+            }
+        }
     }
 
     fn wrap(comm: ffi::MPI_Comm) -> Result<MpiComm> {
@@ -835,27 +839,26 @@ impl MpiComm {
     /// Allgather of one i64 per rank: a control collective (bounded on control communicators,
     /// watched elsewhere).
     pub fn allgather_i64(&self, v: i64) -> Result<Vec<i64>> {
-        let mine: Box<[u8]> = v.to_le_bytes().into();
-        let mut out: Box<[u8]> = vec![0u8; 8 * self.size].into();
-        // SAFETY: 8 bytes from every rank into `out`; both buffers outlive the request (leaked
-        // if it fails).
-        let posted = self.control(|req| unsafe {
-            ffi::MPI_Iallgather(
-                ptr(&mine),
-                8,
-                byte_type(),
-                ptr_mut(&mut out),
-                8,
-                byte_type(),
-                self.comm,
-                req,
-            )
-        });
-        if let Err(e) = posted {
-            Box::leak(mine);
-            Box::leak(out);
-            return Err(e);
-        }
+        let bufs = (v.to_le_bytes().to_vec(), vec![0u8; 8 * self.size]);
+        // SAFETY: 8 bytes from every rank into the second buffer; both are owned by `control`
+        // until the request completes.
+        let (_, out) = self.control(
+            "MPI_Iallgather",
+            "a negotiation round",
+            bufs,
+            |(mine, out), req| unsafe {
+                ffi::MPI_Iallgather(
+                    ptr(mine),
+                    8,
+                    byte_type(),
+                    ptr_mut(out),
+                    8,
+                    byte_type(),
+                    self.comm,
+                    req,
+                )
+            },
+        )?;
         Ok(out
             .chunks_exact(8)
             .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
@@ -1156,28 +1159,27 @@ impl Transport for MpiComm {
 
     fn gather_bytes(&self, send: &[u8], root: usize) -> Result<Vec<Vec<u8>>> {
         let is_root = self.rank == root;
-        let mut lens: Box<[u8]> = vec![0u8; if is_root { 8 * self.size } else { 0 }].into();
-        let mine: Box<[u8]> = (send.len() as u64).to_le_bytes().into();
-        // SAFETY: 8 bytes from each rank into lens (root only); both buffers outlive the
-        // request (leaked if it fails).
-        let posted = self.control(|req| unsafe {
-            ffi::MPI_Igather(
-                ptr(&mine),
-                8,
-                byte_type(),
-                ptr_mut(&mut lens),
-                8,
-                byte_type(),
-                root as c_int,
-                self.comm,
-                req,
-            )
-        });
-        if let Err(e) = posted {
-            Box::leak(lens);
-            Box::leak(mine);
-            return Err(e);
-        }
+        let lens = vec![0u8; if is_root { 8 * self.size } else { 0 }];
+        // SAFETY: 8 bytes from each rank into `lens` (root only); both buffers are owned by
+        // `control` until the request completes.
+        let (_, lens) = self.control(
+            "MPI_Igather",
+            "a negotiation round",
+            ((send.len() as u64).to_le_bytes().to_vec(), lens),
+            |(mine, lens), req| unsafe {
+                ffi::MPI_Igather(
+                    ptr(mine),
+                    8,
+                    byte_type(),
+                    ptr_mut(lens),
+                    8,
+                    byte_type(),
+                    root as c_int,
+                    self.comm,
+                    req,
+                )
+            },
+        )?;
         let counts: Vec<usize> = lens
             .chunks_exact(8)
             .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")) as usize)
@@ -1192,32 +1194,33 @@ impl Transport for MpiComm {
                 c_int::MAX
             )));
         }
-        let mut all: Box<[u8]> = vec![0u8; total].into();
-        let data: Box<[u8]> = send.into();
-        let (c, d) = (ints(&counts), ints(&displs));
+        let bufs = (
+            send.to_vec(),
+            vec![0u8; total],
+            ints(&counts),
+            ints(&displs),
+        );
         // SAFETY: root's buffer holds the sum of the gathered lengths (checked to fit a C
-        // int); every buffer outlives the request (leaked if it fails).
-        let posted = self.control(|req| unsafe {
-            ffi::MPI_Igatherv(
-                ptr(&data),
-                data.len() as c_int,
-                byte_type(),
-                ptr_mut(&mut all),
-                c.as_ptr(),
-                d.as_ptr(),
-                byte_type(),
-                root as c_int,
-                self.comm,
-                req,
-            )
-        });
-        if let Err(e) = posted {
-            Box::leak(all);
-            Box::leak(data);
-            Box::leak(c.into_boxed_slice());
-            Box::leak(d.into_boxed_slice());
-            return Err(e);
-        }
+        // int); every buffer is owned by `control` until the request completes.
+        let (_, all, _, _) = self.control(
+            "MPI_Igatherv",
+            "a negotiation round",
+            bufs,
+            |(data, all, c, d), req| unsafe {
+                ffi::MPI_Igatherv(
+                    ptr(data),
+                    data.len() as c_int,
+                    byte_type(),
+                    ptr_mut(all),
+                    c.as_ptr(),
+                    d.as_ptr(),
+                    byte_type(),
+                    root as c_int,
+                    self.comm,
+                    req,
+                )
+            },
+        )?;
         Ok(counts
             .iter()
             .zip(&displs)
@@ -1226,48 +1229,39 @@ impl Transport for MpiComm {
     }
 
     fn broadcast_bytes(&self, data: Vec<u8>, root: usize) -> Result<Vec<u8>> {
-        let mut len: Box<[u8]> = (data.len() as u64).to_le_bytes().into();
-        // SAFETY: 8 bytes; len outlives the request (leaked if it fails).
-        let posted = self.control(|req| unsafe {
-            ffi::MPI_Ibcast(
-                ptr_mut(&mut len),
-                8,
-                byte_type(),
-                root as c_int,
-                self.comm,
-                req,
-            )
-        });
-        if let Err(e) = posted {
-            Box::leak(len);
-            return Err(e);
-        }
-        let n = u64::from_le_bytes((*len).try_into().expect("8 bytes")) as usize;
-        let mut data: Box<[u8]> = {
-            let mut d = data;
-            d.resize(n, 0);
-            d.into()
-        };
+        // SAFETY: 8 bytes, owned by `control` until the request completes.
+        let len = self.control(
+            "MPI_Ibcast",
+            "a negotiation round",
+            (data.len() as u64).to_le_bytes().to_vec(),
+            |len, req| unsafe {
+                ffi::MPI_Ibcast(ptr_mut(len), 8, byte_type(), root as c_int, self.comm, req)
+            },
+        )?;
+        let n = u64::from_le_bytes(len[..].try_into().expect("8 bytes")) as usize;
+        let mut data = data;
+        data.resize(n, 0);
         for at in (0..n).step_by(self.max_count.max(1)) {
             let chunk = self.max_count.min(n - at);
-            // SAFETY: data[at..at + chunk] is valid and outlives the request (leaked if it
-            // fails).
-            let posted = self.control(|req| unsafe {
-                ffi::MPI_Ibcast(
-                    data.as_mut_ptr().add(at).cast(),
-                    chunk as c_int,
-                    byte_type(),
-                    root as c_int,
-                    self.comm,
-                    req,
-                )
-            });
-            if let Err(e) = posted {
-                Box::leak(data);
-                return Err(e);
-            }
+            // SAFETY: data[at..at + chunk] is valid; `data` is owned by `control` until the
+            // request completes.
+            data = self.control(
+                "MPI_Ibcast",
+                "a negotiation round",
+                data,
+                |data, req| unsafe {
+                    ffi::MPI_Ibcast(
+                        data.as_mut_ptr().add(at).cast(),
+                        chunk as c_int,
+                        byte_type(),
+                        root as c_int,
+                        self.comm,
+                        req,
+                    )
+                },
+            )?;
         }
-        Ok(data.into_vec())
+        Ok(data)
     }
 
     fn barrier(&self) -> Result<()> {
