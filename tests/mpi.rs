@@ -156,9 +156,12 @@ const SCENARIOS: &[Scenario] = &[
     (
         "online_groups",
         3,
+        // a step agreed over a few long cycles learns at most ~20 groups: the vote fits one
+        // word (per-cycle batches of a step spread over 1 ms cycles could need 40 bits or more)
         &[
             ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
             ("FERROVOD_PLAN_ESCAPE_MS", "200"),
+            ("HOROVOD_CYCLE_TIME", "50"),
         ],
         true,
     ),

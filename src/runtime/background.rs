@@ -796,18 +796,20 @@ impl Background {
                 .map(|b| b.iter().map(|x| x.name.clone()).collect())
                 .collect();
             // the first plan stays while its tensors still come, unless the new one holds them
-            // all (a step that gained tensors); a step of other tensors (another phase of the
-            // job, the benchmark's next size) replaces groups that would otherwise never be
-            // voted again
+            // all and more (a step that gained tensors); a step of other tensors (another phase
+            // of the job, the benchmark's next size) replaces groups that would otherwise never
+            // be voted again. The step agreed while the first plan was being armed returns the
+            // same tensors in other cycles: replacing the plan with it only churned the groups
             let learned: HashSet<&String> = groups.iter().flatten().collect();
             let current = set.negotiator.groups().iter().flatten();
-            let (mut stale, mut covered) = (true, true);
+            let (mut stale, mut covered, mut count) = (true, true, 0);
             for n in current {
                 let has = learned.contains(n);
                 stale &= !has;
                 covered &= has;
+                count += 1;
             }
-            if stale || covered {
+            if stale || (covered && learned.len() > count) {
                 set.negotiator
                     .set_groups(groups, self.rt.config.plan_escape);
             }
