@@ -97,14 +97,9 @@ class _DistributedGradientTape(tf.GradientTape):
 
     def gradient(self, target, sources, output_gradients=None, use_generic_names=False):
         grads = super().gradient(target, sources, output_gradients)
-        flat_sources = tf.nest.flatten(sources)
-        flat_grads = tf.nest.flatten(grads)
-        if size() > 1:
-            flat_grads = _reduce_gradients(flat_grads, flat_sources, use_generic_names=use_generic_names,
-                                           local_sources=self._local_sources, **self._options)
-            if self._scale_local_gradients and self._local_sources and self._options["op"] == Average:
-                flat_grads = scale_local_gradients(flat_grads, flat_sources, self._local_sources,
-                                                   self._options["process_set"].size())
+        flat_grads = reduce_gradients(tf.nest.flatten(grads), tf.nest.flatten(sources), self._options,
+                                      self._local_sources, self._scale_local_gradients,
+                                      use_generic_names)
         return tf.nest.pack_sequence_as(grads, flat_grads)
 
     def get_local_and_global_gradients(self, target, sources, output_gradients=None,
@@ -116,6 +111,20 @@ class _DistributedGradientTape(tf.GradientTape):
         for s, g in zip(tf.nest.flatten(sources), tf.nest.flatten(grads)):
             (local if id(s) in local_ids else shared).append((s, g))
         return local, shared
+
+
+def reduce_gradients(grads, sources, options, local_sources=(), scale_local=True,
+                     use_generic_names=False):
+    """`grads` averaged (or summed) over the process set; the gradients of `local_sources` stay
+    this rank's own, divided by the set's size when `scale_local` (Horovod's
+    scale_local_gradients, which applies to either op)."""
+    grads = list(grads)
+    if size() > 1:
+        grads = _reduce_gradients(grads, sources, use_generic_names=use_generic_names,
+                                  local_sources=local_sources, **options)
+    if scale_local and local_sources:
+        grads = scale_local_gradients(grads, sources, local_sources, options["process_set"].size())
+    return grads
 
 
 def scale_local_gradients(grads, sources, local_sources, factor):

@@ -6,8 +6,8 @@ import tensorflow as tf
 from ferrovod.tensorflow.compression import Compression
 from ferrovod.tensorflow.functions import broadcast_variables
 from ferrovod.tensorflow.gradient_aggregation import LocalGradientAggregator
-from ferrovod.tensorflow.gradient_tape import _reduce_gradients, gradient_options
-from ferrovod.tensorflow.mpi_ops import Average, size
+from ferrovod.tensorflow.gradient_tape import gradient_options, reduce_gradients
+from ferrovod.tensorflow.mpi_ops import Average
 from horovod.common.process_sets import global_process_set
 
 
@@ -15,20 +15,26 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
     """Delegates to the wrapped optimizer; `compute_gradients` averages the gradients over the
     ranks first."""
 
-    def __init__(self, optimizer, name, use_locking, options, aggregator):
+    def __init__(self, optimizer, name, use_locking, options, aggregator, scale_local):
         self._optimizer = optimizer
         self._options = options
         self._aggregator = aggregator
+        self._scale_local = scale_local
+        self._local_vars = []
         super().__init__(name=name or "Distributed" + type(optimizer).__name__, use_locking=use_locking)
+
+    def register_local_var(self, var):
+        """`var`'s gradient stays this rank's own (model-parallel parts), divided by the process
+        set's size unless `scale_local_gradients=False`."""
+        self._local_vars.append(var)
 
     def compute_gradients(self, *args, **kwargs):
         pairs = self._optimizer.compute_gradients(*args, **kwargs)
         grads, variables = zip(*pairs) if pairs else ((), ())
 
         def allreduce(grads):
-            if size() <= 1:
-                return grads
-            return _reduce_gradients(grads, list(variables), use_generic_names=False, **self._options)
+            return reduce_gradients(grads, list(variables), self._options, self._local_vars,
+                                    self._scale_local)
 
         if self._aggregator is not None:
             reduced = self._aggregator.reduce(list(grads), allreduce)
@@ -69,7 +75,8 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
         if backward_passes_per_step != 1:
             aggregator = LocalGradientAggregator(backward_passes_per_step, average_aggregated_gradients,
                                                  sparse_as_dense)
-        return _DistributedOptimizer(optimizer, name, use_locking, options, aggregator)
+        return _DistributedOptimizer(optimizer, name, use_locking, options, aggregator,
+                                     scale_local_gradients)
     from ferrovod.tensorflow.keras import DistributedOptimizer as KerasDistributedOptimizer
 
     return KerasDistributedOptimizer(

@@ -33,10 +33,9 @@ from ferrovod.tensorflow import (  # noqa: F401
 from ferrovod.tensorflow import allreduce as _tf_allreduce
 from ferrovod.tensorflow.gradient_aggregation import LocalGradientAggregator
 from ferrovod.tensorflow.gradient_tape import (
-    _reduce_gradients,
     gradient_options,
     local_layer_variables,
-    scale_local_gradients,
+    reduce_gradients,
 )
 from ferrovod.tensorflow.keras import callbacks, elastic  # noqa: F401
 from horovod.common.process_sets import (  # noqa: F401
@@ -47,35 +46,72 @@ from horovod.common.process_sets import (  # noqa: F401
 )
 
 
-def _wrap_optimizer_class(base, options, scale_local):
-    """A subclass of the optimizer's own class whose gradients are allreduced (after local
-    aggregation, with backward_passes_per_step > 1) before they are applied (Keras 3: `apply`;
-    tf_keras: `apply_gradients`)."""
+def _tape_gradients(loss, var_list, grad_loss, tape):
+    """This rank's (gradient, variable) pairs of `loss`, for optimizers with no gradient method of
+    their own (Keras 3), as tf_keras's `compute_gradients` computes them."""
+    if not callable(loss) and tape is None:
+        raise ValueError("`tape` is required when a `Tensor` loss is passed. Received: loss=%s, "
+                         "tape=None." % (loss,))
+    tape = tf.GradientTape() if tape is None else tape
+    if callable(loss):
+        with tape:
+            if not callable(var_list):
+                tape.watch([_watchable(v) for v in var_list])
+            loss = loss()
+    if callable(var_list):
+        var_list = var_list()
+    var_list = list(var_list)
+    return list(zip(tape.gradient(loss, var_list, output_gradients=grad_loss), var_list))
 
-    def reduce(self, grads, variables):
-        if size() <= 1:
-            return grads
-        local = self._ferrovod_local_vars
-        grads = _reduce_gradients(list(grads), variables, use_generic_names=False, local_sources=local,
-                                  **options)
-        if scale_local and local and options["op"] == Average:
-            grads = scale_local_gradients(grads, variables, local, options["process_set"].size())
-        return grads
+
+def _watchable(var):
+    """What a tape can watch for `var`: a Keras 3 variable's tf.Variable."""
+    if isinstance(var, tf.Variable):
+        return var
+    inner = getattr(var, "value", None)
+    return inner if isinstance(inner, tf.Variable) else var
+
+
+def _wrap_optimizer_class(base, options, scale_local, aggregation):
+    """A subclass of the optimizer's own class whose gradients are allreduced (after local
+    aggregation, with backward_passes_per_step > 1): by `compute_gradients`/`_compute_gradients`
+    (and `get_gradients` where the class has it) as in Horovod, or else when they are applied
+    (Keras 3: `apply`; tf_keras: `apply_gradients`), so that a loop computing its own gradients
+    still trains data-parallel. Gradients returned reduced are not reduced again when applied."""
 
     def reduced_grads(self, grads, variables):
         """Allreduced gradients, or with local aggregation the running sums until the last pass."""
+
+        def reduce(gs):
+            return reduce_gradients(gs, variables, options, self._ferrovod.local_vars, scale_local)
+
         aggregator = self._agg_helper
-        if aggregator is None:
-            return reduce(self, grads, variables)
-        return aggregator.reduce(list(grads), lambda gs: reduce(self, gs, variables))
+        grads = list(grads)
+        reduced = reduce(grads) if aggregator is None else aggregator.reduce(grads, reduce)
+        self._ferrovod.reduced = reduced
+        return reduced
+
+    def unreduced(self, grads, variables):
+        """`grads` reduced, unless they are the ones this optimizer last returned reduced."""
+        last, self._ferrovod.reduced = self._ferrovod.reduced, None
+        if last is not None and len(last) == len(grads) and all(a is b for a, b in zip(last, grads)):
+            return grads
+        return reduced_grads(self, grads, variables)
 
     def apply_reduced(self, grads, apply_fn):
+        self._ferrovod.reduced = None
         aggregator = self._agg_helper
         if aggregator is None:
             return apply_fn(grads)
         return aggregator.apply(grads, lambda: apply_fn(grads), self.iterations)
 
-    namespace = {"_ferrovod_distributed": True}
+    def __init__(self, *args, **kwargs):
+        super(cls, self).__init__(*args, **kwargs)
+        self._ferrovod = _WrapState()
+        # Horovod's name, which its tests read (counter: passes since the last allreduce)
+        self._agg_helper = None if aggregation is None else LocalGradientAggregator(*aggregation)
+
+    namespace = {"_ferrovod_distributed": True, "__init__": __init__}
     if hasattr(base, "stateless_apply"):  # Keras 3
         def apply(self, grads, trainable_variables=None):
             variables = list(trainable_variables if trainable_variables is not None
@@ -84,40 +120,63 @@ def _wrap_optimizer_class(base, options, scale_local):
                 # outside the tf.cond of local aggregation, which must not create variables
                 with tf.init_scope():
                     self.build(variables)
-            return apply_reduced(self, reduced_grads(self, grads, variables),
-                                 lambda gs: super(cls, self).apply(gs, trainable_variables))
+            grads = unreduced(self, list(grads), variables)
+            return apply_reduced(self, grads, lambda gs: super(cls, self).apply(gs, trainable_variables))
 
         namespace["apply"] = apply
     else:
         def apply_gradients(self, grads_and_vars, *args, **kwargs):
             pairs = list(grads_and_vars)
             grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
-            if getattr(self, "_ferrovod_reduced", False):
-                self._ferrovod_reduced = False  # _compute_gradients already reduced them
-            else:
-                grads = reduced_grads(self, grads, variables)
+            grads = unreduced(self, grads, variables)
             return apply_reduced(
                 self, grads,
                 lambda gs: super(cls, self).apply_gradients(list(zip(gs, variables)), *args, **kwargs))
 
         namespace["apply_gradients"] = apply_gradients
 
-    if hasattr(base, "_compute_gradients"):  # tf_keras legacy optimizers: reduce here, as Horovod
-        def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
-            pairs = super(cls, self)._compute_gradients(loss, var_list, grad_loss=grad_loss, tape=tape)
-            grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
-            self._ferrovod_reduced = True
-            return list(zip(reduced_grads(self, grads, variables), variables))
+    def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
+        """This rank's gradients as the wrapped optimizer computes them, allreduced."""
+        parent = super(cls, self)
+        if hasattr(base, "_compute_gradients"):  # tf_keras legacy
+            pairs = parent._compute_gradients(loss, var_list, grad_loss=grad_loss, tape=tape)
+        elif hasattr(base, "compute_gradients") and grad_loss is None:  # tf_keras
+            pairs = parent.compute_gradients(loss, var_list, tape=tape)
+        else:  # Keras 3, or a grad_loss tf_keras's method does not take
+            pairs = _tape_gradients(loss, var_list, grad_loss, tape)
+        pairs = list(pairs)
+        grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
+        return list(zip(reduced_grads(self, grads, variables), variables))
 
-        namespace["_compute_gradients"] = _compute_gradients
+    def compute_gradients(self, loss, var_list, tape=None):
+        """Horovod's: `_compute_gradients` without `grad_loss`."""
+        return self._compute_gradients(loss, var_list, tape=tape)
+
+    namespace["_compute_gradients"] = _compute_gradients
+    namespace["compute_gradients"] = compute_gradients
+
+    if hasattr(base, "get_gradients"):  # tf_keras legacy, graph mode
+        def get_gradients(self, loss, params):
+            grads = super(cls, self).get_gradients(loss, params)
+            return reduced_grads(self, grads, list(params))
+
+        namespace["get_gradients"] = get_gradients
 
     def register_local_var(self, var):
         """`var`'s gradient stays local (model-parallel layers)."""
-        self._ferrovod_local_vars.append(var)
+        self._ferrovod.local_vars.append(var)
 
     namespace["register_local_var"] = register_local_var
     cls = type(base.__name__, (base,), namespace)
     return cls
+
+
+class _WrapState:
+    """What the wrapper keeps per optimizer, out of reach of Keras's attribute tracking."""
+
+    def __init__(self):
+        self.local_vars = []
+        self.reduced = None
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
@@ -132,14 +191,13 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                                device_dense, device_sparse)
     if getattr(optimizer, "_ferrovod_distributed", False):
         return optimizer
-    cls = _wrap_optimizer_class(optimizer.__class__, options, scale_local_gradients)
-    wrapped = cls.from_config(optimizer.get_config())
-    wrapped._ferrovod_local_vars = []
-    wrapped._agg_helper = None
+    aggregation = None
     if backward_passes_per_step != 1:
-        wrapped._agg_helper = LocalGradientAggregator(
-            backward_passes_per_step, average_aggregated_gradients, sparse_as_dense)
-    return wrapped
+        LocalGradientAggregator(backward_passes_per_step, average_aggregated_gradients,
+                                sparse_as_dense)  # checks the arguments now
+        aggregation = (backward_passes_per_step, average_aggregated_gradients, sparse_as_dense)
+    cls = _wrap_optimizer_class(optimizer.__class__, options, scale_local_gradients, aggregation)
+    return cls.from_config(optimizer.get_config())
 
 
 def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
