@@ -33,7 +33,7 @@ from horovod.common.process_sets import (  # noqa: F401
     global_process_set,
     remove_process_set,
 )
-from horovod.common.util import check_extension  # noqa: F401
+from horovod.common.util import check_extension, gpu_available, split_list  # noqa: F401
 
 
 def __getattr__(name):

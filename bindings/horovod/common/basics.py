@@ -113,6 +113,11 @@ class HorovodBasics:
     def sycl_built(self):
         return False
 
+    def _get_process_set_ids_and_ranks(self):
+        """{process set id: its global ranks} for every registered set (Horovod's private
+        helper, which its process-set tests call)."""
+        return {set_id: _core.process_set_ranks(set_id) for set_id in _core.process_set_ids()}
+
     def metrics(self):
         """ferrovod's counters since init (a dict): control collectives and bytes, negotiation
         time in ns, data collectives and bytes, fused batches, tensors, cycles."""

@@ -27,6 +27,14 @@ def extension_available(ext_base_name, verbose=False):
         return False
 
 
+def gpu_available(ext_base_name, verbose=False):
+    """Whether `horovod.<framework>` runs collectives on GPU tensors. The TensorFlow ops run on
+    host memory (no TensorFlow GPU kernels yet), so False."""
+    if verbose:
+        warnings.warn("ferrovod's %s ops run on host memory only" % ext_base_name)
+    return False
+
+
 def mpi_built(verbose=False):
     return True
 

@@ -8,6 +8,7 @@ from ferrovod import _core
 from ferrovod.exceptions import InvalidArgumentError, PreconditionError
 from horovod.common import process_sets as ps
 from horovod.common.basics import HorovodBasics
+from horovod.common.util import gpu_available
 from horovod.runner.common.util.env import get_env_rank_and_size
 
 hvd = HorovodBasics()
@@ -27,6 +28,7 @@ def test_topology_matches_launcher():
     assert hvd.cross_rank() == 0 and hvd.cross_size() == 1
     assert hvd.is_homogeneous() and hvd.mpi_threads_supported() and hvd.mpi_built()
     assert hvd.nccl_built() == 0 and not hvd.gloo_built()
+    assert gpu_available("tensorflow") is False  # the TensorFlow ops run on host memory
     assert (hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max, hvd.Product) == (0, 1, 2, 3, 4, 5)
 
 
@@ -88,12 +90,15 @@ def test_process_sets():
     assert lower.rank() == (0 if r == 0 else -1)
     with pytest.raises(ValueError):
         ps.add_process_set(lower)
+    table = hvd._get_process_set_ids_and_ranks()
+    assert table == {0: list(range(n)), lower.process_set_id: [0]}
     if r == 0:
         (x,) = _core.enqueue(_core.ALLREDUCE, [np.ones(2, np.float32)], ["solo"], process_set=lower.process_set_id).wait()
         np.testing.assert_array_equal(x, np.ones(2))
     assert ps.remove_process_set(lower)
     assert lower.process_set_id is None
     assert not ps.remove_process_set(ps.global_process_set)
+    assert hvd._get_process_set_ids_and_ranks() == {0: list(range(n))}
 
 
 def test_join_returns_last_rank():
