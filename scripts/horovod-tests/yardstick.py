@@ -13,16 +13,29 @@ def _entry(nodeid):
     return _tests.setdefault(nodeid, {"outcome": None, "subtests": {}})
 
 
+def _reason(report):
+    """The failure's first line (the exception and its message)."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    text = crash.message if crash else str(report.longrepr)
+    return text.strip().splitlines()[0] if text.strip() else "?"
+
+
+def pytest_collectreport(report):
+    if report.failed:  # the file does not import: no test of it runs
+        _entry(report.nodeid).update(outcome="error", reason="collection: " + _reason(report))
+
+
 def pytest_runtest_logreport(report):
     test = _entry(report.nodeid)
     if hasattr(report, "context"):  # a subtest's report (pytest >= 9)
         outcome = "failed" if report.failed else report.outcome
         test["subtests"][outcome] = test["subtests"].get(outcome, 0) + 1
+        if report.failed and "reason" not in test:
+            test["reason"] = "subtest %s: %s" % (report.context.msg, _reason(report))
         return
     if report.failed:
         test["outcome"] = "failed" if report.when == "call" else "error"
-        crash = getattr(report.longrepr, "reprcrash", None)
-        test["reason"] = crash.message.splitlines()[0] if crash else str(report.longrepr)[-200:]
+        test["reason"] = _reason(report)
     elif report.skipped and test["outcome"] not in ("failed", "error"):
         test["outcome"] = "skipped"
     elif report.when == "call" and test["outcome"] is None:
