@@ -1,0 +1,930 @@
+//! Every collective and dtype against closed forms (with and without fusion, channels, split MPI
+//! calls), random submission orders, metrics, topology, callbacks, allocation failures, bad
+//! arguments, the timeline and counts beyond 2^31.
+
+use super::*;
+
+pub(crate) struct Ctx {
+    /// Ranks of the process set, in set order.
+    ranks: Vec<usize>,
+    set: i32,
+    tag: String,
+}
+
+pub(crate) fn allreduce_checks(ctx: &Ctx, dtype: DataType) {
+    let me = rank();
+    let n = ctx.ranks.len();
+    let shape = [3i64, 5];
+    let count = 15;
+    let mut ops = vec![
+        ReduceOp::Sum,
+        ReduceOp::Min,
+        ReduceOp::Max,
+        ReduceOp::Product,
+    ];
+    if dtype != DataType::Bool {
+        ops.push(ReduceOp::Average);
+    }
+    for op in ops {
+        let src = |i: usize, r: usize| match (dtype, op) {
+            (DataType::Bool, _) => bit(i, r),
+            (_, ReduceOp::Product) => factor(i, r),
+            _ => val(i, r),
+        };
+        let mine: Vec<f64> = (0..count).map(|i| src(i, me)).collect();
+        let want: Vec<f64> = (0..count)
+            .map(|i| {
+                let xs = ctx.ranks.iter().map(|r| src(i, *r));
+                match op {
+                    ReduceOp::Sum if dtype == DataType::Bool => xs.fold(0.0, f64::max),
+                    ReduceOp::Sum => xs.sum(),
+                    ReduceOp::Average => scaled(dtype, xs.sum::<f64>() * (1.0 / n as f64)),
+                    ReduceOp::Min => xs.fold(f64::MAX, f64::min),
+                    ReduceOp::Max => xs.fold(f64::MIN, f64::max),
+                    ReduceOp::Product if dtype == DataType::Bool => xs.fold(1.0, f64::min),
+                    ReduceOp::Product => xs.product(),
+                    ReduceOp::Adasum => unreachable!(),
+                }
+            })
+            .collect();
+        // in place (library-owned), and out of place into a separate output
+        for out_of_place in [false, true] {
+            let name = format!("{}.ar.{dtype}.{op:?}.{out_of_place}", ctx.tag);
+            let mut t = tensor(&name, dtype, &shape, &mine, false);
+            if out_of_place {
+                t.output = OutputMem::Owned(vec![0u8; count * dtype.size()]);
+            }
+            let mut spec = OpSpec::new(OpKind::Allreduce, vec![t]);
+            spec.reduce_op = op;
+            spec.process_set = ctx.set;
+            let res = run(spec).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(res[0].shape, shape.to_vec());
+            assert_close(&output(&res[0], dtype), &quantize(dtype, &want), &name);
+        }
+    }
+    if dtype.is_float() || matches!(dtype, DataType::I32 | DataType::I64) {
+        // prescale 0.5 then postscale 4: twice the sum (exact for these values)
+        let mine: Vec<f64> = (0..count).map(|i| 2.0 * val(i, me)).collect();
+        let want: Vec<f64> = (0..count)
+            .map(|i| ctx.ranks.iter().map(|r| 4.0 * val(i, *r)).sum())
+            .collect();
+        let name = format!("{}.ar.scaled.{dtype}", ctx.tag);
+        let mut spec = OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor(&name, dtype, &shape, &mine, false)],
+        );
+        spec.prescale = 0.5;
+        spec.postscale = 4.0;
+        spec.process_set = ctx.set;
+        let res = run(spec).unwrap();
+        assert_close(&output(&res[0], dtype), &want, &name);
+    }
+}
+
+pub(crate) fn allgather_checks(ctx: &Ctx, dtype: DataType) {
+    let me = rank();
+    let pos = ctx.ranks.iter().position(|r| *r == me).unwrap();
+    // set rank p contributes p + 1 rows of 2 columns
+    let rows = |p: usize| p + 1;
+    let row_vals = |p: usize, r: usize| -> Vec<f64> {
+        (0..rows(p) * 2)
+            .map(|i| {
+                if dtype == DataType::Bool {
+                    bit(i, r)
+                } else {
+                    val(i, r)
+                }
+            })
+            .collect()
+    };
+    let want: Vec<f64> = ctx
+        .ranks
+        .iter()
+        .enumerate()
+        .flat_map(|(p, r)| row_vals(p, *r))
+        .collect();
+    let total_rows: usize = (0..ctx.ranks.len()).map(rows).sum();
+    let single = format!("{}.ag.{dtype}", ctx.tag);
+    let mut spec = OpSpec::new(
+        OpKind::Allgather,
+        vec![tensor(
+            &single,
+            dtype,
+            &[rows(pos) as i64, 2],
+            &row_vals(pos, me),
+            true,
+        )],
+    );
+    spec.process_set = ctx.set;
+    let res = run(spec).unwrap();
+    assert_eq!(res[0].shape, vec![total_rows as i64, 2]);
+    assert_close(&output(&res[0], dtype), &want, &single);
+
+    // grouped: three tensors fused into one allgather
+    let names: Vec<String> = (0..3)
+        .map(|k| format!("{}.gag.{dtype}.{k}", ctx.tag))
+        .collect();
+    let tensors = names
+        .iter()
+        .map(|n| tensor(n, dtype, &[rows(pos) as i64, 2], &row_vals(pos, me), true))
+        .collect();
+    let mut spec = OpSpec::new(OpKind::Allgather, tensors);
+    spec.process_set = ctx.set;
+    let res = run(spec).unwrap();
+    for (k, r) in res.iter().enumerate() {
+        assert_close(&output(r, dtype), &want, &names[k]);
+    }
+}
+
+pub(crate) fn broadcast_checks(ctx: &Ctx, dtype: DataType) {
+    let me = rank();
+    for root in [ctx.ranks[0], *ctx.ranks.last().unwrap()] {
+        let vals: Vec<f64> = (0..6)
+            .map(|i| {
+                if dtype == DataType::Bool {
+                    bit(i, me)
+                } else {
+                    val(i, me)
+                }
+            })
+            .collect();
+        let want: Vec<f64> = (0..6)
+            .map(|i| {
+                if dtype == DataType::Bool {
+                    bit(i, root)
+                } else {
+                    val(i, root)
+                }
+            })
+            .collect();
+        for out_of_place in [false, true] {
+            let name = format!("{}.bc.{dtype}.{root}.{out_of_place}", ctx.tag);
+            let mut t = tensor(&name, dtype, &[2, 3], &vals, false);
+            if out_of_place {
+                t.output = OutputMem::Owned(vec![0u8; 6 * dtype.size()]);
+            }
+            let mut spec = OpSpec::new(OpKind::Broadcast, vec![t]);
+            spec.root_rank = root as i32;
+            spec.process_set = ctx.set;
+            let res = run(spec).unwrap();
+            assert_close(&output(&res[0], dtype), &want, &name);
+        }
+    }
+}
+
+pub(crate) fn alltoall_checks(ctx: &Ctx, dtype: DataType) {
+    let me = rank();
+    let n = ctx.ranks.len();
+    let pos = ctx.ranks.iter().position(|r| *r == me).unwrap();
+    let code = |from: usize, to: usize, k: usize| ((from * 5 + to * 3 + k) % 13 + 1) as f64;
+    let code = |from, to, k| {
+        if dtype == DataType::Bool {
+            code(from, to, k) % 2.0
+        } else {
+            code(from, to, k)
+        }
+    };
+    // with splits: set rank p sends (p + q) % 3 rows of one column to set rank q
+    let splits = |p: usize| -> Vec<i32> { (0..n).map(|q| ((p + q) % 3) as i32).collect() };
+    let mut vals = Vec::new();
+    for (q, s) in splits(pos).iter().enumerate() {
+        vals.extend((0..*s as usize).map(|k| code(pos, q, k)));
+    }
+    let dim0 = vals.len() + 1; // one extra trailing row that is not sent
+    vals.push(0.0);
+    let name = format!("{}.a2a.{dtype}", ctx.tag);
+    let mut t = tensor(&name, dtype, &[dim0 as i64, 1], &vals, true);
+    t.splits = Some(splits(pos));
+    let mut spec = OpSpec::new(OpKind::Alltoall, vec![t]);
+    spec.process_set = ctx.set;
+    let res = run(spec).unwrap();
+    let want_splits: Vec<i32> = (0..n).map(|p| splits(p)[pos]).collect();
+    let want: Vec<f64> = (0..n)
+        .flat_map(|p| (0..splits(p)[pos] as usize).map(move |k| code(p, pos, k)))
+        .collect();
+    assert_eq!(
+        res[0].received_splits, want_splits,
+        "{name}: received splits"
+    );
+    assert_eq!(res[0].shape, vec![want.len() as i64, 1]);
+    assert_close(&output(&res[0], dtype), &want, &name);
+
+    // even split, two columns
+    let vals: Vec<f64> = (0..n)
+        .flat_map(|q| (0..2).map(move |k| code(pos, q, k)))
+        .collect();
+    let name = format!("{}.a2a.even.{dtype}", ctx.tag);
+    let mut spec = OpSpec::new(
+        OpKind::Alltoall,
+        vec![tensor(&name, dtype, &[n as i64, 2], &vals, true)],
+    );
+    spec.process_set = ctx.set;
+    let res = run(spec).unwrap();
+    let want: Vec<f64> = (0..n)
+        .flat_map(|p| (0..2).map(move |k| code(p, pos, k)))
+        .collect();
+    assert_eq!(res[0].received_splits, vec![1; n]);
+    assert_close(&output(&res[0], dtype), &want, &name);
+}
+
+pub(crate) fn reducescatter_checks(ctx: &Ctx, dtype: DataType) {
+    let me = rank();
+    let n = ctx.ranks.len();
+    let pos = ctx.ranks.iter().position(|r| *r == me).unwrap();
+    let dim0 = 2 * n + 1; // uneven: the first rank gets one extra row
+    let cols = 2;
+    let mine: Vec<f64> = (0..dim0 * cols).map(|i| val(i, me)).collect();
+    let first_row: usize = (0..pos).map(|p| dim0 / n + usize::from(p < dim0 % n)).sum();
+    let my_rows = dim0 / n + usize::from(pos < dim0 % n);
+    for op in [ReduceOp::Sum, ReduceOp::Average] {
+        let want: Vec<f64> = (first_row * cols..(first_row + my_rows) * cols)
+            .map(|i| {
+                let s: f64 = ctx.ranks.iter().map(|r| val(i, *r)).sum();
+                if op == ReduceOp::Average {
+                    scaled(dtype, s * (1.0 / n as f64))
+                } else {
+                    s
+                }
+            })
+            .collect();
+        let name = format!("{}.rs.{dtype}.{op:?}", ctx.tag);
+        let mut spec = OpSpec::new(
+            OpKind::Reducescatter,
+            vec![tensor(
+                &name,
+                dtype,
+                &[dim0 as i64, cols as i64],
+                &mine,
+                true,
+            )],
+        );
+        spec.reduce_op = op;
+        spec.process_set = ctx.set;
+        let res = run(spec).unwrap();
+        assert_eq!(res[0].shape, vec![my_rows as i64, cols as i64], "{name}");
+        let want = quantize(dtype, &want);
+        assert_close(&output(&res[0], dtype), &want, &name);
+        // grouped: two tensors of different lengths fused into one reduce-scatter
+        let names = [format!("{name}.g0"), format!("{name}.g1")];
+        let other: Vec<f64> = (0..n * cols).map(|i| val(i + 100, me)).collect();
+        let mut spec = OpSpec::new(
+            OpKind::Reducescatter,
+            vec![
+                tensor(&names[0], dtype, &[dim0 as i64, cols as i64], &mine, true),
+                tensor(&names[1], dtype, &[n as i64, cols as i64], &other, true),
+            ],
+        );
+        spec.reduce_op = op;
+        spec.process_set = ctx.set;
+        let res = run(spec).unwrap();
+        assert_close(&output(&res[0], dtype), &want, &names[0]);
+        let want1: Vec<f64> = (pos * cols..(pos + 1) * cols)
+            .map(|i| {
+                let s: f64 = ctx.ranks.iter().map(|r| val(i + 100, *r)).sum();
+                if op == ReduceOp::Average {
+                    scaled(dtype, s * (1.0 / n as f64))
+                } else {
+                    s
+                }
+            })
+            .collect();
+        assert_close(&output(&res[1], dtype), &quantize(dtype, &want1), &names[1]);
+    }
+}
+
+pub(crate) fn grouped_allreduce_checks(ctx: &Ctx) {
+    let me = rank();
+    // many small tensors of two dtypes in one group: fused per dtype, completed together
+    let mut tensors = Vec::new();
+    let mut wants = Vec::new();
+    for k in 0..12 {
+        let dtype = if k % 3 == 0 {
+            DataType::F64
+        } else {
+            DataType::F32
+        };
+        let len = 1 + k * 3;
+        let mine: Vec<f64> = (0..len).map(|i| val(i + k, me)).collect();
+        let want: Vec<f64> = (0..len)
+            .map(|i| ctx.ranks.iter().map(|r| val(i + k, *r)).sum())
+            .collect();
+        tensors.push(tensor(
+            &format!("{}.gar.{k}", ctx.tag),
+            dtype,
+            &[len as i64],
+            &mine,
+            false,
+        ));
+        wants.push((dtype, want));
+    }
+    let mut spec = OpSpec::new(OpKind::Allreduce, tensors);
+    spec.process_set = ctx.set;
+    let res = run(spec).unwrap();
+    for (k, (r, (dtype, want))) in res.iter().zip(&wants).enumerate() {
+        assert_close(&output(r, *dtype), want, &format!("grouped allreduce {k}"));
+    }
+    // large and small tensors in one batch, scaled, some out of place: on GPUs the large ones
+    // (from 1 MiB) are reduced where they are and the small ones through the fusion buffer
+    let n = ctx.ranks.len() as f64;
+    let lens = [300_000usize, 5, 17, 262_144, 9, 400_000];
+    let mut tensors = Vec::new();
+    let mut wants = Vec::new();
+    for (k, len) in lens.iter().enumerate() {
+        let mine: Vec<f64> = (0..*len).map(|i| 2.0 * val(i + k, me)).collect();
+        let want: Vec<f64> = (0..*len)
+            .map(|i| 4.0 * ctx.ranks.iter().map(|r| val(i + k, *r)).sum::<f64>() / n)
+            .collect();
+        let mut t = tensor(
+            &format!("{}.gar.mixed.{k}", ctx.tag),
+            DataType::F32,
+            &[*len as i64],
+            &mine,
+            false,
+        );
+        if k % 2 == 1 {
+            t.output = OutputMem::Owned(vec![0u8; len * 4]);
+        }
+        tensors.push(t);
+        wants.push(want);
+    }
+    let mut spec = OpSpec::new(OpKind::Allreduce, tensors);
+    spec.reduce_op = ReduceOp::Average;
+    spec.prescale = 0.5;
+    spec.postscale = 4.0;
+    spec.process_set = ctx.set;
+    let res = run(spec).unwrap();
+    for (k, (r, want)) in res.iter().zip(&wants).enumerate() {
+        let what = format!("grouped mixed-size allreduce {k}");
+        assert_close(
+            &output(r, DataType::F32),
+            &quantize(DataType::F32, want),
+            &what,
+        );
+    }
+}
+
+pub(crate) fn barrier_check(ctx: &Ctx) {
+    let mut spec = OpSpec::new(OpKind::Barrier, vec![]);
+    spec.process_set = ctx.set;
+    run(spec).unwrap();
+}
+
+pub(crate) fn all_ops(ctx: &Ctx) {
+    for dtype in DataType::ALL {
+        allreduce_checks(ctx, dtype);
+        allgather_checks(ctx, dtype);
+        broadcast_checks(ctx, dtype);
+        alltoall_checks(ctx, dtype);
+        if dtype != DataType::Bool {
+            reducescatter_checks(ctx, dtype);
+        }
+    }
+    grouped_allreduce_checks(ctx);
+    barrier_check(ctx);
+}
+
+/// Every op × dtype on the world, then on two disjoint process sets running at once.
+pub(crate) fn collectives() {
+    init();
+    let n = size();
+    let me = rank();
+    all_ops(&Ctx {
+        ranks: (0..n).collect(),
+        set: 0,
+        tag: "world".into(),
+    });
+    // static-like sets added dynamically: lower and upper half, disjoint, used concurrently
+    let rt = runtime::runtime().unwrap();
+    let half = n.div_ceil(2);
+    let lower: Vec<i32> = (0..half as i32).collect();
+    let upper: Vec<i32> = (half as i32..n as i32).collect();
+    let mut ids = Vec::new();
+    for ranks in [&lower, &upper] {
+        if ranks.is_empty() {
+            continue;
+        }
+        let h = rt.add_process_set(ranks).unwrap();
+        h.wait(None).unwrap();
+        ids.push((h.value(), ranks.clone()));
+    }
+    let (id, ranks) = ids
+        .iter()
+        .find(|(_, r)| r.contains(&(me as i32)))
+        .unwrap()
+        .clone();
+    assert_eq!(rt.process_set_ranks(id), Some(ranks.clone()));
+    all_ops(&Ctx {
+        ranks: ranks.iter().map(|r| *r as usize).collect(),
+        set: id,
+        tag: format!("set{id}"),
+    });
+    finish_job();
+}
+
+/// Each rank submits the same tensors in its own random order with random pauses, for several
+/// steps; results must be identical and correct everywhere.
+pub(crate) fn random_order() {
+    init();
+    random_order_steps();
+    finish_job();
+}
+
+/// Rank 1 starts with a different fusion threshold, direct threshold and cache capacity: the
+/// ranks must still agree (rank 0's values win) and compute correct sums.
+pub(crate) fn env_differs() {
+    if std::env::var("OMPI_COMM_WORLD_RANK").as_deref() == Ok("1") {
+        // SAFETY: set before any thread of this process reads the environment.
+        unsafe {
+            std::env::set_var("HOROVOD_CACHE_CAPACITY", "0");
+            std::env::set_var("HOROVOD_FUSION_THRESHOLD", "100");
+            std::env::set_var("FERROVOD_FUSION_DIRECT_BYTES", "0");
+        }
+    }
+    init();
+    random_order_steps();
+    finish_job();
+}
+
+pub(crate) fn random_order_steps() {
+    let n = size();
+    let me = rank();
+    let mut rng = Lcg(0x9e37_79b9 + me as u64 * 7919);
+    let count = 40;
+    for step in 0..5 {
+        let mut order: Vec<usize> = (0..count).collect();
+        for i in (1..count).rev() {
+            order.swap(i, rng.next() as usize % (i + 1));
+        }
+        let mut handles = Vec::new();
+        for &k in &order {
+            if rng.next().is_multiple_of(8) {
+                std::thread::sleep(Duration::from_micros(rng.next() % 3000));
+            }
+            let len = 1 + (k * 37) % 300;
+            let dtype = [DataType::F32, DataType::F64, DataType::I32, DataType::BF16][k % 4];
+            let mine: Vec<f64> = (0..len).map(|i| val(i + k + step, me)).collect();
+            let name = format!("grad.{k}");
+            let h = submit(OpSpec::new(
+                OpKind::Allreduce,
+                vec![tensor(&name, dtype, &[len as i64], &mine, false)],
+            ))
+            .unwrap();
+            handles.push((k, len, dtype, h));
+        }
+        for (k, len, dtype, h) in handles {
+            let res = finish(h).unwrap();
+            let want: Vec<f64> = (0..len)
+                .map(|i| (0..n).map(|r| val(i + k + step, r)).sum())
+                .collect();
+            assert_close(
+                &output(&res[0], dtype),
+                &want,
+                &format!("step {step} tensor {k}"),
+            );
+        }
+    }
+}
+
+/// The counters: data bytes and tensors exactly what was submitted; every cycle issued its
+/// mode's votes (two in the horovod mode, one otherwise), plus coordinator rounds for new names.
+pub(crate) fn metrics() {
+    init();
+    let rt = runtime::runtime().unwrap();
+    let horovod = std::env::var("FERROVOD_NEGOTIATION").as_deref() == Ok("horovod");
+    let me = rank();
+    let before = rt.metrics.snapshot();
+    let (steps, count, len) = (4, 12, 50usize);
+    for step in 0..steps {
+        let handles: Vec<_> = (0..count)
+            .map(|k| {
+                let mine: Vec<f64> = (0..len).map(|i| val(i + k + step, me)).collect();
+                submit(OpSpec::new(
+                    OpKind::Allreduce,
+                    vec![tensor(
+                        &format!("m{k}"),
+                        DataType::F32,
+                        &[len as i64],
+                        &mine,
+                        false,
+                    )],
+                ))
+                .unwrap()
+            })
+            .collect();
+        for h in handles {
+            finish(h).unwrap();
+        }
+    }
+    let after = rt.metrics.snapshot();
+    let d = |f: fn(&runtime::metrics::MetricsSnapshot) -> u64| f(&after) - f(&before);
+    assert_eq!(d(|m| m.tensors), (steps * count) as u64);
+    assert_eq!(d(|m| m.data_bytes), (steps * count * len * 4) as u64);
+    let batches = d(|m| m.data_collectives);
+    assert!(
+        (1..=(steps * count) as u64).contains(&batches),
+        "{batches} batches"
+    );
+    assert!(d(|m| m.fused_batches) <= batches);
+    let cycles = d(|m| m.cycles);
+    let votes = if horovod { 2 } else { 1 };
+    let control = d(|m| m.control_collectives);
+    // each cycle votes; the first sight of the 12 names adds coordinator rounds (gather + bcast)
+    assert!(
+        control >= votes * cycles,
+        "{control} control collectives in {cycles} cycles"
+    );
+    assert!(
+        control <= votes * cycles + 2 * cycles,
+        "{control} in {cycles} cycles"
+    );
+    assert!(
+        control > votes * cycles,
+        "new names need a coordinator round"
+    );
+    assert!(d(|m| m.control_bytes) >= 8 * control);
+    assert!(d(|m| m.negotiation_ns) > 0);
+    finish_job();
+}
+
+/// Enqueue-time errors: on the calling rank, immediately, nothing enqueued.
+pub(crate) fn bad_arguments() {
+    let err = submit(OpSpec::new(OpKind::Barrier, vec![])).unwrap_err();
+    assert_eq!(err, Error::NotInitialized);
+    init();
+    let me = rank();
+    let n = size();
+    let invalid = |spec: OpSpec, want: &str| {
+        let err = submit(spec).unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidArgument(_) | Error::Aborted(_)),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string().contains(want),
+            "rank {me}: got '{err}', want '{want}'"
+        );
+    };
+    // duplicate name while the first is in flight: "dup.<r>" cannot complete before the others
+    // submit it, which they do only after the barrier that rank r reaches after its attempt
+    let dup = |r: usize| {
+        OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor(
+                &format!("dup.{r}"),
+                DataType::F32,
+                &[1],
+                &[1.0],
+                false,
+            )],
+        )
+    };
+    let mine = submit(dup(me)).unwrap();
+    invalid(
+        dup(me),
+        "Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor that is currently being processed.",
+    );
+    run(OpSpec::new(OpKind::Barrier, vec![])).unwrap();
+    let others: Vec<_> = (0..n)
+        .filter(|r| *r != me)
+        .map(|r| submit(dup(r)).unwrap())
+        .collect();
+    for h in std::iter::once(mine).chain(others) {
+        finish(h).unwrap();
+    }
+    // same name twice inside one group
+    invalid(
+        OpSpec::new(
+            OpKind::Allreduce,
+            vec![
+                tensor("g", DataType::F32, &[1], &[1.0], false),
+                tensor("g", DataType::F32, &[1], &[1.0], false),
+            ],
+        ),
+        "same name",
+    );
+    let mut spec = OpSpec::new(
+        OpKind::Broadcast,
+        vec![tensor("b", DataType::F32, &[1], &[1.0], false)],
+    );
+    spec.root_rank = n as i32;
+    invalid(
+        spec,
+        &format!("broadcast received invalid root rank {n} for provided process set"),
+    );
+    let mut t = tensor("a2a", DataType::F32, &[4], &[1.0; 4], true);
+    t.splits = Some(vec![1; n + 1]);
+    invalid(
+        OpSpec::new(OpKind::Alltoall, vec![t]),
+        "Number of entries in splits does not equal number of workers.",
+    );
+    let mut t = tensor("a2a", DataType::F32, &[4], &[1.0; 4], true);
+    t.splits = Some(vec![3; n]);
+    invalid(
+        OpSpec::new(OpKind::Alltoall, vec![t]),
+        "Sum of splits entries is greater than the first dimension of tensor.",
+    );
+    invalid(
+        OpSpec::new(
+            OpKind::Alltoall,
+            vec![tensor(
+                "a2a",
+                DataType::F32,
+                &[n as i64 + 1],
+                &vec![1.0; n + 1],
+                true,
+            )],
+        ),
+        "splits not provided, but first dimension of tensor is not an even multiple of the number of workers.",
+    );
+    let mut spec = OpSpec::new(
+        OpKind::Reducescatter,
+        vec![tensor("rs", DataType::F32, &[4], &[1.0; 4], true)],
+    );
+    spec.reduce_op = ReduceOp::Max;
+    invalid(
+        spec,
+        "Reducescatter currently only supports AVERAGE and SUM.",
+    );
+    let mut spec = OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("ad", DataType::F32, &[1], &[1.0], false)],
+    );
+    spec.reduce_op = ReduceOp::Adasum;
+    invalid(spec, "Adasum");
+    let mut spec = OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("bavg", DataType::Bool, &[1], &[1.0], false)],
+    );
+    spec.reduce_op = ReduceOp::Average;
+    invalid(spec, "cannot be averaged");
+    let mut spec = OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("ps", DataType::F32, &[1], &[1.0], false)],
+    );
+    spec.process_set = 42;
+    invalid(spec, "Process set provided does not exist");
+    let mut spec = OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("dev", DataType::F32, &[1], &[1.0], false)],
+    );
+    spec.device = 0;
+    if ferrovod::transport::cuda::cuda_present() {
+        invalid(spec, "must be given as device memory");
+    } else {
+        // the documented error of a GPU request where CUDA cannot be loaded
+        let err = submit(spec).unwrap_err();
+        assert!(matches!(err, Error::Precondition(_)), "{err:?}");
+        assert!(
+            err.to_string()
+                .contains("GPU device 0 requested, but CUDA is not available on this machine"),
+            "rank {me}: got '{err}'"
+        );
+    }
+    let mut t = tensor("size", DataType::F32, &[3], &[1.0; 2], false);
+    t.shape = vec![3];
+    invalid(
+        OpSpec::new(OpKind::Allreduce, vec![t]),
+        "has 8 bytes but its shape and dtype need 12",
+    );
+    invalid(
+        OpSpec::new(
+            OpKind::Allgather,
+            vec![tensor("ag", DataType::F32, &[1], &[1.0], false)],
+        ),
+        "allocated after negotiation",
+    );
+    invalid(OpSpec::new(OpKind::Allreduce, vec![]), "no tensors");
+    // the job is still healthy afterwards
+    let res = run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("ok", DataType::F32, &[1], &[1.0], false)],
+    ))
+    .unwrap();
+    assert_close(
+        &output(&res[0], DataType::F32),
+        &[n as f64],
+        "after bad arguments",
+    );
+    finish_job();
+}
+
+/// FERROVOD_LOCAL_SIZE=2 on 4 ranks emulates two hosts of two ranks each.
+pub(crate) fn topology() {
+    init();
+    let rt = runtime::runtime().unwrap();
+    let t = rt.topology().clone();
+    let r = t.rank;
+    assert_eq!((t.size, t.local_size, t.cross_size), (4, 2, 2));
+    assert_eq!((t.local_rank, t.cross_rank), (r % 2, r / 2));
+    assert!(t.is_homogeneous);
+    assert!(t.mpi_threads_supported);
+    finish_job();
+}
+
+pub(crate) struct FailingAllocator;
+
+impl ferrovod::runtime::entry::OutputAllocator for FailingAllocator {
+    fn allocate(
+        &mut self,
+        _index: usize,
+        _shape: &[i64],
+        bytes: usize,
+    ) -> Result<ferrovod::transport::memory::HostBuffer, Error> {
+        Err(Error::Aborted(format!(
+            "test allocator refuses {bytes} bytes"
+        )))
+    }
+}
+
+/// An output allocation that fails on one rank fails that rank's tensor only: the rank still
+/// takes part in the collective, so the others complete with correct values instead of hanging.
+pub(crate) fn alloc_failure() {
+    init();
+    let me = rank();
+    for kind in [OpKind::Allgather, OpKind::Reducescatter, OpKind::Alltoall] {
+        let name = format!("alloc.{}", kind.name());
+        let mut spec = OpSpec::new(
+            kind,
+            vec![tensor(&name, DataType::F32, &[2], &[1.0, 2.0], true)],
+        );
+        if me == 1 {
+            spec.allocator = Some(Arc::new(std::sync::Mutex::new(FailingAllocator)));
+        }
+        match run(spec) {
+            Ok(res) => {
+                assert_eq!(me, 0);
+                let want: Vec<f64> = match kind {
+                    OpKind::Allgather => vec![1.0, 2.0, 1.0, 2.0],
+                    OpKind::Reducescatter => vec![2.0], // row 0 summed over both ranks
+                    _ => vec![1.0, 1.0],
+                };
+                assert_close(&output(&res[0], DataType::F32), &want, &name);
+            }
+            Err(e) => {
+                assert_eq!(me, 1, "{e}");
+                // output sizes: allgather 2 ranks x 2 floats, reducescatter 1 row, alltoall 2 rows
+                let bytes = match kind {
+                    OpKind::Allgather => 16,
+                    OpKind::Reducescatter => 4,
+                    _ => 8,
+                };
+                assert_eq!(
+                    e,
+                    Error::Aborted(format!("test allocator refuses {bytes} bytes"))
+                );
+            }
+        }
+    }
+    finish_job();
+}
+
+/// Completion callbacks run on the background thread: they see the status, and waiting there
+/// for an unfinished operation is refused instead of deadlocking.
+pub(crate) fn callbacks() {
+    init();
+    let me = rank();
+    let rt = runtime::runtime().unwrap();
+    // B is pending on rank 0 until rank 1 submits it after A.
+    let b = if me == 0 {
+        Some(
+            submit(OpSpec::new(
+                OpKind::Allreduce,
+                vec![tensor("cb.b", DataType::F32, &[1], &[1.0], false)],
+            ))
+            .unwrap(),
+        )
+    } else {
+        None
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    let b2 = b.clone();
+    let mut spec = OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("cb.a", DataType::F32, &[1], &[2.0], false)],
+    );
+    spec.callback = Some(Box::new(move |_, r: &Result<(), Error>| {
+        let inner = b2.map(|b| b.wait(None));
+        tx.send((r.clone(), inner)).unwrap();
+    }));
+    let a = submit(spec).unwrap();
+    let (status, inner) = rx.recv_timeout(Duration::from_secs(60)).unwrap();
+    assert_eq!(status, Ok(()));
+    if me == 0 {
+        let err = inner.unwrap().unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("cannot wait for an operation from a ferrovod callback"),
+            "{err}"
+        );
+    }
+    assert_close(
+        &output(&finish(a).unwrap()[0], DataType::F32),
+        &[4.0],
+        "cb.a",
+    );
+    let b = match b {
+        Some(b) => b,
+        None => submit(OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor("cb.b", DataType::F32, &[1], &[1.0], false)],
+        ))
+        .unwrap(),
+    };
+    assert_close(
+        &output(&finish(b).unwrap()[0], DataType::F32),
+        &[2.0],
+        "cb.b",
+    );
+    assert!(
+        rt.handles.is_empty(),
+        "handles leaked: {}",
+        rt.handles.len()
+    );
+    finish_job();
+}
+
+pub(crate) fn timeline() {
+    init();
+    let me = rank();
+    for step in 0..3 {
+        let tensors = (0..4)
+            .map(|k| {
+                tensor(
+                    &format!("timeline.grad.{k}"),
+                    DataType::F32,
+                    &[8],
+                    &[(me + step) as f64; 8],
+                    false,
+                )
+            })
+            .collect();
+        run(OpSpec::new(OpKind::Allreduce, tensors)).unwrap();
+    }
+    run(OpSpec::new(
+        OpKind::Allgather,
+        vec![tensor(
+            "timeline.ag",
+            DataType::F32,
+            &[2],
+            &[1.0, 2.0],
+            true,
+        )],
+    ))
+    .unwrap();
+    finish_job();
+}
+
+/// Element counts beyond 2^31: a u8 allreduce of 2^31 + 3 elements and an allgather whose
+/// output exceeds 2^31 bytes.
+pub(crate) fn large_counts() {
+    init();
+    let me = rank();
+    let n = size();
+    let count = (1usize << 31) + 3;
+    let data: Vec<u8> = (0..count).map(|i| ((i % 5) + me) as u8).collect();
+    let spec = OpSpec::new(
+        OpKind::Allreduce,
+        vec![TensorSpec {
+            name: "big".into(),
+            dtype: DataType::U8,
+            shape: vec![count as i64],
+            input: InputMem::Owned(data),
+            output: OutputMem::InPlace,
+            splits: None,
+        }],
+    );
+    let out = run(spec).unwrap().remove(0).output.unwrap();
+    let want = |i: usize| (0..n).map(|r| (i % 5) + r).sum::<usize>() as u8;
+    for i in (0..count).step_by(4099).chain(count - 8..count) {
+        assert_eq!(out[i], want(i), "element {i}");
+    }
+    drop(out);
+    let rows = (1usize << 30) + 7 * me; // two ranks: > 2^31 bytes gathered
+    let data: Vec<u8> = (0..rows).map(|i| ((i + me) % 251) as u8).collect();
+    let spec = OpSpec::new(
+        OpKind::Allgather,
+        vec![TensorSpec {
+            name: "big.ag".into(),
+            dtype: DataType::U8,
+            shape: vec![rows as i64],
+            input: InputMem::Owned(data),
+            output: OutputMem::Later,
+            splits: None,
+        }],
+    );
+    let res = run(spec).unwrap().remove(0);
+    let out = res.output.unwrap();
+    let rows_of = |r: usize| (1usize << 30) + 7 * r;
+    assert_eq!(out.len(), (0..n).map(rows_of).sum::<usize>());
+    let mut off = 0;
+    for r in 0..n {
+        for i in (0..rows_of(r))
+            .step_by(7919)
+            .chain(rows_of(r) - 3..rows_of(r))
+        {
+            assert_eq!(out[off + i], ((i + r) % 251) as u8, "rank {r} row {i}");
+        }
+        off += rows_of(r);
+    }
+    finish_job();
+}

@@ -1,0 +1,521 @@
+//! GPU scenarios (NCCL; with FERROVOD_TEST_GPU=1 on a GPU machine): device memory, streams,
+//! CUDA-graph replay, the NVRTC kernels and GPU failures, plus the helpers that put tensors on
+//! this rank's GPU.
+
+use super::*;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use ferrovod::Error;
+use ferrovod::runtime::entry::{InputMem, OutputAllocator, OutputMem};
+use ferrovod::runtime::handle::{Handle, HandleId, TensorResult};
+use ferrovod::runtime::{self, OpSpec};
+use ferrovod::transport::cuda::{self, DeviceMem, Gpu};
+use ferrovod::transport::memory::HostBuffer;
+
+/// This rank's GPU: local rank modulo the GPUs present.
+pub fn this_gpu() -> Arc<Gpu> {
+    let local = runtime::runtime().unwrap().topology().local_rank as usize;
+    let n = cuda::device_count().unwrap().max(1);
+    cuda::gpu((local % n) as i32).expect("open GPU")
+}
+
+struct Alloc {
+    gpu: Arc<Gpu>,
+    mems: HashMap<usize, DeviceMem>,
+}
+
+impl OutputAllocator for Alloc {
+    fn allocate(
+        &mut self,
+        index: usize,
+        _shape: &[i64],
+        bytes: usize,
+    ) -> ferrovod::error::Result<HostBuffer> {
+        let m = self.gpu.alloc(bytes)?;
+        // SAFETY: the allocation lives in `mems` until the test has read the result back.
+        let buf = unsafe { HostBuffer::from_raw(m.ptr() as usize as *mut u8, bytes) };
+        self.mems.insert(index, m);
+        Ok(buf)
+    }
+}
+
+/// The device memory of one submitted operation.
+pub struct Op {
+    gpu: Arc<Gpu>,
+    inputs: Vec<DeviceMem>,
+    outputs: Vec<Option<DeviceMem>>,
+    alloc: Option<Arc<Mutex<Alloc>>>,
+}
+
+static OPS: Mutex<Option<HashMap<HandleId, Op>>> = Mutex::new(None);
+
+/// Moves the spec's host tensors to this rank's GPU and submits it as a GPU operation.
+pub fn submit(mut spec: OpSpec) -> Result<Arc<Handle>, Error> {
+    let gpu = this_gpu();
+    spec.device = gpu.ordinal;
+    if spec.tensors.is_empty() {
+        // barrier, join: no memory
+        return runtime::runtime()?.enqueue(spec);
+    }
+    let stream = gpu.new_stream()?;
+    let mut op = Op {
+        gpu: gpu.clone(),
+        inputs: Vec::new(),
+        outputs: Vec::new(),
+        alloc: None,
+    };
+    let mut later = false;
+    for t in &mut spec.tensors {
+        let InputMem::Owned(bytes) = &t.input else {
+            panic!("GPU mode takes host tensors built by the scenario")
+        };
+        let m = gpu.alloc(bytes.len())?;
+        gpu.upload(&stream, bytes, m.range())?;
+        t.input = InputMem::Device(m.range().first(bytes.len()).expect("allocated for it"));
+        op.inputs.push(m);
+        let out = match &t.output {
+            OutputMem::Owned(v) => {
+                let o = gpu.alloc(v.len())?;
+                t.output = OutputMem::Device(o.range().first(v.len()).expect("allocated for it"));
+                Some(o)
+            }
+            OutputMem::Later => {
+                later = true;
+                None
+            }
+            _ => None,
+        };
+        op.outputs.push(out);
+    }
+    if later {
+        let a = Arc::new(Mutex::new(Alloc {
+            gpu: gpu.clone(),
+            mems: HashMap::new(),
+        }));
+        spec.allocator = Some(a.clone());
+        op.alloc = Some(a);
+    }
+    let h = runtime::runtime()?.enqueue(spec)?;
+    OPS.lock()
+        .unwrap()
+        .get_or_insert_with(HashMap::new)
+        .insert(h.id, op);
+    Ok(h)
+}
+
+/// The device memory of a GPU operation (None for host operations).
+pub fn take(id: HandleId) -> Option<Op> {
+    OPS.lock().unwrap().as_mut().and_then(|m| m.remove(&id))
+}
+
+impl Op {
+    /// Copies each tensor's result to the host, as the CPU path returns it.
+    pub fn download_into(self, h: &Handle, results: &mut [TensorResult]) {
+        // with asynchronous completion the handle completes before the GPU work: a host
+        // consumer waits for the handle's event first
+        if let Some(ev) = h.event() {
+            ev.synchronize().unwrap();
+        }
+        let stream = self.gpu.new_stream().unwrap();
+        let alloc = self.alloc.as_ref().map(|a| a.lock().unwrap());
+        for (i, r) in results.iter_mut().enumerate() {
+            let mem = alloc
+                .as_ref()
+                .and_then(|a| a.mems.get(&i))
+                .or(self.outputs.get(i).and_then(|o| o.as_ref()))
+                .or(self.inputs.get(i))
+                .expect("tensor memory");
+            let mut bytes = vec![0u8; mem.len()];
+            self.gpu.download(&stream, mem.range(), &mut bytes).unwrap();
+            r.output = Some(bytes);
+        }
+    }
+}
+
+/// A rank whose GPU batch fails after every rank agreed to run it (here: its fusion buffer
+/// cannot grow, its GPU memory being taken): it aborts its NCCL communicators and shuts the
+/// job down; the vote tells the other rank, whose NCCL call waits for it, to abort its own at
+/// once rather than after the grace time (4 s here). Both get an error, nobody hangs, later
+/// work is refused, and MPI finalizes.
+pub(crate) fn gpu_failure() {
+    init();
+    let me = rank();
+    // what is under test is that nothing hangs: fail fast rather than at the harness's limit
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(60));
+        eprintln!("gpu_failure: rank {me} still running after 60 s");
+        std::process::exit(3);
+    });
+    let n = size();
+    // opens the lane (small fusion buffer)
+    let res = run(OpSpec::new(
+        OpKind::Allreduce,
+        (0..2)
+            .map(|k| tensor(&format!("warm.{k}"), DataType::F32, &[4], &[1.0; 4], false))
+            .collect(),
+    ))
+    .unwrap();
+    assert_close(&output(&res[0], DataType::F32), &[n as f64; 4], "warm-up");
+    // 200 tensors of 512 KiB: fused through a 100 MiB fusion buffer
+    let count = 128 << 10;
+    let specs: Vec<TensorSpec> = (0..200)
+        .map(|k| {
+            tensor(
+                &format!("big.{k}"),
+                DataType::F32,
+                &[count as i64],
+                &vec![1.0; count],
+                false,
+            )
+        })
+        .collect();
+    let gpu = gpu::this_gpu();
+    // rank 1 leaves less free than the inputs (copied to the GPU at submission) and the
+    // fusion buffer need together
+    let _hog = (me == 1).then(|| {
+        let (free, _) = gpu.memory_info().unwrap();
+        gpu.alloc(free - (160 << 20)).unwrap()
+    });
+    let start = Instant::now();
+    let err = run(OpSpec::new(OpKind::Allreduce, specs)).unwrap_err();
+    let msg = err.to_string();
+    if me == 1 {
+        assert!(
+            msg.contains("GPU collective failed on this rank")
+                && msg.contains("NCCL communicators were aborted"),
+            "{msg}"
+        );
+    } else {
+        assert!(
+            matches!(err, Error::Aborted(_)) && msg.contains("GPU collective was aborted"),
+            "{err:?}"
+        );
+    }
+    // the grace time is the stall shutdown time, 4 s
+    assert!(
+        start.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        start.elapsed()
+    );
+    let later = run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("later", DataType::F32, &[1], &[1.0], false)],
+    ));
+    assert!(matches!(later, Err(Error::ShutDown(_))), "{later:?}");
+    // MPI's finalize waits for both ranks (rank 0 ends its wait after the grace time)
+    runtime::shutdown();
+    pass();
+}
+
+/// GPU inputs produced asynchronously on the caller's stream (a kernel still running at
+/// enqueue): ferrovod's stream must wait for it on the device, through the recorded stream
+/// or the caller's event; the handle's event (also through the C API) orders a consumer.
+pub(crate) fn gpu_streams() {
+    use ferrovod::transport::cuda::{ForeignEvent, ForeignStream};
+    init();
+    let me = rank();
+    let n = size();
+    let gpu = gpu::this_gpu();
+    let count = 16 << 20; // 64 MiB of f32: the producer kernel is still running at enqueue
+    let host = encode(DataType::F32, &vec![(me + 1) as f64; count]);
+    let upload = gpu.new_stream().unwrap();
+    let producer = gpu.new_stream().unwrap();
+    let consumer = gpu.new_stream().unwrap();
+    let want = 2.0 * (n * (n + 1) / 2) as f64;
+    for (k, by_event) in [false, true, false, true].into_iter().enumerate() {
+        let data = gpu.alloc(host.len()).unwrap();
+        gpu.upload(&upload, &host, data.range()).unwrap();
+        // the producer doubles the values; nothing waits for it on the host
+        gpu.scale(
+            &producer,
+            data.range(),
+            data.range(),
+            count,
+            DataType::F32,
+            2.0,
+        )
+        .unwrap();
+        let name = format!("gpu.stream.{k}");
+        let mut spec = OpSpec::new(
+            OpKind::Allreduce,
+            vec![TensorSpec {
+                name: name.clone(),
+                dtype: DataType::F32,
+                shape: vec![count as i64],
+                input: InputMem::Device(data.range().first(host.len()).expect("allocated for it")),
+                output: OutputMem::InPlace,
+                splits: None,
+            }],
+        );
+        spec.device = gpu.ordinal;
+        let ready = gpu.new_event().unwrap();
+        if by_event {
+            ready.record(&producer).unwrap();
+            // SAFETY: a live event of this GPU, kept until the operation completes
+            spec.ready_event = Some(unsafe { ForeignEvent::from_raw(ready.raw().cast()) });
+        } else {
+            // SAFETY: a live stream of this GPU
+            spec.ready_stream = Some(unsafe { ForeignStream::from_raw(producer.raw().cast()) });
+        }
+        let h = runtime::runtime().unwrap().enqueue(spec).unwrap();
+        h.wait(Some(Duration::from_secs(120))).unwrap();
+        // the C API hands out the same completion event
+        let mut raw: *mut std::ffi::c_void = std::ptr::null_mut();
+        let status = ferrovod::capi::fv_handle_event(h.id, &mut raw);
+        assert_eq!(status, ferrovod::error::Status::Ok);
+        assert!(!raw.is_null(), "{name}: no completion event");
+        assert_eq!(raw, h.event().unwrap().raw().cast());
+        // a GPU consumer orders its reads after the event, without a host wait
+        // SAFETY: the handle's live event
+        consumer
+            .wait_foreign(unsafe { ForeignEvent::from_raw(raw) })
+            .unwrap();
+        let mut got = vec![0u8; host.len()];
+        gpu.download(&consumer, data.range(), &mut got).unwrap();
+        runtime::runtime().unwrap().handles.release(h.id).unwrap();
+        let got = decode(DataType::F32, &got);
+        let bad = got.iter().position(|v| *v != want);
+        assert!(
+            bad.is_none(),
+            "{name}: element {bad:?} is {:?}, want {want}",
+            bad.map(|i| got[i])
+        );
+    }
+    finish_job();
+}
+
+/// Fused GPU allreduces replayed from CUDA graphs: a step of tensors (two large enough to be
+/// reduced in place, three packed) repeated with new values, each step checked against the
+/// host's sums. One rank moving a tensor to new memory (rank 1 at step 8), then every rank
+/// (step 11), must not replay a graph with the old addresses; the batches are replayed again
+/// once the tensors stay put.
+pub(crate) fn gpu_graphs() {
+    init();
+    let me = rank();
+    let n = size();
+    let rt = runtime::runtime().unwrap();
+    let gpu = gpu::this_gpu();
+    let stream = gpu.new_stream().unwrap();
+    let counts = [600_000usize, 300, 1000, 400_000, 7];
+    let mut mems: Vec<_> = counts.iter().map(|c| gpu.alloc(c * 4).unwrap()).collect();
+    let value =
+        |r: usize, step: usize, t: usize, i: usize| ((r + 1) * (step + 1) + t + i % 5) as f64;
+    let mut replayed_after_moves = 0;
+    for step in 0..20 {
+        // the new memory is taken while the old is still held: a new address
+        if step == 8 && me == 1 {
+            mems[2] = gpu.alloc(counts[2] * 4).unwrap();
+        }
+        if step == 11 {
+            mems[0] = gpu.alloc(counts[0] * 4).unwrap();
+        }
+        let before = rt.metrics.snapshot().graph_launches;
+        for (t, (m, c)) in mems.iter().zip(counts).enumerate() {
+            let vals: Vec<f64> = (0..c).map(|i| value(me, step, t, i)).collect();
+            gpu.upload(&stream, &encode(DataType::F32, &vals), m.range())
+                .unwrap();
+        }
+        stream.synchronize().unwrap();
+        let handles: Vec<_> = mems
+            .iter()
+            .zip(counts)
+            .enumerate()
+            .map(|(t, (m, c))| {
+                let mut spec = OpSpec::new(
+                    OpKind::Allreduce,
+                    vec![TensorSpec {
+                        name: format!("graphs.{t}"),
+                        dtype: DataType::F32,
+                        shape: vec![c as i64],
+                        input: InputMem::Device(m.range().first(c * 4).expect("allocated for it")),
+                        output: OutputMem::InPlace,
+                        splits: None,
+                    }],
+                );
+                spec.device = gpu.ordinal;
+                spec.reduce_op = ReduceOp::Sum;
+                rt.enqueue(spec).unwrap()
+            })
+            .collect();
+        for h in handles {
+            h.wait(Some(Duration::from_secs(60))).unwrap();
+            if let Some(ev) = h.event() {
+                ev.synchronize().unwrap();
+            }
+            rt.handles.release(h.id).unwrap();
+        }
+        if step > 11 {
+            replayed_after_moves += rt.metrics.snapshot().graph_launches - before;
+        }
+        for (t, (m, c)) in mems.iter().zip(counts).enumerate() {
+            let mut got = vec![0u8; c * 4];
+            gpu.download(&stream, m.range(), &mut got).unwrap();
+            let got = decode(DataType::F32, &got);
+            for (i, g) in got.iter().enumerate() {
+                let want: f64 = (0..n).map(|r| value(r, step, t, i)).sum();
+                assert_eq!(*g, want, "step {step}, tensor {t}, element {i}");
+            }
+        }
+    }
+    assert!(
+        replayed_after_moves > 0,
+        "no batch was replayed from a graph once the tensors stayed put"
+    );
+    finish_job();
+}
+
+/// The NVRTC kernels against host references: casts f32↔f16/bf16 bit for bit against `half`,
+/// scaling of every dtype against the host path's scaling, and batched copies of many
+/// misaligned ranges.
+pub(crate) fn gpu_kernels() {
+    use ferrovod::transport::cuda::Copy;
+    init();
+    let gpu = gpu::this_gpu();
+    let s = gpu.new_stream().unwrap();
+    let mut rng = Lcg(12345);
+    let mut vals: Vec<f32> = vec![
+        0.0,
+        -0.0,
+        1.0,
+        -1.5,
+        65504.0,
+        65519.0,
+        65520.0,
+        1e-8,
+        6.1e-5,
+        3.0e-8,
+        1.0 / 3.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        1e30,
+        -1e-30,
+        f32::MAX,
+        f32::MIN_POSITIVE,
+    ];
+    for _ in 0..4000 {
+        // random bit patterns, NaNs aside
+        let v = f32::from_bits(rng.next() as u32 ^ ((rng.next() as u32) << 16));
+        if !v.is_nan() {
+            vals.push(v);
+        }
+    }
+    let n = vals.len();
+    let src: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let d32 = gpu.alloc(n * 4).unwrap();
+    let d16 = gpu.alloc(n * 2).unwrap();
+    let back = gpu.alloc(n * 4).unwrap();
+    gpu.upload(&s, &src, d32.range()).unwrap();
+    for half_type in [DataType::F16, DataType::BF16] {
+        gpu.cast(&s, d32.range(), DataType::F32, d16.range(), half_type, n)
+            .unwrap();
+        gpu.cast(&s, d16.range(), half_type, back.range(), DataType::F32, n)
+            .unwrap();
+        let mut h16 = vec![0u8; n * 2];
+        let mut h32 = vec![0u8; n * 4];
+        gpu.download(&s, d16.range(), &mut h16).unwrap();
+        gpu.download(&s, back.range(), &mut h32).unwrap();
+        for (i, v) in vals.iter().enumerate() {
+            let got = u16::from_le_bytes([h16[2 * i], h16[2 * i + 1]]);
+            let (want, wide) = match half_type {
+                DataType::F16 => {
+                    let h = half::f16::from_f32(*v);
+                    (h.to_bits(), h.to_f32())
+                }
+                _ => {
+                    let h = half::bf16::from_f32(*v);
+                    (h.to_bits(), h.to_f32())
+                }
+            };
+            assert_eq!(got, want, "{half_type} cast of {v:e} (element {i})");
+            let w = f32::from_le_bytes(h32[4 * i..4 * i + 4].try_into().unwrap());
+            assert_eq!(w.to_bits(), wide.to_bits(), "{half_type} widening of {v:e}");
+        }
+    }
+    // scaling: every scalable dtype, against the host path's own scaling
+    for dtype in DataType::ALL {
+        if dtype == DataType::Bool {
+            continue;
+        }
+        let count = 1000;
+        let xs: Vec<f64> = (0..count)
+            .map(|i| {
+                let v = (i % 97) as f64
+                    - if dtype.is_float() || !matches!(dtype, DataType::U8 | DataType::U16) {
+                        48.0
+                    } else {
+                        0.0
+                    };
+                if dtype.is_float() { v * 1.37 } else { v }
+            })
+            .collect();
+        let bytes = encode(dtype, &xs);
+        let dev = gpu.alloc(bytes.len()).unwrap();
+        let out = gpu.alloc(bytes.len()).unwrap();
+        gpu.upload(&s, &bytes, dev.range()).unwrap();
+        for factor in [0.37, 2.5, -1.25] {
+            if factor < 0.0 && matches!(dtype, DataType::U8 | DataType::U16) {
+                continue;
+            }
+            gpu.scale(&s, dev.range(), out.range(), count, dtype, factor)
+                .unwrap();
+            let mut got = vec![0u8; bytes.len()];
+            gpu.download(&s, out.range(), &mut got).unwrap();
+            let mut want = bytes.clone();
+            ferrovod::collective::reduce::scale(&mut want, dtype, factor).unwrap();
+            assert_eq!(
+                decode(dtype, &got),
+                decode(dtype, &want),
+                "scale {dtype} by {factor}"
+            );
+        }
+    }
+    // batched copies: 300 ranges (several launches), odd lengths and misaligned offsets, some
+    // over several 64 KiB slices
+    let len = 8 << 20;
+    let host_src: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+    let dsrc = gpu.alloc(len).unwrap();
+    let ddst = gpu.alloc(len).unwrap();
+    gpu.upload(&s, &host_src, dsrc.range()).unwrap();
+    gpu.memset_zero(&s, ddst.range()).unwrap();
+    let mut want = vec![0u8; len];
+    let mut copies = Vec::new();
+    let mut at = 0usize;
+    for k in 0..300 {
+        let n = if k % 50 == 0 {
+            0
+        } else if k % 37 == 0 {
+            (rng.next() % (300 << 10)) as usize + (64 << 10)
+        } else if k % 41 == 0 {
+            128 << 10
+        } else {
+            (rng.next() % 3000) as usize + (k % 17)
+        };
+        let mut from = (rng.next() as usize) % (len - n);
+        if k % 41 == 0 {
+            // both ends 16-byte aligned: the kernel's wide path
+            from -= from % 16;
+            at = at.next_multiple_of(16);
+        }
+        if at + n > len {
+            break;
+        }
+        want[at..at + n].copy_from_slice(&host_src[from..from + n]);
+        copies.push(
+            Copy::new(
+                dsrc.range().sub(from, n).unwrap(),
+                ddst.range().sub(at, n).unwrap(),
+                n,
+            )
+            .unwrap(),
+        );
+        at += n + (k % 5);
+    }
+    gpu.copy_batch(&s, &copies).unwrap();
+    let mut got = vec![0u8; len];
+    gpu.download(&s, ddst.range(), &mut got).unwrap();
+    let bad = got.iter().zip(&want).position(|(g, w)| g != w);
+    assert!(bad.is_none(), "batched copy differs at byte {bad:?}");
+    finish_job();
+}

@@ -1,0 +1,638 @@
+//! Multi-rank tests. Run by `cargo test`, this program launches itself under
+//! `mpirun -np N` once per scenario; under mpirun (OMPI_COMM_WORLD_SIZE set) it runs the named
+//! scenario as one rank. Every rank checks its results against values it computes itself:
+//! element i of rank r is a closed-form f(i, r), so sums and gathers have closed forms too.
+
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferrovod::error::SHUT_DOWN_MESSAGE;
+use ferrovod::runtime::entry::{InputMem, OutputMem};
+use ferrovod::runtime::handle::{Handle, TensorResult};
+use ferrovod::runtime::{self, OpSpec, TensorSpec};
+use ferrovod::{DataType, Error, OpKind, ReduceOp};
+
+mod collectives;
+mod common;
+mod gpu;
+mod negotiation;
+mod offline;
+mod process_sets;
+mod shutdown;
+
+use collectives::*;
+use common::*;
+use gpu::{gpu_failure, gpu_graphs, gpu_kernels, gpu_streams};
+use negotiation::*;
+use offline::*;
+use process_sets::*;
+use shutdown::*;
+
+/// (scenario, ranks, extra environment, expect success)
+pub(crate) type Scenario = (
+    &'static str,
+    usize,
+    &'static [(&'static str, &'static str)],
+    bool,
+);
+
+pub(crate) const STALL_FAST: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+];
+
+pub(crate) const STALL_FAST_HOROVOD: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+    ("FERROVOD_NEGOTIATION", "horovod"),
+];
+
+pub(crate) const STOP_IN_BATCH: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+    ("FERROVOD_TEST_FAULT", "stop_in_batch:1"),
+];
+
+pub(crate) const NCCL_INIT_FAULT: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+    ("FERROVOD_TEST_FAULT", "nccl_init:1"),
+];
+
+pub(crate) const GPU_ALLTOALL_FAULT: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+    ("FERROVOD_TEST_FAULT", "gpu_alltoall:1"),
+];
+
+pub(crate) const AUTOTUNE_FAULT: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+    ("HOROVOD_AUTOTUNE", "1"),
+    ("FERROVOD_TEST_FAULT", "autotune:1"),
+];
+
+pub(crate) const FREEZE_FAULT: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+    ("FERROVOD_NEGOTIATION", "offline"),
+    ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+    ("FERROVOD_TEST_FAULT", "freeze:1"),
+];
+
+pub(crate) const OFFLINE_FAULT: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+    ("FERROVOD_NEGOTIATION", "offline"),
+    ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+    ("FERROVOD_TEST_FAULT", "offline:1"),
+];
+
+pub(crate) const STOP_IN_ROUND: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+    ("FERROVOD_TEST_FAULT", "stop_in_round:1"),
+];
+
+pub(crate) const OFFLINE_STOP: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+    ("FERROVOD_NEGOTIATION", "offline"),
+    ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+    ("FERROVOD_PLAN_ESCAPE_MS", "200"),
+];
+
+pub(crate) const NEGOTIATION_FAULT: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+    ("FERROVOD_TEST_FAULT", "negotiation_error:1"),
+];
+
+#[rustfmt::skip]
+pub(crate) const OFFLINE: &[(&str, &str)] = &[
+    ("FERROVOD_NEGOTIATION", "offline"),
+    ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+];
+
+pub(crate) const OFFLINE_STALL: &[(&str, &str)] = &[
+    ("FERROVOD_NEGOTIATION", "offline"),
+    ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+    ("FERROVOD_PLAN_ESCAPE_MS", "200"),
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+];
+
+pub(crate) const SCENARIOS: &[Scenario] = &[
+    ("collectives", 2, &[], true),
+    ("collectives", 4, &[], true),
+    (
+        "collectives",
+        3,
+        &[
+            ("HOROVOD_CACHE_CAPACITY", "0"),
+            ("HOROVOD_FUSION_THRESHOLD", "0"),
+        ],
+        true,
+    ),
+    (
+        "collectives",
+        2,
+        &[("FERROVOD_FUSION_DIRECT_BYTES", "0")],
+        true,
+    ),
+    // tiny MPI call limit: every transfer takes the split paths built for >2^31 elements
+    ("collectives", 3, &[("FERROVOD_MPI_MAX_COUNT", "7")], true),
+    ("random_order", 2, &[], true),
+    (
+        "random_order",
+        4,
+        &[
+            ("HOROVOD_CACHE_CAPACITY", "8"),
+            ("HOROVOD_FUSION_THRESHOLD", "4096"),
+        ],
+        true,
+    ),
+    (
+        "random_order",
+        2,
+        &[("HOROVOD_MPI_THREADS_DISABLE", "1")],
+        true,
+    ),
+    (
+        "random_order",
+        3,
+        &[("FERROVOD_NEGOTIATION", "horovod")],
+        true,
+    ),
+    ("metrics", 2, &[], true),
+    (
+        "online_groups",
+        3,
+        // a step agreed over a few long cycles learns at most ~20 groups: the vote fits one
+        // word (per-cycle batches of a step spread over 1 ms cycles could need 40 bits or more)
+        &[
+            ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+            ("FERROVOD_PLAN_ESCAPE_MS", "200"),
+            ("HOROVOD_CYCLE_TIME", "50"),
+        ],
+        true,
+    ),
+    (
+        "group_votes",
+        2,
+        &[
+            ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+            ("HOROVOD_CYCLE_TIME", "50"),
+        ],
+        true,
+    ),
+    ("offline_steps", 2, OFFLINE, true),
+    ("random_order", 3, OFFLINE, true),
+    ("offline_steps", 4, OFFLINE, true),
+    ("offline_save", 3, OFFLINE, true),
+    ("offline_load", 3, OFFLINE, true),
+    ("offline_stale_plan", 2, OFFLINE, true),
+    ("offline_diverge", 2, OFFLINE, true),
+    ("offline_skip", 2, OFFLINE_STALL, true),
+    ("offline_stall", 2, OFFLINE_STALL, false),
+    (
+        "online_groups_stall",
+        2,
+        &[
+            ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+            ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+            ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+        ],
+        true,
+    ),
+    ("metrics", 3, &[("FERROVOD_NEGOTIATION", "horovod")], true),
+    (
+        "random_order",
+        4,
+        &[
+            ("FERROVOD_CHANNELS", "3"),
+            ("HOROVOD_FUSION_THRESHOLD", "2048"),
+        ],
+        true,
+    ),
+    ("collectives", 2, &[("FERROVOD_CHANNELS", "2")], true),
+    (
+        "autotune",
+        2,
+        &[
+            ("HOROVOD_AUTOTUNE", "1"),
+            ("FERROVOD_AUTOTUNE_WINDOW_CYCLES", "4"),
+            ("HOROVOD_AUTOTUNE_WARMUP_SAMPLES", "1"),
+        ],
+        true,
+    ),
+    ("join", 3, &[("FERROVOD_CHANNELS", "2")], true),
+    (
+        "process_sets",
+        4,
+        &[("PERSEUS_ALLREDUCE_STREAMS", "2")],
+        true,
+    ),
+    (
+        "offline_steps",
+        2,
+        &[
+            ("FERROVOD_NEGOTIATION", "offline"),
+            ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+            ("FERROVOD_CHANNELS", "2"),
+        ],
+        true,
+    ),
+    ("env_differs", 2, &[], true),
+    ("cache_changes", 2, &[("HOROVOD_CACHE_CAPACITY", "4")], true),
+    ("join", 2, &[], true),
+    ("join", 4, &[], true),
+    ("join", 3, &[("HOROVOD_CACHE_CAPACITY", "0")], true),
+    ("process_sets", 4, &[], true),
+    ("topology", 4, &[("FERROVOD_LOCAL_SIZE", "2")], true),
+    ("mismatches", 2, &[], true),
+    ("mismatches", 4, &[], true),
+    ("bad_arguments", 2, &[], true),
+    ("stall", 2, STALL_FAST, true),
+    ("stall_cached", 2, STALL_FAST, true),
+    ("stall_in_set", 3, STALL_FAST, true),
+    ("alloc_failure", 2, &[], true),
+    ("callbacks", 2, &[], true),
+    ("shutdown_pending", 2, &[], true),
+    ("rank_exits", 2, &[], true),
+    ("rank_killed", 2, &[], false),
+    // a rank that hangs (stops) rather than dies: in a vote, inside a data collective
+    ("rank_stopped", 2, STALL_FAST, false),
+    ("rank_stopped", 3, STALL_FAST, false),
+    ("rank_stopped", 3, STALL_FAST_HOROVOD, false),
+    ("rank_stopped_in_batch", 2, STOP_IN_BATCH, false),
+    ("rank_stopped_in_batch", 3, STOP_IN_BATCH, false),
+    // local failures after the ranks agreed
+    (
+        "fault_panic",
+        2,
+        &[("FERROVOD_TEST_FAULT", "panic:1")],
+        false,
+    ),
+    ("fault_negotiation", 3, NEGOTIATION_FAULT, false),
+    // the same for each other way the background loop can end on one rank alone
+    ("fault_negotiation", 2, AUTOTUNE_FAULT, false),
+    ("fault_negotiation", 3, FREEZE_FAULT, false),
+    ("fault_negotiation", 2, OFFLINE_FAULT, false),
+    // a rank that stops between the vote and the coordinator round (rank 0 waits in the
+    // gather; with 3 ranks, rank 2 in the broadcast)
+    ("rank_stopped", 2, STOP_IN_ROUND, false),
+    ("rank_stopped", 3, STOP_IN_ROUND, false),
+    // offline negotiation: the plan froze, then rank 1 stops
+    ("rank_stopped", 2, OFFLINE_STOP, false),
+    (
+        "fault_decode",
+        3,
+        &[("FERROVOD_TEST_FAULT", "decode:0")],
+        true,
+    ),
+    ("preinitialized_mpi", 4, &[], true),
+    ("init_subset", 3, &[], true),
+    (
+        "timeline",
+        2,
+        &[("HOROVOD_TIMELINE_MARK_CYCLES", "1")],
+        true,
+    ),
+    ("large_counts", 2, &[], true),
+];
+
+/// With `FERROVOD_TEST_GPU=1` (GPU machines): the same checks on GPU memory, each rank on GPU
+/// `local_rank`, against the same host-computed references. `np` above the GPU count is
+/// skipped (NCCL needs a GPU per rank).
+pub(crate) const GPU_SCENARIOS: &[Scenario] = &[
+    // failure paths of GPU batches: none may hang
+    ("rank_stopped", 2, STALL_FAST, false),
+    ("rank_stopped_in_batch", 2, STOP_IN_BATCH, false),
+    ("fault_nccl_init", 2, NCCL_INIT_FAULT, false),
+    ("gpu_alltoall_fault", 2, GPU_ALLTOALL_FAULT, false),
+    ("collectives", 2, &[], true),
+    ("collectives", 4, &[], true),
+    (
+        "collectives",
+        2,
+        &[
+            ("HOROVOD_FUSION_THRESHOLD", "0"),
+            ("HOROVOD_CACHE_CAPACITY", "0"),
+        ],
+        true,
+    ),
+    ("collectives", 2, &[("FERROVOD_CHANNELS", "2")], true),
+    (
+        "collectives",
+        2,
+        &[("HOROVOD_ENABLE_ASYNC_COMPLETION", "1")],
+        true,
+    ),
+    ("random_order", 2, &[], true),
+    ("random_order", 4, &[("FERROVOD_CHANNELS", "3")], true),
+    ("join", 2, &[], true),
+    ("join", 4, &[], true),
+    ("mismatches", 2, &[], true),
+    ("mismatches", 4, &[], true),
+    ("process_sets", 4, &[], true),
+    ("gpu_kernels", 1, &[], true),
+    (
+        "gpu_failure",
+        2,
+        &[
+            ("HOROVOD_STALL_CHECK_TIME_SECONDS", "2"),
+            ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "4"),
+        ],
+        true,
+    ),
+    (
+        "gpu_graphs",
+        2,
+        &[("FERROVOD_PLAN_WARMUP_STEPS", "2")],
+        true,
+    ),
+    (
+        "gpu_graphs",
+        2,
+        &[
+            ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+            ("HOROVOD_ENABLE_ASYNC_COMPLETION", "1"),
+        ],
+        true,
+    ),
+    ("gpu_streams", 2, &[], true),
+    (
+        "gpu_streams",
+        2,
+        &[("HOROVOD_ENABLE_ASYNC_COMPLETION", "1")],
+        true,
+    ),
+];
+
+pub(crate) fn gpu_mode() -> bool {
+    std::env::var("FERROVOD_TEST_GPU").is_ok_and(|v| v == "1")
+}
+
+pub(crate) fn main() {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        let name = std::env::args().nth(1).expect("scenario name");
+        run_rank(&name);
+        return;
+    }
+    let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let exe = std::env::current_exe().unwrap();
+    // shared by the scenarios of this run (a plan file written by one and read by the next)
+    let shared = std::env::temp_dir().join(format!("ferrovod-test-{}-shared", std::process::id()));
+    std::fs::create_dir_all(&shared).unwrap();
+    let mut failed = Vec::new();
+    let mut ran = 0;
+    let (scenarios, gpus) = if gpu_mode() {
+        let n = ferrovod::transport::cuda::device_count().expect("CUDA devices");
+        println!("GPU mode: {n} GPU(s)");
+        (GPU_SCENARIOS, n)
+    } else {
+        (SCENARIOS, usize::MAX)
+    };
+    for (name, np, env, expect_ok) in scenarios {
+        if filter.as_deref().is_some_and(|f| !name.contains(f)) {
+            continue;
+        }
+        if *np > gpus {
+            println!("scenario {name} np={np} ... skipped ({gpus} GPUs)");
+            continue;
+        }
+        ran += 1;
+        let start = Instant::now();
+        let dir =
+            std::env::temp_dir().join(format!("ferrovod-test-{}-{name}-{np}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut cmd = Command::new("mpirun");
+        cmd.args([
+            "-np",
+            &np.to_string(),
+            "--oversubscribe",
+            "--allow-run-as-root",
+        ])
+        .args(["--mca", "mpi_yield_when_idle", "1", "--bind-to", "none"])
+        .args(["-x", "FERROVOD_TEST_DIR", "-x", "FERROVOD_TEST_SHARED"])
+        .args(["-x", "FERROVOD_TEST_GPU", "-x", "NCCL_NVLS_ENABLE"])
+        // as the launcher and the Python package do (docs/gpu.md)
+        .env(
+            "NCCL_RUNTIME_CONNECT",
+            std::env::var("NCCL_RUNTIME_CONNECT").unwrap_or_else(|_| "0".into()),
+        )
+        .args(["-x", "NCCL_RUNTIME_CONNECT"])
+        .arg(&exe)
+        .arg(name)
+        .env("FERROVOD_TEST_DIR", &dir)
+        .env("FERROVOD_TEST_SHARED", &shared)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+        if *name == "timeline" {
+            let path = dir.join("timeline.json");
+            cmd.env("HOROVOD_TIMELINE", &path)
+                .args(["-x", "HOROVOD_TIMELINE"]);
+        }
+        for (k, v) in *env {
+            cmd.env(k, v).args(["-x", k]);
+        }
+        // failure scenarios must end soon after their stall limit: a hang is the failure
+        let limit = match *name {
+            "rank_stopped"
+            | "rank_stopped_in_batch"
+            | "fault_panic"
+            | "fault_negotiation"
+            | "fault_decode"
+            | "fault_nccl_init"
+            | "gpu_alltoall_fault" => 60,
+            _ => 300,
+        };
+        let out = run_with_timeout(cmd, Duration::from_secs(limit));
+        let secs = start.elapsed().as_secs_f64();
+        let (ok, why) = match &out {
+            None => (false, "timed out (hang)".to_string()),
+            Some((status, stdout, stderr)) => {
+                let passes = stdout.matches("RANK-PASSED").count();
+                if *expect_ok {
+                    let good = status.success() && passes == *np;
+                    (
+                        good,
+                        format!(
+                            "exit {status}, {passes}/{np} ranks passed\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
+                        ),
+                    )
+                } else {
+                    // a scenario that prints a marker must print it before the job fails,
+                    // on as many ranks as it says
+                    let (marker, count) = match *name {
+                        "offline_stall" => ("OFFLINE-STALL-REPORTED", 1),
+                        "rank_stopped" | "fault_negotiation" => ("STALL-REPORTED", np - 1),
+                        _ => ("", 0),
+                    };
+                    let reported = match *name {
+                        // host: the watchdog's report; GPU: each survivor's error
+                        "rank_stopped_in_batch" => {
+                            stderr.matches("Missing ranks: 1.").count() >= np - 1
+                                || stdout.matches("STALL-REPORTED").count() >= np - 1
+                        }
+                        "fault_panic" => stderr.contains("background thread panicked"),
+                        "fault_negotiation" => stdout.contains("FAULT-REPORTED rank=1"),
+                        "fault_nccl_init" => stderr.contains("in ncclCommInitRank"),
+                        "gpu_alltoall_fault" => stderr.contains("Stalled ranks"),
+                        _ => true,
+                    };
+                    (
+                        !status.success() && stdout.matches(marker).count() >= count && reported,
+                        format!("expected the job to fail, exit {status}\n{stdout}\n{stderr}"),
+                    )
+                }
+            }
+        };
+        let extra = if ok && *name == "timeline" {
+            check_timeline(&dir.join("timeline.json"))
+        } else {
+            Ok(())
+        };
+        let _ = std::fs::remove_dir_all(&dir);
+        match (ok, extra) {
+            (true, Ok(())) => println!("scenario {name} np={np} ... ok ({secs:.1}s)"),
+            (true, Err(e)) => {
+                println!("scenario {name} np={np} ... FAILED: {e}");
+                failed.push(format!("{name} np={np}"));
+            }
+            (false, _) => {
+                println!("scenario {name} np={np} ... FAILED ({secs:.1}s): {why}");
+                failed.push(format!("{name} np={np}"));
+            }
+        }
+    }
+    println!("{ran} scenarios, {} failed", failed.len());
+    if !failed.is_empty() {
+        eprintln!("failed: {failed:?}");
+        std::process::exit(1);
+    }
+}
+
+pub(crate) fn run_with_timeout(
+    mut cmd: Command,
+    limit: Duration,
+) -> Option<(std::process::ExitStatus, String, String)> {
+    let mut child = cmd.spawn().expect("mpirun");
+    let mut stdout = child.stdout.take().unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let t_out = std::thread::spawn(move || {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut stdout, &mut s).ok();
+        s
+    });
+    let t_err = std::thread::spawn(move || {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut stderr, &mut s).ok();
+        s
+    });
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some((status, t_out.join().unwrap(), t_err.join().unwrap()));
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The timeline must be strict JSON (checked with Python's parser) and hold the events.
+pub(crate) fn check_timeline(path: &std::path::Path) -> Result<(), String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("timeline missing: {e}"))?;
+    let out = Command::new("python3")
+        .args([
+            "-c",
+            "import json,sys; ev=json.load(open(sys.argv[1])); print(len(ev))",
+        ])
+        .arg(path)
+        .output()
+        .map_err(|e| e.to_string())?;
+    if !out.status.success() {
+        return Err(format!(
+            "timeline is not valid JSON: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    for needle in [
+        "NEGOTIATE_ALLREDUCE",
+        "\"ALLREDUCE\"",
+        "MPI_ALLREDUCE",
+        "WAIT_FOR_DATA",
+        "MEMCPY_IN_FUSION_BUFFER",
+        "MEMCPY_OUT_FUSION_BUFFER",
+        "NEGOTIATE_ALLGATHER",
+        "MPI_ALLGATHER",
+        "CYCLE_START",
+        "timeline.grad.0",
+        "\"ph\": \"C\"",
+        "\"name\": \"control\"",
+    ] {
+        if !text.contains(needle) {
+            return Err(format!("timeline lacks {needle}"));
+        }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// rank side
+
+pub(crate) fn run_rank(name: &str) {
+    match name {
+        "collectives" => collectives(),
+        "random_order" => random_order(),
+        "env_differs" => env_differs(),
+        "cache_changes" => cache_changes(),
+        "join" => join(),
+        "process_sets" => process_sets(),
+        "mismatches" => mismatches(),
+        "bad_arguments" => bad_arguments(),
+        "stall" => stall(),
+        "stall_cached" => stall_cached(),
+        "stall_in_set" => stall_in_set(),
+        "topology" => topology(),
+        "alloc_failure" => alloc_failure(),
+        "callbacks" => callbacks(),
+        "shutdown_pending" => shutdown_pending(),
+        "rank_exits" => rank_exits(),
+        "rank_killed" => rank_killed(),
+        "rank_stopped" => rank_stopped(),
+        "rank_stopped_in_batch" => rank_stopped_in_batch(),
+        "fault_panic" => fault_panic(),
+        "fault_negotiation" => fault_negotiation(),
+        "fault_decode" => fault_decode(),
+        "fault_nccl_init" => fault_nccl_init(),
+        "gpu_alltoall_fault" => gpu_alltoall_fault(),
+        "preinitialized_mpi" => preinitialized_mpi(),
+        "init_subset" => init_subset(),
+        "timeline" => timeline(),
+        "large_counts" => large_counts(),
+        "metrics" => metrics(),
+        "offline_steps" => offline_steps(),
+        "offline_save" => offline_save(),
+        "offline_load" => offline_load(),
+        "offline_stale_plan" => offline_stale_plan(),
+        "offline_diverge" => offline_diverge(),
+        "offline_skip" => offline_skip(),
+        "offline_stall" => offline_stall(),
+        "autotune" => autotune(),
+        "online_groups" => online_groups(),
+        "group_votes" => group_votes(),
+        "online_groups_stall" => online_groups_stall(),
+        "gpu_streams" => gpu_streams(),
+        "gpu_failure" => gpu_failure(),
+        "gpu_kernels" => gpu_kernels(),
+        "gpu_graphs" => gpu_graphs(),
+        other => panic!("unknown scenario {other}"),
+    }
+}

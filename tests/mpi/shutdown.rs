@@ -1,0 +1,360 @@
+//! Stalls, shutdown with work pending, and ranks that exit, are killed, stop or fail locally:
+//! every other rank ends with an error, never a hang.
+
+use super::*;
+
+/// Each rank submits a tensor the other never does: the stall becomes an error on all ranks.
+pub(crate) fn stall() {
+    init();
+    let me = rank();
+    let name = format!("only.on.rank{me}");
+    let start = Instant::now();
+    let err = run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor(&name, DataType::F32, &[1], &[1.0], false)],
+    ))
+    .unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, Error::ShutDown(_)), "{err:?}");
+    assert!(msg.contains("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"), "{msg}");
+    assert!(msg.contains("Missing ranks:"), "{msg}");
+    assert!(
+        msg.contains("only.on.rank0") && msg.contains("only.on.rank1"),
+        "{msg}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        start.elapsed()
+    );
+    // new work is refused with the same reason
+    let err = submit(OpSpec::new(OpKind::Barrier, vec![])).unwrap_err();
+    assert!(err.to_string().contains("Missing ranks:"));
+    runtime::shutdown();
+    pass();
+}
+
+/// A name both ranks used before (so it is cached) that only rank 0 submits again, while rank 1
+/// submits nothing: only the cached path can see it. Rank 0's vote goes stale, is sent to the
+/// coordinator, and the stall ends in an error on both ranks.
+pub(crate) fn stall_cached() {
+    init();
+    let me = rank();
+    let rt = runtime::runtime().unwrap();
+    run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("cached.once", DataType::F32, &[1], &[1.0], false)],
+    ))
+    .unwrap();
+    let start = Instant::now();
+    let err = if me == 0 {
+        run(OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor("cached.once", DataType::F32, &[1], &[1.0], false)],
+        ))
+        .unwrap_err()
+    } else {
+        while !rt.is_shut_down() && start.elapsed() < Duration::from_secs(60) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        submit(OpSpec::new(OpKind::Barrier, vec![])).unwrap_err()
+    };
+    let msg = err.to_string();
+    assert!(matches!(err, Error::ShutDown(_)), "{err:?}");
+    assert!(msg.contains("Missing ranks:\n1: [cached.once]"), "{msg}");
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        start.elapsed()
+    );
+    runtime::shutdown();
+    pass();
+}
+
+/// A stall inside process set {0, 1}: rank 2, outside the set, must not be left waiting in the
+/// global vote; every rank ends with an error.
+pub(crate) fn stall_in_set() {
+    init();
+    let me = rank();
+    let rt = runtime::runtime().unwrap();
+    let h = rt.add_process_set(&[0, 1]).unwrap();
+    h.wait(None).unwrap();
+    let set = h.value();
+    let start = Instant::now();
+    if me == 0 {
+        let mut spec = OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor("set.only0", DataType::F32, &[1], &[1.0], false)],
+        );
+        spec.process_set = set;
+        let err = run(spec).unwrap_err();
+        assert!(
+            err.to_string().contains("Missing ranks:\n1: [set.only0]"),
+            "{err}"
+        );
+    }
+    // the whole job stops through the global set's next vote
+    while !rt.is_shut_down() && start.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let err = submit(OpSpec::new(OpKind::Barrier, vec![])).unwrap_err();
+    assert!(matches!(err, Error::ShutDown(_)), "{err:?}");
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        start.elapsed()
+    );
+    runtime::shutdown();
+    pass();
+}
+
+/// One rank shuts down while the other has an operation pending.
+pub(crate) fn shutdown_pending() {
+    init();
+    if rank() == 1 {
+        std::thread::sleep(Duration::from_millis(300));
+        runtime::shutdown();
+    } else {
+        let err = run(OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor("pending", DataType::F32, &[1], &[1.0], false)],
+        ))
+        .unwrap_err();
+        assert_eq!(err, Error::ShutDown(SHUT_DOWN_MESSAGE.into()));
+        let err = submit(OpSpec::new(OpKind::Barrier, vec![])).unwrap_err();
+        assert_eq!(err.to_string(), SHUT_DOWN_MESSAGE);
+        runtime::shutdown();
+    }
+    pass();
+}
+
+/// A rank whose program ends without calling shutdown: the exit handler that fv_init registers
+/// tells the others, whose pending operation fails instead of hanging.
+pub(crate) fn rank_exits() {
+    // SAFETY: NULL options are documented.
+    assert_eq!(
+        unsafe { ferrovod::capi::fv_init(std::ptr::null()) },
+        ferrovod::Status::Ok
+    );
+    if rank() == 1 {
+        pass();
+        std::thread::sleep(Duration::from_millis(200));
+        std::process::exit(0);
+    }
+    let err = run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("pending", DataType::F32, &[1], &[1.0], false)],
+    ))
+    .unwrap_err();
+    assert_eq!(err, Error::ShutDown(SHUT_DOWN_MESSAGE.into()));
+    pass();
+}
+
+/// A rank that dies: mpirun ends the job (non-zero exit) rather than leaving rank 0 hanging.
+pub(crate) fn rank_killed() {
+    init();
+    if rank() == 1 {
+        std::thread::sleep(Duration::from_millis(200));
+        std::process::abort();
+    }
+    let _ = run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("pending", DataType::F32, &[1], &[1.0], false)],
+    ));
+    std::thread::sleep(Duration::from_secs(120));
+}
+
+/// A few steps every rank runs together.
+pub(crate) fn steps_together(n: usize) {
+    for step in 0..n {
+        let out = run(OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor(
+                "together",
+                DataType::F32,
+                &[1],
+                &[1.0 + step as f64],
+                false,
+            )],
+        ))
+        .expect("a step before the fault");
+        let want = (size() as f64) * (1.0 + step as f64);
+        assert_eq!(output(&out[0], DataType::F32), vec![want]);
+    }
+}
+
+/// Prints the marker a failing scenario's harness counts, then ends this process as a
+/// framework's uncaught exception does: shutdown (the C API's exit handler), exit without
+/// finalizing MPI; mpirun ends the job.
+pub(crate) fn report_and_exit(marker: &str, msg: &str) -> ! {
+    use std::io::Write;
+    println!("{marker} rank={}: {msg}", rank());
+    std::io::stdout().flush().unwrap();
+    runtime::shutdown();
+    std::process::exit(1);
+}
+
+/// A rank that hangs instead of dying (kill -STOP, as a stuck file system or GPU does): the
+/// others wait in a negotiation vote, report the stall naming it once the stall shutdown time
+/// has passed, and end.
+pub(crate) fn rank_stopped() {
+    init();
+    let start;
+    let err = if std::env::var("FERROVOD_TEST_FAULT").is_ok_and(|f| f.starts_with("stop_in_round"))
+    {
+        // rank 1 stops inside the first coordinator round: the first step fails
+        start = Instant::now();
+        run(OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor("in.round", DataType::F32, &[1], &[1.0], false)],
+        ))
+        .unwrap_err()
+    } else {
+        steps_together(3);
+        if rank() == 1 {
+            let _ = Command::new("kill")
+                .args(["-STOP", &std::process::id().to_string()])
+                .status();
+            unreachable!("a stopped rank is killed by mpirun");
+        }
+        start = Instant::now();
+        run(OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor("after.stop", DataType::F32, &[1], &[1.0], false)],
+        ))
+        .unwrap_err()
+    };
+    let msg = err.to_string();
+    assert!(matches!(err, Error::ShutDown(_)), "{err:?}");
+    assert!(msg.contains("Missing ranks: 1."), "{msg}");
+    assert!(
+        msg.contains("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=2"),
+        "{msg}"
+    );
+    // the limit (2 s) plus the presence probe (3 s) plus a margin
+    assert!(
+        start.elapsed() < Duration::from_secs(15),
+        "took {:?}",
+        start.elapsed()
+    );
+    report_and_exit("STALL-REPORTED", &msg);
+}
+
+/// Rank 1 stops itself after agreeing to run a batch: the others wait inside the blocking
+/// data collective, which no error can interrupt; the watchdog names rank 1 and aborts the
+/// job (checked by the harness on stderr).
+///
+/// On GPUs rank 0 launched the batch's NCCL call and waits for its completion event while it
+/// votes: the vote's limit (or the completion's) fails the operation, the NCCL communicators are
+/// aborted, and rank 0 ends as a framework would on the error.
+pub(crate) fn rank_stopped_in_batch() {
+    init();
+    let err = run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor(
+            "stopped.in.batch",
+            DataType::F32,
+            &[1],
+            &[1.0],
+            false,
+        )],
+    ))
+    .unwrap_err();
+    // host memory: the watchdog aborted the job before this
+    assert!(gpu_mode(), "the blocking collective returned: {err}");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("Missing ranks: 1.") || msg.contains("GPU collective did not finish within"),
+        "{msg}"
+    );
+    report_and_exit("STALL-REPORTED", &msg);
+}
+
+/// Rank 1's background thread panics before a batch every rank agreed to run: it aborts the
+/// job at once with a message (the others may already wait inside the batch's collective).
+pub(crate) fn fault_panic() {
+    init();
+    let _ = run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("panics", DataType::F32, &[1], &[1.0], false)],
+    ));
+    std::thread::sleep(Duration::from_secs(120));
+}
+
+/// Rank 1's vote fails locally: its operation gets the error; its background thread is gone,
+/// so the others report it missing after the stall shutdown time.
+pub(crate) fn fault_negotiation() {
+    init();
+    // steps until the fault (at once, or once an offline plan froze) fails one
+    let mut failed = None;
+    for step in 0..12 {
+        let v = 1.0 + step as f64;
+        match run(OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor("fault.step", DataType::F32, &[1], &[v], false)],
+        )) {
+            Ok(out) => assert_eq!(output(&out[0], DataType::F32), vec![size() as f64 * v]),
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        }
+    }
+    let msg = failed.expect("the fault failed no step").to_string();
+    if rank() == 1 {
+        assert!(msg.contains("test fault:"), "{msg}");
+        use std::io::Write;
+        println!("FAULT-REPORTED rank=1: {msg}");
+        std::io::stdout().flush().unwrap();
+        // alive, but no longer negotiating: the others must not wait for ever
+        std::thread::sleep(Duration::from_secs(120));
+    }
+    assert!(msg.contains("Missing ranks: 1."), "{msg}");
+    report_and_exit("STALL-REPORTED", &msg);
+}
+
+/// Rank 0 cannot decode a request list: it answers the round with a shutdown instead of
+/// leaving the others waiting in its broadcast. Every rank gets the reason; MPI stays usable.
+pub(crate) fn fault_decode() {
+    init();
+    let err = run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("fault.decode", DataType::F32, &[1], &[1.0], false)],
+    ))
+    .unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, Error::ShutDown(_)), "{err:?}");
+    assert!(msg.contains("test fault: decode"), "{msg}");
+    let err = submit(OpSpec::new(OpKind::Barrier, vec![])).unwrap_err();
+    assert!(err.to_string().contains("test fault: decode"), "{err}");
+    runtime::shutdown();
+    pass();
+}
+
+/// GPU: rank 1 fails just before creating its NCCL communicator; rank 0 waits in
+/// ncclCommInitRank, which nothing interrupts: the watchdog names the wait and ends the job.
+pub(crate) fn fault_nccl_init() {
+    init();
+    let _ = run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("nccl.init", DataType::F32, &[4], &[1.0; 4], false)],
+    ));
+    std::thread::sleep(Duration::from_secs(120));
+}
+
+/// GPU: rank 1's alltoall fails before the split exchange over MPI that rank 0 waits in.
+pub(crate) fn gpu_alltoall_fault() {
+    init();
+    let rows = size() as i64;
+    let _ = run(OpSpec::new(
+        OpKind::Alltoall,
+        vec![tensor(
+            "a2a.fault",
+            DataType::F32,
+            &[rows],
+            &vec![1.0; rows as usize],
+            true,
+        )],
+    ));
+    std::thread::sleep(Duration::from_secs(120));
+}
