@@ -5,6 +5,7 @@
 pub mod device;
 pub mod reduce;
 pub mod replay;
+pub mod ring;
 
 use crate::dtype::DataType;
 use crate::error::{Error, Result};

@@ -80,6 +80,82 @@ pub fn scale(buf: &mut [u8], dtype: DataType, factor: f64) -> Result<()> {
     Ok(())
 }
 
+macro_rules! reduce_as {
+    ($acc:expr, $x:expr, $t:ty, $f:expr) => {{
+        const N: usize = std::mem::size_of::<$t>();
+        for (a, b) in $acc.chunks_exact_mut(N).zip($x.chunks_exact(N)) {
+            let va = <$t>::from_le_bytes(a.try_into().expect("chunk size"));
+            let vb = <$t>::from_le_bytes(b.try_into().expect("chunk size"));
+            a.copy_from_slice(&$f(va, vb).to_le_bytes());
+        }
+    }};
+}
+
+macro_rules! reduce_int {
+    ($acc:expr, $x:expr, $t:ty, $op:expr) => {
+        match $op {
+            ReduceOp::Min => reduce_as!($acc, $x, $t, |a: $t, b: $t| a.min(b)),
+            ReduceOp::Max => reduce_as!($acc, $x, $t, |a: $t, b: $t| a.max(b)),
+            ReduceOp::Product => reduce_as!($acc, $x, $t, |a: $t, b: $t| a.wrapping_mul(b)),
+            _ => reduce_as!($acc, $x, $t, |a: $t, b: $t| a.wrapping_add(b)),
+        }
+    };
+}
+
+macro_rules! reduce_float {
+    ($acc:expr, $x:expr, $t:ty, $op:expr, $to:expr, $from:expr) => {
+        match $op {
+            ReduceOp::Min => reduce_as!($acc, $x, $t, |a: $t, b: $t| $from($to(a).min($to(b)))),
+            ReduceOp::Max => reduce_as!($acc, $x, $t, |a: $t, b: $t| $from($to(a).max($to(b)))),
+            ReduceOp::Product => reduce_as!($acc, $x, $t, |a: $t, b: $t| $from($to(a) * $to(b))),
+            _ => reduce_as!($acc, $x, $t, |a: $t, b: $t| $from($to(a) + $to(b))),
+        }
+    };
+}
+
+/// `acc = op(acc, x)` elementwise for any dtype, on byte buffers of any alignment: the local
+/// step of algorithms written over point-to-point transfers. Integers wrap as MPI's do; 16-bit
+/// floats are computed in f32; bool's sum and max are OR, its min and product AND (as the MPI
+/// backend reduces them). `op` is Sum, Min, Max or Product.
+pub fn reduce_into(acc: &mut [u8], x: &[u8], dtype: DataType, op: ReduceOp) -> Result<()> {
+    if acc.len() != x.len() || !acc.len().is_multiple_of(dtype.size()) {
+        return Err(Error::Internal(format!(
+            "reduce_into: {} and {} bytes of {}",
+            acc.len(),
+            x.len(),
+            dtype.name()
+        )));
+    }
+    if !matches!(
+        op,
+        ReduceOp::Sum | ReduceOp::Min | ReduceOp::Max | ReduceOp::Product
+    ) {
+        return Err(Error::InvalidArgument(format!(
+            "reduction {op:?} is not an elementwise reduction"
+        )));
+    }
+    let id = |v: f64| v;
+    match dtype {
+        DataType::U8 => reduce_int!(acc, x, u8, op),
+        DataType::I8 => reduce_int!(acc, x, i8, op),
+        DataType::U16 => reduce_int!(acc, x, u16, op),
+        DataType::I16 => reduce_int!(acc, x, i16, op),
+        DataType::I32 => reduce_int!(acc, x, i32, op),
+        DataType::I64 => reduce_int!(acc, x, i64, op),
+        DataType::F32 => reduce_float!(acc, x, f32, op, |v: f32| v, |v: f32| v),
+        DataType::F64 => reduce_float!(acc, x, f64, op, id, id),
+        DataType::F16 => reduce_float!(acc, x, f16, op, f16::to_f32, f16::from_f32),
+        DataType::BF16 => reduce_float!(acc, x, bf16, op, bf16::to_f32, bf16::from_f32),
+        DataType::Bool => {
+            let or = matches!(op, ReduceOp::Sum | ReduceOp::Max);
+            for (a, b) in acc.iter_mut().zip(x) {
+                *a = if or { *a | *b } else { *a & *b };
+            }
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

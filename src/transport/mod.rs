@@ -82,6 +82,11 @@ pub trait Transport {
     /// `root`'s bytes everywhere; other ranks' `data` is ignored.
     fn broadcast_bytes(&self, data: Vec<u8>, root: usize) -> Result<Vec<u8>>;
 
+    /// Sends `send` to rank `to` while receiving `recv.len()` bytes from rank `from` (the two
+    /// may be the same rank; either length may be 0). The point-to-point step that algorithms
+    /// in `collective/` are built from.
+    fn sendrecv(&self, send: &[u8], to: usize, recv: &mut [u8], from: usize) -> Result<()>;
+
     fn barrier(&self) -> Result<()>;
 }
 

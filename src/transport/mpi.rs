@@ -815,6 +815,47 @@ impl MpiComm {
         Ok(req)
     }
 
+    /// Posts every transfer `(direction, buffer, bytes, peer, tag)` at once and waits for all of
+    /// them. If posting fails part way, the requests already posted are cancelled and completed
+    /// before returning, so none of them outlives the buffers.
+    ///
+    /// # Safety
+    /// Each buffer must be valid for its length (writable for receives) until this returns, and
+    /// no two receives may overlap.
+    unsafe fn transfer_all(
+        &self,
+        transfers: &[(Direction, *mut c_void, usize, usize, usize)],
+    ) -> Result<()> {
+        let mut reqs: Vec<ffi::MPI_Request> = Vec::with_capacity(transfers.len());
+        let mut posted = || -> Result<()> {
+            for &(dir, buf, len, peer, tag) in transfers {
+                reqs.push(self.post(dir, buf, len, peer, tag)?);
+            }
+            Ok(())
+        };
+        if let Err(e) = posted() {
+            for req in reqs.iter_mut() {
+                // SAFETY: each request was posted above and is still active.
+                unsafe {
+                    ffi::MPI_Cancel(req);
+                    ffi::MPI_Wait(req, ffi::RSMPI_STATUS_IGNORE);
+                }
+            }
+            return Err(e);
+        }
+        // SAFETY: every request was created above.
+        check(
+            unsafe {
+                ffi::MPI_Waitall(
+                    reqs.len() as c_int,
+                    reqs.as_mut_ptr(),
+                    ffi::RSMPI_STATUSES_IGNORE,
+                )
+            },
+            "MPI_Waitall",
+        )
+    }
+
     /// The largest of every rank's `v`.
     fn max_u64(&self, v: u64) -> Result<u64> {
         let _blocked = blocked("MPI_Allreduce(MAX)");
@@ -1057,44 +1098,20 @@ impl Transport for MpiComm {
                 "MPI_Alltoallv",
             );
         }
-        // Large: chunked point-to-point, all posted at once. If posting fails part way, the
-        // requests already posted are cancelled and completed before returning, so none of
-        // them outlives the buffers.
-        let mut reqs: Vec<ffi::MPI_Request> = Vec::new();
-        let mut posted = || -> Result<()> {
-            for r in 0..self.size {
-                let incoming = recv[rd[r]..rd[r] + recv_counts[r]].chunks_mut(self.max_count);
-                for (k, c) in incoming.enumerate() {
-                    reqs.push(self.post(Direction::Recv, ptr_mut(c), c.len(), r, k)?);
-                }
-                let outgoing = send[sd[r]..sd[r] + send_counts[r]].chunks(self.max_count);
-                for (k, c) in outgoing.enumerate() {
-                    reqs.push(self.post(Direction::Send, ptr(c) as *mut c_void, c.len(), r, k)?);
-                }
+        // Large: chunked point-to-point, all posted at once
+        let mut transfers = Vec::new();
+        for r in 0..self.size {
+            let incoming = recv[rd[r]..rd[r] + recv_counts[r]].chunks_mut(self.max_count);
+            for (k, c) in incoming.enumerate() {
+                transfers.push((Direction::Recv, ptr_mut(c), c.len(), r, k));
             }
-            Ok(())
-        };
-        if let Err(e) = posted() {
-            for req in reqs.iter_mut() {
-                // SAFETY: each request was posted above and is still active.
-                unsafe {
-                    ffi::MPI_Cancel(req);
-                    ffi::MPI_Wait(req, ffi::RSMPI_STATUS_IGNORE);
-                }
+            let outgoing = send[sd[r]..sd[r] + send_counts[r]].chunks(self.max_count);
+            for (k, c) in outgoing.enumerate() {
+                transfers.push((Direction::Send, ptr(c) as *mut c_void, c.len(), r, k));
             }
-            return Err(e);
         }
-        // SAFETY: every request was created above.
-        check(
-            unsafe {
-                ffi::MPI_Waitall(
-                    reqs.len() as c_int,
-                    reqs.as_mut_ptr(),
-                    ffi::RSMPI_STATUSES_IGNORE,
-                )
-            },
-            "MPI_Waitall",
-        )
+        // SAFETY: every range lies in `send` or `recv`, which outlive the call.
+        unsafe { self.transfer_all(&transfers) }
     }
 
     fn reduce_scatter(
@@ -1262,6 +1279,25 @@ impl Transport for MpiComm {
             )?;
         }
         Ok(data)
+    }
+
+    fn sendrecv(&self, send: &[u8], to: usize, recv: &mut [u8], from: usize) -> Result<()> {
+        let _blocked = blocked("MPI_Isend/MPI_Irecv");
+        if to >= self.size || from >= self.size {
+            return Err(Error::InvalidArgument(format!(
+                "sendrecv with rank {to}/{from} on a communicator of {} ranks",
+                self.size
+            )));
+        }
+        let mut transfers = Vec::new();
+        for (k, c) in recv.chunks_mut(self.max_count).enumerate() {
+            transfers.push((Direction::Recv, ptr_mut(c), c.len(), from, k));
+        }
+        for (k, c) in send.chunks(self.max_count).enumerate() {
+            transfers.push((Direction::Send, ptr(c) as *mut c_void, c.len(), to, k));
+        }
+        // SAFETY: every range lies in `send` or `recv`, which outlive the call.
+        unsafe { self.transfer_all(&transfers) }
     }
 
     fn barrier(&self) -> Result<()> {

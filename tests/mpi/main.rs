@@ -301,6 +301,9 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         true,
     ),
     ("large_counts", 2, &[], true),
+    ("ring", 2, &[], true),
+    ("ring", 3, &[], true),
+    ("ring", 4, &[], true),
 ];
 
 /// With `FERROVOD_TEST_GPU=1` (GPU machines): the same checks on GPU memory, each rank on GPU
@@ -617,6 +620,7 @@ pub(crate) fn run_rank(name: &str) {
         "init_subset" => init_subset(),
         "timeline" => timeline(),
         "large_counts" => large_counts(),
+        "ring" => ring(),
         "metrics" => metrics(),
         "offline_steps" => offline_steps(),
         "offline_save" => offline_save(),

@@ -1,0 +1,254 @@
+//! Ring allreduce, written once over point-to-point transfers: a reduce-scatter of n−1 steps
+//! (each rank sends one chunk to its right neighbour and reduces the chunk that arrives from its
+//! left into its own copy), then an allgather of n−1 steps that passes the reduced chunks on.
+//! Each rank sends and receives 2(n−1)/n of the buffer whatever n is, which is why hierarchical
+//! and compressed paths are built from it. The memory it works on is behind `Workspace`
+//! (host memory: `HostWorkspace`; device memory implements the same trait), so the schedule
+//! below is the only copy of the algorithm.
+
+use std::ops::Range;
+
+use crate::collective::reduce::reduce_into;
+use crate::dtype::DataType;
+use crate::error::{Error, Result};
+use crate::message::ReduceOp;
+use crate::transport::Transport;
+
+/// A working buffer, a scratch buffer of at least one chunk, and point-to-point transfers
+/// between ranks, on one kind of memory. Ranges are bytes of the working buffer.
+pub trait Workspace {
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+
+    /// Sends `send` to rank `to` while receiving `recv_len` bytes from rank `from` into the
+    /// start of the scratch buffer.
+    fn exchange_to_scratch(
+        &mut self,
+        to: usize,
+        send: Range<usize>,
+        from: usize,
+        recv_len: usize,
+    ) -> Result<()>;
+
+    /// `working[range] = op(working[range], scratch[..range.len()])`.
+    fn reduce_from_scratch(
+        &mut self,
+        range: Range<usize>,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()>;
+
+    /// Sends `send` to rank `to` while receiving `recv` (disjoint from `send`) from rank `from`.
+    fn exchange(
+        &mut self,
+        to: usize,
+        send: Range<usize>,
+        from: usize,
+        recv: Range<usize>,
+    ) -> Result<()>;
+}
+
+/// Bytes of chunk `c` when `elems` elements of `elem_size` bytes are split into `n` chunks that
+/// differ by at most one element (the first `elems % n` get the extra one). The same on every
+/// rank: a function of agreed sizes only.
+pub fn chunk(elems: usize, elem_size: usize, n: usize, c: usize) -> Range<usize> {
+    let (base, extra) = (elems / n, elems % n);
+    let start = c * base + c.min(extra);
+    let len = base + usize::from(c < extra);
+    start * elem_size..(start + len) * elem_size
+}
+
+/// The largest chunk, in bytes: what the scratch buffer must hold.
+pub fn scratch_bytes(elems: usize, elem_size: usize, n: usize) -> usize {
+    elems.div_ceil(n.max(1)) * elem_size
+}
+
+/// Allreduces the first `elems` elements of the workspace's buffer in place. `op` is Sum, Min,
+/// Max or Product (averaging is a postscale applied by the caller, as for native allreduce).
+pub fn allreduce<W: Workspace + ?Sized>(
+    ws: &mut W,
+    elems: usize,
+    dtype: DataType,
+    op: ReduceOp,
+) -> Result<()> {
+    let (n, r) = (ws.size(), ws.rank());
+    if n <= 1 || elems == 0 {
+        return Ok(());
+    }
+    let size = dtype.size();
+    let (right, left) = ((r + 1) % n, (r + n - 1) % n);
+    // reduce-scatter: after step s, chunk (r - s - 1) holds s + 2 ranks' contributions here
+    for s in 0..n - 1 {
+        let send = chunk(elems, size, n, (r + n - s) % n);
+        let recv = chunk(elems, size, n, (r + 2 * n - s - 1) % n);
+        ws.exchange_to_scratch(right, send, left, recv.len())?;
+        ws.reduce_from_scratch(recv, dtype, op)?;
+    }
+    // allgather: rank r now owns the reduced chunk r + 1 and passes it around the ring
+    for s in 0..n - 1 {
+        let send = chunk(elems, size, n, (r + 1 + n - s) % n);
+        let recv = chunk(elems, size, n, (r + n - s) % n);
+        ws.exchange(right, send, left, recv)?;
+    }
+    Ok(())
+}
+
+/// Host memory over a `Transport`'s point-to-point transfers; reductions run on the CPU.
+pub struct HostWorkspace<'a> {
+    transport: &'a dyn Transport,
+    data: &'a mut [u8],
+    scratch: Vec<u8>,
+}
+
+impl<'a> HostWorkspace<'a> {
+    /// A workspace over `data`, holding `elems` elements of `dtype`.
+    pub fn new(
+        transport: &'a dyn Transport,
+        data: &'a mut [u8],
+        elems: usize,
+        dtype: DataType,
+    ) -> Result<HostWorkspace<'a>> {
+        if data.len() < elems * dtype.size() {
+            return Err(Error::Internal(format!(
+                "ring allreduce of {elems} {} elements over {} bytes",
+                dtype.name(),
+                data.len()
+            )));
+        }
+        let scratch = vec![0u8; scratch_bytes(elems, dtype.size(), transport.size())];
+        Ok(HostWorkspace {
+            transport,
+            data,
+            scratch,
+        })
+    }
+}
+
+impl Workspace for HostWorkspace<'_> {
+    fn rank(&self) -> usize {
+        self.transport.rank()
+    }
+
+    fn size(&self) -> usize {
+        self.transport.size()
+    }
+
+    fn exchange_to_scratch(
+        &mut self,
+        to: usize,
+        send: Range<usize>,
+        from: usize,
+        recv_len: usize,
+    ) -> Result<()> {
+        self.transport
+            .sendrecv(&self.data[send], to, &mut self.scratch[..recv_len], from)
+    }
+
+    fn reduce_from_scratch(
+        &mut self,
+        range: Range<usize>,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let len = range.len();
+        reduce_into(&mut self.data[range], &self.scratch[..len], dtype, op)
+    }
+
+    fn exchange(
+        &mut self,
+        to: usize,
+        send: Range<usize>,
+        from: usize,
+        recv: Range<usize>,
+    ) -> Result<()> {
+        if send.end > self.data.len()
+            || recv.end > self.data.len()
+            || (send.start < recv.end && recv.start < send.end)
+        {
+            return Err(Error::Internal(format!(
+                "ring exchange of overlapping or outside ranges {send:?} and {recv:?} of {} bytes",
+                self.data.len()
+            )));
+        }
+        // the two ranges are disjoint chunks: split the buffer between them
+        let (send_part, recv_part) = if send.end <= recv.start {
+            let (a, b) = self.data.split_at_mut(recv.start);
+            (&a[send], &mut b[..recv.len()])
+        } else {
+            let (a, b) = self.data.split_at_mut(send.start);
+            (&b[..send.len()], &mut a[recv])
+        };
+        self.transport.sendrecv(send_part, to, recv_part, from)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_cover_the_buffer_once_and_differ_by_at_most_one_element() {
+        for elems in [0, 1, 2, 3, 7, 64, 1001] {
+            for n in 1..=9 {
+                let mut next = 0;
+                let mut lens = Vec::new();
+                for c in 0..n {
+                    let r = chunk(elems, 4, n, c);
+                    assert_eq!(r.start, next, "elems {elems} n {n} chunk {c}");
+                    next = r.end;
+                    lens.push(r.len() / 4);
+                    assert!(r.len() <= scratch_bytes(elems, 4, n));
+                }
+                assert_eq!(next, elems * 4);
+                let (lo, hi) = (lens.iter().min().unwrap(), lens.iter().max().unwrap());
+                assert!(hi - lo <= 1, "elems {elems} n {n}: {lens:?}");
+            }
+        }
+    }
+
+    /// The schedule, simulated for every rank at once with plain vectors standing in for the
+    /// transfers: every rank ends with the elementwise sum.
+    #[test]
+    fn the_schedule_sums_every_element_on_every_rank() {
+        for n in 2..=6 {
+            for elems in [1, n - 1, n, 2 * n + 1, 50] {
+                let init: Vec<Vec<i64>> = (0..n)
+                    .map(|r| (0..elems).map(|i| (i * 10 + r) as i64).collect())
+                    .collect();
+                let mut bufs = init.clone();
+                let el = |range: Range<usize>| range.start / 8..range.end / 8;
+                for s in 0..n - 1 {
+                    let snapshot = bufs.clone();
+                    for (r, buf) in bufs.iter_mut().enumerate() {
+                        let left = (r + n - 1) % n;
+                        let recv = el(chunk(elems, 8, n, (r + 2 * n - s - 1) % n));
+                        // what the left neighbour sent this step
+                        let sent = el(chunk(elems, 8, n, (left + n - s) % n));
+                        assert_eq!(sent, recv);
+                        for i in recv {
+                            buf[i] += snapshot[left][i];
+                        }
+                    }
+                }
+                for s in 0..n - 1 {
+                    let snapshot = bufs.clone();
+                    for (r, buf) in bufs.iter_mut().enumerate() {
+                        let left = (r + n - 1) % n;
+                        let recv = el(chunk(elems, 8, n, (r + n - s) % n));
+                        let sent = el(chunk(elems, 8, n, (left + 1 + n - s) % n));
+                        assert_eq!(sent, recv);
+                        for i in recv {
+                            buf[i] = snapshot[left][i];
+                        }
+                    }
+                }
+                let want: Vec<i64> = (0..elems)
+                    .map(|i| (0..n).map(|r| init[r][i]).sum())
+                    .collect();
+                for buf in &bufs {
+                    assert_eq!(buf, &want, "n {n} elems {elems}");
+                }
+            }
+        }
+    }
+}
