@@ -3,8 +3,8 @@
 //! left into its own copy), then an allgather of n−1 steps that passes the reduced chunks on.
 //! Each rank sends and receives 2(n−1)/n of the buffer whatever n is, which is why hierarchical
 //! and compressed paths are built from it. The memory it works on is behind `Workspace`
-//! (host memory: `HostWorkspace`; device memory implements the same trait), so the schedule
-//! below is the only copy of the algorithm.
+//! (host memory: `HostWorkspace`; GPU memory: `DeviceWorkspace`), so the schedule below is the
+//! only copy of the algorithm.
 
 use std::ops::Range;
 
@@ -12,7 +12,9 @@ use crate::collective::reduce::reduce_into;
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
 use crate::message::ReduceOp;
-use crate::transport::Transport;
+use crate::transport::cuda::{Gpu, Stream};
+use crate::transport::memory::DeviceRange;
+use crate::transport::{DeviceTransport, Transport};
 
 /// A working buffer, a scratch buffer of at least one chunk, and point-to-point transfers
 /// between ranks, on one kind of memory. Ranges are bytes of the working buffer.
@@ -161,15 +163,7 @@ impl Workspace for HostWorkspace<'_> {
         from: usize,
         recv: Range<usize>,
     ) -> Result<()> {
-        if send.end > self.data.len()
-            || recv.end > self.data.len()
-            || (send.start < recv.end && recv.start < send.end)
-        {
-            return Err(Error::Internal(format!(
-                "ring exchange of overlapping or outside ranges {send:?} and {recv:?} of {} bytes",
-                self.data.len()
-            )));
-        }
+        disjoint(&send, &recv, self.data.len())?;
         // the two ranges are disjoint chunks: split the buffer between them
         let (send_part, recv_part) = if send.end <= recv.start {
             let (a, b) = self.data.split_at_mut(recv.start);
@@ -179,6 +173,103 @@ impl Workspace for HostWorkspace<'_> {
             (&b[..send.len()], &mut a[recv])
         };
         self.transport.sendrecv(send_part, to, recv_part, from)
+    }
+}
+
+/// Checks a ring exchange's two ranges against a buffer of `len` bytes: inside it and disjoint.
+fn disjoint(send: &Range<usize>, recv: &Range<usize>, len: usize) -> Result<()> {
+    if send.end > len || recv.end > len || (send.start < recv.end && recv.start < send.end) {
+        return Err(Error::Internal(format!(
+            "ring exchange of overlapping or outside ranges {send:?} and {recv:?} of {len} bytes"
+        )));
+    }
+    Ok(())
+}
+
+/// GPU memory over a `DeviceTransport` (NCCL send/recv); reductions run as a kernel. Every
+/// step is enqueued on `stream` in order: nothing waits on the host.
+pub struct DeviceWorkspace<'a> {
+    transport: &'a dyn DeviceTransport,
+    gpu: &'a Gpu,
+    stream: &'a Stream,
+    data: DeviceRange,
+    scratch: DeviceRange,
+}
+
+impl<'a> DeviceWorkspace<'a> {
+    /// A workspace over `data` holding `elems` elements of `dtype`; `scratch` must hold
+    /// `scratch_bytes(elems, dtype.size(), size)`.
+    pub fn new(
+        transport: &'a dyn DeviceTransport,
+        gpu: &'a Gpu,
+        stream: &'a Stream,
+        data: DeviceRange,
+        scratch: DeviceRange,
+        elems: usize,
+        dtype: DataType,
+    ) -> Result<DeviceWorkspace<'a>> {
+        data.holds(elems * dtype.size(), "ring allreduce buffer")?;
+        scratch.holds(
+            scratch_bytes(elems, dtype.size(), transport.size()),
+            "ring allreduce scratch",
+        )?;
+        Ok(DeviceWorkspace {
+            transport,
+            gpu,
+            stream,
+            data,
+            scratch,
+        })
+    }
+
+    fn part(&self, r: &Range<usize>) -> Result<DeviceRange> {
+        self.data.sub(r.start, r.len())
+    }
+}
+
+impl Workspace for DeviceWorkspace<'_> {
+    fn rank(&self) -> usize {
+        self.transport.rank()
+    }
+
+    fn size(&self) -> usize {
+        self.transport.size()
+    }
+
+    fn exchange_to_scratch(
+        &mut self,
+        to: usize,
+        send: Range<usize>,
+        from: usize,
+        recv_len: usize,
+    ) -> Result<()> {
+        let recv = self.scratch.first(recv_len)?;
+        self.transport
+            .sendrecv(self.part(&send)?, to, recv, from, self.stream)
+    }
+
+    fn reduce_from_scratch(
+        &mut self,
+        range: Range<usize>,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let x = self.scratch.first(range.len())?;
+        let n = range.len() / dtype.size();
+        self.gpu
+            .reduce_into(self.stream, self.part(&range)?, x, n, dtype, op)
+    }
+
+    fn exchange(
+        &mut self,
+        to: usize,
+        send: Range<usize>,
+        from: usize,
+        recv: Range<usize>,
+    ) -> Result<()> {
+        disjoint(&send, &recv, self.data.len())?;
+        self.transport
+            .sendrecv(self.part(&send)?, to, self.part(&recv)?, from, self.stream)
     }
 }
 

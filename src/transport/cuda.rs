@@ -267,7 +267,7 @@ impl Gpu {
             *self.kernels.scale.get(&dtype).ok_or_else(|| {
                 Error::InvalidArgument(format!("{} cannot be scaled", dtype.name()))
             })?;
-        self.launch_elementwise(f, stream, src.ptr(), dst.ptr(), n, Some(factor))
+        self.launch_elementwise(f, stream, src.ptr(), dst.ptr(), n, Extra::Factor(factor))
     }
 
     /// Converts `n` elements between f32 and f16/bf16 (round to nearest even).
@@ -285,7 +285,41 @@ impl Gpu {
         let f = *self.kernels.cast.get(&(from, to)).ok_or_else(|| {
             Error::InvalidArgument(format!("no GPU cast from {} to {}", from.name(), to.name()))
         })?;
-        self.launch_elementwise(f, stream, src.ptr(), dst.ptr(), n, None)
+        self.launch_elementwise(f, stream, src.ptr(), dst.ptr(), n, Extra::None)
+    }
+
+    /// `acc[i] = op(acc[i], x[i])` for `n` elements of any dtype (Sum, Min, Max or Product),
+    /// computed as the host's `reduce_into` computes it.
+    pub fn reduce_into(
+        &self,
+        stream: &Stream,
+        acc: DeviceRange,
+        x: DeviceRange,
+        n: usize,
+        dtype: DataType,
+        op: crate::message::ReduceOp,
+    ) -> Result<()> {
+        use crate::message::ReduceOp;
+        let code = match op {
+            ReduceOp::Sum => 0,
+            ReduceOp::Min => 1,
+            ReduceOp::Max => 2,
+            ReduceOp::Product => 3,
+            other => {
+                return Err(Error::InvalidArgument(format!(
+                    "reduction {other:?} is not an elementwise reduction"
+                )));
+            }
+        };
+        let bytes = n.saturating_mul(dtype.size());
+        acc.holds(bytes, "reduction accumulator")?;
+        x.holds(bytes, "reduction operand")?;
+        let f = *self
+            .kernels
+            .reduce
+            .get(&dtype)
+            .ok_or_else(|| Error::Internal(format!("no GPU reduction of {}", dtype.name())))?;
+        self.launch_elementwise(f, stream, x.ptr(), acc.ptr(), n, Extra::Op(code))
     }
 
     fn launch_elementwise(
@@ -295,23 +329,30 @@ impl Gpu {
         src: CUdeviceptr,
         dst: CUdeviceptr,
         n: usize,
-        factor: Option<f64>,
+        extra: Extra,
     ) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
-        let (mut s, mut d, mut count, mut k) = (src, dst, n as u64, factor.unwrap_or(1.0));
+        let (mut s, mut d, mut count) = (src, dst, n as u64);
+        let (mut factor, mut op) = match extra {
+            Extra::Factor(k) => (k, 0),
+            Extra::Op(o) => (1.0, o),
+            Extra::None => (1.0, 0),
+        };
         let blocks = n.div_ceil(256 * 4).clamp(1, 65535) as u32;
         let mut params: Vec<*mut c_void> = vec![
             (&mut s as *mut u64).cast(),
             (&mut d as *mut u64).cast(),
             (&mut count as *mut u64).cast(),
         ];
-        if factor.is_some() {
-            params.push((&mut k as *mut f64).cast());
+        match extra {
+            Extra::Factor(_) => params.push((&mut factor as *mut f64).cast()),
+            Extra::Op(_) => params.push((&mut op as *mut i32).cast()),
+            Extra::None => {}
         }
-        // SAFETY: the kernel's parameters match `params` (pointers, count, factor); both
-        // ranges were checked to hold `n` elements (`scale`, `cast`).
+        // SAFETY: the kernel's parameters match `params` (pointers, count, then its factor or
+        // op); both ranges were checked to hold `n` elements (`scale`, `cast`, `reduce_into`).
         unsafe { result::launch_kernel(f.0, (blocks, 1, 1), (256, 1, 1), 0, stream.0, &mut params) }
             .map_err(|e| driver("kernel launch", e))
     }
@@ -642,10 +683,19 @@ struct Function(sys::CUfunction);
 unsafe impl Send for Function {}
 unsafe impl Sync for Function {}
 
+/// The last parameter of an elementwise kernel.
+#[derive(Clone, Copy)]
+enum Extra {
+    None,
+    Factor(f64),
+    Op(i32),
+}
+
 struct Kernels {
     batched_copy: sys::CUfunction,
     scale: HashMap<DataType, Function>,
     cast: HashMap<(DataType, DataType), Function>,
+    reduce: HashMap<DataType, Function>,
 }
 
 // SAFETY: function handles of a module that is never unloaded.
@@ -712,10 +762,15 @@ impl Kernels {
         for (from, to, name) in CASTS {
             cast.insert((from, to), Function(get(name)?));
         }
+        let mut reduce = HashMap::new();
+        for (dt, suffix) in SCALED.iter().chain(&[(DataType::Bool, "bool")]) {
+            reduce.insert(*dt, Function(get(&format!("fv_reduce_{suffix}"))?));
+        }
         Ok(Kernels {
             batched_copy: get("fv_batched_copy")?,
             scale,
             cast,
+            reduce,
         })
     }
 }
@@ -794,6 +849,35 @@ extern "C" __global__ void fv_cast_f32_bf16(const float* s, unsigned short* d, u
   FV_LOOP { d[i] = f2b(s[i]); } }
 extern "C" __global__ void fv_cast_bf16_f32(const unsigned short* s, float* d, u64 n) {
   FV_LOOP { d[i] = b2f(s[i]); } }
+
+// d[i] = op(d[i], s[i]); op: 0 sum, 1 min, 2 max, 3 product. Integers wrap (computed unsigned),
+// 16-bit floats in f32, bool's sum and max are OR, its min and product AND: as the host does.
+#define FV_REDUCE_INT(name, T, U) \
+extern "C" __global__ void fv_reduce_##name(const T* s, T* d, u64 n, int op) { \
+  FV_LOOP { T a = d[i], b = s[i]; \
+    d[i] = op == 1 ? (a < b ? a : b) : op == 2 ? (a > b ? a : b) \
+         : op == 3 ? (T)((U)a * (U)b) : (T)((U)a + (U)b); } }
+FV_REDUCE_INT(u8, unsigned char, unsigned)
+FV_REDUCE_INT(i8, signed char, unsigned)
+FV_REDUCE_INT(u16, unsigned short, unsigned)
+FV_REDUCE_INT(i16, short, unsigned)
+FV_REDUCE_INT(i32, int, unsigned)
+FV_REDUCE_INT(i64, long long, unsigned long long)
+
+__device__ __forceinline__ float fv_op(float a, float b, int op) {
+  return op == 1 ? fminf(a, b) : op == 2 ? fmaxf(a, b) : op == 3 ? a * b : a + b;
+}
+extern "C" __global__ void fv_reduce_f32(const float* s, float* d, u64 n, int op) {
+  FV_LOOP { d[i] = fv_op(d[i], s[i], op); } }
+extern "C" __global__ void fv_reduce_f64(const double* s, double* d, u64 n, int op) {
+  FV_LOOP { double a = d[i], b = s[i];
+    d[i] = op == 1 ? fmin(a, b) : op == 2 ? fmax(a, b) : op == 3 ? a * b : a + b; } }
+extern "C" __global__ void fv_reduce_f16(const unsigned short* s, unsigned short* d, u64 n, int op) {
+  FV_LOOP { d[i] = f2h(fv_op(h2f(d[i]), h2f(s[i]), op)); } }
+extern "C" __global__ void fv_reduce_bf16(const unsigned short* s, unsigned short* d, u64 n, int op) {
+  FV_LOOP { d[i] = f2b(fv_op(b2f(d[i]), b2f(s[i]), op)); } }
+extern "C" __global__ void fv_reduce_bool(const unsigned char* s, unsigned char* d, u64 n, int op) {
+  FV_LOOP { d[i] = (op == 0 || op == 2) ? (d[i] | s[i]) : (d[i] & s[i]); } }
 "#;
 
 #[cfg(test)]

@@ -138,6 +138,17 @@ pub trait DeviceTransport {
     /// `root`'s `data` into every rank's `data` (all of it).
     fn broadcast(&self, data: DeviceRange, root: usize, stream: &cuda::Stream) -> Result<()>;
 
+    /// Sends all of `send` to rank `to` while receiving all of `recv` from rank `from` (either
+    /// may be empty), as one group.
+    fn sendrecv(
+        &self,
+        send: DeviceRange,
+        to: usize,
+        recv: DeviceRange,
+        from: usize,
+        stream: &cuda::Stream,
+    ) -> Result<()>;
+
     fn alltoallv(
         &self,
         send: DeviceRange,

@@ -305,6 +305,51 @@ impl DeviceTransport for NcclComm {
         .map_err(|e| nccl("broadcast", e))
     }
 
+    fn sendrecv(
+        &self,
+        send: DeviceRange,
+        to: usize,
+        recv: DeviceRange,
+        from: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        if to >= self.size || from >= self.size {
+            return Err(Error::InvalidArgument(format!(
+                "sendrecv with rank {to}/{from} on a communicator of {} ranks",
+                self.size
+            )));
+        }
+        let s = stream.raw().cast();
+        self.group(|| {
+            // SAFETY: each pointer covers its range's length, as DeviceRange guarantees.
+            unsafe {
+                if !send.is_empty() {
+                    result::send(
+                        ptr(send.ptr()),
+                        send.len(),
+                        bytes_type(),
+                        to as i32,
+                        self.live()?,
+                        s,
+                    )
+                    .map_err(|e| nccl("send", e))?;
+                }
+                if !recv.is_empty() {
+                    result::recv(
+                        ptr(recv.ptr()),
+                        recv.len(),
+                        bytes_type(),
+                        from as i32,
+                        self.live()?,
+                        s,
+                    )
+                    .map_err(|e| nccl("recv", e))?;
+                }
+            }
+            Ok(())
+        })
+    }
+
     fn alltoallv(
         &self,
         send: DeviceRange,

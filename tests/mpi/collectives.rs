@@ -874,11 +874,51 @@ pub(crate) fn timeline() {
     finish_job();
 }
 
+/// Every dtype, for the ring scenarios.
+pub(crate) const ALL_DTYPES: [DataType; 11] = [
+    DataType::U8,
+    DataType::I8,
+    DataType::U16,
+    DataType::I16,
+    DataType::I32,
+    DataType::I64,
+    DataType::F16,
+    DataType::BF16,
+    DataType::F32,
+    DataType::F64,
+    DataType::Bool,
+];
+
+/// The elementwise reductions.
+pub(crate) const REDUCTIONS: [ReduceOp; 4] = [
+    ReduceOp::Sum,
+    ReduceOp::Min,
+    ReduceOp::Max,
+    ReduceOp::Product,
+];
+
+/// Lengths that do and do not divide by the ranks, and fewer elements than ranks.
+pub(crate) fn ring_lengths(n: usize) -> [usize; 7] {
+    [0, 1, n - 1, n, n + 1, 1000, 4099]
+}
+
+/// Element i of rank r in the ring scenarios: small integers, exact in every dtype whatever
+/// the order of the reduction (products stay below 2^4 on 4 ranks).
+pub(crate) fn ring_value(dtype: DataType, op: ReduceOp, i: usize, r: usize) -> f64 {
+    if dtype == DataType::Bool {
+        f64::from(u8::from((i + r).is_multiple_of(3)))
+    } else if op == ReduceOp::Product {
+        ((i * 7 + r * 3) % 2 + 1) as f64
+    } else if matches!(dtype, DataType::U8 | DataType::U16) {
+        ((i * 7 + r * 3) % 9) as f64
+    } else {
+        ((i * 7 + r * 3) % 9) as f64 - 4.0
+    }
+}
+
 /// The ring allreduce (collective/ring.rs, over point-to-point transfers) against the native
-/// MPI allreduce, byte for byte, for every dtype and reduction, lengths that do and do not
-/// divide by the ranks (and fewer elements than ranks), also with MPI calls limited to 7 bytes
-/// (the chunked transfers); Sum also against its closed form. Values are small integers, exact
-/// in every dtype whatever the order of the reduction.
+/// MPI allreduce, byte for byte, for every dtype and reduction and the ring lengths, also with
+/// MPI calls limited to 7 bytes (the chunked transfers); Sum also against its closed form.
 pub(crate) fn ring() {
     use ferrovod::collective::ring::{HostWorkspace, allreduce};
     use ferrovod::transport::Transport;
@@ -888,42 +928,11 @@ pub(crate) fn ring() {
     let (me, n) = (rank(), size());
     let world = MpiComm::world().unwrap();
     let small = MpiComm::world().unwrap().with_max_count(7);
-    let dtypes = [
-        DataType::U8,
-        DataType::I8,
-        DataType::U16,
-        DataType::I16,
-        DataType::I32,
-        DataType::I64,
-        DataType::F16,
-        DataType::BF16,
-        DataType::F32,
-        DataType::F64,
-        DataType::Bool,
-    ];
-    let ops = [
-        ReduceOp::Sum,
-        ReduceOp::Min,
-        ReduceOp::Max,
-        ReduceOp::Product,
-    ];
     for comm in [&world, &small] {
-        for dtype in dtypes {
-            let signed = !matches!(dtype, DataType::U8 | DataType::U16 | DataType::Bool);
-            for op in ops {
-                for elems in [0, 1, n - 1, n, n + 1, 1000, 4099] {
-                    let value = |i: usize, r: usize| -> f64 {
-                        if dtype == DataType::Bool {
-                            f64::from(u8::from((i + r).is_multiple_of(3)))
-                        } else if op == ReduceOp::Product {
-                            ((i * 7 + r * 3) % 2 + 1) as f64 // products up to 2^n
-                        } else if signed {
-                            ((i * 7 + r * 3) % 9) as f64 - 4.0
-                        } else {
-                            ((i * 7 + r * 3) % 9) as f64
-                        }
-                    };
-                    let mine: Vec<f64> = (0..elems).map(|i| value(i, me)).collect();
+        for dtype in ALL_DTYPES {
+            for op in REDUCTIONS {
+                for elems in ring_lengths(n) {
+                    let mine: Vec<f64> = (0..elems).map(|i| ring_value(dtype, op, i, me)).collect();
                     let mut by_ring = encode(dtype, &mine);
                     let mut native = by_ring.clone();
                     comm.allreduce(None, &mut native, dtype, op).unwrap();
@@ -933,7 +942,7 @@ pub(crate) fn ring() {
                     assert_eq!(by_ring, native, "ring vs native: {what}");
                     if op == ReduceOp::Sum && dtype != DataType::Bool {
                         let want: Vec<f64> = (0..elems)
-                            .map(|i| (0..n).map(|r| value(i, r)).sum())
+                            .map(|i| (0..n).map(|r| ring_value(dtype, op, i, r)).sum())
                             .collect();
                         assert_eq!(decode(dtype, &by_ring), want, "closed form: {what}");
                     }

@@ -519,3 +519,66 @@ pub(crate) fn gpu_kernels() {
     assert!(bad.is_none(), "batched copy differs at byte {bad:?}");
     finish_job();
 }
+
+/// The same ring allreduce on GPU memory (NCCL send/recv, the NVRTC reduction kernel, all on
+/// one stream) against the native MPI allreduce of the same values on host memory, byte for
+/// byte, every dtype and reduction; and against NCCL's own allreduce where NCCL reduces the
+/// dtype.
+pub(crate) fn gpu_ring() {
+    use ferrovod::collective::ring::{DeviceWorkspace, allreduce, scratch_bytes};
+    use ferrovod::transport::mpi::MpiComm;
+    use ferrovod::transport::nccl::{self, NcclComm};
+    use ferrovod::transport::{DeviceTransport, Transport};
+
+    init();
+    let (me, n) = (rank(), size());
+    let world = MpiComm::world().unwrap();
+    let id = if me == 0 {
+        nccl::unique_id().unwrap()
+    } else {
+        Vec::new()
+    };
+    let id = world.broadcast_bytes(id, 0).unwrap();
+    let gpu = this_gpu();
+    let comm = NcclComm::new(&gpu, &id, me, n).unwrap();
+    let stream = gpu.new_stream().unwrap();
+    for dtype in ALL_DTYPES {
+        for op in REDUCTIONS {
+            for elems in ring_lengths(n) {
+                let mine: Vec<f64> = (0..elems).map(|i| ring_value(dtype, op, i, me)).collect();
+                let host = encode(dtype, &mine);
+                let mut native = host.clone();
+                world.allreduce(None, &mut native, dtype, op).unwrap();
+                let bytes = host.len();
+                let data = gpu.alloc(bytes).unwrap();
+                let scratch = gpu.alloc(scratch_bytes(elems, dtype.size(), n)).unwrap();
+                gpu.upload(&stream, &host, data.range()).unwrap();
+                let mut ws = DeviceWorkspace::new(
+                    &comm,
+                    &gpu,
+                    &stream,
+                    data.range(),
+                    scratch.range(),
+                    elems,
+                    dtype,
+                )
+                .unwrap();
+                allreduce(&mut ws, elems, dtype, op).unwrap();
+                let mut got = vec![0u8; bytes];
+                gpu.download(&stream, data.range(), &mut got).unwrap();
+                let what = format!("{} {op:?} {elems} elements", dtype.name());
+                assert_eq!(got, native, "GPU ring vs MPI: {what}");
+                if comm.reduces(dtype) && elems > 0 {
+                    let other = gpu.alloc(bytes).unwrap();
+                    gpu.upload(&stream, &host, other.range()).unwrap();
+                    comm.allreduce(other.range(), other.range(), elems, dtype, op, &stream)
+                        .unwrap();
+                    let mut by_nccl = vec![0u8; bytes];
+                    gpu.download(&stream, other.range(), &mut by_nccl).unwrap();
+                    assert_eq!(got, by_nccl, "GPU ring vs NCCL: {what}");
+                }
+            }
+        }
+    }
+    finish_job();
+}

@@ -23,7 +23,7 @@ mod shutdown;
 
 use collectives::*;
 use common::*;
-use gpu::{gpu_failure, gpu_graphs, gpu_kernels, gpu_streams};
+use gpu::{gpu_failure, gpu_graphs, gpu_kernels, gpu_ring, gpu_streams};
 use negotiation::*;
 use offline::*;
 use process_sets::*;
@@ -341,6 +341,7 @@ pub(crate) const GPU_SCENARIOS: &[Scenario] = &[
     ("mismatches", 4, &[], true),
     ("process_sets", 4, &[], true),
     ("gpu_kernels", 1, &[], true),
+    ("gpu_ring", 2, &[], true),
     (
         "gpu_failure",
         2,
@@ -621,6 +622,7 @@ pub(crate) fn run_rank(name: &str) {
         "timeline" => timeline(),
         "large_counts" => large_counts(),
         "ring" => ring(),
+        "gpu_ring" => gpu_ring(),
         "metrics" => metrics(),
         "offline_steps" => offline_steps(),
         "offline_save" => offline_save(),
