@@ -7,6 +7,7 @@
 
 pub mod cache;
 pub mod coordinator;
+pub mod learn;
 pub mod offline;
 pub mod online;
 pub mod plan;

@@ -14,11 +14,12 @@ use crate::config::NegotiationMode;
 use crate::error::{Error, Result, SHUT_DOWN_MESSAGE};
 use crate::fusion::autotune::{Autotuner, Params};
 use crate::fusion::planner::plan_segments;
-use crate::hashing::{HashMap, HashSet};
+use crate::hashing::HashMap;
 use crate::message::{OpKind, Response};
+use crate::negotiate::learn::{GroupLearner, LearnContext, PlanLearner};
 use crate::negotiate::offline::{EscapePolicy, Next, OfflineQueue};
 use crate::negotiate::online::{Negotiator, StallPolicy};
-use crate::negotiate::plan::{Plan, PlanRecorder};
+use crate::negotiate::plan::Plan;
 use crate::runtime::channel::{self, Channel, Job};
 use crate::runtime::entry::{InputMem, OutputMem, PendingEntries, TensorEntry};
 use crate::runtime::gpu;
@@ -117,12 +118,7 @@ enum Offline {
     /// Another negotiation mode.
     Off,
     /// Negotiating online while learning a plan from the agreed responses.
-    Learning(PlanRecorder),
-    /// A plan is agreed; online until the step in progress has run these names.
-    Armed {
-        plan: Plan,
-        remaining: HashSet<String>,
-    },
+    Learning(PlanLearner),
     /// Running the plan without control collectives.
     Frozen(OfflineQueue),
 }
@@ -143,8 +139,6 @@ struct Background {
     /// Why the job is stopping, when it is not a plain shutdown request.
     reason: Option<String>,
     offline: Offline,
-    /// Cycles whose responses the plan learner has seen (it fuses within a cycle only).
-    learn_cycles: u64,
     /// A collective was abandoned after a stall: MPI must not be finalized (it would wait for
     /// it), and the job ends when this process exits.
     mpi_unclean: bool,
@@ -161,12 +155,6 @@ struct Background {
     finisher: Option<gpu::Finisher>,
     /// Ends the job when a blocking MPI call outlives the stall shutdown time.
     _watchdog: Watchdog,
-}
-
-/// Online mode's batch learner: the recorder, and a plan waiting for its step to end.
-struct GroupLearner {
-    recorder: PlanRecorder,
-    armed: Option<(Plan, HashSet<String>)>,
 }
 
 /// Autotune's state: the tuner (rank 0 decides), and the current window.
@@ -376,16 +364,13 @@ impl Background {
             kicked: false,
             reason: None,
             offline: Offline::Off,
-            learn_cycles: 0,
             mpi_unclean: false,
             in_channels: HashMap::default(),
             next_job: 0,
             cycle_time: rt.config.cycle_time,
             autotune: None,
-            groups: (agreed.negotiation == NegotiationMode::Online).then(|| GroupLearner {
-                recorder: PlanRecorder::for_groups(agreed.plan_warmup_steps),
-                armed: None,
-            }),
+            groups: (agreed.negotiation == NegotiationMode::Online)
+                .then(|| GroupLearner::new(agreed.plan_warmup_steps)),
             world: world.dup()?,
             rt: rt.clone(),
             finisher: None,
@@ -744,75 +729,33 @@ impl Background {
         Ok(())
     }
 
+    /// What shapes learned batches, and whether the global set may learn now.
+    fn learn_context(&self, no_joined: bool) -> LearnContext {
+        let joined = no_joined
+            && self
+                .member
+                .get(&0)
+                .is_some_and(|s| s.negotiator.any_joined());
+        LearnContext {
+            fusion_threshold: self.agreed.fusion_threshold,
+            direct_bytes: self.agreed.fusion_direct_bytes,
+            alone: self.all_sets.len() == 1 && !joined,
+        }
+    }
+
     /// Online mode: once `FERROVOD_PLAN_WARMUP_STEPS` steps agree, the global set votes for
     /// each of the step's fusion batches with one bit (identically on every rank: learned from
     /// agreed responses). Dissolved groups are learned again.
     fn learn_groups(&mut self, responses: &[Arc<Response>]) {
-        let Some(g) = self.groups.as_mut() else {
+        let ctx = self.learn_context(false);
+        let (Some(g), Some(set)) = (self.groups.as_mut(), self.member.get_mut(&0)) else {
             return;
         };
-        self.learn_cycles += 1;
-        let cycle = self.learn_cycles;
-        let single_set = self.all_sets.len() == 1;
-        let (threshold, direct) = (
-            self.agreed.fusion_threshold,
-            self.agreed.fusion_direct_bytes,
-        );
-        for r in responses {
-            // a plan waits for the step in progress to end: a group must start with a step
-            if let Some((_, remaining)) = g.armed.as_mut()
-                && !remaining.remove(&r.name)
-            {
-                g.armed = None;
-            }
-            let held = self
-                .member
-                .get(&0)
-                .is_some_and(|s| s.negotiator.in_group(&r.name));
-            if let Some((step, cycles)) = g.recorder.observe(r, cycle, held)
-                && g.armed.is_none()
-                && single_set
-            {
-                let on_gpu = step.iter().all(|r| r.device != crate::message::CPU_DEVICE);
-                let plan = if on_gpu {
-                    Plan::from_buckets(&step, threshold.min(GPU_BUCKET_BYTES), direct)
-                } else {
-                    Plan::from_cycles(&step, &cycles, threshold, direct)
-                };
-                let mut remaining: HashSet<String> = step.iter().map(|x| x.name.clone()).collect();
-                remaining.remove(&r.name);
-                g.armed = Some((plan, remaining));
-            }
-        }
-        let ready = matches!(&g.armed, Some((_, remaining)) if remaining.is_empty());
-        let Some(set) = self.member.get_mut(&0) else {
-            return;
-        };
-        if ready {
-            let (plan, _) = g.armed.take().expect("checked");
-            let groups: Vec<Vec<String>> = plan
-                .batches
-                .iter()
-                .map(|b| b.iter().map(|x| x.name.clone()).collect())
-                .collect();
-            // the first plan stays while its tensors still come, unless the new one holds them
-            // all and more (a step that gained tensors); a step of other tensors (another phase
-            // of the job, the benchmark's next size) replaces groups that would otherwise never
-            // be voted again. The step agreed while the first plan was being armed returns the
-            // same tensors in other cycles: replacing the plan with it only churned the groups
-            let learned: HashSet<&String> = groups.iter().flatten().collect();
-            let current = set.negotiator.groups().iter().flatten();
-            let (mut stale, mut covered, mut count) = (true, true, 0);
-            for n in current {
-                let has = learned.contains(n);
-                stale &= !has;
-                covered &= has;
-                count += 1;
-            }
-            if stale || (covered && learned.len() > count) {
-                set.negotiator
-                    .set_groups(groups, self.rt.config.plan_escape);
-            }
+        let negotiator = &set.negotiator;
+        let held = |name: &str| negotiator.in_group(name);
+        if let Some(groups) = g.observe(responses, ctx, held, negotiator.groups()) {
+            set.negotiator
+                .set_groups(groups, self.rt.config.plan_escape);
         }
     }
 
@@ -839,7 +782,7 @@ impl Background {
             });
         let mine = loaded.as_ref().map_or(0, |p| p.hash() as i64);
         let all = self.world.allgather_i64(mine)?;
-        let learn = Offline::Learning(PlanRecorder::new(self.agreed.plan_warmup_steps));
+        let learn = Offline::Learning(PlanLearner::new(self.agreed.plan_warmup_steps));
         match loaded {
             Some(plan) if all.iter().all(|h| *h == mine) && self.all_sets.len() == 1 => {
                 tracing::info!(
@@ -867,65 +810,25 @@ impl Background {
     /// Feeds the global set's agreed responses to the plan being learned (identically on every
     /// rank, so every rank arms and freezes at the same response).
     fn learn(&mut self, responses: &[Arc<Response>]) {
-        let warmup = self.agreed.plan_warmup_steps;
-        // offline mode needs the global set alone (another set's votes could interleave with
-        // a plan batch differently on different ranks), and no joined rank
-        let joined = self
-            .member
-            .get(&0)
-            .is_some_and(|s| s.negotiator.any_joined());
-        let single_set = self.all_sets.len() == 1 && !joined;
-        self.learn_cycles += 1;
-        let cycle = self.learn_cycles;
-        let (threshold, direct) = (
-            self.agreed.fusion_threshold,
-            self.agreed.fusion_direct_bytes,
-        );
-        for r in responses {
-            self.offline = match std::mem::replace(&mut self.offline, Offline::Off) {
-                Offline::Learning(mut rec) => match rec.observe(r, cycle, false) {
-                    Some((step, cycles)) if single_set => {
-                        let plan = Plan::from_cycles(&step, &cycles, threshold, direct);
-                        let mut remaining: HashSet<String> = plan
-                            .batches
-                            .iter()
-                            .flatten()
-                            .map(|x| x.name.clone())
-                            .collect();
-                        remaining.remove(&r.name);
-                        Offline::Armed { plan, remaining }
-                    }
-                    _ => Offline::Learning(rec),
-                },
-                Offline::Armed {
-                    plan,
-                    mut remaining,
-                } => {
-                    if remaining.remove(&r.name) {
-                        Offline::Armed { plan, remaining }
-                    } else {
-                        let mut rec = PlanRecorder::new(warmup);
-                        rec.observe(r, cycle, false);
-                        Offline::Learning(rec)
-                    }
-                }
-                other => other,
-            };
+        // offline mode needs the global set alone and no joined rank
+        let ctx = self.learn_context(true);
+        if let Offline::Learning(learner) = &mut self.offline {
+            learner.observe(responses, ctx);
         }
     }
 
     /// Freezes an armed plan once its step has run: all ranks compare plan hashes (one
     /// allgather), then the global set runs the plan. Rank 0 writes `FERROVOD_PLAN_FILE`.
     fn maybe_freeze(&mut self) -> Result<()> {
-        if !matches!(&self.offline, Offline::Armed { remaining, .. } if remaining.is_empty()) {
+        let Offline::Learning(learner) = &mut self.offline else {
             return Ok(());
-        }
+        };
+        let Some(plan) = learner.take_ready() else {
+            return Ok(());
+        };
         if crate::config::test_fault("freeze", self.world.rank() as i32) {
             return Err(Error::Internal("test fault: freeze".into()));
         }
-        let Offline::Armed { plan, .. } = std::mem::replace(&mut self.offline, Offline::Off) else {
-            unreachable!("checked above");
-        };
         let policy = self.escape_policy();
         let warmup = self.agreed.plan_warmup_steps;
         let Some(set) = self.member.get_mut(&0) else {
@@ -939,7 +842,7 @@ impl Background {
             .add_negotiation(1, 8 * all.len() as u64, started.elapsed());
         if all.iter().any(|h| *h != hash) {
             tracing::warn!("offline negotiation: ranks learned different plans; staying online");
-            self.offline = Offline::Learning(PlanRecorder::new(warmup));
+            self.offline = Offline::Learning(PlanLearner::new(warmup));
             return Ok(());
         }
         if set.ctrl.rank() == 0
@@ -1100,7 +1003,7 @@ impl Background {
             }
             let Offline::Frozen(q) = std::mem::replace(
                 &mut self.offline,
-                Offline::Learning(PlanRecorder::new(warmup)),
+                Offline::Learning(PlanLearner::new(warmup)),
             ) else {
                 unreachable!("frozen above");
             };
@@ -1485,14 +1388,6 @@ impl Background {
         }
     }
 }
-
-/// The largest group of a step of GPU tensors (capped by the fusion threshold). With buckets
-/// launched from CUDA graphs, ResNet-50's gradients on 2 × H200 took, against one allreduce of
-/// the same bytes: 48 MiB buckets (42, 47 and 8 MB) 1.05–1.12×, 40 MiB 1.12–1.15×, 56 MiB
-/// 1.33×, 64 MiB (63 and 35 MB) 1.17–1.24×. The last bucket starts only after the step's last
-/// tensor; a large one there (35 MB at 64 MiB) is exposed, but a last bucket cut smaller
-/// behind a large first one on the same NCCL stream waits for it (1.28×).
-const GPU_BUCKET_BYTES: usize = 48 << 20;
 
 /// How long a runtime that gave up on missing ranks waits before its shutdown returns.
 const UNCLEAN_EXIT_GRACE: std::time::Duration = std::time::Duration::from_secs(1);

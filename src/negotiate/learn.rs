@@ -1,0 +1,294 @@
+//! Learning a training step's fusion batches from the global set's agreed responses: online
+//! mode votes one bit per learned batch (`GroupLearner`), offline mode freezes the learned plan
+//! (`PlanLearner`). Both are pure functions of agreed data, fed at the same point on every rank,
+//! so every rank learns the same batches at the same response.
+
+use std::sync::Arc;
+
+use crate::hashing::HashSet;
+use crate::message::{CPU_DEVICE, Response};
+use crate::negotiate::plan::{Plan, PlanRecorder};
+
+/// The largest group of a step of GPU tensors (capped by the fusion threshold): buckets of it
+/// are launched from CUDA graphs while the step's later gradients are still computed. The
+/// sizes tried and their cost are in BENCHMARKS.md (issue 5, sixth session).
+const GPU_BUCKET_BYTES: usize = 48 << 20;
+
+/// What shapes the learned batches (agreed settings) and whether learning may proceed.
+#[derive(Clone, Copy, Debug)]
+pub struct LearnContext {
+    pub fusion_threshold: usize,
+    pub direct_bytes: usize,
+    /// The global set is the only set (another set's votes could interleave with a batch
+    /// differently on different ranks), and, for plans, no rank has joined.
+    pub alone: bool,
+}
+
+/// A learned plan waiting for the step in progress to end: a plan must start with a step.
+struct Armed {
+    plan: Plan,
+    remaining: HashSet<String>,
+}
+
+impl Armed {
+    /// Armed at `first`, the first response of the step after the learned one.
+    fn new(plan: Plan, first: &str) -> Armed {
+        let mut remaining: HashSet<String> = plan
+            .batches
+            .iter()
+            .flatten()
+            .map(|x| x.name.clone())
+            .collect();
+        remaining.remove(first);
+        Armed { plan, remaining }
+    }
+}
+
+/// Online mode's learner: which batches the vote carries one bit for.
+pub struct GroupLearner {
+    recorder: PlanRecorder,
+    armed: Option<Armed>,
+    cycles: u64,
+}
+
+impl GroupLearner {
+    pub fn new(warmup: usize) -> GroupLearner {
+        GroupLearner {
+            recorder: PlanRecorder::for_groups(warmup),
+            armed: None,
+            cycles: 0,
+        }
+    }
+
+    /// Feeds one cycle's agreed responses. `held(name)`: the name belongs to a group voted on
+    /// now; `current`: those groups. Returns the groups to vote on from the next cycle when they
+    /// change: once `FERROVOD_PLAN_WARMUP_STEPS` steps agreed and the next one has run, unless
+    /// the groups voted on now hold the same tensors.
+    pub fn observe(
+        &mut self,
+        responses: &[Arc<Response>],
+        ctx: LearnContext,
+        held: impl Fn(&str) -> bool,
+        current: &[Vec<String>],
+    ) -> Option<Vec<Vec<String>>> {
+        self.cycles += 1;
+        for r in responses {
+            if let Some(a) = self.armed.as_mut()
+                && !a.remaining.remove(&r.name)
+            {
+                self.armed = None;
+            }
+            if let Some((step, cycles)) = self.recorder.observe(r, self.cycles, held(&r.name))
+                && self.armed.is_none()
+                && ctx.alone
+            {
+                let on_gpu = step.iter().all(|r| r.device != CPU_DEVICE);
+                let plan = if on_gpu {
+                    Plan::from_buckets(
+                        &step,
+                        ctx.fusion_threshold.min(GPU_BUCKET_BYTES),
+                        ctx.direct_bytes,
+                    )
+                } else {
+                    Plan::from_cycles(&step, &cycles, ctx.fusion_threshold, ctx.direct_bytes)
+                };
+                self.armed = Some(Armed::new(plan, &r.name));
+            }
+        }
+        if !self.armed.as_ref().is_some_and(|a| a.remaining.is_empty()) {
+            return None;
+        }
+        let plan = self.armed.take().expect("checked").plan;
+        let groups: Vec<Vec<String>> = plan
+            .batches
+            .iter()
+            .map(|b| b.iter().map(|x| x.name.clone()).collect())
+            .collect();
+        replaces(&groups, current).then_some(groups)
+    }
+}
+
+/// Whether learned groups replace the current ones: the first plan stays while its tensors
+/// still come, unless the new one holds them all and more (a step that gained tensors); a step
+/// of other tensors (another phase of the job, the benchmark's next size) replaces groups that
+/// would otherwise never be voted again. The step agreed while the first plan was being armed
+/// returns the same tensors in other cycles: replacing the plan with it only churned the groups.
+pub fn replaces(learned: &[Vec<String>], current: &[Vec<String>]) -> bool {
+    let learned: HashSet<&String> = learned.iter().flatten().collect();
+    let (mut stale, mut covered, mut count) = (true, true, 0);
+    for n in current.iter().flatten() {
+        let has = learned.contains(n);
+        stale &= !has;
+        covered &= has;
+        count += 1;
+    }
+    stale || (covered && learned.len() > count)
+}
+
+/// Offline mode's learner: learning a plan while negotiating online, then armed until the step
+/// in progress has run, then ready to freeze.
+pub struct PlanLearner {
+    warmup: usize,
+    recorder: PlanRecorder,
+    armed: Option<Armed>,
+    cycles: u64,
+}
+
+impl PlanLearner {
+    pub fn new(warmup: usize) -> PlanLearner {
+        PlanLearner {
+            warmup,
+            recorder: PlanRecorder::new(warmup),
+            armed: None,
+            cycles: 0,
+        }
+    }
+
+    /// Feeds one cycle's agreed responses of the global set.
+    pub fn observe(&mut self, responses: &[Arc<Response>], ctx: LearnContext) {
+        self.cycles += 1;
+        for r in responses {
+            match self.armed.as_mut() {
+                Some(a) => {
+                    if !a.remaining.remove(&r.name) {
+                        // the step changed: learn again from this response on
+                        self.armed = None;
+                        self.recorder = PlanRecorder::new(self.warmup);
+                        self.recorder.observe(r, self.cycles, false);
+                    }
+                }
+                None => {
+                    if let Some((step, cycles)) = self.recorder.observe(r, self.cycles, false)
+                        && ctx.alone
+                    {
+                        let plan = Plan::from_cycles(
+                            &step,
+                            &cycles,
+                            ctx.fusion_threshold,
+                            ctx.direct_bytes,
+                        );
+                        self.armed = Some(Armed::new(plan, &r.name));
+                    }
+                }
+            }
+        }
+    }
+
+    /// The plan, once its step has run (every rank takes it at the same response).
+    pub fn take_ready(&mut self) -> Option<Plan> {
+        if self.armed.as_ref().is_some_and(|a| a.remaining.is_empty()) {
+            self.recorder = PlanRecorder::new(self.warmup);
+            return self.armed.take().map(|a| a.plan);
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::DataType;
+    use crate::message::{OpKind, Request};
+
+    fn names(groups: &[&[&str]]) -> Vec<Vec<String>> {
+        groups
+            .iter()
+            .map(|g| g.iter().map(|s| s.to_string()).collect())
+            .collect()
+    }
+
+    #[test]
+    fn groups_are_replaced_only_by_more_tensors_or_other_ones() {
+        let current = names(&[&["a", "b"], &["c"]]);
+        // the same tensors batched otherwise: kept
+        assert!(!replaces(&names(&[&["a"], &["b", "c"]]), &current));
+        // a step that gained a tensor: replaced
+        assert!(replaces(&names(&[&["a", "b", "c", "d"]]), &current));
+        // another phase's tensors: replaced
+        assert!(replaces(&names(&[&["x", "y"]]), &current));
+        // part of them only: kept (the first plan stays while its tensors still come)
+        assert!(!replaces(&names(&[&["a", "x"]]), &current));
+        // nothing voted on now
+        assert!(replaces(&names(&[&["a"]]), &[]));
+    }
+
+    fn step(n: usize) -> Vec<Arc<Response>> {
+        (0..n)
+            .map(|k| {
+                Arc::new(Response::from_request(&Request::test(
+                    &format!("t{k}"),
+                    OpKind::Allreduce,
+                    DataType::F32,
+                    &[4],
+                )))
+            })
+            .collect()
+    }
+
+    fn ctx() -> LearnContext {
+        LearnContext {
+            fusion_threshold: 1 << 20,
+            direct_bytes: 1 << 20,
+            alone: true,
+        }
+    }
+
+    #[test]
+    fn groups_are_learned_once_and_not_churned() {
+        let mut g = GroupLearner::new(2);
+        let mut current: Vec<Vec<String>> = Vec::new();
+        let mut installed = Vec::new();
+        for s in 0..8 {
+            // one tensor per cycle, as a slow step agrees them
+            for r in step(6) {
+                let held = |n: &str| current.iter().flatten().any(|x| x == n);
+                if let Some(groups) = g.observe(&[r], ctx(), held, &current) {
+                    installed.push(s);
+                    current = groups;
+                }
+            }
+        }
+        assert_eq!(installed.len(), 1, "installed at steps {installed:?}");
+        assert_eq!(current.iter().flatten().count(), 6);
+    }
+
+    #[test]
+    fn a_plan_is_ready_after_warmup_and_one_more_step_and_a_changed_step_starts_over() {
+        let mut p = PlanLearner::new(2);
+        let mut ready_at = None;
+        for s in 0..5 {
+            p.observe(&step(4), ctx());
+            if let Some(plan) = p.take_ready() {
+                assert_eq!(plan.num_tensors(), 4);
+                ready_at.get_or_insert(s);
+            }
+        }
+        // steps 0 and 1 agree; step 2's first response arms the plan, its last completes it
+        assert_eq!(ready_at, Some(2));
+        let mut p = PlanLearner::new(2);
+        for _ in 0..2 {
+            p.observe(&step(4), ctx());
+        }
+        p.observe(&step(4)[..1], ctx());
+        assert!(
+            p.take_ready().is_none(),
+            "armed, waiting for the step to end"
+        );
+        // the step brings a tensor the plan lacks: learning starts over
+        p.observe(&step(5)[4..], ctx());
+        p.observe(&step(4)[1..], ctx());
+        assert!(p.take_ready().is_none());
+        // not while another set exists
+        let mut p = PlanLearner::new(2);
+        for _ in 0..6 {
+            p.observe(
+                &step(4),
+                LearnContext {
+                    alone: false,
+                    ..ctx()
+                },
+            );
+            assert!(p.take_ready().is_none());
+        }
+    }
+}
