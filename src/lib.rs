@@ -7,6 +7,7 @@
 pub mod collective;
 pub mod config;
 pub mod dtype;
+pub mod elementwise;
 pub mod error;
 pub mod fusion;
 mod hashing;

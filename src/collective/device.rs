@@ -327,9 +327,9 @@ fn allreduce_staged(
         off += len;
     }
     act(Some("MPI_ALLREDUCE"));
-    crate::collective::reduce::scale(&mut buf, head.dtype, head.prescale)?;
+    crate::elementwise::scale(&mut buf, head.dtype, head.prescale)?;
     host.allreduce(None, &mut buf, head.dtype, op)?;
-    crate::collective::reduce::scale(&mut buf, head.dtype, post)?;
+    crate::elementwise::scale(&mut buf, head.dtype, post)?;
     act(Some("MEMCPY_HOST_TO_DEVICE"));
     upload_outputs(lane, &buf, ios)?;
     act(None);
@@ -486,10 +486,10 @@ fn reducescatter_staged(
         }
     }
     act(Some("MPI_REDUCESCATTER"));
-    crate::collective::reduce::scale(&mut send, head.dtype, head.prescale)?;
+    crate::elementwise::scale(&mut send, head.dtype, head.prescale)?;
     let mut recv = vec![0u8; counts[me]];
     host.reduce_scatter(&send, &mut recv, counts, head.dtype, op)?;
-    crate::collective::reduce::scale(&mut recv, head.dtype, post)?;
+    crate::elementwise::scale(&mut recv, head.dtype, post)?;
     act(Some("MEMCPY_HOST_TO_DEVICE"));
     upload_outputs(lane, &recv, ios)?;
     act(None);

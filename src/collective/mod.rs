@@ -3,11 +3,11 @@
 //! negotiation or configuration: a batch of agreed responses and the tensors' memory come in.
 
 pub mod device;
-pub mod reduce;
 pub mod replay;
 pub mod ring;
 
 use crate::dtype::DataType;
+use crate::elementwise;
 use crate::error::{Error, Result};
 use crate::message::{ReduceOp, Response};
 use crate::transport::Transport;
@@ -81,12 +81,12 @@ pub fn allreduce_batch(
             if let Some(inp) = input {
                 output.copy_from_slice(inp);
             }
-            reduce::scale(output, head.dtype, head.prescale)?;
+            elementwise::scale(output, head.dtype, head.prescale)?;
             t.allreduce(None, output, head.dtype, op)?;
         } else {
             t.allreduce(input, output, head.dtype, op)?;
         }
-        reduce::scale(output, head.dtype, post)?;
+        elementwise::scale(output, head.dtype, post)?;
         act(None);
         return Ok(());
     }
@@ -96,9 +96,9 @@ pub fn allreduce_batch(
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
     pack(ios, buf);
     act(Some("MPI_ALLREDUCE"));
-    reduce::scale(buf, head.dtype, head.prescale)?;
+    elementwise::scale(buf, head.dtype, head.prescale)?;
     t.allreduce(None, buf, head.dtype, op)?;
-    reduce::scale(buf, head.dtype, post)?;
+    elementwise::scale(buf, head.dtype, post)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
     unpack(buf, ios);
     act(None);
@@ -153,7 +153,7 @@ pub fn allreduce_flagged(
             None
         }
     };
-    reduce::scale(&mut buf[..data], dtype, head.prescale)?;
+    elementwise::scale(&mut buf[..data], dtype, head.prescale)?;
     // Sum and Max see 1 where a rank raised the flag; Min and Product see 0
     let one_means_raised = matches!(op, ReduceOp::Sum | ReduceOp::Max);
     let flag = &mut buf[data..];
@@ -174,7 +174,7 @@ pub fn allreduce_flagged(
     let zero = buf[data..].iter().all(|b| *b == 0);
     if zero == one_means_raised {
         if let Some(ios) = ios {
-            reduce::scale(&mut buf[..data], dtype, post)?;
+            elementwise::scale(&mut buf[..data], dtype, post)?;
             act(Some("MEMCPY_OUT_FUSION_BUFFER"));
             unpack(&buf[..data], ios);
         }
@@ -340,10 +340,10 @@ pub fn reducescatter_batch(
             dst += n;
         }
     }
-    reduce::scale(send, head.dtype, head.prescale)?;
+    elementwise::scale(send, head.dtype, head.prescale)?;
     act(Some("MPI_REDUCESCATTER"));
     t.reduce_scatter(send, recv, &counts, head.dtype, op)?;
-    reduce::scale(recv, head.dtype, post)?;
+    elementwise::scale(recv, head.dtype, post)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
     unpack(recv, ios);
     act(None);

@@ -8,8 +8,8 @@
 
 use std::ops::Range;
 
-use crate::collective::reduce::reduce_into;
 use crate::dtype::DataType;
+use crate::elementwise::reduce_into;
 use crate::error::{Error, Result};
 use crate::message::ReduceOp;
 use crate::transport::cuda::{Gpu, Stream};

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use half::{bf16, f16};
 use mpi::ffi;
 
-use crate::collective::reduce::{reduce_bf16, reduce_f16};
 use crate::dtype::DataType;
+use crate::elementwise::{reduce_bf16, reduce_f16};
 use crate::error::{Error, Result};
 use crate::message::ReduceOp;
 use crate::transport::Transport;

@@ -463,7 +463,7 @@ pub(crate) fn gpu_kernels() {
             let mut got = vec![0u8; bytes.len()];
             gpu.download(&s, out.range(), &mut got).unwrap();
             let mut want = bytes.clone();
-            ferrovod::collective::reduce::scale(&mut want, dtype, factor).unwrap();
+            ferrovod::elementwise::scale(&mut want, dtype, factor).unwrap();
             assert_eq!(
                 decode(dtype, &got),
                 decode(dtype, &want),

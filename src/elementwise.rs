@@ -1,5 +1,7 @@
-//! Elementwise kernels the backends lack: f16/bf16 reductions (MPI has no half types) and the
-//! prescale/postscale multiply for every dtype. Chosen once per call; inner loops on slices.
+//! Elementwise arithmetic on host buffers, below every stage: f16/bf16 reductions (the MPI
+//! backend's user ops: MPI has no half types), `reduce_into` for every dtype (the local step of
+//! algorithms over point-to-point transfers) and the prescale/postscale multiply. Chosen once
+//! per call; inner loops on slices.
 
 use half::{bf16, f16};
 
