@@ -106,8 +106,9 @@ pub struct Config {
     /// enqueued; consumers wait on the handle's event on the device instead of the host.
     pub async_completion: bool,
     /// `HOROVOD_NUM_NCCL_STREAMS` (default 2; Horovod's is 1): NCCL communicators and
-    /// streams per GPU lane; consecutive GPU batches alternate between them and run at once.
-    /// Two measured 1.1× the bandwidth of one on NVLink. Rank 0's value decides.
+    /// CUDA streams per process set (or host channel), the "NCCL streams"; consecutive GPU
+    /// batches alternate between them and run at once (BENCHMARKS.md has what two gained).
+    /// Rank 0's value decides.
     pub nccl_streams: usize,
     /// `FERROVOD_GPU_GRAPHS` (1 or 0, default 1): a fused GPU allreduce that repeats with its
     /// tensors at the same addresses is launched as one captured CUDA graph. Rank 0's value

@@ -28,13 +28,14 @@ pub trait DeviceIo {
     fn set_received_splits(&mut self, splits: Vec<i32>);
 }
 
-/// Where a batch runs: a GPU, one of ferrovod's streams on it, and that stream's fusion buffer
-/// (work on one stream runs in order, so the buffer is reused without waiting).
+/// Where a batch runs: a GPU, one of its NCCL streams (the runtime's `NcclStream`: a CUDA
+/// stream, its fusion buffer and graphs; work on one stream runs in order, so the buffer is
+/// reused without waiting).
 pub struct Lane<'a> {
     pub gpu: &'a Gpu,
     pub stream: &'a Stream,
     pub fusion: &'a mut Option<DeviceMem>,
-    /// The way's graphs (forgotten when the fusion buffer moves).
+    /// The stream's graphs (forgotten when the fusion buffer moves).
     pub graphs: &'a mut LaunchGraphs,
     /// Set for a batch that may be replayed as a graph (a fused allreduce).
     pub replay: Option<ReplayKey>,

@@ -6,7 +6,7 @@
 //! be replayed on every rank. So whether a batch runs eagerly, is captured or is replayed is
 //! decided from agreed data only: the batch's agreed content, the *epoch* (which every vote
 //! in which some rank's GPU tensors moved to other addresses advances), and the batches run
-//! on the way before. A batch is captured the second time it runs in an epoch and replayed
+//! on the stream before. A batch is captured the second time it runs in an epoch and replayed
 //! from the third. The addresses a graph was captured with are kept and compared at each
 //! replay: a difference means the rule above was broken, and fails the batch rather than
 //! reducing the wrong memory.
@@ -53,24 +53,24 @@ pub enum Launch {
 
 struct Slot {
     epoch: u64,
-    /// When the slot was last used (the way's batch count): the least recently used goes.
+    /// When the slot was last used (the stream's batch count): the least recently used goes.
     used: u64,
     /// The graph and the local addresses it was captured with.
     graph: Option<(Vec<u64>, GraphExec)>,
 }
 
-/// One way's graphs (a way runs its batches in one order on every rank).
+/// One NCCL stream's graphs (a stream runs its batches in one order on every rank).
 #[derive(Default)]
 pub struct LaunchGraphs {
     slots: HashMap<u64, Slot>,
     clock: u64,
 }
 
-/// Batches remembered per way (a step's buckets, with room for several phases of a job).
+/// Batches remembered per NCCL stream (a step's buckets, with room for several phases of a job).
 const SLOTS: usize = 64;
 
 impl LaunchGraphs {
-    /// How to launch the batch `key` (advances the way's history: call once per batch).
+    /// How to launch the batch `key` (advances the stream's history: call once per batch).
     pub fn decide(&mut self, key: ReplayKey) -> Launch {
         self.clock += 1;
         let clock = self.clock;

@@ -32,9 +32,9 @@ pub struct Vote {
     pub group_invalid: Vec<usize>,
 }
 
-/// What all ranks agreed after the AND.
+/// The vote's tally: what all ranks agreed after the AND.
 #[derive(Clone, Debug, Default, PartialEq)]
-pub struct Agreement {
+pub struct Tally {
     pub any_shutdown: bool,
     pub any_uncached: bool,
     pub any_gpu_moved: bool,
@@ -86,9 +86,9 @@ pub fn encode(vote: &Vote, num_bits: usize) -> Vec<u64> {
 }
 
 /// Decodes the AND of every rank's `encode` (`gpu`: the votes carried the GPU flag).
-pub fn decode(words: &[u64], num_bits: usize, gpu: bool) -> Agreement {
+pub fn decode(words: &[u64], num_bits: usize, gpu: bool) -> Tally {
     let f = flags(gpu);
-    Agreement {
+    Tally {
         any_shutdown: !get(words, FLAG_SHUTDOWN),
         any_uncached: !get(words, FLAG_UNCACHED),
         any_gpu_moved: gpu && !get(words, FLAG_GPU_MOVED),
@@ -96,7 +96,7 @@ pub fn decode(words: &[u64], num_bits: usize, gpu: bool) -> Agreement {
         invalid: (0..num_bits)
             .filter(|b| !get(words, f + num_bits + b))
             .collect(),
-        ..Agreement::default()
+        ..Tally::default()
     }
 }
 
@@ -122,15 +122,15 @@ pub fn encode_split(vote: &Vote, num_bits: usize) -> (Vec<u64>, Vec<u64>) {
 }
 
 /// Decodes the AND of every rank's hit vector and the OR of their flag vectors.
-pub fn decode_split(hits: &[u64], flag_words: &[u64], num_bits: usize, gpu: bool) -> Agreement {
+pub fn decode_split(hits: &[u64], flag_words: &[u64], num_bits: usize, gpu: bool) -> Tally {
     let f = flags(gpu);
-    Agreement {
+    Tally {
         any_shutdown: get(flag_words, FLAG_SHUTDOWN),
         any_uncached: get(flag_words, FLAG_UNCACHED),
         any_gpu_moved: gpu && get(flag_words, FLAG_GPU_MOVED),
         common_hits: (0..num_bits).filter(|b| get(hits, *b)).collect(),
         invalid: (0..num_bits).filter(|b| get(flag_words, f + b)).collect(),
-        ..Agreement::default()
+        ..Tally::default()
     }
 }
 
@@ -153,7 +153,7 @@ pub fn encode_grouped(vote: &Vote, num_bits: usize, groups: usize) -> Vec<u64> {
 }
 
 /// Decodes the AND of every rank's `encode_grouped`.
-pub fn decode_grouped(words: &[u64], num_bits: usize, groups: usize, gpu: bool) -> Agreement {
+pub fn decode_grouped(words: &[u64], num_bits: usize, groups: usize, gpu: bool) -> Tally {
     let base = flags(gpu) + 2 * num_bits;
     let mut a = decode(words, num_bits, gpu);
     a.common_group_hits = (0..groups).filter(|g| get(words, base + g)).collect();
@@ -207,13 +207,13 @@ mod tests {
         let agreed = decode(&and_all(&votes), n, true);
         assert_eq!(
             agreed,
-            Agreement {
+            Tally {
                 any_shutdown: true,
                 any_uncached: true,
                 any_gpu_moved: true,
                 common_hits: vec![5, 70],
                 invalid: vec![3, 64],
-                ..Agreement::default()
+                ..Tally::default()
             }
         );
     }
@@ -308,7 +308,7 @@ mod tests {
             let v = encode(&Vote::default(), n);
             assert_eq!(
                 decode(&and_all(&[v.clone(), v]), n, false),
-                Agreement::default()
+                Tally::default()
             );
         }
     }

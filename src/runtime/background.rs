@@ -41,7 +41,7 @@ struct SetState {
     channels: Vec<Channel>,
     batch_seq: u64,
     /// GPU batches run here (opened by the set's first one).
-    gpu: Option<gpu::GpuLane>,
+    gpu: Option<gpu::NcclStreams>,
     /// Advanced by every vote in which some rank's GPU tensors moved (`collective::replay`).
     graph_epoch: u64,
 }
@@ -49,7 +49,7 @@ struct SetState {
 /// Settings that change which collectives run, taken from rank 0 so that a rank launched with a
 /// different environment cannot make the ranks disagree.
 #[derive(Clone, Copy, Debug, PartialEq)]
-struct Agreed {
+struct JobSettings {
     fusion_threshold: usize,
     fusion_direct_bytes: usize,
     cache_capacity: usize,
@@ -68,10 +68,10 @@ struct Agreed {
     gpu_graphs: bool,
 }
 
-impl Agreed {
+impl JobSettings {
     /// Rank 0's values everywhere. Call on a communicator still at the default MPI count limit,
     /// so that this broadcast itself is split identically on every rank.
-    fn from_rank0(world: &MpiComm, cfg: &crate::config::Config) -> Result<Agreed> {
+    fn from_rank0(world: &MpiComm, cfg: &crate::config::Config) -> Result<JobSettings> {
         let mine = [
             cfg.fusion_threshold,
             cfg.fusion_direct_bytes,
@@ -98,7 +98,7 @@ impl Agreed {
                 "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS / HOROVOD_AUTOTUNE / FERROVOD_GPU_GRAPHS differ from rank 0's; using rank 0's values {v:?}"
             );
         }
-        Ok(Agreed {
+        Ok(JobSettings {
             fusion_threshold: v[0],
             fusion_direct_bytes: v[1],
             cache_capacity: v[2],
@@ -125,7 +125,7 @@ enum Offline {
 
 struct Background {
     rt: Arc<Runtime>,
-    agreed: Agreed,
+    settings: JobSettings,
     world: MpiComm,
     /// Sets this rank is a member of.
     member: BTreeMap<i32, SetState>,
@@ -246,7 +246,7 @@ fn make_set(
     comm: MpiComm,
     ranks: Vec<i32>,
     rt: &Arc<Runtime>,
-    agreed: &Agreed,
+    settings: &JobSettings,
 ) -> Result<SetState> {
     let cfg = &rt.config;
     let set_rank = comm.rank();
@@ -262,8 +262,8 @@ fn make_set(
         negotiator: Negotiator::new(
             set_rank,
             ranks,
-            agreed.cache_capacity,
-            agreed.negotiation,
+            settings.cache_capacity,
+            settings.negotiation,
             StallPolicy {
                 enabled: cfg.stall_check,
                 warn_after: cfg.stall_warn,
@@ -274,7 +274,7 @@ fn make_set(
         fusion: Vec::new(),
         gpu: None,
         graph_epoch: 0,
-        channels: if agreed.channels > 1 {
+        channels: if settings.channels > 1 {
             let done = rt
                 .inbox
                 .lock()
@@ -282,7 +282,7 @@ fn make_set(
                 .clone()
                 .ok_or_else(Error::shut_down)?;
             let turn = Arc::new(channel::LaunchTurn::default());
-            (0..agreed.channels)
+            (0..settings.channels)
                 .map(|k| Channel::spawn(k, comm.dup()?, done.clone(), rt.clone(), turn.clone()))
                 .collect::<Result<Vec<_>>>()?
         } else {
@@ -314,14 +314,14 @@ impl Background {
                 })?
             }
         };
-        let mut agreed = Agreed::from_rank0(&world, &rt.config)?;
-        let world = world.with_max_count(agreed.mpi_max_count);
-        let local = world.split_local(Some(agreed.local_size_override).filter(|n| *n > 0))?;
+        let mut settings = JobSettings::from_rank0(&world, &rt.config)?;
+        let world = world.with_max_count(settings.mpi_max_count);
+        let local = world.split_local(Some(settings.local_size_override).filter(|n| *n > 0))?;
         let cross = world.split(local.rank() as i32)?;
         let local_sizes = world.allgather_i64(local.size() as i64)?;
-        if agreed.channels > 1 && world.allgather_i64(multiple as i64)?.contains(&0) {
+        if settings.channels > 1 && world.allgather_i64(multiple as i64)?.contains(&0) {
             tracing::warn!("FERROVOD_CHANNELS needs MPI_THREAD_MULTIPLE on every rank; using 1");
-            agreed.channels = 1;
+            settings.channels = 1;
         }
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         crate::runtime::handle::set_polling(
@@ -355,7 +355,7 @@ impl Background {
         let size = topo.size;
         let world_ranks: Vec<i32> = (0..size).collect();
         let mut bg = Background {
-            agreed,
+            settings,
             member: BTreeMap::new(),
             all_sets: BTreeMap::new(),
             next_set_id: 1,
@@ -369,15 +369,15 @@ impl Background {
             next_job: 0,
             cycle_time: rt.config.cycle_time,
             autotune: None,
-            groups: (agreed.negotiation == NegotiationMode::Online)
-                .then(|| GroupLearner::new(agreed.plan_warmup_steps)),
+            groups: (settings.negotiation == NegotiationMode::Online)
+                .then(|| GroupLearner::new(settings.plan_warmup_steps)),
             world: world.dup()?,
             rt: rt.clone(),
             finisher: None,
             _watchdog: Watchdog::start(rt.config.stall_limit(), world.dup()?, multiple),
         };
         bg.member
-            .insert(0, make_set(0, world, world_ranks.clone(), &rt, &agreed)?);
+            .insert(0, make_set(0, world, world_ranks.clone(), &rt, &settings)?);
         bg.all_sets.insert(0, world_ranks);
         for ranks in &opts.process_sets {
             // identical lists on every rank (checked above): every rank fails alike
@@ -385,17 +385,17 @@ impl Background {
             bg.create_set(sorted)?;
         }
         *rt.sets.write().expect("sets") = bg.all_sets.clone();
-        if agreed.negotiation == NegotiationMode::Offline {
+        if settings.negotiation == NegotiationMode::Offline {
             bg.offline = bg.initial_offline()?;
         }
-        if agreed.autotune_window > 0 {
-            if agreed.negotiation == NegotiationMode::Offline {
+        if settings.autotune_window > 0 {
+            if settings.negotiation == NegotiationMode::Offline {
                 tracing::warn!("HOROVOD_AUTOTUNE is not used with offline negotiation");
             } else {
                 bg.autotune = Some(Autotune {
                     tuner: Autotuner::new(
                         Params {
-                            fusion_threshold: agreed.fusion_threshold,
+                            fusion_threshold: settings.fusion_threshold,
                             cycle_time: rt.config.cycle_time,
                         },
                         rt.config.autotune_warmup,
@@ -430,7 +430,7 @@ impl Background {
         let id = self.next_set_id;
         self.next_set_id += 1;
         if let Some(comm) = self.world.subset(&ranks)? {
-            let set = make_set(id, comm, ranks.clone(), &self.rt, &self.agreed)?;
+            let set = make_set(id, comm, ranks.clone(), &self.rt, &self.settings)?;
             self.member.insert(id, set);
         }
         self.all_sets.insert(id, ranks);
@@ -660,7 +660,7 @@ impl Background {
     /// Counts a global-set cycle; at the end of each window, rank 0 scores it and every rank
     /// takes rank 0's next settings (one broadcast per window, only while tuning).
     fn autotune_cycle(&mut self) -> Result<()> {
-        let window = self.agreed.autotune_window;
+        let window = self.settings.autotune_window;
         let me = self.world.rank() as i32;
         let Some(at) = self.autotune.as_mut() else {
             return Ok(());
@@ -712,13 +712,13 @@ impl Background {
             .add_negotiation(1, got.len() as u64, started.elapsed());
         let word =
             |k: usize| u64::from_le_bytes(got[8 * k..8 * k + 8].try_into().expect("8 bytes"));
-        self.agreed.fusion_threshold = word(0) as usize;
+        self.settings.fusion_threshold = word(0) as usize;
         self.cycle_time = std::time::Duration::from_nanos(word(1));
         if got[16] == 1 {
             // tuning is over on every rank at the same window: no more broadcasts
             tracing::info!(
                 "autotune: fusion threshold {} B, cycle time {:?}",
-                self.agreed.fusion_threshold,
+                self.settings.fusion_threshold,
                 self.cycle_time
             );
             self.autotune = None;
@@ -737,8 +737,8 @@ impl Background {
                 .get(&0)
                 .is_some_and(|s| s.negotiator.any_joined());
         LearnContext {
-            fusion_threshold: self.agreed.fusion_threshold,
-            direct_bytes: self.agreed.fusion_direct_bytes,
+            fusion_threshold: self.settings.fusion_threshold,
+            direct_bytes: self.settings.fusion_direct_bytes,
             alone: self.all_sets.len() == 1 && !joined,
         }
     }
@@ -782,7 +782,7 @@ impl Background {
             });
         let mine = loaded.as_ref().map_or(0, |p| p.hash() as i64);
         let all = self.world.allgather_i64(mine)?;
-        let learn = Offline::Learning(PlanLearner::new(self.agreed.plan_warmup_steps));
+        let learn = Offline::Learning(PlanLearner::new(self.settings.plan_warmup_steps));
         match loaded {
             Some(plan) if all.iter().all(|h| *h == mine) && self.all_sets.len() == 1 => {
                 tracing::info!(
@@ -830,7 +830,7 @@ impl Background {
             return Err(Error::Internal("test fault: freeze".into()));
         }
         let policy = self.escape_policy();
-        let warmup = self.agreed.plan_warmup_steps;
+        let warmup = self.settings.plan_warmup_steps;
         let Some(set) = self.member.get_mut(&0) else {
             return Ok(());
         };
@@ -878,7 +878,7 @@ impl Background {
     /// Runs every plan batch that is ready (or that this rank must escape from). When a flag
     /// comes back raised, hands all pending work back to online negotiation.
     fn run_offline(&mut self, want_shutdown: bool) -> Result<()> {
-        let warmup = self.agreed.plan_warmup_steps;
+        let warmup = self.settings.plan_warmup_steps;
         let cfg = &self.rt.config;
         let stall = StallPolicy {
             enabled: cfg.stall_check,
@@ -1022,7 +1022,7 @@ impl Background {
     }
 
     fn execute(&mut self, id: i32, responses: &[Arc<Response>], groups: &[usize]) {
-        let a = self.agreed;
+        let a = self.settings;
         let batches = plan_segments(responses, groups, a.fusion_threshold, a.fusion_direct_bytes);
         for batch in batches {
             let resps: Vec<&Response> = batch.members.iter().map(|i| &*responses[*i]).collect();
@@ -1363,13 +1363,13 @@ impl Background {
             // may wait for the missing rank)
             self.rt.abort_gpu_work();
         }
-        // before the finisher: a lane whose work cannot finish (another rank failed) aborts
-        // it when dropped, so that the finisher's waits end. All at once: one lane's abort
+        // before the finisher: NCCL streams whose work cannot finish (another rank failed)
+        // abort it when dropped, so that the finisher's waits end. All at once: one set's abort
         // may wait for the device, which another's stuck kernels keep busy.
         std::thread::scope(|s| {
             for set in self.member.values_mut() {
-                if let Some(lane) = set.gpu.take() {
-                    s.spawn(move || drop(lane));
+                if let Some(streams) = set.gpu.take() {
+                    s.spawn(move || drop(streams));
                 }
             }
         });

@@ -133,7 +133,7 @@ fn run(
     super::ON_BACKGROUND_THREAD.with(|f| f.set(true));
     let mut fusion = Vec::new();
     // this channel's own NCCL communicator and stream, for GPU batches
-    let mut lane = None;
+    let mut nccl_streams = None;
     for mut job in rx {
         let refs: Vec<&Response> = job.resps.iter().collect();
         let on_device = super::gpu::on_device(refs[0]);
@@ -145,7 +145,7 @@ fn run(
             if on_device {
                 return super::gpu::run_device_batch(
                     &rt,
-                    &mut lane,
+                    &mut nccl_streams,
                     &comm,
                     &refs,
                     &mut job.entries,

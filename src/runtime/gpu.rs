@@ -1,4 +1,4 @@
-//! GPU batches in the runtime: a lane (NCCL communicators, streams, fusion buffers) per process
+//! GPU batches in the runtime: NCCL streams (each an NCCL communicator with its CUDA stream and fusion buffer) per process
 //! set and channel, opened when the set's first GPU batch runs — every rank runs the same
 //! batches in the same order, so the collective NCCL set-up happens at the same point on all —
 //! and the finisher, a thread that completes GPU tensors once their batch's event has fired,
@@ -25,48 +25,48 @@ use crate::transport::cuda::{DeviceMem, Event, Gpu, Stream};
 use crate::transport::mpi::MpiComm;
 use crate::transport::nccl::{self, NcclComm};
 
-/// Where one set's (or one channel's) GPU batches run: `HOROVOD_NUM_NCCL_STREAMS` ways, each
+/// Where one set's (or one channel's) GPU batches run: `HOROVOD_NUM_NCCL_STREAMS` NCCL streams, each
 /// an NCCL communicator with its own stream and fusion buffer; consecutive batches take turns,
 /// so a batch's copies and reduction overlap the previous batch's.
-pub(crate) struct GpuLane {
+pub(crate) struct NcclStreams {
     gpu: Arc<Gpu>,
-    ways: Vec<Way>,
-    /// Batches run on this lane so far (the same count on every rank).
+    streams: Vec<NcclStream>,
+    /// Batches run on these streams so far (the same count on every rank).
     batches: usize,
     /// Set when the communicators were aborted; batches whose completion is seen after it
     /// fail (their NCCL kernels may have been stopped).
     aborted: Arc<AtomicBool>,
-    /// How long dropping the lane waits for work still running before aborting it.
+    /// How long dropping the streams waits for work still running before aborting them.
     grace: Duration,
     /// The runtime's "some rank's GPU work failed" flag: no grace then.
     abort_all: Arc<AtomicBool>,
 }
 
-struct Way {
+struct NcclStream {
     /// Declared first: NCCL waits, when a communicator goes, for the graphs that use it.
     graphs: LaunchGraphs,
     comm: NcclComm,
     fusion: Option<DeviceMem>,
-    /// The event after the way's latest batch (its batches finish in order).
+    /// The event after the stream's latest batch (its batches finish in order).
     last: Option<Arc<Event>>,
     // declared last: dropped after the communicator and buffer that use it
     stream: Stream,
 }
 
-impl GpuLane {
-    /// Collective over `data`, and agreed: rank 0 always broadcasts the NCCL ids, one per way
+impl NcclStreams {
+    /// Collective over `data`, and agreed: rank 0 always broadcasts the NCCL ids, one per stream
     /// (none when it failed), and every rank votes on its own readiness before joining the
-    /// communicators, so a rank that cannot open the lane fails the batch everywhere instead
+    /// communicators, so a rank that cannot open the streams fails the batch everywhere instead
     /// of leaving the others waiting in NCCL's set-up.
     fn open(
         gpu: Result<Arc<Gpu>>,
         data: &MpiComm,
-        ways: usize,
+        count: usize,
         grace: Duration,
         abort_all: Arc<AtomicBool>,
-    ) -> Result<GpuLane> {
+    ) -> Result<NcclStreams> {
         let ids = match (&gpu, data.rank()) {
-            (Ok(_), 0) => (0..ways)
+            (Ok(_), 0) => (0..count)
                 .map(|_| nccl::unique_id())
                 .collect::<Result<Vec<_>>>()
                 .map(|ids| ids.concat())
@@ -77,29 +77,29 @@ impl GpuLane {
             _ => Vec::new(),
         };
         let ids = data.broadcast_bytes(ids, 0)?;
-        let ways = ids.len() / nccl::UNIQUE_ID_BYTES;
+        let count = ids.len() / nccl::UNIQUE_ID_BYTES;
         let local = gpu.and_then(|g| {
-            let streams = (0..ways)
+            let cuda_streams = (0..count)
                 .map(|_| g.new_stream())
                 .collect::<Result<Vec<_>>>()?;
-            Ok((g, streams))
+            Ok((g, cuda_streams))
         });
-        let mut ready = [u64::from(local.is_ok() && ways > 0)];
+        let mut ready = [u64::from(local.is_ok() && count > 0)];
         data.and_words(&mut ready)?;
-        let (gpu, streams) = local?;
+        let (gpu, cuda_streams) = local?;
         if ready[0] == 0 {
             return Err(Error::Aborted(
                 "GPU collectives could not start on every rank of the process set (the failing rank logs why)".into(),
             ));
         }
-        let ways = streams
+        let streams = cuda_streams
             .into_iter()
             .zip(ids.chunks_exact(nccl::UNIQUE_ID_BYTES))
             .map(|(stream, id)| {
                 if crate::config::test_fault("nccl_init", data.rank() as i32) {
                     return Err(Error::Internal("test fault: nccl_init".into()));
                 }
-                Ok(Way {
+                Ok(NcclStream {
                     graphs: LaunchGraphs::default(),
                     comm: NcclComm::new(&gpu, id, data.rank(), data.size())?,
                     fusion: None,
@@ -108,9 +108,9 @@ impl GpuLane {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(GpuLane {
+        Ok(NcclStreams {
             gpu,
-            ways,
+            streams,
             batches: 0,
             aborted: Arc::new(AtomicBool::new(false)),
             grace,
@@ -118,16 +118,16 @@ impl GpuLane {
         })
     }
 
-    /// Stops every communicator of the lane and the work pending on them: after a local
+    /// Stops every communicator of the streams and the work pending on them: after a local
     /// failure between agreement and the NCCL calls (the other ranks' calls wait for this
     /// rank's forever), or at shutdown when work still runs after the grace time.
     fn abort(&mut self) {
         self.aborted.store(true, Ordering::SeqCst);
         // One thread per communicator: NCCL's clean-up after an abort may wait for the whole
-        // device, which the other ways' stuck kernels keep busy until their own abort.
+        // device, which the other streams' stuck kernels keep busy until their own abort.
         let gpu = &self.gpu;
         std::thread::scope(|s| {
-            for w in &mut self.ways {
+            for w in &mut self.streams {
                 s.spawn(move || {
                     // binding failed means a broken context; abort anyway
                     let _ = gpu.bind();
@@ -139,19 +139,19 @@ impl GpuLane {
     }
 }
 
-impl Drop for GpuLane {
+impl Drop for NcclStreams {
     /// Destroying a communicator waits for its pending operations, which never end if another
     /// rank failed or left before its part: wait for the last batches up to the grace time,
     /// then abort instead. After a GPU failure on any rank nothing still running can finish:
     /// abort at once.
     fn drop(&mut self) {
-        // the ways' streams and buffers are freed after this, on this thread, which may be new
+        // the NCCL streams' CUDA streams and buffers are freed after this, on this thread, which may be new
         let _ = self.gpu.bind();
         if self.aborted.load(Ordering::SeqCst) {
             return;
         }
         let deadline = Instant::now() + self.grace;
-        let finished = self.ways.iter().all(|w| match &w.last {
+        let finished = self.streams.iter().all(|w| match &w.last {
             None => true,
             Some(ev) => loop {
                 match ev.query() {
@@ -192,7 +192,7 @@ impl Drop for GpuLane {
 pub(crate) struct Recorded {
     pub gpu: Arc<Gpu>,
     pub event: Arc<Event>,
-    /// The lane's abort flag: a batch whose event is seen after an abort failed.
+    /// The streams' abort flag: a batch whose event is seen after an abort failed.
     pub aborted: Arc<AtomicBool>,
 }
 
@@ -221,18 +221,18 @@ pub(crate) fn on_device(head: &Response) -> bool {
         )
 }
 
-/// Enqueues one GPU batch on the lane (opening it first if needed): waits on the inputs'
+/// Enqueues one GPU batch on the NCCL streams (opening them first if needed): waits on the inputs'
 /// ready events on the device, runs the collective, records the completion event.
 pub(crate) fn run_device_batch(
     rt: &Runtime,
-    lane: &mut Option<GpuLane>,
+    streams: &mut Option<NcclStreams>,
     data: &MpiComm,
     resps: &[&Response],
     entries: &mut [TensorEntry],
     replay: Option<ReplayKey>,
     sink: ActivitySink,
 ) -> Result<Recorded> {
-    if lane.is_none() {
+    if streams.is_none() {
         sink(Some("NCCL_INIT"));
         // a joined rank has no tensor of its own: it uses the process's GPU
         let gpu = match entries.iter().find_map(|e| e.device.as_ref()) {
@@ -244,7 +244,7 @@ pub(crate) fn run_device_batch(
             true => SHUTDOWN_GRACE,
             false => cfg.stall_shutdown.min(SHUTDOWN_GRACE),
         };
-        *lane = Some(GpuLane::open(
+        *streams = Some(NcclStreams::open(
             gpu,
             data,
             cfg.nccl_streams,
@@ -252,14 +252,14 @@ pub(crate) fn run_device_batch(
             rt.gpu_abort_flag(),
         )?);
     }
-    let l = lane.as_mut().expect("lane opened");
+    let l = streams.as_mut().expect("opened above");
     if l.aborted.load(Ordering::SeqCst) {
         return Err(Error::Aborted(
             "this process set's NCCL communicators were aborted after an earlier GPU failure"
                 .into(),
         ));
     }
-    enqueue_on_lane(l, data, resps, entries, replay, &rt.metrics, sink).map_err(|e| {
+    enqueue_on_streams(l, data, resps, entries, replay, &rt.metrics, sink).map_err(|e| {
         // the other ranks' NCCL calls for this batch wait for this rank's forever: stop this
         // rank's communicators and have the job shut down (the vote tells every rank)
         l.abort();
@@ -275,10 +275,10 @@ pub(crate) fn run_device_batch(
 /// (capped further by `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`).
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
-/// The batch's part after the lane is open: every failure here leaves the ranks' NCCL calls
+/// The batch's part after the streams are open: every failure here leaves the ranks' NCCL calls
 /// out of step.
-fn enqueue_on_lane(
-    l: &mut GpuLane,
+fn enqueue_on_streams(
+    l: &mut NcclStreams,
     data: &MpiComm,
     resps: &[&Response],
     entries: &mut [TensorEntry],
@@ -288,9 +288,9 @@ fn enqueue_on_lane(
 ) -> Result<Recorded> {
     let gpu = l.gpu.clone();
     gpu.bind()?;
-    let k = l.batches % l.ways.len();
+    let k = l.batches % l.streams.len();
     l.batches += 1;
-    let w = &mut l.ways[k];
+    let w = &mut l.streams[k];
     sink(Some("WAIT_FOR_DATA"));
     for e in entries.iter_mut() {
         if e.device.is_none() {

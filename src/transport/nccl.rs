@@ -123,7 +123,7 @@ impl NcclComm {
 impl Drop for NcclComm {
     fn drop(&mut self) {
         if !self.aborted {
-            // SAFETY: ours and no longer used; destroy waits for pending operations (a lane
+            // SAFETY: ours and no longer used; destroy waits for pending operations (the runtime
             // aborts communicators whose work cannot finish before dropping them).
             let _ = unsafe { result::comm_destroy(self.comm) };
         }
