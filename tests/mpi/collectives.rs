@@ -874,21 +874,6 @@ pub(crate) fn timeline() {
     finish_job();
 }
 
-/// Every dtype, for the ring scenarios.
-pub(crate) const ALL_DTYPES: [DataType; 11] = [
-    DataType::U8,
-    DataType::I8,
-    DataType::U16,
-    DataType::I16,
-    DataType::I32,
-    DataType::I64,
-    DataType::F16,
-    DataType::BF16,
-    DataType::F32,
-    DataType::F64,
-    DataType::Bool,
-];
-
 /// The elementwise reductions.
 pub(crate) const REDUCTIONS: [ReduceOp; 4] = [
     ReduceOp::Sum,
@@ -929,7 +914,7 @@ pub(crate) fn ring() {
     let world = MpiComm::world().unwrap();
     let small = MpiComm::world().unwrap().with_max_count(7);
     for comm in [&world, &small] {
-        for dtype in ALL_DTYPES {
+        for dtype in DataType::ALL {
             for op in REDUCTIONS {
                 for elems in ring_lengths(n) {
                     let mine: Vec<f64> = (0..elems).map(|i| ring_value(dtype, op, i, me)).collect();

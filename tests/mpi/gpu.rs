@@ -542,7 +542,7 @@ pub(crate) fn gpu_ring() {
     let gpu = this_gpu();
     let comm = NcclComm::new(&gpu, &id, me, n).unwrap();
     let stream = gpu.new_stream().unwrap();
-    for dtype in ALL_DTYPES {
+    for dtype in DataType::ALL {
         for op in REDUCTIONS {
             for elems in ring_lengths(n) {
                 let mine: Vec<f64> = (0..elems).map(|i| ring_value(dtype, op, i, me)).collect();
