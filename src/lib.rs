@@ -25,8 +25,9 @@ pub use error::{Error, Result, Status};
 pub use message::{OpKind, ReduceOp};
 
 /// Tensors are submitted on framework threads and freed on ferrovod's: with glibc's allocator
-/// those cross-thread frees contend for the submitting thread's arena, measured as a tail of
-/// 5–15 µs enqueues on a GPU machine. mimalloc frees across threads without a shared lock.
+/// those cross-thread frees contend for the submitting thread's arena, a tail of slow enqueues
+/// (BENCHMARKS.md, "Figures moved out of comments"). mimalloc frees across threads without a
+/// shared lock.
 #[cfg(feature = "mimalloc")]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;

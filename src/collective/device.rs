@@ -284,8 +284,7 @@ impl FusedAllreduce<'_, '_> {
 
 /// GPU tensors of at least this many bytes in a fused allreduce are reduced where they are, in
 /// the batch's NCCL group, rather than copied through the fusion buffer: at this size NCCL's
-/// per-call cost is below the copies' (on 2×H200, ResNet-50's gradients in two 64 MiB buckets
-/// took 0.98× of one allreduce this way, 1.19× all copied; 256 KiB and 1 MiB measured alike).
+/// per-call cost is below the copies' (BENCHMARKS.md, "Figures moved out of comments").
 pub(crate) const GPU_IN_PLACE_BYTES: usize = 1 << 20;
 
 /// `GPU_IN_PLACE_BYTES`, for benchmarks that lay out the same launches (a function: public

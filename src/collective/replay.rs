@@ -1,6 +1,6 @@
 //! Replaying a fused GPU batch's launches as one CUDA graph. Launching a learned bucket's
-//! copies and NCCL group one call at a time costs the host tens of microseconds (33 µs for
-//! ResNet-50's first 64 MiB bucket on 2 × H200); a graph of the same launches, 6.5 µs.
+//! copies and NCCL group one call at a time costs the host several times what one graph
+//! launch of the same work costs (figures in BENCHMARKS.md, "Figures moved out of comments").
 //!
 //! NCCL requires a captured collective to be captured on every rank, and a replayed graph to
 //! be replayed on every rank. So whether a batch runs eagerly, is captured or is replayed is

@@ -33,8 +33,8 @@ fn fuses_at_all(r: &Response) -> bool {
 
 /// GPU tensors of this size or more run alone, in place. Below it a device copy (TB/s) costs
 /// less than NCCL's per-call latency and small-message inefficiency; above it NCCL is at its
-/// bandwidth plateau and copying through the fusion buffer only adds time (measured on 2×H200:
-/// fusing pairs of 64 MiB tensors ran at 0.69× of NCCL, 16 MiB ones at 0.995×).
+/// bandwidth plateau and copying through the fusion buffer only adds time (BENCHMARKS.md,
+/// "Figures moved out of comments").
 const GPU_DIRECT_BYTES: usize = 32 << 20;
 
 /// Greedy planning in response order: each batch starts at the first unassigned response and

@@ -620,8 +620,8 @@ impl Background {
             // Tensors still wait here: vote again soon rather than a cycle time later — at once
             // after a vote that ran batches, else after a delay doubling from 20 us up to the
             // cycle time. A vote that ran just before the other ranks' tensors arrived cost a
-            // whole cycle time (a millisecond per round of back-to-back GPU allreduces,
-            // measured); ranks whose waiting tensors never match back off to the cycle time.
+            // whole cycle time per round of back-to-back GPU allreduces; ranks whose waiting
+            // tensors never match back off to the cycle time.
             // (tensors waiting only in groups still incomplete here wait for the group: a
             // vote could not agree on them, and the cycle timer keeps votes going)
             let frozen = matches!(self.offline, Offline::Frozen(_));
@@ -1398,8 +1398,8 @@ const MIN_CORES_TO_POLL: usize = 4;
 
 /// How long the background thread polls (when polling is on) for the next submission after one arrived, instead
 /// of sleeping: a framework submits a step's gradients in a burst, and waking a sleeping
-/// thread costs every submitter a system call (1.3–1.9 µs on a GPU virtual machine, longer
-/// than the rest of an enqueue).
+/// thread costs every submitter a system call, longer than the rest of an enqueue
+/// (BENCHMARKS.md, "Figures moved out of comments").
 const POLL_AFTER_SUBMIT: std::time::Duration = std::time::Duration::from_micros(200);
 
 /// The next command before `deadline`: polled (yielding the core between polls) until

@@ -70,8 +70,8 @@ pub struct TensorEntry {
     /// Held until launch by a GPU tensor at other addresses than its name's last submission.
     pub(crate) moved: Option<crate::runtime::in_flight::MovedMark>,
     /// Copied from the request at creation, on the submitting thread: the finisher then
-    /// hands it over without allocating (allocating there made completing a 130-tensor GPU
-    /// batch 20 µs slower on 2 × H200).
+    /// hands it over without allocating (allocating there slowed the completion of large GPU
+    /// batches; BENCHMARKS.md, "Figures moved out of comments").
     out_shape: Vec<i64>,
     received_splits: Vec<i32>,
     /// A failed output allocation: the tensor still takes part in the collective (through a

@@ -442,8 +442,8 @@ fn wait_for(event: &Event, limit: Option<Duration>, between: &mut dyn FnMut()) -
 }
 
 /// Hands a batch's handles their results and event while the batch runs, so that once its
-/// event fires completing each tensor only counts it down (130 tensors took 25–30 µs from
-/// the event to the last handle on 2 × H200 when all of it happened then).
+/// event fires completing each tensor only counts it down (doing all of it then delayed the
+/// last handle; BENCHMARKS.md, "Figures moved out of comments").
 fn stage(mut f: Finish) -> Finish {
     if let Finish::Complete { recorded, entries } = &mut f {
         // joining a handle's events needs the device's context

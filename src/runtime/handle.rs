@@ -35,9 +35,8 @@ struct State {
 
 /// How long `wait` polls before it blocks, when polling is on: most waits end within it (a
 /// GPU step's buckets, a fused allreduce), and waking a blocked thread costs the waker a
-/// system call (1.3–1.9 µs on a GPU virtual machine) and the woken thread a trip through the
-/// scheduler (10–20 µs measured from the last completion of a ResNet-50 step to its waiter
-/// returning, which waited ~330 µs). The poll yields the core to any other runnable thread,
+/// system call and the woken thread a trip through the scheduler (BENCHMARKS.md, "Figures
+/// moved out of comments"). The poll yields the core to any other runnable thread,
 /// as CUDA's default host synchronisation spins where cores are spare.
 const WAIT_POLL: Duration = Duration::from_millis(1);
 

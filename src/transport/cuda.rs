@@ -666,8 +666,7 @@ impl Copy {
 
 /// Ranges per batched-copy launch: the descriptors travel as the kernel's parameter (3 KiB of
 /// the 4 KiB every CUDA device takes), so that a ResNet-50 bucket's 111 small tensors take one
-/// launch each way: on 2 × H200 packing them took 10–17 µs of host time as two launches of 64,
-/// 6–13 µs as one, and unpacking 7–13 µs against 4–7 µs.
+/// launch to pack and one to unpack (BENCHMARKS.md, "Figures moved out of comments").
 const COPY_BATCH: usize = 128;
 
 #[repr(C)]
