@@ -3,6 +3,7 @@
 //! negotiation or configuration: a batch of agreed responses and the tensors' memory come in.
 
 pub mod device;
+pub mod execute;
 pub mod replay;
 pub mod ring;
 

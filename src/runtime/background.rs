@@ -1486,7 +1486,7 @@ fn run_batch(
             r
         }
         OpKind::Join | OpKind::AddProcessSet | OpKind::RemoveProcessSet => Ok(()),
-        _ => channel::run_batch_on(&set.data, &mut set.fusion, resps, &mut ios, &mut sink),
+        _ => collective::execute::host(&set.data, &mut set.fusion, resps, &mut ios, &mut sink),
     }
     .map(|()| None)
     .inspect_err(|e| tracing::error!("set {}: {} failed: {e}", set.id, head.kind.name()))

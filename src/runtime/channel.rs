@@ -159,7 +159,8 @@ fn run(
                 .iter_mut()
                 .map(|e| e as &mut dyn TensorIo)
                 .collect();
-            run_batch_on(&comm, &mut fusion, &refs, &mut ios, &mut |_| {}).map(|()| None)
+            collective::execute::host(&comm, &mut fusion, &refs, &mut ios, &mut |_| {})
+                .map(|()| None)
         }))
         // the batch must still come back, failed, rather than leave its waiters hanging
         .unwrap_or_else(|_| Err(Error::Internal("a ferrovod channel thread panicked".into())));
@@ -176,28 +177,6 @@ fn run(
             outcome,
             recorded,
         }));
-    }
-}
-
-/// Runs one data batch over `t` (shared with the background thread's own execution).
-pub(crate) fn run_batch_on(
-    t: &MpiComm,
-    fusion: &mut Vec<u8>,
-    resps: &[&Response],
-    ios: &mut [&mut dyn TensorIo],
-    sink: collective::ActivitySink,
-) -> Result<()> {
-    let head = resps[0];
-    match head.kind {
-        OpKind::Allreduce => collective::allreduce_batch(t, resps, ios, fusion, sink),
-        OpKind::Allgather => collective::allgather_batch(t, resps, ios, fusion, sink),
-        OpKind::Reducescatter => collective::reducescatter_batch(t, resps, ios, fusion, sink),
-        OpKind::Broadcast => collective::broadcast(t, head, &mut *ios[0], sink),
-        OpKind::Alltoall => collective::alltoall(t, head, &mut *ios[0], sink),
-        other => Err(Error::Internal(format!(
-            "{} does not run on a channel",
-            other.name()
-        ))),
     }
 }
 

@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 use crossbeam::channel::{Receiver, Sender, unbounded};
 
 use crate::collective::ActivitySink;
-use crate::collective::device::{self as dev, DeviceIo, Lane};
+use crate::collective::device::{DeviceIo, Lane};
+use crate::collective::execute;
 use crate::collective::replay::{LaunchGraphs, ReplayKey};
 use crate::error::{Error, Result};
 use crate::message::{OpKind, Response};
@@ -332,20 +333,7 @@ fn enqueue_on_streams(
         replay: replay.filter(|_| head.kind == OpKind::Allreduce),
         replayed: false,
     };
-    let t = &w.comm;
-    match head.kind {
-        OpKind::Allreduce => dev::allreduce_batch(t, data, &mut lane_ref, resps, &mut ios, sink),
-        OpKind::Allgather => dev::allgather_batch(t, &mut lane_ref, resps, &mut ios, sink),
-        OpKind::Reducescatter => {
-            dev::reducescatter_batch(t, data, &mut lane_ref, resps, &mut ios, sink)
-        }
-        OpKind::Broadcast => dev::broadcast(t, &mut lane_ref, head, &mut *ios[0], sink),
-        OpKind::Alltoall => dev::alltoall(t, data, &mut lane_ref, head, &mut *ios[0], sink),
-        other => Err(Error::Internal(format!(
-            "{} is not a GPU batch",
-            other.name()
-        ))),
-    }?;
+    execute::device(&w.comm, data, &mut lane_ref, resps, &mut ios, sink)?;
     if lane_ref.replayed {
         metrics.add_graph_launch();
     }

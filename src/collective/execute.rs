@@ -1,0 +1,55 @@
+//! The one place where a batch's kind picks its algorithm, for host memory and for GPU memory.
+//! The runtime hands a batch here with its memory and its transport; which algorithm runs is a
+//! function of the agreed responses only, identical on every rank.
+
+use crate::collective::device::{self, DeviceIo, Lane};
+use crate::collective::{self, ActivitySink, TensorIo};
+use crate::error::{Error, Result};
+use crate::message::{OpKind, Response};
+use crate::transport::{DeviceTransport, Transport};
+
+/// Runs one batch of host tensors over `t`, through the fusion buffer `fusion`.
+pub fn host(
+    t: &dyn Transport,
+    fusion: &mut Vec<u8>,
+    resps: &[&Response],
+    ios: &mut [&mut dyn TensorIo],
+    sink: ActivitySink,
+) -> Result<()> {
+    let head = resps[0];
+    match head.kind {
+        OpKind::Allreduce => collective::allreduce_batch(t, resps, ios, fusion, sink),
+        OpKind::Allgather => collective::allgather_batch(t, resps, ios, fusion, sink),
+        OpKind::Reducescatter => collective::reducescatter_batch(t, resps, ios, fusion, sink),
+        OpKind::Broadcast => collective::broadcast(t, head, &mut *ios[0], sink),
+        OpKind::Alltoall => collective::alltoall(t, head, &mut *ios[0], sink),
+        other => Err(Error::Internal(format!(
+            "{} is not a data batch",
+            other.name()
+        ))),
+    }
+}
+
+/// Enqueues one batch of GPU tensors on `lane` over `t`; `host` carries what must be agreed or
+/// staged on the host (dtypes the device transport cannot reduce, alltoall's counts).
+pub fn device(
+    t: &dyn DeviceTransport,
+    host: &dyn Transport,
+    lane: &mut Lane,
+    resps: &[&Response],
+    ios: &mut [&mut dyn DeviceIo],
+    sink: ActivitySink,
+) -> Result<()> {
+    let head = resps[0];
+    match head.kind {
+        OpKind::Allreduce => device::allreduce_batch(t, host, lane, resps, ios, sink),
+        OpKind::Allgather => device::allgather_batch(t, lane, resps, ios, sink),
+        OpKind::Reducescatter => device::reducescatter_batch(t, host, lane, resps, ios, sink),
+        OpKind::Broadcast => device::broadcast(t, lane, head, &mut *ios[0], sink),
+        OpKind::Alltoall => device::alltoall(t, host, lane, head, &mut *ios[0], sink),
+        other => Err(Error::Internal(format!(
+            "{} is not a GPU batch",
+            other.name()
+        ))),
+    }
+}
