@@ -8,6 +8,8 @@ use crate::fusion::planner::plan_batches;
 use crate::hashing::HashSet;
 use crate::message::{OpKind, Request, Response};
 use crate::negotiate::wire::{self, ResponseList};
+use crate::transport::Transport;
+use crate::transport::mpi::MpiComm;
 
 /// One step's allreduces, batch by batch.
 #[derive(Clone, Debug, PartialEq)]
@@ -338,6 +340,49 @@ impl PlanRecorder {
             ..PlanRecorder::new(self.warmup)
         };
     }
+}
+
+/// Offline mode at init: the plan in `path` if every rank of `ctrl` loaded the same one (one
+/// allgather of plan hashes), else `None` and the plan is learned.
+pub fn agreed_plan_file(ctrl: &MpiComm, path: Option<&str>) -> Result<Option<Plan>> {
+    let loaded = path.and_then(|path| match std::fs::read(path) {
+        Ok(bytes) => Plan::decode(&bytes)
+            .inspect_err(|e| tracing::warn!("ignoring plan file {path}: {e}"))
+            .ok(),
+        Err(_) => None,
+    });
+    let mine = loaded.as_ref().map_or(0, |p| p.hash() as i64);
+    let all = ctrl.allgather_i64(mine)?;
+    if all.iter().all(|h| *h == mine) && loaded.is_some() {
+        return Ok(loaded);
+    }
+    if all.iter().any(|h| *h != 0) {
+        tracing::warn!(
+            "offline negotiation: the plan file is missing, unreadable or different on some ranks; learning a new plan"
+        );
+    }
+    Ok(None)
+}
+
+/// Whether every rank of `ctrl` learned `plan` (one allgather of its hash). When they did,
+/// rank 0 writes it to `path` (atomically: a temporary file renamed).
+pub fn agree_on_plan(ctrl: &MpiComm, plan: &Plan, path: Option<&str>) -> Result<bool> {
+    let hash = plan.hash() as i64;
+    if ctrl.allgather_i64(hash)?.iter().any(|h| *h != hash) {
+        tracing::warn!("offline negotiation: ranks learned different plans; staying online");
+        return Ok(false);
+    }
+    if ctrl.rank() == 0
+        && let Some(path) = path
+    {
+        let tmp = format!("{path}.tmp{}", std::process::id());
+        if let Err(e) =
+            std::fs::write(&tmp, plan.encode()).and_then(|_| std::fs::rename(&tmp, path))
+        {
+            tracing::warn!("cannot write plan file {path}: {e}");
+        }
+    }
+    Ok(true)
 }
 
 #[cfg(test)]

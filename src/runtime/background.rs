@@ -19,7 +19,7 @@ use crate::message::{OpKind, Response};
 use crate::negotiate::learn::{GroupLearner, LearnContext, PlanLearner};
 use crate::negotiate::offline::{EscapePolicy, Next, OfflineQueue};
 use crate::negotiate::online::{Negotiator, StallPolicy};
-use crate::negotiate::plan::Plan;
+use crate::negotiate::plan::{agree_on_plan, agreed_plan_file};
 use crate::runtime::channel::{self, Channel, Job};
 use crate::runtime::entry::{InputMem, OutputMem, PendingEntries, TensorEntry};
 use crate::runtime::gpu;
@@ -768,26 +768,14 @@ impl Background {
     }
 
     /// Offline mode at init: the plan file's plan if every rank loaded the same one, else
-    /// learning. One allgather of plan hashes.
+    /// learning.
     fn initial_offline(&self) -> Result<Offline> {
-        let cfg = &self.rt.config;
-        let loaded = cfg
-            .plan_file
-            .as_ref()
-            .and_then(|path| match std::fs::read(path) {
-                Ok(bytes) => Plan::decode(&bytes)
-                    .inspect_err(|e| tracing::warn!("ignoring plan file {path}: {e}"))
-                    .ok(),
-                Err(_) => None,
-            });
-        let mine = loaded.as_ref().map_or(0, |p| p.hash() as i64);
-        let all = self.world.allgather_i64(mine)?;
-        let learn = Offline::Learning(PlanLearner::new(self.settings.plan_warmup_steps));
-        match loaded {
-            Some(plan) if all.iter().all(|h| *h == mine) && self.all_sets.len() == 1 => {
+        let path = self.rt.config.plan_file.as_deref();
+        match agreed_plan_file(&self.world, path)? {
+            Some(plan) if self.all_sets.len() == 1 => {
                 tracing::info!(
                     "offline negotiation: running the plan from {} ({} tensors in {} batches)",
-                    cfg.plan_file.as_deref().unwrap_or(""),
+                    path.unwrap_or(""),
                     plan.num_tensors(),
                     plan.batches.len()
                 );
@@ -796,13 +784,15 @@ impl Background {
                     self.escape_policy(),
                 )))
             }
-            _ => {
-                if all.iter().any(|h| *h != 0) {
+            found => {
+                if found.is_some() {
                     tracing::warn!(
-                        "offline negotiation: the plan file is missing, unreadable or different on some ranks; learning a new plan"
+                        "offline negotiation: the plan file cannot run while other process sets exist; learning online"
                     );
                 }
-                Ok(learn)
+                Ok(Offline::Learning(PlanLearner::new(
+                    self.settings.plan_warmup_steps,
+                )))
             }
         }
     }
@@ -835,25 +825,13 @@ impl Background {
             return Ok(());
         };
         let started = Instant::now();
-        let hash = plan.hash() as i64;
-        let all = set.ctrl.allgather_i64(hash)?;
+        let agreed = agree_on_plan(&set.ctrl, &plan, self.rt.config.plan_file.as_deref())?;
         self.rt
             .metrics
-            .add_negotiation(1, 8 * all.len() as u64, started.elapsed());
-        if all.iter().any(|h| *h != hash) {
-            tracing::warn!("offline negotiation: ranks learned different plans; staying online");
+            .add_negotiation(1, 8 * set.ctrl.size() as u64, started.elapsed());
+        if !agreed {
             self.offline = Offline::Learning(PlanLearner::new(warmup));
             return Ok(());
-        }
-        if set.ctrl.rank() == 0
-            && let Some(path) = &self.rt.config.plan_file
-        {
-            let tmp = format!("{path}.tmp{}", std::process::id());
-            if let Err(e) =
-                std::fs::write(&tmp, plan.encode()).and_then(|_| std::fs::rename(&tmp, path))
-            {
-                tracing::warn!("cannot write plan file {path}: {e}");
-            }
         }
         tracing::info!(
             "offline negotiation: plan frozen ({} tensors in {} batches)",
