@@ -128,14 +128,7 @@ pub fn reduce_into(acc: &mut [u8], x: &[u8], dtype: DataType, op: ReduceOp) -> R
             dtype.name()
         )));
     }
-    if !matches!(
-        op,
-        ReduceOp::Sum | ReduceOp::Min | ReduceOp::Max | ReduceOp::Product
-    ) {
-        return Err(Error::InvalidArgument(format!(
-            "reduction {op:?} is not an elementwise reduction"
-        )));
-    }
+    op.elementwise_index()?;
     let id = |v: f64| v;
     match dtype {
         DataType::U8 => reduce_int!(acc, x, u8, op),

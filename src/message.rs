@@ -2,6 +2,7 @@
 //! `Response` (the agreed operation every rank executes). Encoding lives in `negotiate::wire`.
 
 use crate::dtype::DataType;
+use crate::error::{Error, Result};
 
 /// Collective kinds. Values follow Horovod's `RequestType`; process-set changes are ferrovod's
 /// own, negotiated like tensors so that no per-cycle control traffic is needed for them.
@@ -90,6 +91,21 @@ impl ReduceOp {
         ]
         .into_iter()
         .find(|k| *k as i32 == v)
+    }
+
+    /// The position of an elementwise reduction in (Sum, Min, Max, Product): how the backends'
+    /// per-reduction tables and kernels are indexed. Average (a postscale) and Adasum are not
+    /// elementwise.
+    pub fn elementwise_index(self) -> Result<usize> {
+        match self {
+            ReduceOp::Sum => Ok(0),
+            ReduceOp::Min => Ok(1),
+            ReduceOp::Max => Ok(2),
+            ReduceOp::Product => Ok(3),
+            other => Err(Error::InvalidArgument(format!(
+                "reduction {other:?} is not an elementwise reduction"
+            ))),
+        }
     }
 }
 

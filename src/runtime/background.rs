@@ -730,8 +730,9 @@ impl Background {
     }
 
     /// What shapes learned batches, and whether the global set may learn now.
-    fn learn_context(&self, no_joined: bool) -> LearnContext {
-        let joined = no_joined
+    /// `refuse_joined`: a joined rank stops learning too (plans; groups do not mind).
+    fn learn_context(&self, refuse_joined: bool) -> LearnContext {
+        let joined = refuse_joined
             && self
                 .member
                 .get(&0)
@@ -820,7 +821,6 @@ impl Background {
             return Err(Error::Internal("test fault: freeze".into()));
         }
         let policy = self.escape_policy();
-        let warmup = self.settings.plan_warmup_steps;
         let Some(set) = self.member.get_mut(&0) else {
             return Ok(());
         };
@@ -830,7 +830,7 @@ impl Background {
             .metrics
             .add_negotiation(1, 8 * set.ctrl.size() as u64, started.elapsed());
         if !agreed {
-            self.offline = Offline::Learning(PlanLearner::new(warmup));
+            // the learner already starts over (take_ready)
             return Ok(());
         }
         tracing::info!(

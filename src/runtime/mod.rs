@@ -175,8 +175,6 @@ pub fn is_initialized() -> bool {
     lock_global().is_some()
 }
 
-/// Starts the runtime (MPI, communicators, background thread). A second call while running is
-/// a no-op, as in Horovod.
 /// A process set's ranks, sorted: distinct, at least one, each in [0, size) (the size is
 /// checked where it is known). One rule for sets given at init and added later.
 pub(crate) fn process_set_ranks(ranks: &[i32], size: Option<i32>) -> Result<Vec<i32>> {
@@ -193,6 +191,8 @@ pub(crate) fn process_set_ranks(ranks: &[i32], size: Option<i32>) -> Result<Vec<
     Ok(sorted)
 }
 
+/// Starts the runtime (MPI, communicators, background thread). A second call while running is
+/// a no-op, as in Horovod.
 pub fn init(opts: InitOptions) -> Result<()> {
     if on_background_thread() {
         return Err(Error::InvalidArgument(

@@ -299,18 +299,8 @@ impl Gpu {
         dtype: DataType,
         op: crate::message::ReduceOp,
     ) -> Result<()> {
-        use crate::message::ReduceOp;
-        let code = match op {
-            ReduceOp::Sum => 0,
-            ReduceOp::Min => 1,
-            ReduceOp::Max => 2,
-            ReduceOp::Product => 3,
-            other => {
-                return Err(Error::InvalidArgument(format!(
-                    "reduction {other:?} is not an elementwise reduction"
-                )));
-            }
-        };
+        // the kernels' `op` parameter is the same index
+        let code = op.elementwise_index()? as i32;
         let bytes = n.saturating_mul(dtype.size());
         acc.holds(bytes, "reduction accumulator")?;
         x.holds(bytes, "reduction operand")?;

@@ -401,17 +401,7 @@ fn half_ops() -> &'static HalfOps {
 }
 
 fn mpi_op(dtype: DataType, op: ReduceOp) -> Result<ffi::MPI_Op> {
-    let idx = match op {
-        ReduceOp::Sum => 0,
-        ReduceOp::Min => 1,
-        ReduceOp::Max => 2,
-        ReduceOp::Product => 3,
-        other => {
-            return Err(Error::InvalidArgument(format!(
-                "reduction {other:?} is not a backend reduction"
-            )));
-        }
-    };
+    let idx = op.elementwise_index()?;
     // SAFETY: reading constants initialised by rsmpi's shim.
     Ok(unsafe {
         match dtype {
