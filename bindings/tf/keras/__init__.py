@@ -91,7 +91,7 @@ def _wrap_optimizer_class(base, options, scale_local, aggregation):
         self._ferrovod.reduced = reduced
         return reduced
 
-    def unreduced(self, grads, variables):
+    def reduced_once(self, grads, variables):
         """`grads` reduced, unless they are the ones this optimizer last returned reduced."""
         last, self._ferrovod.reduced = self._ferrovod.reduced, None
         if last is not None and len(last) == len(grads) and all(a is b for a, b in zip(last, grads)):
@@ -120,7 +120,7 @@ def _wrap_optimizer_class(base, options, scale_local, aggregation):
                 # outside the tf.cond of local aggregation, which must not create variables
                 with tf.init_scope():
                     self.build(variables)
-            grads = unreduced(self, list(grads), variables)
+            grads = reduced_once(self, list(grads), variables)
             return apply_reduced(self, grads, lambda gs: super(cls, self).apply(gs, trainable_variables))
 
         namespace["apply"] = apply
@@ -128,7 +128,7 @@ def _wrap_optimizer_class(base, options, scale_local, aggregation):
         def apply_gradients(self, grads_and_vars, *args, **kwargs):
             pairs = list(grads_and_vars)
             grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
-            grads = unreduced(self, grads, variables)
+            grads = reduced_once(self, grads, variables)
             return apply_reduced(
                 self, grads,
                 lambda gs: super(cls, self).apply_gradients(list(zip(gs, variables)), *args, **kwargs))
@@ -193,8 +193,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         return optimizer
     aggregation = None
     if backward_passes_per_step != 1:
-        LocalGradientAggregator(backward_passes_per_step, average_aggregated_gradients,
-                                sparse_as_dense)  # checks the arguments now
+        # the wrapped class's __init__ (through from_config, below) makes the aggregator and
+        # checks these arguments
         aggregation = (backward_passes_per_step, average_aggregated_gradients, sparse_as_dense)
     cls = _wrap_optimizer_class(optimizer.__class__, options, scale_local_gradients, aggregation)
     return cls.from_config(optimizer.get_config())

@@ -57,6 +57,13 @@ def expected(r, n, b_value, op, local_b):
     return gw, gb
 
 
+def assert_one_step(w, b, r, n, op, local_b, lr=0.1):
+    """w and b, started at [0.5]*3 and [1, 2], moved by one SGD step of the expected gradients."""
+    gw, gb = expected(r, n, np.array([1.0, 2.0]), op, local_b)
+    np.testing.assert_allclose(w.numpy(), 0.5 - lr * gw, rtol=1e-6)
+    np.testing.assert_allclose(b.numpy(), [1.0, 2.0] - lr * gb, rtol=1e-6)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("method", ["compute_gradients", "_compute_gradients"])
 @pytest.mark.parametrize("loss_kind", ["callable", "tensor"])
@@ -80,8 +87,7 @@ def test_compute_gradients_returns_reduced_gradients_and_apply_does_not_reduce_a
     np.testing.assert_allclose(pairs[0][0].numpy(), gw, rtol=1e-6)
     np.testing.assert_allclose(pairs[1][0].numpy(), gb, rtol=1e-6)
     opt.apply_gradients(pairs)
-    np.testing.assert_allclose(w.numpy(), 0.5 - 0.1 * gw, rtol=1e-6)
-    np.testing.assert_allclose(b.numpy(), [1.0, 2.0] - 0.1 * gb, rtol=1e-6)
+    assert_one_step(w, b, r, n, hvd.Sum, local_b=True)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -95,9 +101,7 @@ def test_gradients_computed_elsewhere_are_reduced_when_applied(family):
     grads = tape.gradient(value, [w, b])
     opt = hvd_keras.DistributedOptimizer(sgd(family, 0.1))
     opt.apply_gradients(zip(grads, [w, b]))
-    gw, gb = expected(r, n, np.array([1.0, 2.0]), hvd.Average, local_b=False)
-    np.testing.assert_allclose(w.numpy(), 0.5 - 0.1 * gw, rtol=1e-6)
-    np.testing.assert_allclose(b.numpy(), [1.0, 2.0] - 0.1 * gb, rtol=1e-6)
+    assert_one_step(w, b, r, n, hvd.Average, local_b=False)
 
 
 @pytest.mark.parametrize("family", ["tf_keras", "tf_keras_legacy"])
@@ -106,9 +110,7 @@ def test_minimize_reduces_once(family):
     w, b = variable(family, [0.5, 0.5, 0.5]), variable(family, [1.0, 2.0])
     opt = hvd_keras.DistributedOptimizer(sgd(family, 0.1), op=hvd.Sum)
     opt.minimize(make_loss(w, b, r), [w, b])
-    gw, gb = expected(r, n, np.array([1.0, 2.0]), hvd.Sum, local_b=False)
-    np.testing.assert_allclose(w.numpy(), 0.5 - 0.1 * gw, rtol=1e-6)
-    np.testing.assert_allclose(b.numpy(), [1.0, 2.0] - 0.1 * gb, rtol=1e-6)
+    assert_one_step(w, b, r, n, hvd.Sum, local_b=False)
 
 
 @pytest.mark.parametrize("family", ["keras3", "tf_keras"])
