@@ -5,6 +5,7 @@
 #![deny(unsafe_code)]
 
 pub mod collective;
+pub mod compress;
 pub mod config;
 pub mod dtype;
 pub mod elementwise;

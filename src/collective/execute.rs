@@ -4,19 +4,24 @@
 
 use crate::collective::device::{self, DeviceIo, Lane};
 use crate::collective::{self, ActivitySink, TensorIo};
+use crate::compress::Codec;
 use crate::error::{Error, Result};
+use crate::fusion::FusionBuffer;
 use crate::message::{OpKind, Response};
 use crate::transport::{DeviceTransport, Transport};
 
-/// Runs one batch of host tensors over `t`, through the fusion buffer `fusion`.
+/// Runs one batch of host tensors over `t`, through the fusion buffer `fusion`, its values
+/// travelling as `codec` says.
 pub fn host(
     t: &dyn Transport,
-    fusion: &mut Vec<u8>,
+    fusion: &mut FusionBuffer,
+    codec: Codec,
     resps: &[&Response],
     ios: &mut [&mut dyn TensorIo],
     sink: ActivitySink,
 ) -> Result<()> {
     let head = resps[0];
+    let Codec::None = codec;
     match head.kind {
         OpKind::Allreduce => collective::allreduce_batch(t, resps, ios, fusion, sink),
         OpKind::Allgather => collective::allgather_batch(t, resps, ios, fusion, sink),
@@ -36,11 +41,13 @@ pub fn device(
     t: &dyn DeviceTransport,
     host: &dyn Transport,
     lane: &mut Lane,
+    codec: Codec,
     resps: &[&Response],
     ios: &mut [&mut dyn DeviceIo],
     sink: ActivitySink,
 ) -> Result<()> {
     let head = resps[0];
+    let Codec::None = codec;
     match head.kind {
         OpKind::Allreduce => device::allreduce_batch(t, host, lane, resps, ios, sink),
         OpKind::Allgather => device::allgather_batch(t, lane, resps, ios, sink),

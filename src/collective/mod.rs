@@ -10,6 +10,7 @@ pub mod ring;
 use crate::dtype::DataType;
 use crate::elementwise;
 use crate::error::{Error, Result};
+use crate::fusion::FusionBuffer;
 use crate::message::{ReduceOp, Response};
 use crate::transport::Transport;
 
@@ -70,7 +71,7 @@ pub fn allreduce_batch(
     t: &dyn Transport,
     resps: &[&Response],
     ios: &mut [&mut dyn TensorIo],
-    fusion: &mut Vec<u8>,
+    fusion: &mut FusionBuffer,
     act: ActivitySink,
 ) -> Result<()> {
     let head = resps[0];
@@ -92,8 +93,7 @@ pub fn allreduce_batch(
         return Ok(());
     }
     let total: usize = ios.iter().map(|io| io.input().len()).sum();
-    fusion.resize(total.max(fusion.len()), 0);
-    let buf = &mut fusion[..total];
+    let buf = fusion.get(total);
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
     pack(ios, buf);
     act(Some("MPI_ALLREDUCE"));
@@ -128,7 +128,7 @@ pub fn allreduce_flagged(
     t: &dyn Transport,
     resps: &[Response],
     ios: Option<&mut [&mut dyn TensorIo]>,
-    fusion: &mut Vec<u8>,
+    fusion: &mut FusionBuffer,
     raise: bool,
     wait: Wait,
     act: ActivitySink,
@@ -141,8 +141,7 @@ pub fn allreduce_flagged(
         .map(|r| byte_len(r.num_elements(), dtype))
         .sum();
     let total = data + dtype.size();
-    fusion.resize(total.max(fusion.len()), 0);
-    let buf = &mut fusion[..total];
+    let buf = fusion.get(total);
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
     let ios = match ios {
         Some(ios) => {
@@ -164,14 +163,13 @@ pub fn allreduce_flagged(
         flag.fill(0);
     }
     act(Some("MPI_ALLREDUCE"));
-    let mut owned = std::mem::take(fusion);
-    owned.truncate(total);
+    let owned = fusion.take(total);
     let Some(reduced) = t.allreduce_owned_within(owned, dtype, op, wait.limit, wait.slow)? else {
         act(None);
         return Ok(Flagged::TimedOut);
     };
-    *fusion = reduced;
-    let buf = &mut fusion[..total];
+    fusion.restore(reduced);
+    let buf = fusion.get(total);
     let zero = buf[data..].iter().all(|b| *b == 0);
     if zero == one_means_raised {
         if let Some(ios) = ios {
@@ -253,7 +251,7 @@ pub fn allgather_batch(
     t: &dyn Transport,
     resps: &[&Response],
     ios: &mut [&mut dyn TensorIo],
-    fusion: &mut Vec<u8>,
+    fusion: &mut FusionBuffer,
     act: ActivitySink,
 ) -> Result<()> {
     let size = t.size();
@@ -275,8 +273,7 @@ pub fn allgather_batch(
         .map(|r| bytes.iter().map(|b| b[r]).sum())
         .collect();
     let total: usize = counts.iter().sum();
-    fusion.resize(total.max(fusion.len()), 0);
-    let buf = &mut fusion[..total];
+    let buf = fusion.get(total);
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
     let mine: usize = counts[..me].iter().sum();
     pack(ios, &mut buf[mine..]);
@@ -311,7 +308,7 @@ pub fn reducescatter_batch(
     t: &dyn Transport,
     resps: &[&Response],
     ios: &mut [&mut dyn TensorIo],
-    fusion: &mut Vec<u8>,
+    fusion: &mut FusionBuffer,
     act: ActivitySink,
 ) -> Result<()> {
     let size = t.size();
@@ -326,8 +323,7 @@ pub fn reducescatter_batch(
     let counts: Vec<usize> = (0..size).map(|r| seg.iter().map(|s| s[r]).sum()).collect();
     let total: usize = counts.iter().sum();
     let my_total = counts[me];
-    fusion.resize((total + my_total).max(fusion.len()), 0);
-    let (send, recv) = fusion.split_at_mut(total);
+    let (send, recv) = fusion.get(total + my_total).split_at_mut(total);
     let recv = &mut recv[..my_total];
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
     let mut dst = 0;

@@ -8,9 +8,13 @@
 //! then the best pair stays. Windows in which nothing moved are not samples (an idle job says
 //! nothing about the settings). Only rank 0 measures and decides; the background loop
 //! broadcasts its choice to every rank at the same cycle, so ranks never fuse differently.
-//! Pure: scores in, settings out — unit-tested without MPI.
+//! The tuner is pure — scores in, settings out — and unit-tested without MPI; `Windows` runs it
+//! in the job, one broadcast per window.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::transport::Transport;
 
 /// The settings autotune controls.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -142,6 +146,108 @@ impl Autotuner {
             self.current.cycle_time = self.best_cycle.0;
             self.phase = Phase::Done;
         }
+    }
+}
+
+/// Autotune in the running job: counts the global set's cycles and, at the end of each
+/// window, has rank 0 score it and every rank take rank 0's next settings.
+pub struct Windows {
+    tuner: Autotuner,
+    /// Cycles per window (agreed).
+    window: usize,
+    cycles: usize,
+    window_start: Instant,
+    bytes_at_start: u64,
+    /// Rank 0's log of every window's settings and score (`HOROVOD_AUTOTUNE_LOG`).
+    log: Option<std::fs::File>,
+}
+
+/// What a window's end decided, identical on every rank.
+pub struct Decision {
+    pub params: Params,
+    /// Tuning is over: no more windows (and no more broadcasts).
+    pub done: bool,
+    /// Bytes the broadcast carried (for metrics).
+    pub control_bytes: u64,
+}
+
+impl Windows {
+    pub fn new(start: Params, warmup: usize, window: usize, log: Option<std::fs::File>) -> Self {
+        Windows {
+            tuner: Autotuner::new(start, warmup, 3),
+            window: window.max(1),
+            cycles: 0,
+            window_start: Instant::now(),
+            bytes_at_start: 0,
+            log,
+        }
+    }
+
+    /// Counts one cycle of the global set; at a window's end, one broadcast over `ctrl` (every
+    /// rank at the same cycle). `data_bytes`: the bytes this rank's collectives moved so far.
+    pub fn cycle(
+        &mut self,
+        ctrl: &dyn Transport,
+        data_bytes: impl Fn() -> u64,
+        me: i32,
+    ) -> Result<Option<Decision>> {
+        if self.tuner.done() {
+            return Ok(None);
+        }
+        if crate::config::test_fault("autotune", me) {
+            return Err(Error::Internal("test fault: autotune".into()));
+        }
+        self.cycles += 1;
+        if !self.cycles.is_multiple_of(self.window) {
+            return Ok(None);
+        }
+        let mut mine = Vec::new();
+        if ctrl.rank() == 0 {
+            let moved = data_bytes() - self.bytes_at_start;
+            let secs = self.window_start.elapsed().as_secs_f64();
+            let before = self.tuner.current();
+            let next = if moved > 0 && secs > 0.0 {
+                let score = moved as f64 / secs;
+                if let Some(f) = self.log.as_mut() {
+                    use std::io::Write;
+                    let _ = writeln!(
+                        f,
+                        "{},{:.3},{:.0}",
+                        before.fusion_threshold,
+                        before.cycle_time.as_secs_f64() * 1e3,
+                        score
+                    );
+                }
+                self.tuner.record(score)
+            } else {
+                before
+            };
+            mine.extend((next.fusion_threshold as u64).to_le_bytes());
+            mine.extend((next.cycle_time.as_nanos() as u64).to_le_bytes());
+            mine.push(u8::from(self.tuner.done()));
+        }
+        let got = ctrl.broadcast_bytes(mine, 0)?;
+        if got.len() != 17 {
+            return Err(Error::Internal(format!(
+                "autotune: rank 0's settings came as {} bytes, not 17",
+                got.len()
+            )));
+        }
+        let word = |k: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&got[8 * k..8 * k + 8]);
+            u64::from_le_bytes(b)
+        };
+        self.window_start = Instant::now();
+        self.bytes_at_start = data_bytes();
+        Ok(Some(Decision {
+            params: Params {
+                fusion_threshold: word(0) as usize,
+                cycle_time: Duration::from_nanos(word(1)),
+            },
+            done: got[16] == 1,
+            control_bytes: got.len() as u64,
+        }))
     }
 }
 

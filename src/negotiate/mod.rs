@@ -12,5 +12,6 @@ pub mod offline;
 pub mod online;
 pub mod plan;
 pub mod ready_bitmap;
+pub mod set;
 pub mod validate;
 pub mod wire;

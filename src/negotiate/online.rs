@@ -21,6 +21,16 @@ pub struct StallPolicy {
     pub shutdown_after: Duration,
 }
 
+impl StallPolicy {
+    pub fn from_config(cfg: &crate::config::Config) -> StallPolicy {
+        StallPolicy {
+            enabled: cfg.stall_check,
+            warn_after: cfg.stall_warn,
+            shutdown_after: cfg.stall_shutdown,
+        }
+    }
+}
+
 /// What one cycle decided.
 #[derive(Debug, Default)]
 pub struct CycleOutcome {

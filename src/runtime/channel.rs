@@ -11,10 +11,10 @@ use std::thread::JoinHandle;
 
 use crossbeam::channel::{Receiver, Sender, unbounded};
 
-use crate::collective::{self, TensorIo};
 use crate::error::{Error, Result};
 use crate::message::{OpKind, Response};
 use crate::runtime::entry::TensorEntry;
+use crate::runtime::launch::Executor;
 use crate::runtime::{Command, Runtime};
 use crate::transport::mpi::MpiComm;
 
@@ -131,9 +131,8 @@ fn run(
     turn: Arc<LaunchTurn>,
 ) {
     super::ON_BACKGROUND_THREAD.with(|f| f.set(true));
-    let mut fusion = Vec::new();
-    // this channel's own NCCL communicator and stream, for GPU batches
-    let mut nccl_streams = None;
+    // this channel's own communicator, fusion buffer and NCCL streams
+    let mut executor = Executor::new(comm);
     for mut job in rx {
         let refs: Vec<&Response> = job.resps.iter().collect();
         let on_device = super::gpu::on_device(refs[0]);
@@ -142,25 +141,7 @@ fn run(
             turn.done(job.seq);
         }
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            if on_device {
-                return super::gpu::run_device_batch(
-                    &rt,
-                    &mut nccl_streams,
-                    &comm,
-                    &refs,
-                    &mut job.entries,
-                    job.replay,
-                    &mut |_| {},
-                )
-                .map(Some);
-            }
-            let mut ios: Vec<&mut dyn TensorIo> = job
-                .entries
-                .iter_mut()
-                .map(|e| e as &mut dyn TensorIo)
-                .collect();
-            collective::execute::host(&comm, &mut fusion, &refs, &mut ios, &mut |_| {})
-                .map(|()| None)
+            executor.run(&rt, &refs, &mut job.entries, job.replay, &mut |_| {})
         }))
         // the batch must still come back, failed, rather than leave its waiters hanging
         .unwrap_or_else(|_| Err(Error::Internal("a ferrovod channel thread panicked".into())));

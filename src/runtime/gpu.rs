@@ -16,11 +16,11 @@ use crate::collective::ActivitySink;
 use crate::collective::device::{DeviceIo, Lane};
 use crate::collective::execute;
 use crate::collective::replay::{LaunchGraphs, ReplayKey};
+use crate::compress::Codec;
 use crate::error::{Error, Result};
 use crate::message::{OpKind, Response};
 use crate::runtime::Runtime;
 use crate::runtime::entry::{ReadyEvent, TensorEntry};
-use crate::runtime::metrics::Metrics;
 use crate::transport::Transport;
 use crate::transport::cuda::{DeviceMem, Event, Gpu, Stream};
 use crate::transport::mpi::MpiComm;
@@ -224,10 +224,12 @@ pub(crate) fn on_device(head: &Response) -> bool {
 
 /// Enqueues one GPU batch on the NCCL streams (opening them first if needed): waits on the inputs'
 /// ready events on the device, runs the collective, records the completion event.
+#[allow(clippy::too_many_arguments)] // the batch, where it runs, and how (codec, replay)
 pub(crate) fn run_device_batch(
     rt: &Runtime,
     streams: &mut Option<NcclStreams>,
     data: &MpiComm,
+    codec: Codec,
     resps: &[&Response],
     entries: &mut [TensorEntry],
     replay: Option<ReplayKey>,
@@ -260,7 +262,8 @@ pub(crate) fn run_device_batch(
                 .into(),
         ));
     }
-    enqueue_on_streams(l, data, resps, entries, replay, &rt.metrics, sink).map_err(|e| {
+    let (recorded, replayed) = enqueue_on_streams(l, data, codec, resps, entries, replay, sink)
+        .map_err(|e| {
         // the other ranks' NCCL calls for this batch wait for this rank's forever: stop this
         // rank's communicators and have the job shut down (the vote tells every rank)
         l.abort();
@@ -269,7 +272,11 @@ pub(crate) fn run_device_batch(
         );
         rt.report_gpu_failure(&msg);
         Error::Aborted(msg)
-    })
+    })?;
+    if replayed {
+        rt.metrics.add_graph_launch();
+    }
+    Ok(recorded)
 }
 
 /// How long shutdown waits for GPU work still running before it aborts the communicators
@@ -277,16 +284,16 @@ pub(crate) fn run_device_batch(
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
 /// The batch's part after the streams are open: every failure here leaves the ranks' NCCL calls
-/// out of step.
+/// out of step. Also says whether the batch was replayed from a graph.
 fn enqueue_on_streams(
     l: &mut NcclStreams,
     data: &MpiComm,
+    codec: Codec,
     resps: &[&Response],
     entries: &mut [TensorEntry],
     replay: Option<ReplayKey>,
-    metrics: &Metrics,
     sink: ActivitySink,
-) -> Result<Recorded> {
+) -> Result<(Recorded, bool)> {
     let gpu = l.gpu.clone();
     gpu.bind()?;
     let k = l.batches % l.streams.len();
@@ -333,20 +340,19 @@ fn enqueue_on_streams(
         replay: replay.filter(|_| head.kind == OpKind::Allreduce),
         replayed: false,
     };
-    execute::device(&w.comm, data, &mut lane_ref, resps, &mut ios, sink)?;
-    if lane_ref.replayed {
-        metrics.add_graph_launch();
-    }
+    execute::device(&w.comm, data, &mut lane_ref, codec, resps, &mut ios, sink)?;
+    let replayed = lane_ref.replayed;
     super::probe::mark("collective enqueued", n);
     let event = Arc::new(gpu.new_event()?);
     event.record(&w.stream)?;
     w.last = Some(event.clone());
     super::probe::mark("launched", entries.len());
-    Ok(Recorded {
+    let recorded = Recorded {
         gpu,
         event,
         aborted: l.aborted.clone(),
-    })
+    };
+    Ok((recorded, replayed))
 }
 
 /// What the finisher does once a batch's event has fired.

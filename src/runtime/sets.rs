@@ -1,0 +1,199 @@
+//! The process sets this rank takes part in: each with its communicators, its negotiation, its
+//! pending tensors and where its batches run. Sets are created and removed collectively over
+//! the world, at the same point on every rank.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::message::{OpKind, Response};
+use crate::negotiate::online::{Negotiator, StallPolicy};
+use crate::negotiate::set::SetNegotiation;
+use crate::runtime::Runtime;
+use crate::runtime::channel::{self, Channel};
+use crate::runtime::entry::PendingEntries;
+use crate::runtime::launch::Executor;
+use crate::runtime::settings::JobSettings;
+use crate::transport::Transport;
+use crate::transport::mpi::MpiComm;
+
+/// One process set this rank belongs to.
+pub(crate) struct SetState {
+    pub id: i32,
+    /// Control collectives (votes, coordinator rounds, plan and autotune agreement), bounded by
+    /// the stall shutdown time.
+    pub ctrl: MpiComm,
+    pub negotiation: SetNegotiation,
+    pub entries: PendingEntries,
+    /// The set's data communicator, with its buffers and NCCL streams.
+    pub executor: Executor,
+    /// With more than one channel: the workers batches are handed to, and the next batch's
+    /// number (identical on every rank).
+    pub channels: Vec<Channel>,
+    pub batch_seq: u64,
+    /// Advanced by every vote in which some rank's GPU tensors moved (`collective::replay`).
+    pub graph_epoch: u64,
+}
+
+impl SetState {
+    fn open(
+        id: i32,
+        comm: MpiComm,
+        ranks: Vec<i32>,
+        rt: &Arc<Runtime>,
+        settings: &JobSettings,
+    ) -> Result<SetState> {
+        let cfg = &rt.config;
+        let set_rank = comm.rank();
+        let ctrl = comm.dup()?.bounded(
+            cfg.stall_limit(),
+            cfg.stall_warn,
+            ranks.clone(),
+            format!("process set {id}"),
+        )?;
+        let negotiator = Negotiator::new(
+            set_rank,
+            ranks,
+            settings.cache_capacity,
+            settings.negotiation,
+            StallPolicy::from_config(cfg),
+        );
+        let channels = if settings.channels > 1 {
+            let done = rt
+                .inbox
+                .lock()
+                .expect("inbox")
+                .clone()
+                .ok_or_else(Error::shut_down)?;
+            let turn = Arc::new(channel::LaunchTurn::default());
+            (0..settings.channels)
+                .map(|k| Channel::spawn(k, comm.dup()?, done.clone(), rt.clone(), turn.clone()))
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            Vec::new()
+        };
+        Ok(SetState {
+            id,
+            ctrl,
+            negotiation: SetNegotiation::new(
+                negotiator,
+                settings.negotiation,
+                settings.plan_warmup_steps,
+                id == 0,
+                cfg,
+            ),
+            entries: PendingEntries::default(),
+            graph_epoch: 0,
+            channels,
+            batch_seq: 0,
+            executor: Executor::new(comm),
+        })
+    }
+}
+
+/// The sets of the job.
+pub(crate) struct Sets {
+    /// Sets this rank is a member of.
+    pub member: BTreeMap<i32, SetState>,
+    /// Every set's ranks (identical on all ranks).
+    pub all: BTreeMap<i32, Vec<i32>>,
+    next_id: i32,
+}
+
+impl Sets {
+    /// The global set (id 0) over `world`.
+    pub fn new(world: MpiComm, rt: &Arc<Runtime>, settings: &JobSettings) -> Result<Sets> {
+        let ranks: Vec<i32> = (0..world.size() as i32).collect();
+        let global = SetState::open(0, world, ranks.clone(), rt, settings)?;
+        Ok(Sets {
+            member: BTreeMap::from([(0, global)]),
+            all: BTreeMap::from([(0, ranks)]),
+            next_id: 1,
+        })
+    }
+
+    /// Creates the set (collective over `world`); an existing identical set is reused.
+    pub fn create(
+        &mut self,
+        world: &MpiComm,
+        ranks: Vec<i32>,
+        rt: &Arc<Runtime>,
+        settings: &JobSettings,
+    ) -> Result<i32> {
+        if let Some((id, _)) = self.all.iter().find(|(_, r)| **r == ranks) {
+            return Ok(*id);
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        if let Some(comm) = world.subset(&ranks)? {
+            let set = SetState::open(id, comm, ranks.clone(), rt, settings)?;
+            self.member.insert(id, set);
+        }
+        self.all.insert(id, ranks);
+        Ok(id)
+    }
+
+    /// Runs an agreed `AddProcessSet` or `RemoveProcessSet` of the global set and completes
+    /// its tensor.
+    pub fn change(
+        &mut self,
+        world: &MpiComm,
+        resp: &Response,
+        rt: &Arc<Runtime>,
+        settings: &JobSettings,
+    ) {
+        let entry = self
+            .member
+            .get_mut(&0)
+            .and_then(|s| s.entries.remove(&resp.name));
+        let outcome: Result<i32> = match resp.kind {
+            OpKind::AddProcessSet => {
+                let ranks: Vec<i32> = resp.shape.iter().map(|r| *r as i32).collect();
+                match self.all.iter().find(|(_, r)| **r == ranks) {
+                    Some((id, _)) => Err(Error::InvalidArgument(format!(
+                        "A process set with ranks {ranks:?} already exists (id {id})."
+                    ))),
+                    None => self.create(world, ranks, rt, settings),
+                }
+            }
+            _ => {
+                let id = resp.shape.first().copied().unwrap_or(0) as i32;
+                if id == 0 || !self.all.contains_key(&id) {
+                    Err(Error::InvalidArgument(format!(
+                        "Process set {id} does not exist, or has not been registered."
+                    )))
+                } else {
+                    self.all.remove(&id);
+                    self.drop_set(id, Error::Aborted(format!("process set {id} was removed")));
+                    Ok(id)
+                }
+            }
+        };
+        self.publish(rt);
+        if let Some(e) = entry {
+            match outcome {
+                Ok(id) => e.complete(Ok(()), Some(id)),
+                Err(err) => e.complete(Err(err), None),
+            }
+        }
+    }
+
+    /// Makes every set's ranks visible to callers (`fv_process_set_ranks`).
+    pub fn publish(&self, rt: &Runtime) {
+        *rt.sets.write().expect("sets") = self.all.clone();
+    }
+
+    /// Stops using set `id` on this rank, failing its pending tensors with `err`.
+    pub fn drop_set(&mut self, id: i32, err: Error) {
+        if let Some(mut set) = self.member.remove(&id) {
+            // every member drops the set at the same point, so its channels' queues finish
+            for c in &mut set.channels {
+                c.close();
+                c.join();
+            }
+            for e in set.entries {
+                e.complete(Err(err.clone()), None);
+            }
+        }
+    }
+}
