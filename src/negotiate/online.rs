@@ -360,7 +360,7 @@ impl Negotiator {
                     to_send.push(Arc::unwrap_or_clone(w.req));
                 }
                 (Lookup::Hit(bit), None) => {
-                    let bit = compact[&bit];
+                    let bit = compact_bit(compact, bit)?;
                     let stale = self.stall.enabled
                         && now.saturating_duration_since(w.since) >= self.stall.warn_after;
                     if stale {
@@ -373,7 +373,7 @@ impl Negotiator {
                     }
                 }
                 (Lookup::Invalid(bit), None) => {
-                    vote.invalid.push(compact[&bit]);
+                    vote.invalid.push(compact_bit(compact, bit)?);
                     to_send.push(Arc::unwrap_or_clone(w.req));
                 }
                 (Lookup::Miss, _) => {
@@ -465,7 +465,10 @@ impl Negotiator {
         for &g in &agreed.common_group_hits {
             out.groups.push(self.groups[g].len());
             for name in &self.groups[g] {
-                group_hit_bits.push(self.cache.bit_of(name).expect("group members are cached"));
+                let bit = self.cache.bit_of(name).ok_or_else(|| {
+                    Error::Internal(format!("group member '{name}' is not cached"))
+                })?;
+                group_hit_bits.push(bit);
             }
         }
         let mut dissolved = Vec::new();
@@ -483,7 +486,9 @@ impl Negotiator {
         }
         let mut taken = vec![false; bits];
         for bit in group_hit_bits.into_iter().chain(hits) {
-            let resp = self.cache.take_response(bit).expect("common bit is cached");
+            let resp = self.cache.take_response(bit).ok_or_else(|| {
+                Error::Internal(format!("the agreed cache bit {bit} is not cached here"))
+            })?;
             out.responses.push(resp);
             taken[bit] = true;
         }
@@ -625,4 +630,12 @@ impl Negotiator {
         out.shutdown = list.shutdown;
         Ok(out)
     }
+}
+/// A single tensor's position in the vote. The index is rebuilt with the cache, so a bit outside
+/// every group is always in it; an error (never a panic inside the vote) if not.
+fn compact_bit(compact: &HashMap<usize, usize>, bit: usize) -> Result<usize> {
+    compact
+        .get(&bit)
+        .copied()
+        .ok_or_else(|| Error::Internal(format!("cache bit {bit} is missing from the vote's index")))
 }

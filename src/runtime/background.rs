@@ -17,11 +17,12 @@ use crate::message::Response;
 use crate::negotiate::learn::LearnContext;
 use crate::negotiate::online::CycleOutcome;
 use crate::negotiate::set::Step;
+use crate::runtime::job::{JobSettings, open_job};
 use crate::runtime::launch::{Launcher, run_plan_batch};
+use crate::runtime::schedule::{POLL_AFTER_SUBMIT, next_command, revote_delay};
 use crate::runtime::sets::Sets;
-use crate::runtime::settings::JobSettings;
 use crate::runtime::timeline::Timeline;
-use crate::runtime::{Command, Communicator, InitOptions, Runtime, Topology};
+use crate::runtime::{Command, InitOptions, Runtime};
 use crate::transport::Transport;
 use crate::transport::mpi::{MpiComm, Watchdog, finalize_mpi, init_mpi};
 
@@ -118,51 +119,7 @@ pub(crate) fn run(
 
 impl Background {
     fn start(rt: Arc<Runtime>, opts: &InitOptions, multiple: bool) -> Result<Background> {
-        let world = match &opts.comm {
-            Communicator::World => MpiComm::world()?,
-            Communicator::Fortran(h) => MpiComm::from_fortran(*h)?,
-            Communicator::Ranks(ranks) => {
-                let all = MpiComm::world()?;
-                let n = all.size() as i32;
-                if ranks.is_empty() || ranks.iter().any(|r| *r < 0 || *r >= n) {
-                    return Err(Error::InvalidArgument(format!(
-                        "init ranks {ranks:?} must be ranks of MPI_COMM_WORLD (size {n})"
-                    )));
-                }
-                all.subset(ranks)?.ok_or_else(|| {
-                    Error::InvalidArgument(format!(
-                        "rank {} of MPI_COMM_WORLD is not in the ranks given to init {ranks:?}",
-                        all.rank()
-                    ))
-                })?
-            }
-        };
-        let mut settings = JobSettings::from_rank0(&world, &rt.config)?;
-        let world = world.with_max_count(settings.mpi_max_count);
-        let local = world.split_local(Some(settings.local_size_override).filter(|n| *n > 0))?;
-        let cross = world.split(local.rank() as i32)?;
-        let local_sizes = world.allgather_i64(local.size() as i64)?;
-        if settings.channels > 1 && world.allgather_i64(multiple as i64)?.contains(&0) {
-            tracing::warn!("FERROVOD_CHANNELS needs MPI_THREAD_MULTIPLE on every rank; using 1");
-            settings.channels = 1;
-        }
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        crate::runtime::handle::set_polling(
-            rt.config
-                .poll
-                .unwrap_or(cores / local.size().max(1) >= MIN_CORES_TO_POLL),
-        );
-        let topo = Topology {
-            rank: world.rank() as i32,
-            size: world.size() as i32,
-            local_rank: local.rank() as i32,
-            local_size: local.size() as i32,
-            cross_rank: cross.rank() as i32,
-            cross_size: cross.size() as i32,
-            is_homogeneous: local_sizes.iter().all(|s| *s == local_sizes[0]),
-            mpi_threads_supported: multiple,
-        };
-        let _ = rt.topology.set(topo.clone());
+        let (world, settings, topo) = open_job(&rt, &opts.comm, multiple)?;
 
         // static process sets must be the same everywhere
         let digest = format!("{:?}", opts.process_sets);
@@ -644,123 +601,3 @@ impl Background {
 
 /// How long a runtime that gave up on missing ranks waits before its shutdown returns.
 const UNCLEAN_EXIT_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
-
-/// Cores per local rank from which waiting threads poll by default: a submitting thread, the
-/// background thread and the GPU finisher each may hold one.
-const MIN_CORES_TO_POLL: usize = 4;
-
-/// How long the background thread polls (when polling is on) for the next submission after one arrived, instead
-/// of sleeping: a framework submits a step's gradients in a burst, and waking a sleeping
-/// thread costs every submitter a system call, longer than the rest of an enqueue
-/// (BENCHMARKS.md, "Figures moved out of comments").
-const POLL_AFTER_SUBMIT: std::time::Duration = std::time::Duration::from_micros(200);
-
-/// The next command before `deadline`: polled (yielding the core between polls) until
-/// `poll_until`, then waited for asleep. `Ok(None)`: none came.
-fn next_command(
-    rx: &Receiver<Command>,
-    deadline: Instant,
-    poll_until: Instant,
-) -> std::result::Result<Option<Command>, RecvTimeoutError> {
-    loop {
-        match rx.try_recv() {
-            Ok(cmd) => return Ok(Some(cmd)),
-            Err(crossbeam::channel::TryRecvError::Disconnected) => {
-                return Err(RecvTimeoutError::Disconnected);
-            }
-            Err(crossbeam::channel::TryRecvError::Empty) => {}
-        }
-        let now = Instant::now();
-        if now >= deadline {
-            return Ok(None);
-        }
-        if now >= poll_until {
-            return match rx.recv_timeout(deadline - now) {
-                Ok(cmd) => Ok(Some(cmd)),
-                Err(RecvTimeoutError::Timeout) => Ok(None),
-                Err(e) => Err(e),
-            };
-        }
-        std::thread::yield_now();
-    }
-}
-
-/// How soon to vote again while tensors wait (`waiting`): at once after a vote that ran
-/// batches, else after the last delay doubled, from 20 us up to the cycle time. Zero (the
-/// cycle timer rules) when nothing waits.
-fn revote_delay(
-    waiting: bool,
-    progressed: bool,
-    last: std::time::Duration,
-    cycle: std::time::Duration,
-) -> std::time::Duration {
-    if !waiting || progressed {
-        return std::time::Duration::ZERO;
-    }
-    (last * 2)
-        .max(std::time::Duration::from_micros(20))
-        .min(cycle)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{next_command, revote_delay};
-    use crate::runtime::Command;
-    use crossbeam::channel::{RecvTimeoutError, unbounded};
-    use std::time::{Duration, Instant};
-
-    #[test]
-    fn next_command_polls_then_sleeps_until_the_deadline() {
-        let ms = Duration::from_millis;
-        let (tx, rx) = unbounded();
-        // nothing comes: none at the deadline, after polling part of the time
-        let t = Instant::now();
-        assert!(matches!(next_command(&rx, t + ms(3), t + ms(1)), Ok(None)));
-        assert!(t.elapsed() >= ms(3));
-        // a command that comes while polling, and one that comes while asleep
-        for poll in [ms(500), Duration::ZERO] {
-            let tx2 = tx.clone();
-            let sender = std::thread::spawn(move || {
-                std::thread::sleep(ms(2));
-                tx2.send(Command::Shutdown).unwrap();
-            });
-            let t = Instant::now();
-            let got = next_command(&rx, t + ms(5000), t + poll);
-            assert!(matches!(got, Ok(Some(Command::Shutdown))), "poll {poll:?}");
-            assert!(t.elapsed() < ms(4000));
-            sender.join().unwrap();
-        }
-        // a command already there is returned even past the deadline
-        tx.send(Command::Shutdown).unwrap();
-        let past = Instant::now() - ms(1);
-        assert!(matches!(next_command(&rx, past, past), Ok(Some(_))));
-        drop(tx);
-        assert!(matches!(
-            next_command(&rx, Instant::now() + ms(5), Instant::now()),
-            Err(RecvTimeoutError::Disconnected)
-        ));
-    }
-
-    #[test]
-    fn revote_backs_off_to_the_cycle_time_and_resets_on_progress() {
-        let ms = Duration::from_millis(1);
-        let us = Duration::from_micros;
-        let mut d = Duration::ZERO;
-        let mut seen = Vec::new();
-        for _ in 0..8 {
-            d = revote_delay(true, false, d, ms);
-            seen.push(d);
-        }
-        assert_eq!(
-            &seen[..7],
-            &[us(20), us(40), us(80), us(160), us(320), us(640), ms]
-        );
-        assert_eq!(revote_delay(true, true, d, ms), Duration::ZERO);
-        assert_eq!(revote_delay(false, false, d, ms), Duration::ZERO);
-        // a zero cycle time (HOROVOD_CYCLE_TIME=0) never waits
-        assert_eq!(
-            revote_delay(true, false, us(20), Duration::ZERO),
-            Duration::ZERO
-        );
-    }
-}

@@ -7,11 +7,12 @@ pub mod entry;
 pub(crate) mod gpu;
 pub mod handle;
 pub(crate) mod in_flight;
+pub(crate) mod job;
 pub(crate) mod launch;
 pub mod metrics;
 pub mod probe;
+pub(crate) mod schedule;
 pub(crate) mod sets;
-pub(crate) mod settings;
 pub mod timeline;
 
 use std::collections::BTreeMap;

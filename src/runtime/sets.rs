@@ -12,8 +12,8 @@ use crate::negotiate::set::SetNegotiation;
 use crate::runtime::Runtime;
 use crate::runtime::channel::{self, Channel};
 use crate::runtime::entry::PendingEntries;
+use crate::runtime::job::JobSettings;
 use crate::runtime::launch::Executor;
-use crate::runtime::settings::JobSettings;
 use crate::transport::Transport;
 use crate::transport::mpi::MpiComm;
 

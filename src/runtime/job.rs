@@ -1,10 +1,71 @@
-//! The settings that change which collectives run, taken from rank 0 at start-up so that a rank
-//! launched with a different environment cannot make the ranks disagree.
+//! The job as every rank sees it from start-up: its world communicator, where each rank sits
+//! (topology), and the settings that change which collectives run, taken from rank 0 so that a
+//! rank launched with a different environment cannot make the ranks disagree.
 
 use crate::config::NegotiationMode;
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::runtime::{Communicator, Runtime, Topology};
 use crate::transport::Transport;
 use crate::transport::mpi::MpiComm;
+
+/// Cores per local rank from which waiting threads poll by default: a submitting thread, the
+/// background thread and the GPU finisher each may hold one.
+const MIN_CORES_TO_POLL: usize = 4;
+
+/// Opens the job's world (collective over it): rank 0's settings, the node split (hosts, or
+/// `FERROVOD_LOCAL_SIZE`), the topology (published in `rt`), and whether waiting threads poll.
+pub(crate) fn open_job(
+    rt: &Runtime,
+    comm: &Communicator,
+    multiple: bool,
+) -> Result<(MpiComm, JobSettings, Topology)> {
+    let world = match comm {
+        Communicator::World => MpiComm::world()?,
+        Communicator::Fortran(h) => MpiComm::from_fortran(*h)?,
+        Communicator::Ranks(ranks) => {
+            let all = MpiComm::world()?;
+            let n = all.size() as i32;
+            if ranks.is_empty() || ranks.iter().any(|r| *r < 0 || *r >= n) {
+                return Err(Error::InvalidArgument(format!(
+                    "init ranks {ranks:?} must be ranks of MPI_COMM_WORLD (size {n})"
+                )));
+            }
+            all.subset(ranks)?.ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "rank {} of MPI_COMM_WORLD is not in the ranks given to init {ranks:?}",
+                    all.rank()
+                ))
+            })?
+        }
+    };
+    let mut settings = JobSettings::from_rank0(&world, &rt.config)?;
+    let world = world.with_max_count(settings.mpi_max_count);
+    let local = world.split_local(Some(settings.local_size_override).filter(|n| *n > 0))?;
+    let cross = world.split(local.rank() as i32)?;
+    let local_sizes = world.allgather_i64(local.size() as i64)?;
+    if settings.channels > 1 && world.allgather_i64(multiple as i64)?.contains(&0) {
+        tracing::warn!("FERROVOD_CHANNELS needs MPI_THREAD_MULTIPLE on every rank; using 1");
+        settings.channels = 1;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    crate::runtime::handle::set_polling(
+        rt.config
+            .poll
+            .unwrap_or(cores / local.size().max(1) >= MIN_CORES_TO_POLL),
+    );
+    let topo = Topology {
+        rank: world.rank() as i32,
+        size: world.size() as i32,
+        local_rank: local.rank() as i32,
+        local_size: local.size() as i32,
+        cross_rank: cross.rank() as i32,
+        cross_size: cross.size() as i32,
+        is_homogeneous: local_sizes.iter().all(|s| *s == local_sizes[0]),
+        mpi_threads_supported: multiple,
+    };
+    let _ = rt.topology.set(topo.clone());
+    Ok((world, settings, topo))
+}
 
 /// Settings that change which collectives run, taken from rank 0 so that a rank launched with a
 /// different environment cannot make the ranks disagree.
