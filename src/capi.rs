@@ -386,6 +386,7 @@ pub extern "C" fn fv_read_metrics(out: *mut fv_metrics) -> Status {
 /// The library version, a static NUL-terminated string.
 #[unsafe(no_mangle)]
 pub extern "C" fn fv_version() -> *const c_char {
+    // no boundary needed: a static's address, no code that can panic
     static V: &str = concat!(env!("CARGO_PKG_VERSION"), "\0");
     V.as_ptr().cast()
 }
@@ -402,15 +403,14 @@ pub unsafe extern "C" fn fv_built_with(what: *const c_char) -> i32 {
         return 0;
     }
     // SAFETY: NUL-terminated per the contract.
-    let s = unsafe { CStr::from_ptr(what) }.to_string_lossy();
-    if s.eq_ignore_ascii_case("mpi") {
-        return 1;
-    }
-    // GPU support is compiled in; it is usable where the libraries load (probing them loads
-    // foreign libraries: behind the panic boundary)
+    let name = unsafe { CStr::from_ptr(what) }.to_bytes();
     catch_unwind(|| {
+        if name.eq_ignore_ascii_case(b"mpi") {
+            return 1;
+        }
+        // GPU support is compiled in; it is usable where the libraries load
         let gpu = crate::transport::cuda::cuda_present() && crate::transport::nccl::nccl_present();
-        i32::from(gpu && (s.eq_ignore_ascii_case("nccl") || s.eq_ignore_ascii_case("cuda")))
+        i32::from(gpu && (name.eq_ignore_ascii_case(b"nccl") || name.eq_ignore_ascii_case(b"cuda")))
     })
     .unwrap_or(0)
 }
@@ -427,13 +427,15 @@ pub unsafe extern "C" fn fv_struct_size(name: *const c_char) -> usize {
         return 0;
     }
     // SAFETY: NUL-terminated per the contract.
-    match unsafe { CStr::from_ptr(name) }.to_bytes() {
+    let name = unsafe { CStr::from_ptr(name) }.to_bytes();
+    catch_unwind(|| match name {
         b"fv_tensor" => std::mem::size_of::<fv_tensor>(),
         b"fv_op" => std::mem::size_of::<fv_op>(),
         b"fv_init_options" => std::mem::size_of::<fv_init_options>(),
         b"fv_metrics" => std::mem::size_of::<fv_metrics>(),
         _ => 0,
-    }
+    })
+    .unwrap_or(0)
 }
 
 /// `*event` = the `CUevent` recorded on ferrovod's stream after a GPU operation's work, for a

@@ -379,6 +379,37 @@ pub(crate) fn gpu_mode() -> bool {
     std::env::var("FERROVOD_TEST_GPU").is_ok_and(|v| v == "1")
 }
 
+/// Scenarios in which ranks fail, stop or stall: every rank must end with an error.
+const FAILURES: &[&str] = &[
+    "stall",
+    "stall_cached",
+    "stall_in_set",
+    "offline_stall",
+    "rank_stopped",
+    "rank_stopped_in_batch",
+    "fault_panic",
+    "fault_negotiation",
+    "fault_decode",
+    "fault_nccl_init",
+    "gpu_alltoall_fault",
+];
+
+/// How long a scenario may run. A failure scenario must end within its stall shutdown time
+/// (`HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`; none: it fails at once) plus a margin for mpirun's
+/// start, the presence probe and the exit grace (and NCCL's set-up on GPUs): a hang, or an end
+/// that comes late, fails it.
+fn time_limit(name: &str, env: &[(&str, &str)]) -> Duration {
+    if !FAILURES.contains(&name) {
+        return Duration::from_secs(300);
+    }
+    let stall: u64 = env
+        .iter()
+        .find(|(k, _)| *k == "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
+        .map_or(0, |(_, v)| v.parse().expect("whole seconds"));
+    let margin = if gpu_mode() { 40 } else { 15 };
+    Duration::from_secs(stall + margin)
+}
+
 pub(crate) fn main() {
     if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
         let name = std::env::args().nth(1).expect("scenario name");
@@ -442,21 +473,14 @@ pub(crate) fn main() {
         for (k, v) in *env {
             cmd.env(k, v).args(["-x", k]);
         }
-        // failure scenarios must end soon after their stall limit: a hang is the failure
-        let limit = match *name {
-            "rank_stopped"
-            | "rank_stopped_in_batch"
-            | "fault_panic"
-            | "fault_negotiation"
-            | "fault_decode"
-            | "fault_nccl_init"
-            | "gpu_alltoall_fault" => 60,
-            _ => 300,
-        };
-        let out = run_with_timeout(cmd, Duration::from_secs(limit));
+        let limit = time_limit(name, env);
+        let out = run_with_timeout(cmd, limit);
         let secs = start.elapsed().as_secs_f64();
         let (ok, why) = match &out {
-            None => (false, "timed out (hang)".to_string()),
+            None => (
+                false,
+                format!("did not end within {limit:?}: a hang, or an end that came too late"),
+            ),
             Some((status, stdout, stderr)) => {
                 let passes = stdout.matches("RANK-PASSED").count();
                 if *expect_ok {
