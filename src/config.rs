@@ -234,8 +234,10 @@ impl Config {
 /// 0 cannot decode a request list), `stop_in_round` (stops itself between the vote and the
 /// coordinator round), `autotune`, `freeze` and `offline` (autotune, freezing an offline plan
 /// or running one fails locally), `nccl_init` (a rank fails before creating its NCCL
-/// communicator), `gpu_alltoall` (a GPU alltoall fails before its host-MPI split exchange).
-/// Ranks are global ranks (set ranks for the last two, the same in the tests' global set).
+/// communicator), `gpu_alltoall` (a GPU alltoall fails before its host-MPI split exchange),
+/// `gpu_staged` (a GPU allreduce of a dtype NCCL cannot reduce fails before its host-MPI
+/// reduction). Ranks are global ranks (set ranks for the last three, the same in the tests'
+/// global set).
 /// Not for production use.
 pub fn test_fault(point: &str, rank: i32) -> bool {
     static FAULT: std::sync::OnceLock<Option<(String, i32)>> = std::sync::OnceLock::new();

@@ -326,6 +326,10 @@ fn allreduce_staged(
             .download(lane.stream, src, &mut buf[off..off + len])?;
         off += len;
     }
+    if crate::config::test_fault("gpu_staged", host.rank() as i32) {
+        // as a failed download: the other ranks wait in the host allreduce below
+        return Err(Error::Internal("test fault: gpu_staged".into()));
+    }
     act(Some("MPI_ALLREDUCE"));
     crate::elementwise::scale(&mut buf, head.dtype, head.prescale)?;
     host.allreduce(None, &mut buf, head.dtype, op)?;

@@ -435,6 +435,37 @@ fn wait_for(event: &Event, limit: Option<Duration>, between: &mut dyn FnMut()) -
     }
 }
 
+/// After a batch's completion timed out and the failure was reported: whether its work stopped,
+/// i.e. its event fired once the shutdown aborted its NCCL communicators. Gives up `limit`
+/// after the abort, or when no abort came within `ABORT_WAIT`.
+fn stopped_by_abort(
+    recorded: &Recorded,
+    limit: Option<Duration>,
+    between: &mut dyn FnMut(),
+) -> bool {
+    let start = Instant::now();
+    let mut aborted_at = None;
+    loop {
+        if recorded.event.query().unwrap_or(false) {
+            return true;
+        }
+        if aborted_at.is_none() && recorded.aborted.load(Ordering::SeqCst) {
+            aborted_at = Some(Instant::now());
+        }
+        let after_abort = limit.unwrap_or(ABORT_WAIT);
+        match aborted_at {
+            Some(t) if t.elapsed() > after_abort => return false,
+            None if start.elapsed() > ABORT_WAIT => return false,
+            _ => {}
+        }
+        between();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// How long a batch that timed out waits for the shutdown to abort its communicators.
+const ABORT_WAIT: Duration = Duration::from_secs(120);
+
 /// Hands a batch's handles their results and event while the batch runs, so that once its
 /// event fires completing each tensor only counts it down (doing all of it then delayed the
 /// last handle; BENCHMARKS.md, "Figures moved out of comments").
@@ -490,10 +521,10 @@ fn finish_loop(rt: Arc<Runtime>, rx: Receiver<Finish>) {
             // are told only after the work is stopped (the abort lets the event fire).
             tracing::error!("{e}");
             rt.report_gpu_failure(&e.to_string());
-            let stopped = wait_for(&recorded.event, limit, &mut take_arrivals);
-            if stopped.is_err() {
-                tracing::error!(
-                    "GPU work still not stopped after the NCCL abort was requested; failing its tensors anyway"
+            if !stopped_by_abort(recorded, limit, &mut take_arrivals) {
+                // telling the callers now would let them free buffers the GPU may still write
+                crate::transport::mpi::abort_job(
+                    "ferrovod: a GPU collective did not stop after its NCCL communicators were aborted; ending the job rather than report its tensors' memory free while the GPU may still write it",
                 );
             }
             fired = Err(e.clone());

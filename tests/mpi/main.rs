@@ -66,6 +66,12 @@ pub(crate) const GPU_ALLTOALL_FAULT: &[(&str, &str)] = &[
     ("FERROVOD_TEST_FAULT", "gpu_alltoall:1"),
 ];
 
+pub(crate) const GPU_STAGED_FAULT: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+    ("FERROVOD_TEST_FAULT", "gpu_staged:1"),
+];
+
 pub(crate) const AUTOTUNE_FAULT: &[(&str, &str)] = &[
     ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
     ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
@@ -315,6 +321,7 @@ pub(crate) const GPU_SCENARIOS: &[Scenario] = &[
     ("rank_stopped_in_batch", 2, STOP_IN_BATCH, false),
     ("fault_nccl_init", 2, NCCL_INIT_FAULT, false),
     ("gpu_alltoall_fault", 2, GPU_ALLTOALL_FAULT, false),
+    ("gpu_staged_fault", 2, GPU_STAGED_FAULT, false),
     ("collectives", 2, &[], true),
     ("collectives", 4, &[], true),
     (
@@ -392,6 +399,7 @@ const FAILURES: &[&str] = &[
     "fault_decode",
     "fault_nccl_init",
     "gpu_alltoall_fault",
+    "gpu_staged_fault",
 ];
 
 /// How long a scenario may run. A failure scenario must end within its stall shutdown time
@@ -508,7 +516,9 @@ pub(crate) fn main() {
                         "fault_panic" => stderr.contains("background thread panicked"),
                         "fault_negotiation" => stdout.contains("FAULT-REPORTED rank=1"),
                         "fault_nccl_init" => stderr.contains("in ncclCommInitRank"),
-                        "gpu_alltoall_fault" => stderr.contains("Stalled ranks"),
+                        "gpu_alltoall_fault" | "gpu_staged_fault" => {
+                            stderr.contains("Stalled ranks")
+                        }
                         _ => true,
                     };
                     (
@@ -641,6 +651,7 @@ pub(crate) fn run_rank(name: &str) {
         "fault_decode" => fault_decode(),
         "fault_nccl_init" => fault_nccl_init(),
         "gpu_alltoall_fault" => gpu_alltoall_fault(),
+        "gpu_staged_fault" => gpu_staged_fault(),
         "preinitialized_mpi" => preinitialized_mpi(),
         "init_subset" => init_subset(),
         "timeline" => timeline(),

@@ -358,3 +358,14 @@ pub(crate) fn gpu_alltoall_fault() {
     ));
     std::thread::sleep(Duration::from_secs(120));
 }
+
+/// GPU: rank 1's allreduce of a dtype NCCL cannot reduce (u16, staged through a host-MPI
+/// reduction) fails before the host reduction that rank 0 waits in.
+pub(crate) fn gpu_staged_fault() {
+    init();
+    let _ = run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("staged.fault", DataType::U16, &[4], &[1.0; 4], true)],
+    ));
+    std::thread::sleep(Duration::from_secs(120));
+}
