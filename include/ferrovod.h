@@ -395,6 +395,13 @@ fv_status fv_mpi_threads_supported(int32_t *out);
 fv_status fv_read_metrics(struct fv_metrics *out);
 
 /*
+ The canonical error code (`absl::StatusCode`: TensorFlow's, gRPC's) of a status, so that a
+ framework op written in C++ reports each status as every other binding does; `status`
+ values that are no `fv_status` give 2 (unknown).
+ */
+int32_t fv_status_code(int32_t status);
+
+/*
  The library version, a static NUL-terminated string.
  */
 const char *fv_version(void);

@@ -383,6 +383,18 @@ pub extern "C" fn fv_read_metrics(out: *mut fv_metrics) -> Status {
     })
 }
 
+/// The canonical error code (`absl::StatusCode`: TensorFlow's, gRPC's) of a status, so that a
+/// framework op written in C++ reports each status as every other binding does; `status`
+/// values that are no `fv_status` give 2 (unknown).
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_status_code(status: i32) -> i32 {
+    // no boundary needed: a table lookup, no code that can panic
+    Status::ALL
+        .iter()
+        .find(|s| **s as i32 == status)
+        .map_or(Status::Unknown.canonical_code(), |s| s.canonical_code())
+}
+
 /// The library version, a static NUL-terminated string.
 #[unsafe(no_mangle)]
 pub extern "C" fn fv_version() -> *const c_char {

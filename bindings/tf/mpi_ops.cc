@@ -46,17 +46,11 @@ int32_t DtypeCode(DataType t) {
   }
 }
 
-// ferrovod status → TensorFlow status (Horovod's mapping: mismatches are FailedPrecondition,
-// enqueue-time rejections InvalidArgument).
+// ferrovod status → TensorFlow status: the library's one mapping to canonical codes
+// (Horovod's for the codes Horovod has).
 absl::Status ToStatus(int32_t code, const std::string& msg) {
-  switch (code) {
-    case FV_STATUS_OK: return absl::OkStatus();
-    case FV_STATUS_PRECONDITION: return errors::FailedPrecondition(msg);
-    case FV_STATUS_ABORTED: return errors::Aborted(msg);
-    case FV_STATUS_INVALID_ARGUMENT: return errors::InvalidArgument(msg);
-    case FV_STATUS_NOT_INITIALIZED: return errors::FailedPrecondition(msg);
-    default: return errors::Unknown(msg);
-  }
+  if (code == FV_STATUS_OK) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(fv_status_code(code)), msg);
 }
 
 std::string LastError() {

@@ -101,6 +101,12 @@ int main(void) {
     CHECK(fv_local_size(&local) == FV_STATUS_OK && local == size, "local size %d", local);
     CHECK(fv_is_homogeneous(&homog) == FV_STATUS_OK && homog == 1, "homogeneous");
     CHECK(strlen(fv_version()) > 0, "version");
+    /* canonical codes, as TensorFlow's errors (absl::StatusCode) number them */
+    CHECK(fv_status_code(FV_STATUS_OK) == 0, "ok is code 0");
+    CHECK(fv_status_code(FV_STATUS_PRECONDITION) == 9, "precondition is FAILED_PRECONDITION");
+    CHECK(fv_status_code(FV_STATUS_INVALID_ARGUMENT) == 3, "invalid argument");
+    CHECK(fv_status_code(FV_STATUS_SHUT_DOWN) == 2, "shutdown is UNKNOWN, as in Horovod");
+    CHECK(fv_status_code(-7) == 2 && fv_status_code(99) == 2, "no fv_status is UNKNOWN");
     CHECK(fv_built_with("mpi") == 1 && fv_built_with("nccl") == 0, "built with");
 
     /* misuse after init */
