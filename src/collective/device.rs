@@ -4,6 +4,7 @@
 //! tensors (and a batch of one) are reduced in the tensor's own memory. Reductions the device
 //! backend lacks (16-bit integers, bool) are staged through host memory and the host transport.
 
+use crate::collective::kernels;
 use crate::collective::replay::{Launch, LaunchGraphs, ReplayKey};
 use crate::collective::{
     ActivitySink, allgather_contributions, allgather_shape, alltoall_counts, backend_op,
@@ -240,7 +241,7 @@ impl FusedAllreduce<'_, '_> {
             let n = input.len() / dtype.size();
             let mut src = input;
             if self.prescale != 1.0 {
-                gpu.scale(stream, input, output, n, dtype, self.prescale)?;
+                kernels::scale(gpu, stream, input, output, n, dtype, self.prescale)?;
                 src = output;
             }
             calls.push((src, output, n));
@@ -258,13 +259,13 @@ impl FusedAllreduce<'_, '_> {
             gpu.copy_batch(stream, &copies_in)?;
             let total: usize = self.fused.iter().map(|i| ios[*i].input().len()).sum();
             let n = total / dtype.size();
-            gpu.scale(stream, buf, buf, n, dtype, self.prescale)?;
+            kernels::scale(gpu, stream, buf, buf, n, dtype, self.prescale)?;
             calls.push((buf, buf, n));
         }
         act(Some("NCCL_ALLREDUCE"));
         t.allreduce_many(&calls, dtype, self.op, stream)?;
         for (_, out, n) in &calls {
-            gpu.scale(stream, *out, *out, *n, dtype, self.post)?;
+            kernels::scale(gpu, stream, *out, *out, *n, dtype, self.post)?;
         }
         if !self.fused.is_empty() {
             act(Some("MEMCPY_OUT_FUSION_BUFFER"));
@@ -436,7 +437,7 @@ pub fn reducescatter_batch(
         let dst = ios[0].output();
         act(Some("NCCL_REDUCESCATTER"));
         t.reduce_scatter(src, dst, &elems, dtype, op, stream)?;
-        gpu.scale(stream, dst, dst, dst.len() / dtype.size(), dtype, post)?;
+        kernels::scale(gpu, stream, dst, dst, dst.len() / dtype.size(), dtype, post)?;
         act(None);
         return Ok(());
     }
@@ -446,10 +447,18 @@ pub fn reducescatter_batch(
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
     let inputs: Vec<DeviceRange> = ios.iter().map(|io| io.input()).collect();
     gpu.copy_batch(stream, &rank_major_copies(buf, &inputs, &seg, true)?)?;
-    gpu.scale(stream, buf, buf, total / dtype.size(), dtype, head.prescale)?;
+    kernels::scale(
+        gpu,
+        stream,
+        buf,
+        buf,
+        total / dtype.size(),
+        dtype,
+        head.prescale,
+    )?;
     act(Some("NCCL_REDUCESCATTER"));
     t.reduce_scatter(buf, recv, &elems, dtype, op, stream)?;
-    gpu.scale(stream, recv, recv, elems[me], dtype, post)?;
+    kernels::scale(gpu, stream, recv, recv, elems[me], dtype, post)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
     let copies = consecutive_copies(
         recv,

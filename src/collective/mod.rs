@@ -4,6 +4,7 @@
 
 pub mod device;
 pub mod execute;
+pub mod kernels;
 pub mod replay;
 pub mod ring;
 

@@ -256,8 +256,8 @@ impl Workspace for DeviceWorkspace<'_> {
     ) -> Result<()> {
         let x = self.scratch.first(range.len())?;
         let n = range.len() / dtype.size();
-        self.gpu
-            .reduce_into(self.stream, self.part(&range)?, x, n, dtype, op)
+        let acc = self.part(&range)?;
+        crate::collective::kernels::reduce_into(self.gpu, self.stream, acc, x, n, dtype, op)
     }
 
     fn exchange(

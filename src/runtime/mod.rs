@@ -420,7 +420,7 @@ impl Runtime {
                     .get_or_init(|| self.topology().local_rank % count)
             }
         };
-        crate::transport::cuda::gpu(ordinal)
+        open_gpu(ordinal)
     }
 
     /// The GPU of a device operation (opened on first use; without CUDA, the documented
@@ -442,7 +442,7 @@ impl Runtime {
         {
             return Err(other_gpu(*first));
         }
-        let gpu = crate::transport::cuda::gpu(spec.device)?;
+        let gpu = open_gpu(spec.device)?;
         let first = *self.gpu_device.get_or_init(|| spec.device);
         if first != spec.device {
             return Err(other_gpu(first));
@@ -766,6 +766,14 @@ impl Runtime {
 }
 
 /// Collective calls that block until all ranks agree cannot run inside a callback.
+/// The GPU `ordinal` with the collectives' kernels loaded: a GPU whose kernels cannot be
+/// compiled fails the call that first uses it, not a batch the ranks agreed to run.
+fn open_gpu(ordinal: i32) -> Result<Arc<crate::transport::cuda::Gpu>> {
+    let gpu = crate::transport::cuda::gpu(ordinal)?;
+    gpu.load(&crate::collective::kernels::LIBRARY)?;
+    Ok(gpu)
+}
+
 fn refuse_on_background_thread(what: &str) -> Result<()> {
     if on_background_thread() {
         return Err(Error::InvalidArgument(format!(

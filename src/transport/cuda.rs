@@ -1,17 +1,17 @@
 //! CUDA through cudarc, loaded at run time: one `libferrovod.so` runs on machines without a
 //! driver (GPU requests then fail with [`no_cuda_error`]) and on GPU machines alike. Streams,
-//! events and device memory are thin owners of driver handles; the kernels ferrovod needs
-//! (batched copies, scaling, f32↔f16/bf16 casts) are compiled once per process by NVRTC for
-//! the GPU present.
+//! events and device memory are thin owners of driver handles. Kernels are compiled by NVRTC
+//! for the GPU present, once per process: the batched copy here, and the elementwise kernels
+//! of the stages that compute (`KernelLibrary`: their CUDA C lives with the stage, this file
+//! loads and launches them).
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 use cudarc::driver::sys::{self, CUdeviceptr};
 use cudarc::driver::{CudaContext, DriverError, result};
 
-use crate::dtype::DataType;
 use crate::error::{Error, Result};
 use crate::transport::memory::DeviceRange;
 
@@ -46,7 +46,11 @@ pub fn device_count() -> Result<usize> {
 pub struct Gpu {
     pub ordinal: i32,
     ctx: Arc<CudaContext>,
-    kernels: Kernels,
+    batched_copy: Function,
+    /// Elementwise kernels of the libraries loaded so far, by kernel name.
+    elementwise: RwLock<HashMap<&'static str, Function>>,
+    /// The libraries loaded so far (by name).
+    libraries: Mutex<Vec<&'static str>>,
     /// Where `join_events` records: a stream of its own, so joins never wait behind batches.
     joiner: Mutex<Option<Stream>>,
     /// Events for `mark_stream`, reused.
@@ -107,11 +111,14 @@ pub fn gpu(ordinal: i32) -> Result<Arc<Gpu>> {
         )));
     }
     let ctx = CudaContext::new(ordinal as usize).map_err(|e| driver("context", e))?;
-    let kernels = Kernels::compile(&ctx)?;
+    let module = compile(&ctx, "ferrovod_copy.cu", COPY_SOURCE)?;
+    let batched_copy = Function(module.function("fv_batched_copy")?);
     let g = Arc::new(Gpu {
         ordinal,
         ctx,
-        kernels,
+        batched_copy,
+        elementwise: RwLock::default(),
+        libraries: Mutex::default(),
         joiner: Mutex::new(None),
         marks: Arc::default(),
     });
@@ -233,7 +240,7 @@ impl Gpu {
             // ranges checked to hold its bytes (`Copy::new`).
             unsafe {
                 result::launch_kernel(
-                    self.kernels.batched_copy,
+                    self.batched_copy.0,
                     (blocks, chunk.len() as u32, 1),
                     (256, 1, 1),
                     0,
@@ -246,85 +253,63 @@ impl Gpu {
         Ok(())
     }
 
-    /// `dst[i] = src[i] * factor` for `n` elements (src may equal dst). Integers are scaled in
-    /// f64 and truncated, 32- and 16-bit floats in f32, as the host path does.
-    pub fn scale(
-        &self,
-        stream: &Stream,
-        src: DeviceRange,
-        dst: DeviceRange,
-        n: usize,
-        dtype: DataType,
-        factor: f64,
-    ) -> Result<()> {
-        if factor == 1.0 && src.ptr() == dst.ptr() || n == 0 {
+    /// Compiles and loads `lib` (once per process; later calls return at once), so that its
+    /// kernels can be launched and a failing compilation shows when the GPU is first used.
+    pub fn load(&self, lib: &KernelLibrary) -> Result<()> {
+        let mut loaded = self.libraries.lock().expect("kernel libraries");
+        if loaded.contains(&lib.name) {
             return Ok(());
         }
-        let bytes = n.saturating_mul(dtype.size());
-        src.holds(bytes, "scale source")?;
-        dst.holds(bytes, "scale destination")?;
-        let f =
-            *self.kernels.scale.get(&dtype).ok_or_else(|| {
-                Error::InvalidArgument(format!("{} cannot be scaled", dtype.name()))
-            })?;
-        self.launch_elementwise(f, stream, src.ptr(), dst.ptr(), n, Extra::Factor(factor))
+        let module = compile(&self.ctx, lib.name, lib.source)?;
+        let mut table = self.elementwise.write().expect("kernel table");
+        for kernel in lib.kernels {
+            if table.contains_key(kernel) {
+                return Err(Error::Internal(format!(
+                    "kernel {kernel} of {} is already loaded from another library",
+                    lib.name
+                )));
+            }
+            table.insert(kernel, Function(module.function(kernel)?));
+        }
+        loaded.push(lib.name);
+        Ok(())
     }
 
-    /// Converts `n` elements between f32 and f16/bf16 (round to nearest even).
-    pub fn cast(
+    /// Launches `kernel` over `n` elements: it reads `n` elements of `kernel.src_size` bytes at
+    /// `src` and writes `n` of `kernel.dst_size` bytes at `dst` (src may equal dst). Its library
+    /// is loaded first if it is not yet.
+    pub fn launch_elementwise(
         &self,
         stream: &Stream,
+        kernel: Elementwise,
         src: DeviceRange,
-        from: DataType,
         dst: DeviceRange,
-        to: DataType,
-        n: usize,
-    ) -> Result<()> {
-        src.holds(n.saturating_mul(from.size()), "cast source")?;
-        dst.holds(n.saturating_mul(to.size()), "cast destination")?;
-        let f = *self.kernels.cast.get(&(from, to)).ok_or_else(|| {
-            Error::InvalidArgument(format!("no GPU cast from {} to {}", from.name(), to.name()))
-        })?;
-        self.launch_elementwise(f, stream, src.ptr(), dst.ptr(), n, Extra::None)
-    }
-
-    /// `acc[i] = op(acc[i], x[i])` for `n` elements of any dtype (Sum, Min, Max or Product),
-    /// computed as the host's `reduce_into` computes it.
-    pub fn reduce_into(
-        &self,
-        stream: &Stream,
-        acc: DeviceRange,
-        x: DeviceRange,
-        n: usize,
-        dtype: DataType,
-        op: crate::message::ReduceOp,
-    ) -> Result<()> {
-        // the kernels' `op` parameter is the same index
-        let code = op.elementwise_index()? as i32;
-        let bytes = n.saturating_mul(dtype.size());
-        acc.holds(bytes, "reduction accumulator")?;
-        x.holds(bytes, "reduction operand")?;
-        let f = *self
-            .kernels
-            .reduce
-            .get(&dtype)
-            .ok_or_else(|| Error::Internal(format!("no GPU reduction of {}", dtype.name())))?;
-        self.launch_elementwise(f, stream, x.ptr(), acc.ptr(), n, Extra::Op(code))
-    }
-
-    fn launch_elementwise(
-        &self,
-        f: Function,
-        stream: &Stream,
-        src: CUdeviceptr,
-        dst: CUdeviceptr,
         n: usize,
         extra: Extra,
     ) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
-        let (mut s, mut d, mut count) = (src, dst, n as u64);
+        src.holds(n.saturating_mul(kernel.src_size), "kernel source")?;
+        dst.holds(n.saturating_mul(kernel.dst_size), "kernel destination")?;
+        let found = self
+            .elementwise
+            .read()
+            .expect("kernel table")
+            .get(kernel.name)
+            .copied();
+        let f = match found {
+            Some(f) => f,
+            None => {
+                let lib = kernel.library;
+                self.load(lib)?;
+                let table = self.elementwise.read().expect("kernel table");
+                table.get(kernel.name).copied().ok_or_else(|| {
+                    Error::Internal(format!("{} has no kernel {}", lib.name, kernel.name))
+                })?
+            }
+        };
+        let (mut s, mut d, mut count) = (src.ptr(), dst.ptr(), n as u64);
         let (mut factor, mut op) = match extra {
             Extra::Factor(k) => (k, 0),
             Extra::Op(o) => (1.0, o),
@@ -341,8 +326,9 @@ impl Gpu {
             Extra::Op(_) => params.push((&mut op as *mut i32).cast()),
             Extra::None => {}
         }
-        // SAFETY: the kernel's parameters match `params` (pointers, count, then its factor or
-        // op); both ranges were checked to hold `n` elements (`scale`, `cast`, `reduce_into`).
+        // SAFETY: elementwise kernels take (src, dst, count) and the parameter `extra` names
+        // (the `KernelLibrary` contract); both ranges were checked above to hold the `n`
+        // elements the kernel reads and writes.
         unsafe { result::launch_kernel(f.0, (blocks, 1, 1), (256, 1, 1), 0, stream.0, &mut params) }
             .map_err(|e| driver("kernel launch", e))
     }
@@ -672,101 +658,78 @@ struct Function(sys::CUfunction);
 unsafe impl Send for Function {}
 unsafe impl Sync for Function {}
 
-/// The last parameter of an elementwise kernel.
-#[derive(Clone, Copy)]
-enum Extra {
+/// The last parameter of an elementwise kernel, if any.
+#[derive(Clone, Copy, Debug)]
+pub enum Extra {
     None,
+    /// A `double`.
     Factor(f64),
+    /// An `int`.
     Op(i32),
 }
 
-struct Kernels {
-    batched_copy: sys::CUfunction,
-    scale: HashMap<DataType, Function>,
-    cast: HashMap<(DataType, DataType), Function>,
-    reduce: HashMap<DataType, Function>,
+/// Elementwise kernels in CUDA C without headers (NVRTC needs no include path), supplied by the
+/// stage that computes with them. Contract: each kernel in `kernels` is
+/// `extern "C" __global__ void name(const S* src, D* dst, unsigned long long n[, extra])` and
+/// touches elements `0..n` of `src` and `dst` only.
+pub struct KernelLibrary {
+    /// A name for NVRTC's messages.
+    pub name: &'static str,
+    pub source: &'static str,
+    pub kernels: &'static [&'static str],
 }
 
-// SAFETY: function handles of a module that is never unloaded.
-unsafe impl Send for Kernels {}
-unsafe impl Sync for Kernels {}
+/// One kernel of a library, with the element sizes it reads and writes.
+#[derive(Clone, Copy)]
+pub struct Elementwise {
+    pub library: &'static KernelLibrary,
+    pub name: &'static str,
+    pub src_size: usize,
+    pub dst_size: usize,
+}
 
-const SCALED: [(DataType, &str); 10] = [
-    (DataType::U8, "u8"),
-    (DataType::I8, "i8"),
-    (DataType::U16, "u16"),
-    (DataType::I16, "i16"),
-    (DataType::I32, "i32"),
-    (DataType::I64, "i64"),
-    (DataType::F16, "f16"),
-    (DataType::BF16, "bf16"),
-    (DataType::F32, "f32"),
-    (DataType::F64, "f64"),
-];
+/// A compiled, loaded module (never unloaded: its functions live as long as the process).
+struct Module(sys::CUmodule);
 
-const CASTS: [(DataType, DataType, &str); 4] = [
-    (DataType::F32, DataType::F16, "fv_cast_f32_f16"),
-    (DataType::F16, DataType::F32, "fv_cast_f16_f32"),
-    (DataType::F32, DataType::BF16, "fv_cast_f32_bf16"),
-    (DataType::BF16, DataType::F32, "fv_cast_bf16_f32"),
-];
-
-impl Kernels {
-    fn compile(ctx: &Arc<CudaContext>) -> Result<Kernels> {
-        // SAFETY: only tries to dlopen the NVRTC library.
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-            return Err(Error::Precondition(
-                "CUDA is present but NVRTC (libnvrtc.so) could not be loaded; ferrovod compiles its GPU kernels with it".into(),
-            ));
-        }
-        let (major, minor) = ctx
-            .compute_capability()
-            .map_err(|e| driver("device attribute", e))?;
-        let opts = cudarc::nvrtc::CompileOptions {
-            options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
-            name: Some("ferrovod_kernels.cu".into()),
-            ..Default::default()
-        };
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNEL_SOURCE, opts).map_err(|e| {
-            Error::Backend(format!("NVRTC could not compile ferrovod's kernels: {e:?}"))
-        })?;
-        let image = std::ffi::CString::new(ptx.to_src())
-            .map_err(|_| Error::Internal("PTX with a NUL byte".into()))?;
-        ctx.bind_to_thread()
-            .map_err(|e| driver("context bind", e))?;
-        // SAFETY: a NUL-terminated PTX image; the module is never unloaded.
-        let module = unsafe { result::module::load_data(image.as_ptr().cast()) }
-            .map_err(|e| driver("module load", e))?;
-        let get = |name: &str| -> Result<sys::CUfunction> {
-            let c = std::ffi::CString::new(name).expect("kernel name");
-            // SAFETY: a loaded module and a NUL-terminated name.
-            unsafe { result::module::get_function(module, c) }
-                .map_err(|e| driver(&format!("kernel {name}"), e))
-        };
-        let mut scale = HashMap::new();
-        for (dt, suffix) in SCALED {
-            scale.insert(dt, Function(get(&format!("fv_scale_{suffix}"))?));
-        }
-        let mut cast = HashMap::new();
-        for (from, to, name) in CASTS {
-            cast.insert((from, to), Function(get(name)?));
-        }
-        let mut reduce = HashMap::new();
-        for (dt, suffix) in SCALED.iter().chain(&[(DataType::Bool, "bool")]) {
-            reduce.insert(*dt, Function(get(&format!("fv_reduce_{suffix}"))?));
-        }
-        Ok(Kernels {
-            batched_copy: get("fv_batched_copy")?,
-            scale,
-            cast,
-            reduce,
-        })
+impl Module {
+    fn function(&self, name: &str) -> Result<sys::CUfunction> {
+        let c = std::ffi::CString::new(name).map_err(|_| Error::Internal("kernel name".into()))?;
+        // SAFETY: a loaded module and a NUL-terminated name.
+        unsafe { result::module::get_function(self.0, c) }
+            .map_err(|e| driver(&format!("kernel {name}"), e))
     }
 }
 
-/// The kernels, in CUDA C with no headers (NVRTC needs no include path). Half conversions use
-/// PTX `cvt` (sm_53+); bfloat16 rounds to nearest even in integer arithmetic, as `half` does.
-const KERNEL_SOURCE: &str = r#"
+/// Compiles `source` for the context's GPU and loads it.
+fn compile(ctx: &Arc<CudaContext>, name: &str, source: &str) -> Result<Module> {
+    // SAFETY: only tries to dlopen the NVRTC library.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(Error::Precondition(
+            "CUDA is present but NVRTC (libnvrtc.so) could not be loaded; ferrovod compiles its GPU kernels with it".into(),
+        ));
+    }
+    let (major, minor) = ctx
+        .compute_capability()
+        .map_err(|e| driver("device attribute", e))?;
+    let opts = cudarc::nvrtc::CompileOptions {
+        options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
+        name: Some(name.into()),
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, opts)
+        .map_err(|e| Error::Backend(format!("NVRTC could not compile {name}: {e:?}")))?;
+    let image = std::ffi::CString::new(ptx.to_src())
+        .map_err(|_| Error::Internal("PTX with a NUL byte".into()))?;
+    ctx.bind_to_thread()
+        .map_err(|e| driver("context bind", e))?;
+    // SAFETY: a NUL-terminated PTX image; the module is never unloaded.
+    let module = unsafe { result::module::load_data(image.as_ptr().cast()) }
+        .map_err(|e| driver("module load", e))?;
+    Ok(Module(module))
+}
+
+/// The batched copy, in CUDA C without headers.
+const COPY_SOURCE: &str = r#"
 typedef unsigned long long u64;
 struct CopyDesc { const unsigned char* src; unsigned char* dst; u64 len; };
 struct CopyBatch { CopyDesc d[128]; int n; };
@@ -792,81 +755,6 @@ extern "C" __global__ void fv_batched_copy(const CopyBatch b) {
   }
   for (u64 i = head + tid; i < c.len; i += step) c.dst[i] = c.src[i];
 }
-
-__device__ __forceinline__ float h2f(unsigned short h) {
-  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
-}
-__device__ __forceinline__ unsigned short f2h(float f) {
-  unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
-}
-__device__ __forceinline__ float b2f(unsigned short b) {
-  return __uint_as_float(((unsigned)b) << 16);
-}
-__device__ __forceinline__ unsigned short f2b(float f) {
-  unsigned u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (unsigned short)(u >> 16);
-}
-
-#define FV_LOOP for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
-
-#define FV_SCALE_INT(name, T) \
-extern "C" __global__ void fv_scale_##name(const T* s, T* d, u64 n, double f) { \
-  FV_LOOP { d[i] = (T)((double)s[i] * f); } }
-FV_SCALE_INT(u8, unsigned char)
-FV_SCALE_INT(i8, signed char)
-FV_SCALE_INT(u16, unsigned short)
-FV_SCALE_INT(i16, short)
-FV_SCALE_INT(i32, int)
-FV_SCALE_INT(i64, long long)
-
-extern "C" __global__ void fv_scale_f64(const double* s, double* d, u64 n, double f) {
-  FV_LOOP { d[i] = s[i] * f; } }
-extern "C" __global__ void fv_scale_f32(const float* s, float* d, u64 n, double f) {
-  float g = (float)f; FV_LOOP { d[i] = s[i] * g; } }
-extern "C" __global__ void fv_scale_f16(const unsigned short* s, unsigned short* d, u64 n, double f) {
-  float g = (float)f; FV_LOOP { d[i] = f2h(h2f(s[i]) * g); } }
-extern "C" __global__ void fv_scale_bf16(const unsigned short* s, unsigned short* d, u64 n, double f) {
-  float g = (float)f; FV_LOOP { d[i] = f2b(b2f(s[i]) * g); } }
-
-extern "C" __global__ void fv_cast_f32_f16(const float* s, unsigned short* d, u64 n) {
-  FV_LOOP { d[i] = f2h(s[i]); } }
-extern "C" __global__ void fv_cast_f16_f32(const unsigned short* s, float* d, u64 n) {
-  FV_LOOP { d[i] = h2f(s[i]); } }
-extern "C" __global__ void fv_cast_f32_bf16(const float* s, unsigned short* d, u64 n) {
-  FV_LOOP { d[i] = f2b(s[i]); } }
-extern "C" __global__ void fv_cast_bf16_f32(const unsigned short* s, float* d, u64 n) {
-  FV_LOOP { d[i] = b2f(s[i]); } }
-
-// d[i] = op(d[i], s[i]); op: 0 sum, 1 min, 2 max, 3 product. Integers wrap (computed unsigned),
-// 16-bit floats in f32, bool's sum and max are OR, its min and product AND: as the host does.
-#define FV_REDUCE_INT(name, T, U) \
-extern "C" __global__ void fv_reduce_##name(const T* s, T* d, u64 n, int op) { \
-  FV_LOOP { T a = d[i], b = s[i]; \
-    d[i] = op == 1 ? (a < b ? a : b) : op == 2 ? (a > b ? a : b) \
-         : op == 3 ? (T)((U)a * (U)b) : (T)((U)a + (U)b); } }
-FV_REDUCE_INT(u8, unsigned char, unsigned)
-FV_REDUCE_INT(i8, signed char, unsigned)
-FV_REDUCE_INT(u16, unsigned short, unsigned)
-FV_REDUCE_INT(i16, short, unsigned)
-FV_REDUCE_INT(i32, int, unsigned)
-FV_REDUCE_INT(i64, long long, unsigned long long)
-
-__device__ __forceinline__ float fv_op(float a, float b, int op) {
-  return op == 1 ? fminf(a, b) : op == 2 ? fmaxf(a, b) : op == 3 ? a * b : a + b;
-}
-extern "C" __global__ void fv_reduce_f32(const float* s, float* d, u64 n, int op) {
-  FV_LOOP { d[i] = fv_op(d[i], s[i], op); } }
-extern "C" __global__ void fv_reduce_f64(const double* s, double* d, u64 n, int op) {
-  FV_LOOP { double a = d[i], b = s[i];
-    d[i] = op == 1 ? fmin(a, b) : op == 2 ? fmax(a, b) : op == 3 ? a * b : a + b; } }
-extern "C" __global__ void fv_reduce_f16(const unsigned short* s, unsigned short* d, u64 n, int op) {
-  FV_LOOP { d[i] = f2h(fv_op(h2f(d[i]), h2f(s[i]), op)); } }
-extern "C" __global__ void fv_reduce_bf16(const unsigned short* s, unsigned short* d, u64 n, int op) {
-  FV_LOOP { d[i] = f2b(fv_op(b2f(d[i]), b2f(s[i]), op)); } }
-extern "C" __global__ void fv_reduce_bool(const unsigned char* s, unsigned char* d, u64 n, int op) {
-  FV_LOOP { d[i] = (op == 0 || op == 2) ? (d[i] | s[i]) : (d[i] & s[i]); } }
 "#;
 
 #[cfg(test)]
@@ -875,7 +763,7 @@ mod tests {
 
     #[test]
     fn batched_copy_parameter_matches_the_kernel() {
-        assert!(KERNEL_SOURCE.contains(&format!("CopyDesc d[{COPY_BATCH}]; int n;")));
+        assert!(COPY_SOURCE.contains(&format!("CopyDesc d[{COPY_BATCH}]; int n;")));
         // the parameter as the kernel sees it fits the 4 KiB every CUDA device accepts
         assert!(std::mem::size_of::<CopyBatch>() <= 4096);
         assert_eq!(std::mem::size_of::<Copy>(), 24);

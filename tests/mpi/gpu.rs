@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use ferrovod::Error;
+use ferrovod::collective::kernels;
 use ferrovod::runtime::entry::{InputMem, OutputAllocator, OutputMem};
 use ferrovod::runtime::handle::{Handle, HandleId, TensorResult};
 use ferrovod::runtime::{self, OpSpec};
@@ -228,7 +229,8 @@ pub(crate) fn gpu_streams() {
         let data = gpu.alloc(host.len()).unwrap();
         gpu.upload(&upload, &host, data.range()).unwrap();
         // the producer doubles the values; nothing waits for it on the host
-        gpu.scale(
+        kernels::scale(
+            &gpu,
             &producer,
             data.range(),
             data.range(),
@@ -408,10 +410,26 @@ pub(crate) fn gpu_kernels() {
     let back = gpu.alloc(n * 4).unwrap();
     gpu.upload(&s, &src, d32.range()).unwrap();
     for half_type in [DataType::F16, DataType::BF16] {
-        gpu.cast(&s, d32.range(), DataType::F32, d16.range(), half_type, n)
-            .unwrap();
-        gpu.cast(&s, d16.range(), half_type, back.range(), DataType::F32, n)
-            .unwrap();
+        kernels::cast(
+            &gpu,
+            &s,
+            d32.range(),
+            DataType::F32,
+            d16.range(),
+            half_type,
+            n,
+        )
+        .unwrap();
+        kernels::cast(
+            &gpu,
+            &s,
+            d16.range(),
+            half_type,
+            back.range(),
+            DataType::F32,
+            n,
+        )
+        .unwrap();
         let mut h16 = vec![0u8; n * 2];
         let mut h32 = vec![0u8; n * 4];
         gpu.download(&s, d16.range(), &mut h16).unwrap();
@@ -458,8 +476,7 @@ pub(crate) fn gpu_kernels() {
             if factor < 0.0 && matches!(dtype, DataType::U8 | DataType::U16) {
                 continue;
             }
-            gpu.scale(&s, dev.range(), out.range(), count, dtype, factor)
-                .unwrap();
+            kernels::scale(&gpu, &s, dev.range(), out.range(), count, dtype, factor).unwrap();
             let mut got = vec![0u8; bytes.len()];
             gpu.download(&s, out.range(), &mut got).unwrap();
             let mut want = bytes.clone();

@@ -117,6 +117,8 @@ pub fn run(o: &Options, grads: &[(String, usize)]) {
     let count = cuda::device_count().expect("CUDA");
     assert!(count > 0, "no CUDA device");
     let gpu = cuda::gpu(topo.local_rank % count as i32).expect("GPU");
+    gpu.load(&ferrovod::collective::kernels::LIBRARY)
+        .expect("kernels");
     let host = MpiComm::world().unwrap();
     let id = if me == 0 {
         nccl::unique_id().unwrap()
