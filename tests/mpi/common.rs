@@ -248,3 +248,29 @@ pub(crate) fn control_collectives() -> u64 {
         .snapshot()
         .control_collectives
 }
+
+/// How soon after its start a stall scenario must end on every rank: the scenarios' stall
+/// shutdown time (2 s), the presence probe and a wide margin.
+pub(crate) const STALL_END: Duration = Duration::from_secs(30);
+
+/// A stall's error text as a rank must get it: holding each of `parts` (the missing ranks, the
+/// tensors), within `STALL_END` of `start`.
+pub(crate) fn assert_stall_report(msg: &str, parts: &[&str], start: Instant) {
+    for part in parts {
+        assert!(msg.contains(part), "no '{part}' in: {msg}");
+    }
+    assert!(
+        start.elapsed() < STALL_END,
+        "the stall ended after {:?}",
+        start.elapsed()
+    );
+}
+
+/// Waits (at most twice `STALL_END`) until this rank's runtime has shut down, as it does once
+/// a stall elsewhere stopped the job.
+pub(crate) fn wait_for_shutdown(start: Instant) {
+    let rt = runtime::runtime().unwrap();
+    while !rt.is_shut_down() && start.elapsed() < 2 * STALL_END {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
