@@ -2,6 +2,7 @@
 //! derived from it in one place (`Error::status`).
 
 use std::fmt;
+use std::time::Duration;
 
 /// Status codes returned by every C API call. The first six follow Horovod's `StatusType`.
 #[repr(i32)]
@@ -71,11 +72,50 @@ pub const SHUT_DOWN_MESSAGE: &str = "Horovod has been shut down. This was caused
 /// The text for any call made before initialisation.
 pub const NOT_INITIALIZED_MESSAGE: &str = "Horovod has not been initialized; use hvd.init().";
 
+/// A wait for other ranks that outlived the stall shutdown time.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Stall {
+    /// The global rank that gave up.
+    pub rank: i32,
+    /// `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`.
+    pub limit: Duration,
+    /// What it waited in ("the vote of process set 0", "offline plan batch 3 (a, b)").
+    pub waiting_in: String,
+    /// The global ranks that did not answer the presence probe; `None`: no probe could be
+    /// made (it needs MPI_THREAD_MULTIPLE beside a blocked call).
+    pub missing: Option<Vec<i32>>,
+}
+
+impl fmt::Display for Stall {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let missing = match self.missing.as_deref() {
+            Some([]) => {
+                "none found (every rank answered; they may wait in different collectives)".into()
+            }
+            Some(ranks) => ranks
+                .iter()
+                .map(|r| r.to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+            None => "unknown (MPI_THREAD_MULTIPLE is needed to ask)".to_string(),
+        };
+        write!(
+            f,
+            "Stalled ranks: rank {} waited more than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={} in {} for ranks that never joined it. Missing ranks: {missing}. A missing rank has not submitted the same tensors, is stopped or hung, or is blocked elsewhere. Shutting down.",
+            self.rank,
+            self.limit.as_secs(),
+            self.waiting_in
+        )
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub enum Error {
     NotInitialized,
     /// The runtime stopped; the string says why (a rank shut down, a stall, a dead peer).
     ShutDown(String),
+    /// This rank gave up waiting for others (the job shuts down).
+    Stalled(Box<Stall>),
     InvalidArgument(String),
     /// Cross-rank disagreement found in negotiation.
     Precondition(String),
@@ -92,7 +132,7 @@ impl Error {
     pub fn status(&self) -> Status {
         match self {
             Error::NotInitialized => Status::NotInitialized,
-            Error::ShutDown(_) => Status::ShutDown,
+            Error::ShutDown(_) | Error::Stalled(_) => Status::ShutDown,
             Error::InvalidArgument(_) => Status::InvalidArgument,
             Error::Precondition(_) => Status::Precondition,
             Error::Aborted(_) => Status::Aborted,
@@ -117,6 +157,7 @@ impl fmt::Display for Error {
             | Error::Aborted(m)
             | Error::Backend(m)
             | Error::Internal(m) => f.write_str(m),
+            Error::Stalled(s) => s.fmt(f),
             Error::Timeout => f.write_str("timed out waiting for the operation to complete"),
         }
     }
@@ -126,7 +167,31 @@ impl std::error::Error for Error {}
 
 #[cfg(test)]
 mod tests {
-    use super::Status;
+    use super::{Error, Stall, Status};
+    use std::time::Duration;
+
+    #[test]
+    fn a_stall_names_who_waited_where_and_who_is_missing() {
+        let stall = |missing: Option<Vec<i32>>| {
+            Error::Stalled(Box::new(Stall {
+                rank: 0,
+                limit: Duration::from_secs(2),
+                waiting_in: "the vote of process set 0".into(),
+                missing,
+            }))
+        };
+        let e = stall(Some(vec![1, 3]));
+        assert_eq!(e.status(), Status::ShutDown);
+        let msg = e.to_string();
+        assert!(msg.starts_with("Stalled ranks: rank 0 waited more than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=2 in the vote of process set 0"), "{msg}");
+        assert!(msg.contains("Missing ranks: 1, 3."), "{msg}");
+        assert!(
+            stall(Some(vec![]))
+                .to_string()
+                .contains("Missing ranks: none found")
+        );
+        assert!(stall(None).to_string().contains("Missing ranks: unknown"));
+    }
 
     #[test]
     fn canonical_codes_keep_horovods_mapping() {

@@ -392,7 +392,7 @@ impl Background {
             self.mpi_unclean = true;
         }
         let stop = match &outcome {
-            Err(e @ Error::ShutDown(_)) => Some(e.to_string()),
+            Err(e @ (Error::ShutDown(_) | Error::Stalled(_))) => Some(e.to_string()),
             Err(e) => Some(format!("ferrovod negotiation failed: {e}")),
             Ok(o) => o.shutdown.clone().filter(|r| r != SHUT_DOWN_MESSAGE),
         };

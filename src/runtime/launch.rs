@@ -8,7 +8,7 @@ use std::time::Duration;
 use crate::collective::replay::{ReplayKey, batch_fingerprint};
 use crate::collective::{self, ActivitySink, TensorIo};
 use crate::compress;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Stall};
 use crate::fusion::FusionBuffer;
 use crate::fusion::planner::plan_segments;
 use crate::hashing::HashMap;
@@ -24,7 +24,7 @@ use crate::runtime::job::JobSettings;
 use crate::runtime::sets::SetState;
 use crate::runtime::timeline::Timeline;
 use crate::transport::Transport;
-use crate::transport::mpi::{MpiComm, rank_list};
+use crate::transport::mpi::MpiComm;
 
 /// Where batches run: a communicator with its host fusion buffer and its NCCL streams. Each
 /// set has one, and so has each of its channels.
@@ -471,15 +471,12 @@ pub(crate) fn run_plan_batch(
     }
     let escaped = match flagged {
         Ok(collective::Flagged::Done { raised }) => Ok(raised),
-        Ok(collective::Flagged::TimedOut) => Err(Error::ShutDown(format!(
-            "Stalled: offline plan batch {} ({}) waited longer than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={} for other ranks; a rank has not submitted these tensors, stopped submitting, or stopped responding. Missing ranks: {}. Shutting down.",
-            batch.index,
-            names.join(", "),
-            stall.shutdown_after.as_secs(),
-            set.ctrl
-                .missing_ranks()
-                .map_or_else(|| "unknown".to_string(), |m| rank_list(&m)),
-        ))),
+        Ok(collective::Flagged::TimedOut) => Err(Error::Stalled(Box::new(Stall {
+            rank: me,
+            limit: stall.shutdown_after,
+            waiting_in: format!("offline plan batch {} ({})", batch.index, names.join(", ")),
+            missing: set.ctrl.missing_ranks(),
+        }))),
         Err(e) => Err(e),
     };
     let escaped = match escaped {

@@ -11,7 +11,7 @@ use mpi::ffi;
 
 use crate::dtype::DataType;
 use crate::elementwise::{reduce_bf16, reduce_f16};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Stall};
 use crate::message::ReduceOp;
 use crate::transport::Transport;
 
@@ -31,31 +31,6 @@ const PROBE_TAG: usize = 7;
 /// in the same wait reach their limit within a second of each other (the watchdog looks
 /// every 200 ms).
 const PROBE_GRACE: Duration = Duration::from_secs(3);
-
-/// Ranks as a report lists them: "1, 3".
-pub fn rank_list(ranks: &[i32]) -> String {
-    ranks
-        .iter()
-        .map(|r| r.to_string())
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
-/// The error text of a wait that outlived the stall shutdown time. `absent`: the global ranks
-/// that did not answer the presence probe (None: no probe could be made).
-pub fn stall_message(me: i32, limit: Duration, what: &str, absent: Option<&[i32]>) -> String {
-    let missing = match absent {
-        Some([]) => {
-            "none found (every rank answered; they may wait in different collectives)".to_string()
-        }
-        Some(a) => rank_list(a),
-        None => "unknown (MPI_THREAD_MULTIPLE is needed to ask)".to_string(),
-    };
-    format!(
-        "Stalled ranks: rank {me} waited more than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={} in {what} for ranks that never joined it. Missing ranks: {missing}. A missing rank is stopped, hung, or blocked elsewhere. Shutting down.",
-        limit.as_secs()
-    )
-}
 
 /// Blocking MPI calls in progress, one slot per thread that has made one: when each started
 /// and what it is. The watchdog reads them.
@@ -150,7 +125,12 @@ impl Watchdog {
                             .map(|r| r as i32)
                             .collect()
                     });
-                    let msg = stall_message(probe.rank as i32, limit, what, absent.as_deref());
+                    let msg = Stall {
+                        rank: probe.rank as i32,
+                        limit,
+                        waiting_in: what.to_string(),
+                        missing: absent,
+                    };
                     eprintln!("ferrovod: {msg} Aborting the job.");
                     // the other waiting ranks report too before the abort reaches them
                     std::thread::sleep(Duration::from_secs(1));
@@ -566,12 +546,12 @@ impl MpiComm {
         if wait_polled(req, b.limit, &mut slow)? {
             return Ok(());
         }
-        Err(Error::ShutDown(stall_message(
-            me,
-            b.limit.unwrap_or_default(),
-            &format!("{what} of {}", b.what),
-            self.missing_ranks().as_deref(),
-        )))
+        Err(Error::Stalled(Box::new(Stall {
+            rank: me,
+            limit: b.limit.unwrap_or_default(),
+            waiting_in: format!("{what} of {}", b.what),
+            missing: self.missing_ranks(),
+        })))
     }
 
     /// For a control communicator: the global ranks that do not answer a presence probe (see

@@ -215,7 +215,7 @@ pub(crate) fn offline_stall() {
         .filter_map(|(_, h)| finish(h).err().map(|e| e.to_string()))
         .collect();
     assert!(!errors.is_empty());
-    let parts = ["Stalled: offline plan batch", "Missing ranks: 1."];
+    let parts = ["in offline plan batch", "Missing ranks: 1."];
     assert_stall_report(&errors[0], &parts, start);
     println!("OFFLINE-STALL-REPORTED");
 }
