@@ -4,12 +4,12 @@
 //! tensors (and a batch of one) are reduced in the tensor's own memory. Reductions the device
 //! backend lacks (16-bit integers, bool) are staged through host memory and the host transport.
 
-use crate::collective::kernels;
 use crate::collective::replay::{Launch, LaunchGraphs, ReplayKey};
 use crate::collective::{
     ActivitySink, allgather_contributions, allgather_shape, alltoall_counts, backend_op,
     reducescatter_segments, reducescatter_shape,
 };
+use crate::collective::{kernels, layout};
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
 use crate::message::{ReduceOp, Response};
@@ -125,24 +125,20 @@ fn rank_major_copies(
     bytes: &[Vec<usize>],
     into_buffer: bool,
 ) -> Result<Vec<Copy>> {
-    let ranks = bytes.first().map_or(0, Vec::len);
-    let mut place = 0;
-    let mut done = vec![0usize; tensors.len()];
-    let mut copies = Vec::with_capacity(tensors.len() * ranks);
-    for r in 0..ranks {
-        for (i, (tensor, b)) in tensors.iter().zip(bytes).enumerate() {
-            let n = b[r];
-            copies.push(between(
-                tensor.sub(done[i], n)?,
-                buf.sub(place, n)?,
-                n,
+    layout::rank_major(bytes)
+        .iter()
+        .map(|p| {
+            let tensor = tensors
+                .get(p.tensor)
+                .ok_or_else(|| Error::Internal("a segment of a missing tensor".into()))?;
+            between(
+                tensor.sub(p.offset, p.len)?,
+                buf.sub(p.place, p.len)?,
+                p.len,
                 into_buffer,
-            )?);
-            done[i] += n;
-            place += n;
-        }
-    }
-    Ok(copies)
+            )
+        })
+        .collect()
 }
 
 /// Allreduce of a batch (same dtype, op and scales). With `lane.replay`, the launches are
@@ -485,18 +481,10 @@ fn reducescatter_staged(
     let total: usize = counts.iter().sum();
     let mut send = vec![0u8; total];
     act(Some("MEMCPY_DEVICE_TO_HOST"));
-    let mut dst = 0;
-    let mut src = vec![0usize; ios.len()];
-    #[allow(clippy::needless_range_loop)] // walks a [tensor][rank] matrix rank-major
-    for r in 0..host.size() {
-        for (i, io) in ios.iter().enumerate() {
-            let n = seg[i][r];
-            let at = io.input().sub(src[i], n)?;
-            lane.gpu
-                .download(lane.stream, at, &mut send[dst..dst + n])?;
-            src[i] += n;
-            dst += n;
-        }
+    for p in layout::rank_major(seg) {
+        let at = ios[p.tensor].input().sub(p.offset, p.len)?;
+        lane.gpu
+            .download(lane.stream, at, &mut send[p.place..p.place + p.len])?;
     }
     act(Some("MPI_REDUCESCATTER"));
     crate::elementwise::scale(&mut send, head.dtype, head.prescale)?;

@@ -5,6 +5,7 @@
 pub mod device;
 pub mod execute;
 pub mod kernels;
+pub mod layout;
 pub mod replay;
 pub mod ring;
 
@@ -281,17 +282,9 @@ pub fn allgather_batch(
     act(Some("MPI_ALLGATHER"));
     t.allgatherv(None, buf, &counts)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-    let mut src = 0;
-    let mut dst = vec![0usize; ios.len()];
-    #[allow(clippy::needless_range_loop)] // walks a [tensor][rank] matrix rank-major
-    for r in 0..size {
-        for (i, io) in ios.iter_mut().enumerate() {
-            let n = bytes[i][r];
-            let (_, out) = io.split_io();
-            out[dst[i]..dst[i] + n].copy_from_slice(&buf[src..src + n]);
-            dst[i] += n;
-            src += n;
-        }
+    for p in layout::rank_major(&bytes) {
+        let (_, out) = ios[p.tensor].split_io();
+        out[p.offset..p.offset + p.len].copy_from_slice(&buf[p.place..p.place + p.len]);
     }
     act(None);
     Ok(())
@@ -327,16 +320,9 @@ pub fn reducescatter_batch(
     let (send, recv) = fusion.get(total + my_total).split_at_mut(total);
     let recv = &mut recv[..my_total];
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
-    let mut dst = 0;
-    let mut src = vec![0usize; ios.len()];
-    #[allow(clippy::needless_range_loop)] // walks a [tensor][rank] matrix rank-major
-    for r in 0..size {
-        for (i, io) in ios.iter().enumerate() {
-            let n = seg[i][r];
-            send[dst..dst + n].copy_from_slice(&io.input()[src[i]..src[i] + n]);
-            src[i] += n;
-            dst += n;
-        }
+    for p in layout::rank_major(&seg) {
+        let input = ios[p.tensor].input();
+        send[p.place..p.place + p.len].copy_from_slice(&input[p.offset..p.offset + p.len]);
     }
     elementwise::scale(send, head.dtype, head.prescale)?;
     act(Some("MPI_REDUCESCATTER"));
