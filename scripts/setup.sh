@@ -66,6 +66,10 @@ check_all() {
   have cc || missing+=("build-essential|command cc (C API test program)")
   have g++ || missing+=("build-essential|command g++ (TensorFlow op library)")
   have pkg-config || missing+=("pkg-config|command pkg-config (rsmpi's build probe)")
+  # emulated hosts (scripts/hosts/): network namespaces, veth links, tc's token bucket
+  have ip || missing+=("iproute2|command ip (network namespaces of the emulated hosts)")
+  have tc || missing+=("iproute2|command tc (rate limits of the emulated hosts' links)")
+  have unshare || missing+=("util-linux|command unshare (each emulated host's own hostname)")
   if ! have python3; then
     missing+=("python3|command python3")
   elif ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then

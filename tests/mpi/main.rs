@@ -16,6 +16,7 @@ use ferrovod::{DataType, Error, OpKind, ReduceOp};
 mod collectives;
 mod common;
 mod gpu;
+mod hosts;
 mod negotiation;
 mod offline;
 mod process_sets;
@@ -24,6 +25,7 @@ mod shutdown;
 use collectives::*;
 use common::*;
 use gpu::{gpu_failure, gpu_graphs, gpu_kernels, gpu_ring, gpu_streams};
+use hosts::*;
 use negotiation::*;
 use offline::*;
 use process_sets::*;
@@ -312,6 +314,50 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     ("ring", 4, &[], true),
 ];
 
+/// Emulated hosts of a scenario (scripts/hosts/): `n` network namespaces of `per` ranks each,
+/// joined by links at `rate` (tc syntax).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Hosts {
+    pub n: usize,
+    pub per: usize,
+    pub rate: &'static str,
+}
+
+/// (scenario, emulated hosts, extra environment, expect success)
+pub(crate) type HostScenario = (
+    &'static str,
+    Hosts,
+    &'static [(&'static str, &'static str)],
+    bool,
+);
+
+/// Scenarios across emulated hosts: they need root and network namespaces. Where namespaces
+/// are not permitted they are skipped with one line, unless `FERROVOD_REQUIRE_HOSTS=1` (the
+/// test command sets it) makes that a failure.
+pub(crate) const HOST_SCENARIOS: &[HostScenario] = &[
+    (
+        "link_rate",
+        Hosts {
+            n: 2,
+            per: 1,
+            rate: "1gbit",
+        },
+        &[],
+        true,
+    ),
+    // nodes from MPI_COMM_TYPE_SHARED: one per namespace
+    (
+        "topology",
+        Hosts {
+            n: 2,
+            per: 2,
+            rate: "10gbit",
+        },
+        &[],
+        true,
+    ),
+];
+
 /// With `FERROVOD_TEST_GPU=1` (GPU machines): the same checks on GPU memory, each rank on GPU
 /// `local_rank`, against the same host-computed references. `np` above the GPU count is
 /// skipped (NCCL needs a GPU per rank).
@@ -438,42 +484,80 @@ pub(crate) fn main() {
     } else {
         (SCENARIOS, usize::MAX)
     };
-    for (name, np, env, expect_ok) in scenarios {
+    let mut runs: Vec<Run> = scenarios
+        .iter()
+        .map(|(name, np, env, ok)| (*name, *np, None, *env, *ok))
+        .collect();
+    if !gpu_mode() {
+        runs.extend(
+            HOST_SCENARIOS
+                .iter()
+                .map(|(name, h, env, ok)| (*name, h.n * h.per, Some(*h), *env, *ok)),
+        );
+    }
+    let require_hosts = std::env::var("FERROVOD_REQUIRE_HOSTS").is_ok_and(|v| v == "1");
+    for (name, np, hosts, env, expect_ok) in &runs {
+        let (name, np) = (*name, *np);
         if filter.as_deref().is_some_and(|f| !name.contains(f)) {
             continue;
         }
-        if *np > gpus {
-            println!("scenario {name} np={np} ... skipped ({gpus} GPUs)");
+        let label = match hosts {
+            Some(h) => format!("{name} hosts={}x{} at {}", h.n, h.per, h.rate),
+            None => format!("{name} np={np}"),
+        };
+        if np > gpus {
+            println!("scenario {label} ... skipped ({gpus} GPUs)");
             continue;
         }
+        // the emulated hosts live as long as this scenario (removed again on drop)
+        let _namespaces = match hosts.map(EmulatedHosts::up) {
+            Some(Err(why)) if !require_hosts => {
+                println!("scenario {label} ... skipped (emulated hosts: {why})");
+                continue;
+            }
+            Some(Err(why)) => {
+                println!("scenario {label} ... FAILED: emulated hosts: {why}");
+                failed.push(label);
+                continue;
+            }
+            Some(Ok(up)) => Some(up),
+            None => None,
+        };
         ran += 1;
         let start = Instant::now();
         let dir =
             std::env::temp_dir().join(format!("ferrovod-test-{}-{name}-{np}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let mut cmd = Command::new("mpirun");
-        cmd.args([
-            "-np",
-            &np.to_string(),
-            "--oversubscribe",
-            "--allow-run-as-root",
-        ])
-        .args(["--mca", "mpi_yield_when_idle", "1", "--bind-to", "none"])
-        .args(["-x", "FERROVOD_TEST_DIR", "-x", "FERROVOD_TEST_SHARED"])
-        .args(["-x", "FERROVOD_TEST_GPU", "-x", "NCCL_NVLS_ENABLE"])
-        // as the launcher and the Python package do (docs/gpu.md)
-        .env(
-            "NCCL_RUNTIME_CONNECT",
-            std::env::var("NCCL_RUNTIME_CONNECT").unwrap_or_else(|_| "0".into()),
-        )
-        .args(["-x", "NCCL_RUNTIME_CONNECT"])
-        .arg(&exe)
-        .arg(name)
-        .env("FERROVOD_TEST_DIR", &dir)
-        .env("FERROVOD_TEST_SHARED", &shared)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-        if *name == "timeline" {
+        let mut cmd = match hosts {
+            Some(h) => {
+                let mut c = Command::new("bash");
+                c.arg(hosts_script("mpirun.sh"))
+                    .args([h.n.to_string(), h.per.to_string()]);
+                c
+            }
+            None => {
+                let mut c = Command::new("mpirun");
+                c.args(["-np", &np.to_string(), "--allow-run-as-root"])
+                    .args(["--mca", "mpi_yield_when_idle", "1", "--bind-to", "none"]);
+                c
+            }
+        };
+        cmd.arg("--oversubscribe")
+            .args(["-x", "FERROVOD_TEST_DIR", "-x", "FERROVOD_TEST_SHARED"])
+            .args(["-x", "FERROVOD_TEST_GPU", "-x", "NCCL_NVLS_ENABLE"])
+            // as the launcher and the Python package do (docs/gpu.md)
+            .env(
+                "NCCL_RUNTIME_CONNECT",
+                std::env::var("NCCL_RUNTIME_CONNECT").unwrap_or_else(|_| "0".into()),
+            )
+            .args(["-x", "NCCL_RUNTIME_CONNECT"])
+            .arg(&exe)
+            .arg(name)
+            .env("FERROVOD_TEST_DIR", &dir)
+            .env("FERROVOD_TEST_SHARED", &shared)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if name == "timeline" {
             let path = dir.join("timeline.json");
             cmd.env("HOROVOD_TIMELINE", &path)
                 .args(["-x", "HOROVOD_TIMELINE"]);
@@ -492,7 +576,7 @@ pub(crate) fn main() {
             Some((status, stdout, stderr)) => {
                 let passes = stdout.matches("RANK-PASSED").count();
                 if *expect_ok {
-                    let good = status.success() && passes == *np;
+                    let good = status.success() && passes == np;
                     (
                         good,
                         format!(
@@ -502,12 +586,12 @@ pub(crate) fn main() {
                 } else {
                     // a scenario that prints a marker must print it before the job fails,
                     // on as many ranks as it says
-                    let (marker, count) = match *name {
+                    let (marker, count) = match name {
                         "offline_stall" => ("OFFLINE-STALL-REPORTED", 1),
                         "rank_stopped" | "fault_negotiation" => ("STALL-REPORTED", np - 1),
                         _ => ("", 0),
                     };
-                    let reported = match *name {
+                    let reported = match name {
                         // host: the watchdog's report; GPU: each survivor's error
                         "rank_stopped_in_batch" => {
                             stderr.matches("Missing ranks: 1.").count() >= np - 1
@@ -528,21 +612,21 @@ pub(crate) fn main() {
                 }
             }
         };
-        let extra = if ok && *name == "timeline" {
+        let extra = if ok && name == "timeline" {
             check_timeline(&dir.join("timeline.json"))
         } else {
             Ok(())
         };
         let _ = std::fs::remove_dir_all(&dir);
         match (ok, extra) {
-            (true, Ok(())) => println!("scenario {name} np={np} ... ok ({secs:.1}s)"),
+            (true, Ok(())) => println!("scenario {label} ... ok ({secs:.1}s)"),
             (true, Err(e)) => {
-                println!("scenario {name} np={np} ... FAILED: {e}");
-                failed.push(format!("{name} np={np}"));
+                println!("scenario {label} ... FAILED: {e}");
+                failed.push(label);
             }
             (false, _) => {
-                println!("scenario {name} np={np} ... FAILED ({secs:.1}s): {why}");
-                failed.push(format!("{name} np={np}"));
+                println!("scenario {label} ... FAILED ({secs:.1}s): {why}");
+                failed.push(label);
             }
         }
     }
@@ -550,6 +634,49 @@ pub(crate) fn main() {
     if !failed.is_empty() {
         eprintln!("failed: {failed:?}");
         std::process::exit(1);
+    }
+}
+
+/// One run of a scenario: name, ranks, emulated hosts (None: this machine), environment,
+/// expect success.
+type Run = (
+    &'static str,
+    usize,
+    Option<Hosts>,
+    &'static [(&'static str, &'static str)],
+    bool,
+);
+
+/// A script of `scripts/hosts/`.
+fn hosts_script(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("scripts/hosts")
+        .join(name)
+}
+
+/// Emulated hosts, set up for one scenario and removed when dropped.
+struct EmulatedHosts;
+
+impl EmulatedHosts {
+    /// Err: why they cannot be made here (no root, no network namespaces, no tbf).
+    fn up(h: Hosts) -> Result<EmulatedHosts, String> {
+        let out = Command::new("bash")
+            .arg(hosts_script("up.sh"))
+            .args([h.n.to_string(), h.rate.to_string()])
+            .output()
+            .map_err(|e| e.to_string())?;
+        if out.status.success() {
+            return Ok(EmulatedHosts);
+        }
+        let _ = Command::new("bash").arg(hosts_script("down.sh")).status();
+        let err = String::from_utf8_lossy(&out.stderr);
+        Err(err.lines().last().unwrap_or("up.sh failed").to_string())
+    }
+}
+
+impl Drop for EmulatedHosts {
+    fn drop(&mut self) {
+        let _ = Command::new("bash").arg(hosts_script("down.sh")).status();
     }
 }
 
@@ -639,6 +766,7 @@ pub(crate) fn run_rank(name: &str) {
         "stall_cached" => stall_cached(),
         "stall_in_set" => stall_in_set(),
         "topology" => topology(),
+        "link_rate" => link_rate(),
         "alloc_failure" => alloc_failure(),
         "callbacks" => callbacks(),
         "shutdown_pending" => shutdown_pending(),

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Emulated hosts on this machine: N network namespaces fvhost0..fvhost<N-1> with addresses
+# 10.78.0.1..N, each joined by a veth pair to a bridge in namespace fvhostsw. With a RATE
+# (tc syntax: 1gbit, 10gbit, 500mbit), each host's link is limited in both directions by a token
+# bucket (tbf); with a DELAY (e.g. 200us) netem adds latency where the kernel has it. Ranks in
+# one namespace are one host: they share memory, and reach other hosts only through the links.
+# Needs root. Anything left from an earlier run is removed first.
+#
+#   bash scripts/hosts/up.sh N [RATE] [DELAY]
+#
+# FERROVOD_HOSTS_QUEUE: the token bucket's queue, as tbf's latency (default 1ms: a longer
+# queue lets a small message wait behind tens of MB of bulk data, and timings vary with it).
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+n=${1:?usage: up.sh N [RATE] [DELAY]}
+rate=${2:-}
+delay=${3:-}
+queue=${FERROVOD_HOSTS_QUEUE:-1ms}
+bash "$here/down.sh"
+ip netns add fvhostsw
+ip -n fvhostsw link add fvhostbr type bridge
+ip -n fvhostsw link set fvhostbr up
+for i in $(seq 0 $((n - 1))); do
+  ns=fvhost$i
+  ip netns add "$ns"
+  ip link add "fvh$i" type veth peer name "fvs$i"
+  ip link set "fvh$i" netns "$ns"
+  ip link set "fvs$i" netns fvhostsw
+  ip -n fvhostsw link set "fvs$i" master fvhostbr
+  ip -n fvhostsw link set "fvs$i" up
+  ip -n "$ns" addr add "10.78.0.$((i + 1))/24" dev "fvh$i"
+  ip -n "$ns" link set lo up
+  ip -n "$ns" link set "fvh$i" up
+  if [ -n "$rate" ]; then
+    # what host i sends, and what it receives (the bridge's side of its link)
+    ip netns exec "$ns" tc qdisc add dev "fvh$i" root handle 1: tbf rate "$rate" burst 256kb latency "$queue"
+    ip netns exec fvhostsw tc qdisc add dev "fvs$i" root tbf rate "$rate" burst 256kb latency "$queue"
+    if [ -n "$delay" ]; then
+      ip netns exec "$ns" tc qdisc add dev "fvh$i" parent 1:1 handle 10: netem delay "$delay"
+    fi
+  fi
+done
+echo "emulated hosts: $n at ${rate:-unlimited}${delay:+, +$delay}: $(seq -s ' ' -f '10.78.0.%g' 1 "$n")"
