@@ -114,6 +114,11 @@ pub struct Config {
     /// tensors at the same addresses is launched as one captured CUDA graph. Rank 0's value
     /// decides (NCCL needs every rank to capture alike).
     pub gpu_graphs: bool,
+    /// `HOROVOD_HIERARCHICAL_ALLREDUCE`: allreduce inside each node, across nodes, then inside
+    /// each node again.
+    pub hierarchical_allreduce: bool,
+    /// `HOROVOD_HIERARCHICAL_ALLGATHER`.
+    pub hierarchical_allgather: bool,
     /// `FERROVOD_POLL` (1 or 0; default: where each local rank has at least 4 cores): waiting
     /// threads poll briefly before they sleep (see `runtime::handle::set_polling`).
     pub poll: Option<bool>,
@@ -222,6 +227,8 @@ impl Config {
             async_completion: env_bool("HOROVOD_ENABLE_ASYNC_COMPLETION"),
             nccl_streams: env_num("HOROVOD_NUM_NCCL_STREAMS", 2usize).clamp(1, 8),
             gpu_graphs: env_str("FERROVOD_GPU_GRAPHS").is_none() || env_bool("FERROVOD_GPU_GRAPHS"),
+            hierarchical_allreduce: env_bool("HOROVOD_HIERARCHICAL_ALLREDUCE"),
+            hierarchical_allgather: env_bool("HOROVOD_HIERARCHICAL_ALLGATHER"),
             poll: env_str("FERROVOD_POLL").map(|_| env_bool("FERROVOD_POLL")),
         }
     }

@@ -4,6 +4,7 @@
 
 pub mod device;
 pub mod execute;
+pub mod hierarchical;
 pub mod kernels;
 pub mod layout;
 pub mod replay;
@@ -15,6 +16,7 @@ use crate::error::{Error, Result};
 use crate::fusion::FusionBuffer;
 use crate::message::{ReduceOp, Response};
 use crate::transport::Transport;
+use hierarchical::Levels;
 
 /// The memory of one tensor taking part in a collective.
 pub trait TensorIo {
@@ -67,10 +69,12 @@ pub(crate) fn byte_len(elems: i64, dtype: DataType) -> usize {
     elems.max(0) as usize * dtype.size()
 }
 
-/// Allreduce of one or more tensors with the same dtype, op and scales. A single tensor is
-/// reduced directly in its output, without a copy through the fusion buffer.
+/// Allreduce of one or more tensors with the same dtype, op and scales, over `t` or, with
+/// `levels`, hierarchically. A single tensor is reduced directly in its output, without a copy
+/// through the fusion buffer.
 pub fn allreduce_batch(
     t: &dyn Transport,
+    levels: Option<&Levels>,
     resps: &[&Response],
     ios: &mut [&mut dyn TensorIo],
     fusion: &mut FusionBuffer,
@@ -78,17 +82,22 @@ pub fn allreduce_batch(
 ) -> Result<()> {
     let head = resps[0];
     let (op, post) = backend_op(head.reduce_op, t.size(), head.postscale)?;
+    let phase = match levels {
+        Some(_) => "MPI_HIERARCHICAL_ALLREDUCE",
+        None => "MPI_ALLREDUCE",
+    };
     if ios.len() == 1 {
         let (input, output) = ios[0].split_io();
-        act(Some("MPI_ALLREDUCE"));
-        if head.prescale != 1.0 {
-            if let Some(inp) = input {
-                output.copy_from_slice(inp);
+        act(Some(phase));
+        match (levels, head.prescale != 1.0) {
+            (None, false) => t.allreduce(input, output, head.dtype, op)?,
+            (levels, _) => {
+                if let Some(inp) = input {
+                    output.copy_from_slice(inp);
+                }
+                elementwise::scale(output, head.dtype, head.prescale)?;
+                reduce_in_place(t, levels, output, head.dtype, op)?;
             }
-            elementwise::scale(output, head.dtype, head.prescale)?;
-            t.allreduce(None, output, head.dtype, op)?;
-        } else {
-            t.allreduce(input, output, head.dtype, op)?;
         }
         elementwise::scale(output, head.dtype, post)?;
         act(None);
@@ -98,14 +107,28 @@ pub fn allreduce_batch(
     let buf = fusion.get(total);
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
     pack(ios, buf);
-    act(Some("MPI_ALLREDUCE"));
+    act(Some(phase));
     elementwise::scale(buf, head.dtype, head.prescale)?;
-    t.allreduce(None, buf, head.dtype, op)?;
+    reduce_in_place(t, levels, buf, head.dtype, op)?;
     elementwise::scale(buf, head.dtype, post)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
     unpack(buf, ios);
     act(None);
     Ok(())
+}
+
+/// Allreduces `buf` in place: flat over `t`, or over the two levels.
+fn reduce_in_place(
+    t: &dyn Transport,
+    levels: Option<&Levels>,
+    buf: &mut [u8],
+    dtype: DataType,
+    op: ReduceOp,
+) -> Result<()> {
+    match levels {
+        Some(l) => hierarchical::allreduce(l, buf, dtype, op),
+        None => t.allreduce(None, buf, dtype, op),
+    }
 }
 
 /// How long a collective may wait for the other ranks, and who hears about long waits.

@@ -120,7 +120,8 @@ pub(crate) fn run(
 
 impl Background {
     fn start(rt: Arc<Runtime>, opts: &InitOptions, multiple: bool) -> Result<Background> {
-        let (world, settings, topo) = open_job(&rt, &opts.comm, multiple)?;
+        let job = open_job(&rt, &opts.comm, multiple)?;
+        let (world, settings, topo) = (job.world, job.settings, job.topology);
 
         // static process sets must be the same everywhere
         let digest = format!("{:?}", opts.process_sets);
@@ -136,7 +137,7 @@ impl Background {
         let size = topo.size;
         let bg_world = world.dup()?;
         let watchdog = Watchdog::start(rt.config.stall_limit(), world.dup()?, multiple);
-        let mut sets = Sets::new(world, &rt, &settings)?;
+        let mut sets = Sets::new(world, job.nodes, &rt, &settings)?;
         for ranks in &opts.process_sets {
             // identical lists on every rank (checked above): every rank fails alike
             let sorted = super::process_set_ranks(ranks, Some(size))?;

@@ -16,7 +16,6 @@ use crate::message::{OpKind, Response};
 use crate::runtime::entry::TensorEntry;
 use crate::runtime::launch::Executor;
 use crate::runtime::{Command, Runtime};
-use crate::transport::mpi::MpiComm;
 
 /// One batch for a channel.
 pub(crate) struct Job {
@@ -74,7 +73,7 @@ impl LaunchTurn {
 impl Channel {
     pub fn spawn(
         index: usize,
-        comm: MpiComm,
+        executor: Executor,
         done: Sender<Command>,
         rt: Arc<Runtime>,
         turn: Arc<LaunchTurn>,
@@ -82,7 +81,7 @@ impl Channel {
         let (tx, rx) = unbounded();
         let thread = std::thread::Builder::new()
             .name(format!("ferrovod-channel-{index}"))
-            .spawn(move || run(comm, rx, done, rt, turn))
+            .spawn(move || run(executor, rx, done, rt, turn))
             .map_err(|e| Error::Internal(format!("cannot start channel thread: {e}")))?;
         Ok(Channel {
             jobs: Some(tx),
@@ -124,7 +123,7 @@ pub(crate) fn runs_on_channel(kind: OpKind) -> bool {
 }
 
 fn run(
-    comm: MpiComm,
+    mut executor: Executor,
     rx: Receiver<Job>,
     done: Sender<Command>,
     rt: Arc<Runtime>,
@@ -132,7 +131,6 @@ fn run(
 ) {
     super::ON_BACKGROUND_THREAD.with(|f| f.set(true));
     // this channel's own communicator, fusion buffer and NCCL streams
-    let mut executor = Executor::new(comm);
     for mut job in rx {
         let refs: Vec<&Response> = job.resps.iter().collect();
         let on_device = super::gpu::on_device(refs[0]);

@@ -12,13 +12,18 @@ use crate::transport::mpi::MpiComm;
 /// background thread and the GPU finisher each may hold one.
 const MIN_CORES_TO_POLL: usize = 4;
 
+/// The job as start-up found it.
+pub(crate) struct Job {
+    pub world: MpiComm,
+    pub settings: JobSettings,
+    pub topology: Topology,
+    /// Each world rank's node, named by the lowest world rank on it (identical on every rank).
+    pub nodes: Vec<i32>,
+}
+
 /// Opens the job's world (collective over it): rank 0's settings, the node split (hosts, or
 /// `FERROVOD_LOCAL_SIZE`), the topology (published in `rt`), and whether waiting threads poll.
-pub(crate) fn open_job(
-    rt: &Runtime,
-    comm: &Communicator,
-    multiple: bool,
-) -> Result<(MpiComm, JobSettings, Topology)> {
+pub(crate) fn open_job(rt: &Runtime, comm: &Communicator, multiple: bool) -> Result<Job> {
     let world = match comm {
         Communicator::World => MpiComm::world()?,
         Communicator::Fortran(h) => MpiComm::from_fortran(*h)?,
@@ -43,6 +48,12 @@ pub(crate) fn open_job(
     let local = world.split_local(Some(settings.local_size_override).filter(|n| *n > 0))?;
     let cross = world.split(local.rank() as i32)?;
     let local_sizes = world.allgather_i64(local.size() as i64)?;
+    let leader = local.allgather_i64(world.rank() as i64)?.into_iter().min();
+    let nodes = world
+        .allgather_i64(leader.unwrap_or(world.rank() as i64))?
+        .into_iter()
+        .map(|n| n as i32)
+        .collect();
     if settings.channels > 1 && world.allgather_i64(multiple as i64)?.contains(&0) {
         tracing::warn!("FERROVOD_CHANNELS needs MPI_THREAD_MULTIPLE on every rank; using 1");
         settings.channels = 1;
@@ -64,7 +75,12 @@ pub(crate) fn open_job(
         mpi_threads_supported: multiple,
     };
     let _ = rt.topology.set(topo.clone());
-    Ok((world, settings, topo))
+    Ok(Job {
+        world,
+        settings,
+        topology: topo,
+        nodes,
+    })
 }
 
 /// Settings that change which collectives run, taken from rank 0 so that a rank launched with a
@@ -87,6 +103,9 @@ pub(crate) struct JobSettings {
     pub autotune_window: usize,
     /// Fused GPU allreduces may be replayed from CUDA graphs.
     pub gpu_graphs: bool,
+    /// Horovod's hierarchical switches (used where a set's nodes allow it).
+    pub hierarchical_allreduce: bool,
+    pub hierarchical_allgather: bool,
 }
 
 impl JobSettings {
@@ -104,6 +123,8 @@ impl JobSettings {
             cfg.channels,
             if cfg.autotune { cfg.autotune_window } else { 0 },
             usize::from(cfg.gpu_graphs),
+            usize::from(cfg.hierarchical_allreduce),
+            usize::from(cfg.hierarchical_allgather),
         ];
         let bytes: Vec<u8> = mine
             .iter()
@@ -116,7 +137,7 @@ impl JobSettings {
             .collect();
         if v[..] != mine[..] {
             tracing::warn!(
-                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS / HOROVOD_AUTOTUNE / FERROVOD_GPU_GRAPHS differ from rank 0's; using rank 0's values {v:?}"
+                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS / HOROVOD_AUTOTUNE / FERROVOD_GPU_GRAPHS / HOROVOD_HIERARCHICAL_ALLREDUCE / HOROVOD_HIERARCHICAL_ALLGATHER differ from rank 0's; using rank 0's values {v:?}"
             );
         }
         Ok(JobSettings {
@@ -130,6 +151,8 @@ impl JobSettings {
             channels: v[7],
             autotune_window: v[8],
             gpu_graphs: v[9] != 0,
+            hierarchical_allreduce: v[10] != 0,
+            hierarchical_allgather: v[11] != 0,
         })
     }
 }

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::collective::hierarchical::Levels;
 use crate::collective::replay::{ReplayKey, batch_fingerprint};
 use crate::collective::{self, ActivitySink, TensorIo};
 use crate::compress;
@@ -26,21 +27,76 @@ use crate::runtime::timeline::Timeline;
 use crate::transport::Transport;
 use crate::transport::mpi::MpiComm;
 
-/// Where batches run: a communicator with its host fusion buffer and its NCCL streams. Each
-/// set has one, and so has each of its channels.
+/// A set's two levels for hierarchical collectives: this node's ranks, and this node rank on
+/// every node; and which collectives use them.
+pub(crate) struct Hierarchy {
+    local: MpiComm,
+    cross: MpiComm,
+    allreduce: bool,
+}
+
+impl Hierarchy {
+    /// Collective over `comm` (a set's or a channel's communicator), where `node` names this
+    /// rank's node. `None` when no switch asks for it, or when the set's nodes do not hold the
+    /// same number of ranks, or it has one node, or one rank per node (all agreed: every rank
+    /// decides from the same allgather); rank 0 of the set says so once when `log`.
+    pub fn open(
+        comm: &MpiComm,
+        node: i32,
+        settings: &JobSettings,
+        log: bool,
+    ) -> Result<Option<Hierarchy>> {
+        if !settings.hierarchical_allreduce {
+            return Ok(None);
+        }
+        let local = comm.split(node)?;
+        let cross = comm.split(local.rank() as i32)?;
+        let sizes = comm.allgather_i64(local.size() as i64)?;
+        let even = sizes.iter().all(|s| *s == sizes[0]);
+        if !even {
+            if log && comm.rank() == 0 {
+                tracing::warn!(
+                    "HOROVOD_HIERARCHICAL_ALLREDUCE: the set's nodes hold {sizes:?} ranks; hierarchical collectives need the same number on each; using flat ones"
+                );
+            }
+            return Ok(None);
+        }
+        if local.size() == 1 || cross.size() == 1 {
+            // one node, or one rank per node: the flat collective is the hierarchical one
+            return Ok(None);
+        }
+        if log && comm.rank() == 0 {
+            tracing::info!(
+                "hierarchical allreduce over {} nodes of {} ranks",
+                cross.size(),
+                local.size()
+            );
+        }
+        Ok(Some(Hierarchy {
+            local,
+            cross,
+            allreduce: settings.hierarchical_allreduce,
+        }))
+    }
+}
+
+/// Where batches run: a communicator with its host fusion buffer and its NCCL streams (and, for
+/// hierarchical collectives, its two levels). Each set has one, and so has each of its channels.
 pub(crate) struct Executor {
     pub data: MpiComm,
     pub fusion: FusionBuffer,
     /// GPU batches run here (opened by the first one).
     pub gpu: Option<gpu::NcclStreams>,
+    hierarchy: Option<Hierarchy>,
 }
 
 impl Executor {
-    pub fn new(data: MpiComm) -> Executor {
+    pub fn new(data: MpiComm, hierarchy: Option<Hierarchy>) -> Executor {
         Executor {
             data,
             fusion: FusionBuffer::default(),
             gpu: None,
+            hierarchy,
         }
     }
 
@@ -68,6 +124,15 @@ impl Executor {
             )
             .map(Some);
         }
+        let levels = (self.hierarchy.as_ref())
+            .filter(|h| h.allreduce && head.kind == OpKind::Allreduce)
+            .map(|h| Levels {
+                local: &h.local,
+                cross: &h.cross,
+            });
+        if levels.is_some() {
+            rt.metrics.add_hierarchical_batch();
+        }
         // host memory is ready when enqueued
         sink(Some("WAIT_FOR_DATA"));
         let mut ios: Vec<&mut dyn TensorIo> =
@@ -82,6 +147,7 @@ impl Executor {
             OpKind::Join | OpKind::AddProcessSet | OpKind::RemoveProcessSet => Ok(()),
             _ => collective::execute::host(
                 &self.data,
+                levels.as_ref(),
                 &mut self.fusion,
                 codec,
                 resps,

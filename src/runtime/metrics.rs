@@ -16,6 +16,7 @@ pub struct Metrics {
     fused_batches: AtomicU64,
     tensors: AtomicU64,
     graph_launches: AtomicU64,
+    hierarchical_batches: AtomicU64,
 }
 
 /// A copy of the counters at one moment. Every field counts from init.
@@ -39,6 +40,8 @@ pub struct MetricsSnapshot {
     pub tensors: u64,
     /// GPU batches launched by replaying a captured CUDA graph (`collective::replay`).
     pub graph_launches: u64,
+    /// Batches allreduced hierarchically (`collective::hierarchical`).
+    pub hierarchical_batches: u64,
 }
 
 impl Metrics {
@@ -64,6 +67,10 @@ impl Metrics {
         self.graph_launches.fetch_add(1, Ordering::Relaxed);
     }
 
+    pub(crate) fn add_hierarchical_batch(&self) {
+        self.hierarchical_batches.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub fn snapshot(&self) -> MetricsSnapshot {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         MetricsSnapshot {
@@ -76,6 +83,7 @@ impl Metrics {
             fused_batches: get(&self.fused_batches),
             tensors: get(&self.tensors),
             graph_launches: get(&self.graph_launches),
+            hierarchical_batches: get(&self.hierarchical_batches),
         }
     }
 }
@@ -92,6 +100,7 @@ mod tests {
         m.add_batch(1, 40);
         m.add_batch(4, 400);
         m.add_graph_launch();
+        m.add_hierarchical_batch();
         assert_eq!(
             m.snapshot(),
             MetricsSnapshot {
@@ -104,6 +113,7 @@ mod tests {
                 fused_batches: 1,
                 tensors: 5,
                 graph_launches: 1,
+                hierarchical_batches: 1,
             }
         );
     }

@@ -13,7 +13,7 @@ use crate::runtime::Runtime;
 use crate::runtime::channel::{self, Channel};
 use crate::runtime::entry::PendingEntries;
 use crate::runtime::job::JobSettings;
-use crate::runtime::launch::Executor;
+use crate::runtime::launch::{Executor, Hierarchy};
 use crate::transport::Transport;
 use crate::transport::mpi::MpiComm;
 
@@ -36,15 +36,22 @@ pub(crate) struct SetState {
 }
 
 impl SetState {
+    /// `nodes`: each world rank's node (`job::Job::nodes`).
     fn open(
         id: i32,
         comm: MpiComm,
         ranks: Vec<i32>,
+        nodes: &[i32],
         rt: &Arc<Runtime>,
         settings: &JobSettings,
     ) -> Result<SetState> {
         let cfg = &rt.config;
         let set_rank = comm.rank();
+        let node = ranks
+            .get(set_rank)
+            .and_then(|r| nodes.get(*r as usize))
+            .copied()
+            .ok_or_else(|| Error::Internal(format!("no node for rank {set_rank} of set {id}")))?;
         let ctrl = comm.dup()?.bounded(
             cfg.stall_limit(),
             cfg.stall_warn,
@@ -58,6 +65,7 @@ impl SetState {
             settings.negotiation,
             StallPolicy::from_config(cfg),
         );
+        let hierarchy = Hierarchy::open(&comm, node, settings, true)?;
         let channels = if settings.channels > 1 {
             let done = rt
                 .inbox
@@ -67,7 +75,12 @@ impl SetState {
                 .ok_or_else(Error::shut_down)?;
             let turn = Arc::new(channel::LaunchTurn::default());
             (0..settings.channels)
-                .map(|k| Channel::spawn(k, comm.dup()?, done.clone(), rt.clone(), turn.clone()))
+                .map(|k| {
+                    let dup = comm.dup()?;
+                    let hierarchy = Hierarchy::open(&dup, node, settings, false)?;
+                    let executor = Executor::new(dup, hierarchy);
+                    Channel::spawn(k, executor, done.clone(), rt.clone(), turn.clone())
+                })
                 .collect::<Result<Vec<_>>>()?
         } else {
             Vec::new()
@@ -86,7 +99,7 @@ impl SetState {
             graph_epoch: 0,
             channels,
             batch_seq: 0,
-            executor: Executor::new(comm),
+            executor: Executor::new(comm, hierarchy),
         })
     }
 }
@@ -98,17 +111,25 @@ pub(crate) struct Sets {
     /// Every set's ranks (identical on all ranks).
     pub all: BTreeMap<i32, Vec<i32>>,
     next_id: i32,
+    /// Each world rank's node.
+    nodes: Vec<i32>,
 }
 
 impl Sets {
-    /// The global set (id 0) over `world`.
-    pub fn new(world: MpiComm, rt: &Arc<Runtime>, settings: &JobSettings) -> Result<Sets> {
+    /// The global set (id 0) over `world`; `nodes`: each world rank's node.
+    pub fn new(
+        world: MpiComm,
+        nodes: Vec<i32>,
+        rt: &Arc<Runtime>,
+        settings: &JobSettings,
+    ) -> Result<Sets> {
         let ranks: Vec<i32> = (0..world.size() as i32).collect();
-        let global = SetState::open(0, world, ranks.clone(), rt, settings)?;
+        let global = SetState::open(0, world, ranks.clone(), &nodes, rt, settings)?;
         Ok(Sets {
             member: BTreeMap::from([(0, global)]),
             all: BTreeMap::from([(0, ranks)]),
             next_id: 1,
+            nodes,
         })
     }
 
@@ -126,7 +147,7 @@ impl Sets {
         let id = self.next_id;
         self.next_id += 1;
         if let Some(comm) = world.subset(&ranks)? {
-            let set = SetState::open(id, comm, ranks.clone(), rt, settings)?;
+            let set = SetState::open(id, comm, ranks.clone(), &self.nodes, rt, settings)?;
             self.member.insert(id, set);
         }
         self.all.insert(id, ranks);

@@ -393,8 +393,13 @@ pub(crate) fn collectives() {
         set: 0,
         tag: "world".into(),
     });
-    // static-like sets added dynamically: lower and upper half, disjoint, used concurrently
     let rt = runtime::runtime().unwrap();
+    // FERROVOD_TEST_HIERARCHICAL: whether the global set's allreduces went hierarchical
+    if let Ok(want) = std::env::var("FERROVOD_TEST_HIERARCHICAL") {
+        let batches = rt.metrics.snapshot().hierarchical_batches;
+        assert_eq!(batches > 0, want == "1", "{batches} hierarchical batches");
+    }
+    // static-like sets added dynamically: lower and upper half, disjoint, used concurrently
     let half = n.div_ceil(2);
     let lower: Vec<i32> = (0..half as i32).collect();
     let upper: Vec<i32> = (half as i32..n as i32).collect();

@@ -131,6 +131,26 @@ pub(crate) const OFFLINE_STALL: &[(&str, &str)] = &[
     ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
 ];
 
+/// Hierarchical allreduce over nodes of `FERROVOD_LOCAL_SIZE` ranks.
+pub(crate) const HIERARCHICAL_LOCAL2: &[(&str, &str)] = &[
+    ("HOROVOD_HIERARCHICAL_ALLREDUCE", "1"),
+    ("FERROVOD_LOCAL_SIZE", "2"),
+    ("FERROVOD_TEST_HIERARCHICAL", "1"),
+];
+
+/// Nodes of 2 and 1 ranks: hierarchical allreduce falls back to the flat one.
+pub(crate) const HIERARCHICAL_UNEVEN: &[(&str, &str)] = &[
+    ("HOROVOD_HIERARCHICAL_ALLREDUCE", "1"),
+    ("FERROVOD_LOCAL_SIZE", "2"),
+    ("FERROVOD_TEST_HIERARCHICAL", "0"),
+];
+
+/// Hierarchical allreduce over the emulated hosts (nodes from MPI_COMM_TYPE_SHARED).
+pub(crate) const HIERARCHICAL_HOSTS: &[(&str, &str)] = &[
+    ("HOROVOD_HIERARCHICAL_ALLREDUCE", "1"),
+    ("FERROVOD_TEST_HIERARCHICAL", "1"),
+];
+
 pub(crate) const SCENARIOS: &[Scenario] = &[
     ("collectives", 2, &[], true),
     ("collectives", 4, &[], true),
@@ -312,6 +332,9 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     ("ring", 2, &[], true),
     ("ring", 3, &[], true),
     ("ring", 4, &[], true),
+    // hierarchical allreduce: 2 nodes of 2 ranks; 2 + 1 falls back to flat
+    ("collectives", 4, HIERARCHICAL_LOCAL2, true),
+    ("collectives", 3, HIERARCHICAL_UNEVEN, true),
 ];
 
 /// Emulated hosts of a scenario (scripts/hosts/): `n` network namespaces of `per` ranks each,
@@ -343,6 +366,16 @@ pub(crate) const HOST_SCENARIOS: &[HostScenario] = &[
             rate: "1gbit",
         },
         &[],
+        true,
+    ),
+    (
+        "collectives",
+        Hosts {
+            n: 2,
+            per: 2,
+            rate: "10gbit",
+        },
+        HIERARCHICAL_HOSTS,
         true,
     ),
     // nodes from MPI_COMM_TYPE_SHARED: one per namespace
