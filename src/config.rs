@@ -21,6 +21,41 @@ pub enum NegotiationMode {
     Offline,
 }
 
+/// `FERROVOD_ALGORITHM`: how a set's allreduces cross nodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AlgorithmChoice {
+    /// Per batch, from a cost model measured at init (`collective::cost`). The default.
+    Auto,
+    /// Every rank at once.
+    Flat,
+    /// Inside each node, across nodes, inside each node again (Horovod's
+    /// `HOROVOD_HIERARCHICAL_ALLREDUCE=1` asks for this when `FERROVOD_ALGORITHM` is unset).
+    Hierarchical,
+}
+
+impl AlgorithmChoice {
+    pub fn parse(s: &str) -> Option<AlgorithmChoice> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Some(AlgorithmChoice::Auto),
+            "flat" => Some(AlgorithmChoice::Flat),
+            "hierarchical" => Some(AlgorithmChoice::Hierarchical),
+            _ => None,
+        }
+    }
+
+    pub fn code(self) -> usize {
+        self as usize
+    }
+
+    pub fn from_code(c: usize) -> AlgorithmChoice {
+        match c {
+            1 => AlgorithmChoice::Flat,
+            2 => AlgorithmChoice::Hierarchical,
+            _ => AlgorithmChoice::Auto,
+        }
+    }
+}
+
 impl NegotiationMode {
     pub fn parse(s: &str) -> Option<NegotiationMode> {
         match s.trim().to_ascii_lowercase().as_str() {
@@ -114,11 +149,8 @@ pub struct Config {
     /// tensors at the same addresses is launched as one captured CUDA graph. Rank 0's value
     /// decides (NCCL needs every rank to capture alike).
     pub gpu_graphs: bool,
-    /// `HOROVOD_HIERARCHICAL_ALLREDUCE`: allreduce inside each node, across nodes, then inside
-    /// each node again.
-    pub hierarchical_allreduce: bool,
-    /// `HOROVOD_HIERARCHICAL_ALLGATHER`.
-    pub hierarchical_allgather: bool,
+    /// `FERROVOD_ALGORITHM` (or `HOROVOD_HIERARCHICAL_ALLREDUCE`).
+    pub algorithm: AlgorithmChoice,
     /// `FERROVOD_POLL` (1 or 0; default: where each local rank has at least 4 cores): waiting
     /// threads poll briefly before they sleep (see `runtime::handle::set_polling`).
     pub poll: Option<bool>,
@@ -227,8 +259,16 @@ impl Config {
             async_completion: env_bool("HOROVOD_ENABLE_ASYNC_COMPLETION"),
             nccl_streams: env_num("HOROVOD_NUM_NCCL_STREAMS", 2usize).clamp(1, 8),
             gpu_graphs: env_str("FERROVOD_GPU_GRAPHS").is_none() || env_bool("FERROVOD_GPU_GRAPHS"),
-            hierarchical_allreduce: env_bool("HOROVOD_HIERARCHICAL_ALLREDUCE"),
-            hierarchical_allgather: env_bool("HOROVOD_HIERARCHICAL_ALLGATHER"),
+            algorithm: match env_str("FERROVOD_ALGORITHM") {
+                Some(v) => AlgorithmChoice::parse(&v).unwrap_or_else(|| {
+                    tracing::warn!(
+                        "FERROVOD_ALGORITHM={v} is not auto, flat or hierarchical; using auto"
+                    );
+                    AlgorithmChoice::Auto
+                }),
+                None if env_bool("HOROVOD_HIERARCHICAL_ALLREDUCE") => AlgorithmChoice::Hierarchical,
+                None => AlgorithmChoice::Auto,
+            },
             poll: env_str("FERROVOD_POLL").map(|_| env_bool("FERROVOD_POLL")),
         }
     }

@@ -84,6 +84,8 @@ pub struct Stall {
     /// The global ranks that did not answer the presence probe; `None`: no probe could be
     /// made (it needs MPI_THREAD_MULTIPLE beside a blocked call).
     pub missing: Option<Vec<i32>>,
+    /// What a missing rank may be doing, for this kind of wait.
+    pub hint: &'static str,
 }
 
 impl fmt::Display for Stall {
@@ -101,10 +103,11 @@ impl fmt::Display for Stall {
         };
         write!(
             f,
-            "Stalled ranks: rank {} waited more than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={} in {} for ranks that never joined it. Missing ranks: {missing}. A missing rank has not submitted the same tensors, is stopped or hung, or is blocked elsewhere. Shutting down.",
+            "Stalled ranks: rank {} waited more than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={} in {} for ranks that never joined it. Missing ranks: {missing}. {} Shutting down.",
             self.rank,
             self.limit.as_secs(),
-            self.waiting_in
+            self.waiting_in,
+            self.hint
         )
     }
 }
@@ -178,6 +181,7 @@ mod tests {
                 limit: Duration::from_secs(2),
                 waiting_in: "the vote of process set 0".into(),
                 missing,
+                hint: "A missing rank is stopped, hung, or blocked elsewhere.",
             }))
         };
         let e = stall(Some(vec![1, 3]));

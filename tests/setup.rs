@@ -66,7 +66,17 @@ fn setup_check_names_a_missing_command() {
     let link = |name: &str, target: &Path| {
         std::os::unix::fs::symlink(target, bin.join(name)).unwrap();
     };
-    for c in ["ls", "mpicc", "cc", "g++", "pkg-config", "cargo"] {
+    for c in [
+        "ls",
+        "mpicc",
+        "cc",
+        "g++",
+        "pkg-config",
+        "cargo",
+        "ip",
+        "tc",
+        "unshare",
+    ] {
         link(c, &which(c));
     }
     link("python3", &real_python());

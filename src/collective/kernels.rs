@@ -1,6 +1,7 @@
 //! The GPU compute kernels of the collectives — scaling (pre/postscale, averaging), elementwise
-//! reduction (the ring, staged paths) — and the f32↔f16/bf16 casts that compression uses: CUDA
-//! C compiled once per process by NVRTC, loaded and launched by `transport::cuda`. Each computes
+//! reduction (the ring) — and f32↔f16/bf16 casts (tested now; the GPU codecs of compression will
+//! use them): CUDA C compiled once per process by NVRTC, loaded and launched by
+//! `transport::cuda`. Each computes
 //! as the host's `elementwise` does, so host and GPU results agree bit for bit.
 
 use crate::dtype::DataType;

@@ -2,6 +2,7 @@
 //! through a fusion buffer, broadcast and alltoall per tensor. They know nothing of names,
 //! negotiation or configuration: a batch of agreed responses and the tensors' memory come in.
 
+pub mod cost;
 pub mod device;
 pub mod execute;
 pub mod hierarchical;

@@ -277,6 +277,18 @@ impl Negotiator {
         !self.sent.is_empty()
     }
 
+    /// An invariant broken after the vote agreed: the other ranks go on into the collectives
+    /// it agreed on, so this rank cannot simply leave; a job of several ranks is aborted.
+    fn broken_after_vote(&self, what: String) -> Error {
+        if self.global_ranks.len() > 1 {
+            crate::transport::mpi::abort_job(&format!(
+                "ferrovod: internal error on rank {} after a vote: {what}; aborting the job so that no rank waits for this one",
+                self.global_ranks[self.set_rank]
+            ));
+        }
+        Error::Internal(what)
+    }
+
     /// Runs one negotiation cycle over `ctrl`. All members of the set must call this the same
     /// number of times, in the same order relative to other sets. `abort_gpu` (with
     /// `want_shutdown`): this rank's GPU work failed after agreement. `gpu_moved`: a GPU
@@ -466,7 +478,7 @@ impl Negotiator {
             out.groups.push(self.groups[g].len());
             for name in &self.groups[g] {
                 let bit = self.cache.bit_of(name).ok_or_else(|| {
-                    Error::Internal(format!("group member '{name}' is not cached"))
+                    self.broken_after_vote(format!("group member '{name}' is not cached"))
                 })?;
                 group_hit_bits.push(bit);
             }
@@ -486,9 +498,10 @@ impl Negotiator {
         }
         let mut taken = vec![false; bits];
         for bit in group_hit_bits.into_iter().chain(hits) {
-            let resp = self.cache.take_response(bit).ok_or_else(|| {
-                Error::Internal(format!("the agreed cache bit {bit} is not cached here"))
-            })?;
+            let Some(resp) = self.cache.take_response(bit) else {
+                return Err(self
+                    .broken_after_vote(format!("the agreed cache bit {bit} is not cached here")));
+            };
             out.responses.push(resp);
             taken[bit] = true;
         }
@@ -631,6 +644,7 @@ impl Negotiator {
         Ok(out)
     }
 }
+
 /// A single tensor's position in the vote. The index is rebuilt with the cache, so a bit outside
 /// every group is always in it; an error (never a panic inside the vote) if not.
 fn compact_bit(compact: &HashMap<usize, usize>, bit: usize) -> Result<usize> {

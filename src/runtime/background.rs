@@ -148,9 +148,9 @@ impl Background {
         if let Some(global) = sets.member.get_mut(&0) {
             // offline mode: the plan file's plan, if every rank loaded the same one
             let plan_file = rt.config.plan_file.as_deref();
-            global
-                .negotiation
-                .load_plan(&global.ctrl, plan_file, alone)?;
+            // over the unbounded world: a rank stuck here is the watchdog's (a bounded wait that
+            // gave up would leave its request posted while start-up fails and finalizes MPI)
+            global.negotiation.load_plan(&bg_world, plan_file, alone)?;
         }
         let mut bg = Background {
             settings,

@@ -437,7 +437,7 @@ fn wait_for(event: &Event, limit: Option<Duration>, between: &mut dyn FnMut()) -
 
 /// After a batch's completion timed out and the failure was reported: whether its work stopped,
 /// i.e. its event fired once the shutdown aborted its NCCL communicators. Gives up `limit`
-/// after the abort, or when no abort came within `ABORT_WAIT`.
+/// after the abort, or when no abort came within `abort_wait(limit)`.
 fn stopped_by_abort(
     recorded: &Recorded,
     limit: Option<Duration>,
@@ -452,10 +452,10 @@ fn stopped_by_abort(
         if aborted_at.is_none() && recorded.aborted.load(Ordering::SeqCst) {
             aborted_at = Some(Instant::now());
         }
-        let after_abort = limit.unwrap_or(ABORT_WAIT);
+        let after_abort = limit.unwrap_or(Duration::from_secs(600));
         match aborted_at {
             Some(t) if t.elapsed() > after_abort => return false,
-            None if start.elapsed() > ABORT_WAIT => return false,
+            None if start.elapsed() > abort_wait(limit) => return false,
             _ => {}
         }
         between();
@@ -463,8 +463,12 @@ fn stopped_by_abort(
     }
 }
 
-/// How long a batch that timed out waits for the shutdown to abort its communicators.
-const ABORT_WAIT: Duration = Duration::from_secs(120);
+/// How long a batch that timed out waits for the shutdown to abort its communicators: the
+/// shutdown vote may itself wait out the stall limit, then the channels are drained (at most
+/// 30 s) before the streams are dropped.
+fn abort_wait(limit: Option<Duration>) -> Duration {
+    limit.unwrap_or(Duration::from_secs(600)) * 2 + Duration::from_secs(40)
+}
 
 /// Hands a batch's handles their results and event while the batch runs, so that once its
 /// event fires completing each tensor only counts it down (doing all of it then delayed the

@@ -2,7 +2,7 @@
 //! (topology), and the settings that change which collectives run, taken from rank 0 so that a
 //! rank launched with a different environment cannot make the ranks disagree.
 
-use crate::config::NegotiationMode;
+use crate::config::{AlgorithmChoice, NegotiationMode};
 use crate::error::{Error, Result};
 use crate::runtime::{Communicator, Runtime, Topology};
 use crate::transport::Transport;
@@ -103,9 +103,8 @@ pub(crate) struct JobSettings {
     pub autotune_window: usize,
     /// Fused GPU allreduces may be replayed from CUDA graphs.
     pub gpu_graphs: bool,
-    /// Horovod's hierarchical switches (used where a set's nodes allow it).
-    pub hierarchical_allreduce: bool,
-    pub hierarchical_allgather: bool,
+    /// How allreduces cross nodes (where a set's nodes allow a choice).
+    pub algorithm: AlgorithmChoice,
 }
 
 impl JobSettings {
@@ -123,8 +122,7 @@ impl JobSettings {
             cfg.channels,
             if cfg.autotune { cfg.autotune_window } else { 0 },
             usize::from(cfg.gpu_graphs),
-            usize::from(cfg.hierarchical_allreduce),
-            usize::from(cfg.hierarchical_allgather),
+            cfg.algorithm.code(),
         ];
         let bytes: Vec<u8> = mine
             .iter()
@@ -137,7 +135,7 @@ impl JobSettings {
             .collect();
         if v[..] != mine[..] {
             tracing::warn!(
-                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS / HOROVOD_AUTOTUNE / FERROVOD_GPU_GRAPHS / HOROVOD_HIERARCHICAL_ALLREDUCE / HOROVOD_HIERARCHICAL_ALLGATHER differ from rank 0's; using rank 0's values {v:?}"
+                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS / HOROVOD_AUTOTUNE / FERROVOD_GPU_GRAPHS / FERROVOD_ALGORITHM / HOROVOD_HIERARCHICAL_ALLREDUCE differ from rank 0's; using rank 0's values {v:?}"
             );
         }
         Ok(JobSettings {
@@ -151,8 +149,7 @@ impl JobSettings {
             channels: v[7],
             autotune_window: v[8],
             gpu_graphs: v[9] != 0,
-            hierarchical_allreduce: v[10] != 0,
-            hierarchical_allgather: v[11] != 0,
+            algorithm: AlgorithmChoice::from_code(v[10]),
         })
     }
 }

@@ -3,16 +3,20 @@
 //! host memory or on the GPU (where `collective::execute` picks the algorithm), and completed.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use crate::collective::cost::{Algorithm, CostModel, Link, Policy};
 use crate::collective::hierarchical::Levels;
 use crate::collective::replay::{ReplayKey, batch_fingerprint};
 use crate::collective::{self, ActivitySink, TensorIo};
 use crate::compress;
+use crate::config::AlgorithmChoice;
+use crate::dtype::DataType;
 use crate::error::{Error, Result, Stall};
 use crate::fusion::FusionBuffer;
 use crate::fusion::planner::plan_segments;
 use crate::hashing::HashMap;
+use crate::message::ReduceOp;
 use crate::message::{OpKind, Request, Response};
 use crate::negotiate::online::StallPolicy;
 use crate::negotiate::set::PlanBatch;
@@ -28,35 +32,39 @@ use crate::transport::Transport;
 use crate::transport::mpi::MpiComm;
 
 /// A set's two levels for hierarchical collectives: this node's ranks, and this node rank on
-/// every node; and which collectives use them.
+/// every node; and how each allreduce chooses between them and the flat collective.
 pub(crate) struct Hierarchy {
     local: MpiComm,
     cross: MpiComm,
-    allreduce: bool,
+    /// Hierarchical, or by size (auto): never flat (then there is no hierarchy).
+    policy: Policy,
 }
 
 impl Hierarchy {
     /// Collective over `comm` (a set's or a channel's communicator), where `node` names this
-    /// rank's node. `None` when no switch asks for it, or when the set's nodes do not hold the
+    /// rank's node. `None` when the algorithm is flat, or when the set's nodes do not hold the
     /// same number of ranks, or it has one node, or one rank per node (all agreed: every rank
-    /// decides from the same allgather); rank 0 of the set says so once when `log`.
+    /// decides from the same allgather); rank 0 of the set logs the choice once when `log`.
+    /// With `auto`, the model's parameters are measured here and rank 0's are used everywhere.
     pub fn open(
         comm: &MpiComm,
         node: i32,
         settings: &JobSettings,
         log: bool,
     ) -> Result<Option<Hierarchy>> {
-        if !settings.hierarchical_allreduce {
+        let choice = settings.algorithm;
+        if choice == AlgorithmChoice::Flat {
             return Ok(None);
         }
         let local = comm.split(node)?;
         let cross = comm.split(local.rank() as i32)?;
         let sizes = comm.allgather_i64(local.size() as i64)?;
         let even = sizes.iter().all(|s| *s == sizes[0]);
+        let say = log && comm.rank() == 0;
         if !even {
-            if log && comm.rank() == 0 {
+            if say && choice == AlgorithmChoice::Hierarchical {
                 tracing::warn!(
-                    "HOROVOD_HIERARCHICAL_ALLREDUCE: the set's nodes hold {sizes:?} ranks; hierarchical collectives need the same number on each; using flat ones"
+                    "hierarchical allreduce: the set's nodes hold {sizes:?} ranks; it needs the same number on each; using the flat one"
                 );
             }
             return Ok(None);
@@ -65,19 +73,97 @@ impl Hierarchy {
             // one node, or one rank per node: the flat collective is the hierarchical one
             return Ok(None);
         }
-        if log && comm.rank() == 0 {
-            tracing::info!(
-                "hierarchical allreduce over {} nodes of {} ranks",
-                cross.size(),
-                local.size()
-            );
+        let policy = match choice {
+            AlgorithmChoice::Auto => Policy::Auto(measure(comm, &local, &cross)?),
+            _ => Policy::Hierarchical,
+        };
+        if say {
+            let (nodes, per) = (cross.size(), local.size());
+            match &policy {
+                Policy::Auto(m) => tracing::info!(
+                    "allreduce algorithm auto over {nodes} nodes of {per} ranks: inside a node {:.1} us + {:.2} GB/s, across nodes {:.1} us + {:.2} GB/s; hierarchical from {}",
+                    m.local.alpha * 1e6,
+                    1e-9 / m.local.beta,
+                    m.cross.alpha * 1e6,
+                    1e-9 / m.cross.beta,
+                    m.crossover()
+                        .map_or("no size".to_string(), |b| format!("{b} bytes"))
+                ),
+                _ => tracing::info!("hierarchical allreduce over {nodes} nodes of {per} ranks"),
+            }
         }
         Ok(Some(Hierarchy {
             local,
             cross,
-            allreduce: settings.hierarchical_allreduce,
+            policy,
         }))
     }
+
+    /// How this set picks each allreduce's algorithm.
+    pub fn policy(&self) -> Policy {
+        self.policy
+    }
+}
+
+/// Bytes of the probe's large message.
+const PROBE_BYTES: usize = 1 << 20;
+
+/// The cost model of the set, measured: each level's allreduce of 8 bytes (latency) and of
+/// `PROBE_BYTES` (bandwidth), the best of a few rounds; rank 0's figures everywhere.
+fn measure(comm: &MpiComm, local: &MpiComm, cross: &MpiComm) -> Result<CostModel> {
+    // a rank whose own measurement differs must still choose as the others do: with this
+    // test fault, rank N sees its node's level a thousand times slower
+    let skewed = crate::config::test_fault("slow_probe", comm.rank() as i32);
+    let link = |level: &MpiComm, slow: bool| -> Result<Link> {
+        let n = level.size();
+        let time = |bytes: usize, rounds: usize| -> Result<f64> {
+            let mut buf = vec![0u8; bytes];
+            let mut best = f64::INFINITY;
+            for _ in 0..rounds {
+                let t = Instant::now();
+                level.allreduce(None, &mut buf, DataType::U8, ReduceOp::Max)?;
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            // as if this rank saw a network a thousand times slower
+            Ok(if slow { best * 1000.0 } else { best })
+        };
+        let messages = 2.0 * (n as f64).log2().ceil();
+        let alpha = time(8, 5)? / messages;
+        let moved = 2.0 * (n - 1) as f64 / n as f64 * PROBE_BYTES as f64;
+        let beta = ((time(PROBE_BYTES, 3)? - messages * alpha) / moved).max(1e-13);
+        Ok(Link { alpha, beta })
+    };
+    let (l, c) = (link(local, skewed)?, link(cross, false)?);
+    let mine: Vec<u8> = [l.alpha, l.beta, c.alpha, c.beta]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let got = comm.broadcast_bytes(mine, 0)?;
+    let v: Vec<f64> = got
+        .chunks_exact(8)
+        .map(|b| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(b);
+            f64::from_le_bytes(a)
+        })
+        .collect();
+    if v.len() != 4 {
+        return Err(Error::Internal(
+            "the cost model came as the wrong size".into(),
+        ));
+    }
+    Ok(CostModel {
+        local: Link {
+            alpha: v[0],
+            beta: v[1],
+        },
+        cross: Link {
+            alpha: v[2],
+            beta: v[3],
+        },
+        per_node: local.size(),
+        nodes: cross.size(),
+    })
 }
 
 /// Where batches run: a communicator with its host fusion buffer and its NCCL streams (and, for
@@ -125,7 +211,10 @@ impl Executor {
             .map(Some);
         }
         let levels = (self.hierarchy.as_ref())
-            .filter(|h| h.allreduce && head.kind == OpKind::Allreduce)
+            .filter(|h| {
+                head.kind == OpKind::Allreduce
+                    && h.policy.choose(batch_bytes(resps)) == Algorithm::Hierarchical
+            })
             .map(|h| Levels {
                 local: &h.local,
                 cross: &h.cross,
@@ -157,6 +246,14 @@ impl Executor {
         }
         .map(|()| None)
     }
+}
+
+/// The bytes of a batch's tensors (agreed: from the responses).
+fn batch_bytes(resps: &[&Response]) -> usize {
+    resps
+        .iter()
+        .map(|r| r.num_elements().max(0) as usize * r.dtype.size())
+        .sum()
 }
 
 /// A tensor a channel holds.
@@ -289,7 +386,8 @@ impl Launcher {
                     set.executor
                         .run(rt, &resps, &mut entries, replay, &mut sink)
                         .inspect_err(|e| {
-                            tracing::error!("set {}: {} failed: {e}", set.id, head.kind.name())
+                            let on = if gpu::on_device(head) { "GPU " } else { "" };
+                            tracing::error!("set {}: {on}{} failed: {e}", set.id, head.kind.name())
                         })
                 }
             };
@@ -542,14 +640,20 @@ pub(crate) fn run_plan_batch(
             limit: stall.shutdown_after,
             waiting_in: format!("offline plan batch {} ({})", batch.index, names.join(", ")),
             missing: set.ctrl.missing_ranks(),
+            hint: "A missing rank has not submitted these tensors, stopped submitting, or stopped responding.",
         }))),
         Err(e) => Err(e),
     };
     let escaped = match escaped {
         Ok(raised) => raised,
         Err(e) => {
+            // callers see a stall as the job's shutdown, whichever wait found it
+            let theirs = match &e {
+                Error::Stalled(_) => Error::ShutDown(e.to_string()),
+                other => other.clone(),
+            };
             for e2 in entries {
-                e2.complete(Err(e.clone()), None);
+                e2.complete(Err(theirs.clone()), None);
             }
             return Err(e);
         }

@@ -152,6 +152,8 @@ pub struct Runtime {
     pub metrics: metrics::Metrics,
     /// The GPU this process's device operations use (the first one asked for).
     gpu_device: OnceLock<i32>,
+    /// How the global set picks each allreduce's algorithm (set at init).
+    pub(crate) allreduce_policy: OnceLock<crate::collective::cost::Policy>,
 }
 
 static RUNTIME: Mutex<Option<Arc<Runtime>>> = Mutex::new(None);
@@ -243,6 +245,7 @@ pub fn init(opts: InitOptions) -> Result<()> {
         thread: Mutex::new(None),
         metrics: metrics::Metrics::default(),
         gpu_device: OnceLock::new(),
+        allreduce_policy: OnceLock::new(),
     });
     let (ready_tx, ready_rx) = crossbeam::channel::bounded(1);
     let rt2 = rt.clone();
@@ -287,6 +290,15 @@ pub fn shutdown() {
 }
 
 impl Runtime {
+    /// The algorithm the global set's allreduce of `bytes` uses: flat where there is no
+    /// choice (one node, uneven nodes, `FERROVOD_ALGORITHM=flat`), else as asked for or as the
+    /// cost model measured at init says. Identical on every rank.
+    pub fn allreduce_algorithm(&self, bytes: usize) -> crate::collective::cost::Algorithm {
+        (self.allreduce_policy.get()).map_or(crate::collective::cost::Algorithm::Flat, |p| {
+            p.choose(bytes)
+        })
+    }
+
     pub fn topology(&self) -> &Topology {
         self.topology
             .get()
@@ -765,7 +777,6 @@ impl Runtime {
     }
 }
 
-/// Collective calls that block until all ranks agree cannot run inside a callback.
 /// The GPU `ordinal` with the collectives' kernels loaded: a GPU whose kernels cannot be
 /// compiled fails the call that first uses it, not a batch the ranks agreed to run.
 fn open_gpu(ordinal: i32) -> Result<Arc<crate::transport::cuda::Gpu>> {
@@ -774,6 +785,7 @@ fn open_gpu(ordinal: i32) -> Result<Arc<crate::transport::cuda::Gpu>> {
     Ok(gpu)
 }
 
+/// Collective calls that block until all ranks agree cannot run inside a callback.
 fn refuse_on_background_thread(what: &str) -> Result<()> {
     if on_background_thread() {
         return Err(Error::InvalidArgument(format!(

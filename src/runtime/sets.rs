@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use crate::collective::cost::Policy;
 use crate::error::{Error, Result};
 use crate::message::{OpKind, Response};
 use crate::negotiate::online::{Negotiator, StallPolicy};
@@ -66,6 +67,10 @@ impl SetState {
             StallPolicy::from_config(cfg),
         );
         let hierarchy = Hierarchy::open(&comm, node, settings, true)?;
+        if id == 0 {
+            let policy = hierarchy.as_ref().map_or(Policy::Flat, Hierarchy::policy);
+            let _ = rt.allreduce_policy.set(policy);
+        }
         let channels = if settings.channels > 1 {
             let done = rt
                 .inbox

@@ -50,7 +50,7 @@ pub struct Gpu {
     /// Elementwise kernels of the libraries loaded so far, by kernel name.
     elementwise: RwLock<HashMap<&'static str, Function>>,
     /// The libraries loaded so far (by name).
-    libraries: Mutex<Vec<&'static str>>,
+    libraries: RwLock<Vec<&'static str>>,
     /// Where `join_events` records: a stream of its own, so joins never wait behind batches.
     joiner: Mutex<Option<Stream>>,
     /// Events for `mark_stream`, reused.
@@ -118,7 +118,7 @@ pub fn gpu(ordinal: i32) -> Result<Arc<Gpu>> {
         ctx,
         batched_copy,
         elementwise: RwLock::default(),
-        libraries: Mutex::default(),
+        libraries: RwLock::default(),
         joiner: Mutex::new(None),
         marks: Arc::default(),
     });
@@ -256,21 +256,32 @@ impl Gpu {
     /// Compiles and loads `lib` (once per process; later calls return at once), so that its
     /// kernels can be launched and a failing compilation shows when the GPU is first used.
     pub fn load(&self, lib: &KernelLibrary) -> Result<()> {
-        let mut loaded = self.libraries.lock().expect("kernel libraries");
+        if self
+            .libraries
+            .read()
+            .expect("kernel libraries")
+            .contains(&lib.name)
+        {
+            return Ok(());
+        }
+        let mut loaded = self.libraries.write().expect("kernel libraries");
         if loaded.contains(&lib.name) {
             return Ok(());
         }
         let module = compile(&self.ctx, lib.name, lib.source)?;
+        let functions = lib
+            .kernels
+            .iter()
+            .map(|k| Ok((*k, Function(module.function(k)?))))
+            .collect::<Result<Vec<_>>>()?;
         let mut table = self.elementwise.write().expect("kernel table");
-        for kernel in lib.kernels {
-            if table.contains_key(kernel) {
-                return Err(Error::Internal(format!(
-                    "kernel {kernel} of {} is already loaded from another library",
-                    lib.name
-                )));
-            }
-            table.insert(kernel, Function(module.function(kernel)?));
+        if let Some((k, _)) = functions.iter().find(|(k, _)| table.contains_key(k)) {
+            return Err(Error::Internal(format!(
+                "kernel {k} of {} is already loaded from another library",
+                lib.name
+            )));
         }
+        table.extend(functions);
         loaded.push(lib.name);
         Ok(())
     }

@@ -32,6 +32,9 @@ const PROBE_TAG: usize = 7;
 /// every 200 ms).
 const PROBE_GRACE: Duration = Duration::from_secs(3);
 
+/// What a rank missing from a collective may be doing.
+const STALL_HINT: &str = "A missing rank is stopped, hung, or blocked elsewhere.";
+
 /// Blocking MPI calls in progress, one slot per thread that has made one: when each started
 /// and what it is. The watchdog reads them.
 static BLOCKED: Mutex<Vec<Option<(Instant, &'static str)>>> = Mutex::new(Vec::new());
@@ -130,6 +133,7 @@ impl Watchdog {
                         limit,
                         waiting_in: what.to_string(),
                         missing: absent,
+                        hint: STALL_HINT,
                     };
                     eprintln!("ferrovod: {msg} Aborting the job.");
                     // the other waiting ranks report too before the abort reaches them
@@ -551,6 +555,7 @@ impl MpiComm {
             limit: b.limit.unwrap_or_default(),
             waiting_in: format!("{what} of {}", b.what),
             missing: self.missing_ranks(),
+            hint: STALL_HINT,
         })))
     }
 

@@ -38,3 +38,41 @@ pub(crate) fn link_rate() {
     }
     finish_job();
 }
+
+/// `FERROVOD_ALGORITHM=auto`: every rank chooses the same algorithm for every batch size, also
+/// when its own probe measured other figures (`FERROVOD_TEST_FAULT=slow_probe:1`); with
+/// `FERROVOD_TEST_SLOW_CROSS=1` (hosts joined by a slow network) large batches go hierarchical.
+pub(crate) fn algorithm_agreed() {
+    use ferrovod::collective::cost::Algorithm;
+    init();
+    let rt = runtime::runtime().unwrap();
+    let sizes: Vec<usize> = (0..36).map(|k| 1usize << k).collect();
+    let bits: Vec<f64> = sizes
+        .iter()
+        .map(|b| {
+            f64::from(u8::from(
+                rt.allreduce_algorithm(*b) == Algorithm::Hierarchical,
+            ))
+        })
+        .collect();
+    let n = bits.len() as i64;
+    let mut agreed = Vec::new();
+    for (name, op) in [("algo.min", ReduceOp::Min), ("algo.max", ReduceOp::Max)] {
+        let mut spec = OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor(name, DataType::F32, &[n], &bits, false)],
+        );
+        spec.reduce_op = op;
+        agreed.push(output(&run(spec).unwrap()[0], DataType::F32));
+    }
+    assert_eq!(agreed[0], agreed[1], "ranks chose differently");
+    assert_eq!(agreed[0], bits);
+    if std::env::var("FERROVOD_TEST_SLOW_CROSS").is_ok_and(|v| v == "1") {
+        assert_eq!(
+            rt.allreduce_algorithm(64 << 20),
+            Algorithm::Hierarchical,
+            "a 64 MiB batch across a slow network"
+        );
+    }
+    finish_job();
+}

@@ -145,6 +145,20 @@ pub(crate) const HIERARCHICAL_UNEVEN: &[(&str, &str)] = &[
     ("FERROVOD_TEST_HIERARCHICAL", "0"),
 ];
 
+/// The algorithm chosen per batch from the cost model, with rank 1 measuring other figures.
+pub(crate) const AUTO_SKEWED: &[(&str, &str)] = &[
+    ("FERROVOD_ALGORITHM", "auto"),
+    ("FERROVOD_LOCAL_SIZE", "2"),
+    ("FERROVOD_TEST_FAULT", "slow_probe:1"),
+];
+
+/// The same across emulated hosts joined by a slow network.
+pub(crate) const AUTO_SKEWED_HOSTS: &[(&str, &str)] = &[
+    ("FERROVOD_ALGORITHM", "auto"),
+    ("FERROVOD_TEST_FAULT", "slow_probe:1"),
+    ("FERROVOD_TEST_SLOW_CROSS", "1"),
+];
+
 /// Hierarchical allreduce over the emulated hosts (nodes from MPI_COMM_TYPE_SHARED).
 pub(crate) const HIERARCHICAL_HOSTS: &[(&str, &str)] = &[
     ("HOROVOD_HIERARCHICAL_ALLREDUCE", "1"),
@@ -335,6 +349,9 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     // hierarchical allreduce: 2 nodes of 2 ranks; 2 + 1 falls back to flat
     ("collectives", 4, HIERARCHICAL_LOCAL2, true),
     ("collectives", 3, HIERARCHICAL_UNEVEN, true),
+    // auto: agreed choices, right results whichever algorithm each batch takes
+    ("algorithm_agreed", 4, AUTO_SKEWED, true),
+    ("collectives", 4, AUTO_SKEWED, true),
 ];
 
 /// Emulated hosts of a scenario (scripts/hosts/): `n` network namespaces of `per` ranks each,
@@ -376,6 +393,16 @@ pub(crate) const HOST_SCENARIOS: &[HostScenario] = &[
             rate: "10gbit",
         },
         HIERARCHICAL_HOSTS,
+        true,
+    ),
+    (
+        "algorithm_agreed",
+        Hosts {
+            n: 2,
+            per: 2,
+            rate: "1gbit",
+        },
+        AUTO_SKEWED_HOSTS,
         true,
     ),
     // nodes from MPI_COMM_TYPE_SHARED: one per namespace
@@ -800,6 +827,7 @@ pub(crate) fn run_rank(name: &str) {
         "stall_in_set" => stall_in_set(),
         "topology" => topology(),
         "link_rate" => link_rate(),
+        "algorithm_agreed" => algorithm_agreed(),
         "alloc_failure" => alloc_failure(),
         "callbacks" => callbacks(),
         "shutdown_pending" => shutdown_pending(),

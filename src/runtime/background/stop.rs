@@ -73,7 +73,7 @@ impl Background {
                 }
             }
         });
-        tracing::debug!("shutdown: GPU lanes closed");
+        tracing::debug!("shutdown: NCCL streams closed");
         self.launcher.close_finisher();
         tracing::debug!("shutdown: GPU completions finished");
         for set in std::mem::take(&mut self.sets.member).into_values() {
