@@ -283,7 +283,8 @@ impl Config {
 /// or running one fails locally), `nccl_init` (a rank fails before creating its NCCL
 /// communicator), `gpu_alltoall` (a GPU alltoall fails before its host-MPI split exchange),
 /// `gpu_staged` (a GPU allreduce of a dtype NCCL cannot reduce fails before its host-MPI
-/// reduction). Ranks are global ranks (set ranks for the last three, the same in the tests'
+/// reduction), `slow_probe` (the rank's measurement of its node's level for the allreduce cost
+/// model reads a thousand times slower; rank 0's figures must still rule). Ranks are global ranks (set ranks for the last three, the same in the tests'
 /// global set).
 /// Not for production use.
 pub fn test_fault(point: &str, rank: i32) -> bool {
