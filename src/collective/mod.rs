@@ -70,12 +70,23 @@ pub(crate) fn byte_len(elems: i64, dtype: DataType) -> usize {
     elems.max(0) as usize * dtype.size()
 }
 
-/// Allreduce of one or more tensors with the same dtype, op and scales, over `t` or, with
-/// `levels`, hierarchically. A single tensor is reduced directly in its output, without a copy
-/// through the fusion buffer.
+/// How a batch's values are allreduced (chosen per batch from agreed data).
+pub enum Allreduce<'a> {
+    /// The transport's own allreduce.
+    Native,
+    /// The ring over point-to-point transfers (`ring.rs`): every link sends and receives at
+    /// once, which MPI's own choice for mid sizes does not do on TCP.
+    Ring,
+    /// Inside each node, across nodes, inside each node again (`hierarchical.rs`).
+    Hierarchical(Levels<'a>),
+}
+
+/// Allreduce of one or more tensors with the same dtype, op and scales, over `t` as `how`
+/// says. A single tensor is reduced directly in its output, without a copy through the fusion
+/// buffer.
 pub fn allreduce_batch(
     t: &dyn Transport,
-    levels: Option<&Levels>,
+    how: &Allreduce,
     resps: &[&Response],
     ios: &mut [&mut dyn TensorIo],
     fusion: &mut FusionBuffer,
@@ -83,21 +94,22 @@ pub fn allreduce_batch(
 ) -> Result<()> {
     let head = resps[0];
     let (op, post) = backend_op(head.reduce_op, t.size(), head.postscale)?;
-    let phase = match levels {
-        Some(_) => "MPI_HIERARCHICAL_ALLREDUCE",
-        None => "MPI_ALLREDUCE",
+    let phase = match how {
+        Allreduce::Native => "MPI_ALLREDUCE",
+        Allreduce::Ring => "RING_ALLREDUCE",
+        Allreduce::Hierarchical(_) => "MPI_HIERARCHICAL_ALLREDUCE",
     };
     if ios.len() == 1 {
         let (input, output) = ios[0].split_io();
         act(Some(phase));
-        match (levels, head.prescale != 1.0) {
-            (None, false) => t.allreduce(input, output, head.dtype, op)?,
-            (levels, _) => {
+        match (how, head.prescale != 1.0) {
+            (Allreduce::Native, false) => t.allreduce(input, output, head.dtype, op)?,
+            (how, _) => {
                 if let Some(inp) = input {
                     output.copy_from_slice(inp);
                 }
                 elementwise::scale(output, head.dtype, head.prescale)?;
-                reduce_in_place(t, levels, output, head.dtype, op)?;
+                reduce_in_place(t, how, output, head.dtype, op)?;
             }
         }
         elementwise::scale(output, head.dtype, post)?;
@@ -110,7 +122,7 @@ pub fn allreduce_batch(
     pack(ios, buf);
     act(Some(phase));
     elementwise::scale(buf, head.dtype, head.prescale)?;
-    reduce_in_place(t, levels, buf, head.dtype, op)?;
+    reduce_in_place(t, how, buf, head.dtype, op)?;
     elementwise::scale(buf, head.dtype, post)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
     unpack(buf, ios);
@@ -118,17 +130,22 @@ pub fn allreduce_batch(
     Ok(())
 }
 
-/// Allreduces `buf` in place: flat over `t`, or over the two levels.
+/// Allreduces `buf` in place as `how` says.
 fn reduce_in_place(
     t: &dyn Transport,
-    levels: Option<&Levels>,
+    how: &Allreduce,
     buf: &mut [u8],
     dtype: DataType,
     op: ReduceOp,
 ) -> Result<()> {
-    match levels {
-        Some(l) => hierarchical::allreduce(l, buf, dtype, op),
-        None => t.allreduce(None, buf, dtype, op),
+    match how {
+        Allreduce::Native => t.allreduce(None, buf, dtype, op),
+        Allreduce::Ring => {
+            let elems = buf.len() / dtype.size();
+            let mut ws = ring::HostWorkspace::new(t, buf, elems, dtype)?;
+            ring::allreduce(&mut ws, elems, dtype, op)
+        }
+        Allreduce::Hierarchical(l) => hierarchical::allreduce(l, buf, dtype, op),
     }
 }
 

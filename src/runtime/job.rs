@@ -105,6 +105,8 @@ pub(crate) struct JobSettings {
     pub gpu_graphs: bool,
     /// How allreduces cross nodes (where a set's nodes allow a choice).
     pub algorithm: AlgorithmChoice,
+    /// Flat host allreduces from this size run the ring (0: never).
+    pub ring_min_bytes: usize,
 }
 
 impl JobSettings {
@@ -123,6 +125,7 @@ impl JobSettings {
             if cfg.autotune { cfg.autotune_window } else { 0 },
             usize::from(cfg.gpu_graphs),
             cfg.algorithm.code(),
+            cfg.ring_min_bytes,
         ];
         let bytes: Vec<u8> = mine
             .iter()
@@ -135,7 +138,7 @@ impl JobSettings {
             .collect();
         if v[..] != mine[..] {
             tracing::warn!(
-                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS / HOROVOD_AUTOTUNE / FERROVOD_GPU_GRAPHS / FERROVOD_ALGORITHM / HOROVOD_HIERARCHICAL_ALLREDUCE differ from rank 0's; using rank 0's values {v:?}"
+                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS / HOROVOD_AUTOTUNE / FERROVOD_GPU_GRAPHS / FERROVOD_ALGORITHM / HOROVOD_HIERARCHICAL_ALLREDUCE / FERROVOD_RING_MIN_BYTES differ from rank 0's; using rank 0's values {v:?}"
             );
         }
         Ok(JobSettings {
@@ -150,6 +153,7 @@ impl JobSettings {
             autotune_window: v[8],
             gpu_graphs: v[9] != 0,
             algorithm: AlgorithmChoice::from_code(v[10]),
+            ring_min_bytes: v[11],
         })
     }
 }

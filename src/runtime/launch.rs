@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use crate::collective::cost::{Algorithm, CostModel, Link, Policy};
 use crate::collective::hierarchical::Levels;
 use crate::collective::replay::{ReplayKey, batch_fingerprint};
-use crate::collective::{self, ActivitySink, TensorIo};
+use crate::collective::{self, ActivitySink, Allreduce, TensorIo};
 use crate::compress;
 use crate::config::AlgorithmChoice;
 use crate::dtype::DataType;
@@ -174,15 +174,18 @@ pub(crate) struct Executor {
     /// GPU batches run here (opened by the first one).
     pub gpu: Option<gpu::NcclStreams>,
     hierarchy: Option<Hierarchy>,
+    /// Flat allreduces of at least this many bytes run the ring (0: never; agreed).
+    ring_min_bytes: usize,
 }
 
 impl Executor {
-    pub fn new(data: MpiComm, hierarchy: Option<Hierarchy>) -> Executor {
+    pub fn new(data: MpiComm, hierarchy: Option<Hierarchy>, ring_min_bytes: usize) -> Executor {
         Executor {
             data,
             fusion: FusionBuffer::default(),
             gpu: None,
             hierarchy,
+            ring_min_bytes,
         }
     }
 
@@ -210,16 +213,19 @@ impl Executor {
             )
             .map(Some);
         }
-        let levels = (self.hierarchy.as_ref())
-            .filter(|h| {
-                head.kind == OpKind::Allreduce
-                    && h.policy.choose(batch_bytes(resps)) == Algorithm::Hierarchical
-            })
-            .map(|h| Levels {
-                local: &h.local,
-                cross: &h.cross,
-            });
-        if levels.is_some() {
+        // decided from agreed values only: the batch's size, the set's policy and settings
+        let bytes = batch_bytes(resps);
+        let how = match &self.hierarchy {
+            Some(h) if h.policy.choose(bytes) == Algorithm::Hierarchical => {
+                Allreduce::Hierarchical(Levels {
+                    local: &h.local,
+                    cross: &h.cross,
+                })
+            }
+            _ if self.ring_min_bytes > 0 && bytes >= self.ring_min_bytes => Allreduce::Ring,
+            _ => Allreduce::Native,
+        };
+        if head.kind == OpKind::Allreduce && matches!(how, Allreduce::Hierarchical(_)) {
             rt.metrics.add_hierarchical_batch();
         }
         // host memory is ready when enqueued
@@ -236,7 +242,7 @@ impl Executor {
             OpKind::Join | OpKind::AddProcessSet | OpKind::RemoveProcessSet => Ok(()),
             _ => collective::execute::host(
                 &self.data,
-                levels.as_ref(),
+                &how,
                 &mut self.fusion,
                 codec,
                 resps,

@@ -83,7 +83,7 @@ impl SetState {
                 .map(|k| {
                     let dup = comm.dup()?;
                     let hierarchy = Hierarchy::open(&dup, node, settings, false)?;
-                    let executor = Executor::new(dup, hierarchy);
+                    let executor = Executor::new(dup, hierarchy, settings.ring_min_bytes);
                     Channel::spawn(k, executor, done.clone(), rt.clone(), turn.clone())
                 })
                 .collect::<Result<Vec<_>>>()?
@@ -104,7 +104,7 @@ impl SetState {
             graph_epoch: 0,
             channels,
             batch_seq: 0,
-            executor: Executor::new(comm, hierarchy),
+            executor: Executor::new(comm, hierarchy, settings.ring_min_bytes),
         })
     }
 }

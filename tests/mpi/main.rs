@@ -349,6 +349,8 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     // hierarchical allreduce: 2 nodes of 2 ranks; 2 + 1 falls back to flat
     ("collectives", 4, HIERARCHICAL_LOCAL2, true),
     ("collectives", 3, HIERARCHICAL_UNEVEN, true),
+    // every host allreduce through the ring over point-to-point transfers
+    ("collectives", 3, &[("FERROVOD_RING_MIN_BYTES", "1")], true),
     // auto: agreed choices, right results whichever algorithm each batch takes
     ("algorithm_agreed", 4, AUTO_SKEWED, true),
     ("collectives", 4, AUTO_SKEWED, true),
