@@ -78,7 +78,9 @@ fn parse_args() -> Args {
                 .unwrap_or_else(|| usage(&format!("{arg} needs a value")))
         };
         match arg {
-            "sweep" | "resnet50" | "all" | "negotiation" | "gpu" => a.mode = arg.to_string(),
+            "sweep" | "resnet50" | "all" | "negotiation" | "gpu" | "cost-model" => {
+                a.mode = arg.to_string()
+            }
             "--min-bytes" => a.min_bytes = num(&value()),
             "--max-bytes" => a.max_bytes = num(&value()),
             "--iters" => a.iters = Some(num(&value())),
@@ -110,7 +112,7 @@ fn usage(err: &str) -> ! {
         eprintln!("ferrovod-bench: {err}");
     }
     eprintln!(
-        "usage: mpirun -np N ferrovod-bench [all|sweep|resnet50|negotiation|gpu] [--min-bytes 1K] [--max-bytes 64M] [--iters N] [--warmup N] [--steps N] [--data resnet50_grads.tsv] [--backward-ms 20] [--scale 64] [--json] [--floors (gpu)]"
+        "usage: mpirun -np N ferrovod-bench [all|sweep|resnet50|negotiation|gpu|cost-model] [--min-bytes 1K] [--max-bytes 64M] [--iters N] [--warmup N] [--steps N] [--data resnet50_grads.tsv] [--backward-ms 20] [--scale 64] [--json] [--floors (gpu)]"
     );
     std::process::exit(2)
 }
@@ -449,8 +451,56 @@ fn resnet_ferrovod(a: &Args, grads: &[(String, usize)], size: usize) -> Resnet {
     }
 }
 
+/// `ferrovod-bench cost-model`: what the allreduce cost model (`collective::cost`) predicts for
+/// large clusters of 8-GPU nodes — predictions, not measurements. Inside a node: 3 us and
+/// 150 GB/s (NVLink-class); across nodes: 10 us and the network's rate.
+fn cost_model_table() {
+    use ferrovod::collective::cost::{CostModel, Link};
+    let sizes = [
+        ("ResNet-50 gradients", 102_228_128usize),
+        ("1 GiB", 1 << 30),
+    ];
+    println!(
+        "# predicted by collective::cost (not measured): 8 ranks per node; inside a node 3 us + 150 GB/s, across nodes 10 us + the network's rate"
+    );
+    println!(
+        "| nodes | network | batch | flat (ms) | hierarchical (ms) | hierarchical / flat | crossover (bytes) |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    for nodes in [16usize, 128, 1024] {
+        for gbit in [100.0f64, 200.0, 400.0] {
+            let m = CostModel {
+                local: Link {
+                    alpha: 3e-6,
+                    beta: 1.0 / 150e9,
+                },
+                cross: Link {
+                    alpha: 10e-6,
+                    beta: 8.0 / (gbit * 1e9),
+                },
+                per_node: 8,
+                nodes,
+            };
+            for (name, bytes) in sizes {
+                let (f, h) = (m.flat(bytes), m.hierarchical(bytes));
+                let cross = m.crossover().map_or("never".to_string(), |b| b.to_string());
+                println!(
+                    "| {nodes} | {gbit:.0} Gbit/s | {name} | {:.2} | {:.2} | {:.2} | {cross} |",
+                    f * 1e3,
+                    h * 1e3,
+                    h / f
+                );
+            }
+        }
+    }
+}
+
 fn main() {
     let a = parse_args();
+    if a.mode == "cost-model" {
+        cost_model_table();
+        return;
+    }
     let (universe, threading) = mpi::initialize_with_threading(mpi::Threading::Multiple)
         .expect("MPI initialisation failed");
     if threading != mpi::Threading::Multiple {
