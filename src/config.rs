@@ -151,6 +151,9 @@ pub struct Config {
     pub gpu_graphs: bool,
     /// `FERROVOD_ALGORITHM` (or `HOROVOD_HIERARCHICAL_ALLREDUCE`).
     pub algorithm: AlgorithmChoice,
+    /// `HOROVOD_HIERARCHICAL_ALLGATHER`: allgathers inside each node, across nodes' first
+    /// ranks, then a broadcast inside each node.
+    pub hierarchical_allgather: bool,
     /// `FERROVOD_RING_MIN_BYTES`: flat host allreduces of at least this many bytes run the ring
     /// over point-to-point transfers instead of MPI's own (0: never).
     pub ring_min_bytes: usize,
@@ -273,6 +276,7 @@ impl Config {
                 None => AlgorithmChoice::Auto,
             },
             ring_min_bytes: env_num("FERROVOD_RING_MIN_BYTES", 0usize),
+            hierarchical_allgather: env_bool("HOROVOD_HIERARCHICAL_ALLGATHER"),
             poll: env_str("FERROVOD_POLL").map(|_| env_bool("FERROVOD_POLL")),
         }
     }

@@ -3,7 +3,7 @@
 //! function of the agreed responses only, identical on every rank.
 
 use crate::collective::device::{self, DeviceIo, Lane};
-use crate::collective::{self, ActivitySink, Allreduce, TensorIo};
+use crate::collective::{self, ActivitySink, Algorithms, TensorIo};
 use crate::compress::Codec;
 use crate::error::{Error, Result};
 use crate::fusion::FusionBuffer;
@@ -11,10 +11,10 @@ use crate::message::{OpKind, Response};
 use crate::transport::{DeviceTransport, Transport};
 
 /// Runs one batch of host tensors over `t`, through the fusion buffer `fusion`, its values
-/// travelling as `codec` says; allreduces as `how` says.
+/// travelling as `codec` says, with the algorithms `how` names.
 pub fn host(
     t: &dyn Transport,
-    how: &Allreduce,
+    how: &Algorithms,
     fusion: &mut FusionBuffer,
     codec: Codec,
     resps: &[&Response],
@@ -24,8 +24,12 @@ pub fn host(
     let head = resps[0];
     let Codec::None = codec;
     match head.kind {
-        OpKind::Allreduce => collective::allreduce_batch(t, how, resps, ios, fusion, sink),
-        OpKind::Allgather => collective::allgather_batch(t, resps, ios, fusion, sink),
+        OpKind::Allreduce => {
+            collective::allreduce_batch(t, &how.allreduce, resps, ios, fusion, sink)
+        }
+        OpKind::Allgather => {
+            collective::allgather_batch(t, how.allgather.as_ref(), resps, ios, fusion, sink)
+        }
         OpKind::Reducescatter => collective::reducescatter_batch(t, resps, ios, fusion, sink),
         OpKind::Broadcast => collective::broadcast(t, head, &mut *ios[0], sink),
         OpKind::Alltoall => collective::alltoall(t, head, &mut *ios[0], sink),

@@ -70,6 +70,13 @@ pub(crate) fn byte_len(elems: i64, dtype: DataType) -> usize {
     elems.max(0) as usize * dtype.size()
 }
 
+/// Which algorithms a batch's collectives use (chosen per batch from agreed data).
+pub struct Algorithms<'a> {
+    pub allreduce: Allreduce<'a>,
+    /// Allgather hierarchically over these levels.
+    pub allgather: Option<Levels<'a>>,
+}
+
 /// How a batch's values are allreduced (chosen per batch from agreed data).
 pub enum Allreduce<'a> {
     /// The transport's own allreduce.
@@ -289,9 +296,10 @@ pub(crate) fn reducescatter_shape(r: &Response, size: usize, me: usize) -> Vec<i
 }
 
 /// Allgather of one or more tensors with the same dtype; first dimensions may differ per rank.
-/// Fused layout in the buffer: rank-major, then tensor order.
+/// Fused layout in the buffer: rank-major, then tensor order. Over `levels`, hierarchically.
 pub fn allgather_batch(
     t: &dyn Transport,
+    levels: Option<&Levels>,
     resps: &[&Response],
     ios: &mut [&mut dyn TensorIo],
     fusion: &mut FusionBuffer,
@@ -304,11 +312,23 @@ pub fn allgather_batch(
     for ((io, r), b) in ios.iter_mut().zip(resps).zip(&bytes) {
         io.allocate_output(&allgather_shape(r), b.iter().sum())?;
     }
+    let phase = match levels {
+        Some(_) => "MPI_HIERARCHICAL_ALLGATHER",
+        None => "MPI_ALLGATHER",
+    };
     if ios.len() == 1 {
-        act(Some("MPI_ALLGATHER"));
+        act(Some(phase));
         let (input, output) = ios[0].split_io();
-        let input = input.expect("allgather output is separate");
-        t.allgatherv(Some(input), output, &bytes[0])?;
+        let input =
+            input.ok_or_else(|| Error::Internal("an allgather's output is its input".into()))?;
+        match levels {
+            None => t.allgatherv(Some(input), output, &bytes[0])?,
+            Some(l) => {
+                let mine: usize = bytes[0][..me].iter().sum();
+                output[mine..mine + input.len()].copy_from_slice(input);
+                hierarchical::allgatherv(l, output, &bytes[0])?;
+            }
+        }
         act(None);
         return Ok(());
     }
@@ -320,8 +340,11 @@ pub fn allgather_batch(
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
     let mine: usize = counts[..me].iter().sum();
     pack(ios, &mut buf[mine..]);
-    act(Some("MPI_ALLGATHER"));
-    t.allgatherv(None, buf, &counts)?;
+    act(Some(phase));
+    match levels {
+        None => t.allgatherv(None, buf, &counts)?,
+        Some(l) => hierarchical::allgatherv(l, buf, &counts)?,
+    }
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
     for p in layout::rank_major(&bytes) {
         let (_, out) = ios[p.tensor].split_io();

@@ -107,6 +107,8 @@ pub(crate) struct JobSettings {
     pub algorithm: AlgorithmChoice,
     /// Flat host allreduces from this size run the ring (0: never).
     pub ring_min_bytes: usize,
+    /// `HOROVOD_HIERARCHICAL_ALLGATHER`.
+    pub hierarchical_allgather: bool,
 }
 
 impl JobSettings {
@@ -126,6 +128,7 @@ impl JobSettings {
             usize::from(cfg.gpu_graphs),
             cfg.algorithm.code(),
             cfg.ring_min_bytes,
+            usize::from(cfg.hierarchical_allgather),
         ];
         let bytes: Vec<u8> = mine
             .iter()
@@ -138,7 +141,7 @@ impl JobSettings {
             .collect();
         if v[..] != mine[..] {
             tracing::warn!(
-                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS / HOROVOD_AUTOTUNE / FERROVOD_GPU_GRAPHS / FERROVOD_ALGORITHM / HOROVOD_HIERARCHICAL_ALLREDUCE / FERROVOD_RING_MIN_BYTES differ from rank 0's; using rank 0's values {v:?}"
+                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS / HOROVOD_AUTOTUNE / FERROVOD_GPU_GRAPHS / FERROVOD_ALGORITHM / HOROVOD_HIERARCHICAL_ALLREDUCE / FERROVOD_RING_MIN_BYTES / HOROVOD_HIERARCHICAL_ALLGATHER differ from rank 0's; using rank 0's values {v:?}"
             );
         }
         Ok(JobSettings {
@@ -154,6 +157,7 @@ impl JobSettings {
             gpu_graphs: v[9] != 0,
             algorithm: AlgorithmChoice::from_code(v[10]),
             ring_min_bytes: v[11],
+            hierarchical_allgather: v[12] != 0,
         })
     }
 }

@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::collective::cost::{Algorithm, CostModel, Link, Policy};
-use crate::collective::hierarchical::Levels;
+use crate::collective::hierarchical::{Levels, node_members};
 use crate::collective::replay::{ReplayKey, batch_fingerprint};
-use crate::collective::{self, ActivitySink, Allreduce, TensorIo};
+use crate::collective::{self, ActivitySink, Algorithms, Allreduce, TensorIo};
 use crate::compress;
 use crate::config::AlgorithmChoice;
 use crate::dtype::DataType;
@@ -36,8 +36,12 @@ use crate::transport::mpi::MpiComm;
 pub(crate) struct Hierarchy {
     local: MpiComm,
     cross: MpiComm,
-    /// Hierarchical, or by size (auto): never flat (then there is no hierarchy).
+    /// The set ranks of each node (`hierarchical::node_members`).
+    nodes: Vec<Vec<usize>>,
+    /// How allreduces choose.
     policy: Policy,
+    /// Allgathers go hierarchical.
+    allgather: bool,
 }
 
 impl Hierarchy {
@@ -53,12 +57,13 @@ impl Hierarchy {
         log: bool,
     ) -> Result<Option<Hierarchy>> {
         let choice = settings.algorithm;
-        if choice == AlgorithmChoice::Flat {
+        if choice == AlgorithmChoice::Flat && !settings.hierarchical_allgather {
             return Ok(None);
         }
         let local = comm.split(node)?;
         let cross = comm.split(local.rank() as i32)?;
         let sizes = comm.allgather_i64(local.size() as i64)?;
+        let nodes = node_members(&comm.allgather_i64(node as i64)?);
         let even = sizes.iter().all(|s| *s == sizes[0]);
         let say = log && comm.rank() == 0;
         if !even {
@@ -75,7 +80,8 @@ impl Hierarchy {
         }
         let policy = match choice {
             AlgorithmChoice::Auto => Policy::Auto(measure(comm, &local, &cross)?),
-            _ => Policy::Hierarchical,
+            AlgorithmChoice::Hierarchical => Policy::Hierarchical,
+            AlgorithmChoice::Flat => Policy::Flat,
         };
         if say {
             let (nodes, per) = (cross.size(), local.size());
@@ -89,19 +95,33 @@ impl Hierarchy {
                     m.crossover()
                         .map_or("no size".to_string(), |b| format!("{b} bytes"))
                 ),
-                _ => tracing::info!("hierarchical allreduce over {nodes} nodes of {per} ranks"),
+                _ => tracing::info!(
+                    "hierarchical collectives over {nodes} nodes of {per} ranks: allreduce {:?}, allgather {}",
+                    policy,
+                    settings.hierarchical_allgather
+                ),
             }
         }
         Ok(Some(Hierarchy {
             local,
             cross,
+            nodes,
             policy,
+            allgather: settings.hierarchical_allgather,
         }))
     }
 
     /// How this set picks each allreduce's algorithm.
     pub fn policy(&self) -> Policy {
         self.policy
+    }
+
+    fn levels(&self) -> Levels<'_> {
+        Levels {
+            local: &self.local,
+            cross: &self.cross,
+            nodes: &self.nodes,
+        }
     }
 }
 
@@ -215,17 +235,25 @@ impl Executor {
         }
         // decided from agreed values only: the batch's size, the set's policy and settings
         let bytes = batch_bytes(resps);
-        let how = match &self.hierarchy {
+        let allreduce = match &self.hierarchy {
             Some(h) if h.policy.choose(bytes) == Algorithm::Hierarchical => {
-                Allreduce::Hierarchical(Levels {
-                    local: &h.local,
-                    cross: &h.cross,
-                })
+                Allreduce::Hierarchical(h.levels())
             }
             _ if self.ring_min_bytes > 0 && bytes >= self.ring_min_bytes => Allreduce::Ring,
             _ => Allreduce::Native,
         };
-        if head.kind == OpKind::Allreduce && matches!(how, Allreduce::Hierarchical(_)) {
+        let how = Algorithms {
+            allgather: (self.hierarchy.as_ref())
+                .filter(|h| h.allgather)
+                .map(Hierarchy::levels),
+            allreduce,
+        };
+        let hierarchical = match head.kind {
+            OpKind::Allreduce => matches!(how.allreduce, Allreduce::Hierarchical(_)),
+            OpKind::Allgather => how.allgather.is_some(),
+            _ => false,
+        };
+        if hierarchical {
             rt.metrics.add_hierarchical_batch();
         }
         // host memory is ready when enqueued

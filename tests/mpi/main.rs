@@ -134,6 +134,15 @@ pub(crate) const OFFLINE_STALL: &[(&str, &str)] = &[
 /// Hierarchical allreduce over nodes of `FERROVOD_LOCAL_SIZE` ranks.
 pub(crate) const HIERARCHICAL_LOCAL2: &[(&str, &str)] = &[
     ("HOROVOD_HIERARCHICAL_ALLREDUCE", "1"),
+    ("HOROVOD_HIERARCHICAL_ALLGATHER", "1"),
+    ("FERROVOD_LOCAL_SIZE", "2"),
+    ("FERROVOD_TEST_HIERARCHICAL", "1"),
+];
+
+/// Hierarchical allgather alone (allreduces flat).
+pub(crate) const HIERARCHICAL_ALLGATHER_LOCAL2: &[(&str, &str)] = &[
+    ("HOROVOD_HIERARCHICAL_ALLGATHER", "1"),
+    ("FERROVOD_ALGORITHM", "flat"),
     ("FERROVOD_LOCAL_SIZE", "2"),
     ("FERROVOD_TEST_HIERARCHICAL", "1"),
 ];
@@ -162,6 +171,7 @@ pub(crate) const AUTO_SKEWED_HOSTS: &[(&str, &str)] = &[
 /// Hierarchical allreduce over the emulated hosts (nodes from MPI_COMM_TYPE_SHARED).
 pub(crate) const HIERARCHICAL_HOSTS: &[(&str, &str)] = &[
     ("HOROVOD_HIERARCHICAL_ALLREDUCE", "1"),
+    ("HOROVOD_HIERARCHICAL_ALLGATHER", "1"),
     ("FERROVOD_TEST_HIERARCHICAL", "1"),
 ];
 
@@ -349,6 +359,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     // hierarchical allreduce: 2 nodes of 2 ranks; 2 + 1 falls back to flat
     ("collectives", 4, HIERARCHICAL_LOCAL2, true),
     ("collectives", 3, HIERARCHICAL_UNEVEN, true),
+    ("collectives", 4, HIERARCHICAL_ALLGATHER_LOCAL2, true),
     // every host allreduce through the ring over point-to-point transfers
     ("collectives", 3, &[("FERROVOD_RING_MIN_BYTES", "1")], true),
     // auto: agreed choices, right results whichever algorithm each batch takes
@@ -363,6 +374,8 @@ pub(crate) struct Hosts {
     pub n: usize,
     pub per: usize,
     pub rate: &'static str,
+    /// Ranks round-robin over the hosts (`--map-by node`) rather than in blocks.
+    pub round_robin: bool,
 }
 
 /// (scenario, emulated hosts, extra environment, expect success)
@@ -383,6 +396,7 @@ pub(crate) const HOST_SCENARIOS: &[HostScenario] = &[
             n: 2,
             per: 1,
             rate: "1gbit",
+            round_robin: false,
         },
         &[],
         true,
@@ -393,6 +407,19 @@ pub(crate) const HOST_SCENARIOS: &[HostScenario] = &[
             n: 2,
             per: 2,
             rate: "10gbit",
+            round_robin: false,
+        },
+        HIERARCHICAL_HOSTS,
+        true,
+    ),
+    // ranks round-robin over the hosts: a node's ranks are not consecutive
+    (
+        "collectives",
+        Hosts {
+            n: 2,
+            per: 2,
+            rate: "10gbit",
+            round_robin: true,
         },
         HIERARCHICAL_HOSTS,
         true,
@@ -403,6 +430,7 @@ pub(crate) const HOST_SCENARIOS: &[HostScenario] = &[
             n: 2,
             per: 2,
             rate: "1gbit",
+            round_robin: false,
         },
         AUTO_SKEWED_HOSTS,
         true,
@@ -414,6 +442,7 @@ pub(crate) const HOST_SCENARIOS: &[HostScenario] = &[
             n: 2,
             per: 2,
             rate: "10gbit",
+            round_robin: false,
         },
         &[],
         true,
@@ -564,7 +593,13 @@ pub(crate) fn main() {
             continue;
         }
         let label = match hosts {
-            Some(h) => format!("{name} hosts={}x{} at {}", h.n, h.per, h.rate),
+            Some(h) => format!(
+                "{name} hosts={}x{} at {}{}",
+                h.n,
+                h.per,
+                h.rate,
+                if h.round_robin { ", round-robin" } else { "" }
+            ),
             None => format!("{name} np={np}"),
         };
         if np > gpus {
@@ -595,6 +630,9 @@ pub(crate) fn main() {
                 let mut c = Command::new("bash");
                 c.arg(hosts_script("mpirun.sh"))
                     .args([h.n.to_string(), h.per.to_string()]);
+                if h.round_robin {
+                    c.args(["--map-by", "node"]);
+                }
                 c
             }
             None => {
