@@ -418,11 +418,17 @@ pub(crate) fn collectives() {
         .unwrap()
         .clone();
     assert_eq!(rt.process_set_ranks(id), Some(ranks.clone()));
+    let before = rt.metrics.snapshot().hierarchical_batches;
     all_ops(&Ctx {
         ranks: ranks.iter().map(|r| *r as usize).collect(),
         set: id,
         tag: format!("set{id}"),
     });
+    // FERROVOD_TEST_HIERARCHICAL_SETS: the halves span nodes evenly, so they go hierarchical
+    if std::env::var("FERROVOD_TEST_HIERARCHICAL_SETS").is_ok_and(|v| v == "1") {
+        let after = rt.metrics.snapshot().hierarchical_batches;
+        assert!(after > before, "no hierarchical batch in set {id}");
+    }
     finish_job();
 }
 

@@ -154,6 +154,24 @@ pub(crate) const HIERARCHICAL_UNEVEN: &[(&str, &str)] = &[
     ("FERROVOD_TEST_HIERARCHICAL", "0"),
 ];
 
+/// Hierarchical collectives in process sets that span hosts (the halves of 2 hosts x 4 ranks
+/// placed round-robin hold 2 ranks on each host).
+pub(crate) const HIERARCHICAL_SETS: &[(&str, &str)] = &[
+    ("HOROVOD_HIERARCHICAL_ALLREDUCE", "1"),
+    ("HOROVOD_HIERARCHICAL_ALLGATHER", "1"),
+    ("FERROVOD_TEST_HIERARCHICAL", "1"),
+    ("FERROVOD_TEST_HIERARCHICAL_SETS", "1"),
+];
+
+/// Join and offline negotiation with hierarchical collectives (2 nodes of 2 ranks).
+pub(crate) const HIERARCHICAL_OFFLINE: &[(&str, &str)] = &[
+    ("HOROVOD_HIERARCHICAL_ALLREDUCE", "1"),
+    ("HOROVOD_HIERARCHICAL_ALLGATHER", "1"),
+    ("FERROVOD_LOCAL_SIZE", "2"),
+    ("FERROVOD_NEGOTIATION", "offline"),
+    ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+];
+
 /// The algorithm chosen per batch from the cost model, with rank 1 measuring other figures.
 pub(crate) const AUTO_SKEWED: &[(&str, &str)] = &[
     ("FERROVOD_ALGORITHM", "auto"),
@@ -360,6 +378,8 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     ("collectives", 4, HIERARCHICAL_LOCAL2, true),
     ("collectives", 3, HIERARCHICAL_UNEVEN, true),
     ("collectives", 4, HIERARCHICAL_ALLGATHER_LOCAL2, true),
+    ("join", 4, HIERARCHICAL_LOCAL2, true),
+    ("offline_steps", 4, HIERARCHICAL_OFFLINE, true),
     // every host allreduce through the ring over point-to-point transfers
     ("collectives", 3, &[("FERROVOD_RING_MIN_BYTES", "1")], true),
     // auto: agreed choices, right results whichever algorithm each batch takes
@@ -422,6 +442,17 @@ pub(crate) const HOST_SCENARIOS: &[HostScenario] = &[
             round_robin: true,
         },
         HIERARCHICAL_HOSTS,
+        true,
+    ),
+    (
+        "collectives",
+        Hosts {
+            n: 2,
+            per: 4,
+            rate: "10gbit",
+            round_robin: true,
+        },
+        HIERARCHICAL_SETS,
         true,
     ),
     (
