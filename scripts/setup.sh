@@ -70,6 +70,10 @@ check_all() {
   have ip || missing+=("iproute2|command ip (network namespaces of the emulated hosts)")
   have tc || missing+=("iproute2|command tc (rate limits of the emulated hosts' links)")
   have unshare || missing+=("util-linux|command unshare (each emulated host's own hostname)")
+  # the rdma feature builds rdma-core (ibverbs-sys): cmake and libnl's route library
+  have cmake || missing+=("cmake|command cmake (rdma-core, built by the rdma feature's ibverbs-sys)")
+  [ -f /usr/include/libnl3/netlink/route/link.h ] || missing+=("libnl-3-dev|libnl3/netlink/route/link.h (rdma-core's netlink headers)")
+  ls /usr/lib/*/libnl-route-3.so >/dev/null 2>&1 || missing+=("libnl-route-3-dev|libnl-route-3.so (rdma-core links it)")
   if ! have python3; then
     missing+=("python3|command python3")
   elif ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then

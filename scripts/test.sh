@@ -13,6 +13,9 @@ cargo fmt --check
 cargo clippy --release --all-targets -- -D warnings
 cargo build --release
 cargo test --release
+# RDMA NIC discovery (cargo feature rdma, the ibverbs crate): built, linted and its tests run
+cargo clippy --release --features rdma --lib -- -D warnings
+cargo test --release --features rdma --lib rdma
 # waiting threads poll only where each rank has 4 cores or more (not here): run the
 # collectives and join scenarios once more with polling on
 FERROVOD_POLL=1 cargo test --release --test mpi -- collectives

@@ -76,6 +76,7 @@ fn setup_check_names_a_missing_command() {
         "ip",
         "tc",
         "unshare",
+        "cmake",
     ] {
         link(c, &which(c));
     }

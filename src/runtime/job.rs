@@ -75,6 +75,26 @@ pub(crate) fn open_job(rt: &Runtime, comm: &Communicator, multiple: bool) -> Res
         mpi_threads_supported: multiple,
     };
     let _ = rt.topology.set(topo.clone());
+    if topo.local_rank == 0 {
+        // what the network offers; no RDMA data path exists, the cost model measures at init
+        match crate::transport::rdma::discover() {
+            Ok(ports) => {
+                for p in ports {
+                    tracing::info!(
+                        "RDMA: {} port {}: {} {}, {} Gbit/s (not used: ferrovod has no RDMA data path)",
+                        p.device,
+                        p.port,
+                        p.link_layer,
+                        if p.active { "active" } else { "down" },
+                        p.gbps
+                    );
+                }
+            }
+            Err(why) => {
+                tracing::info!("RDMA: {why}; collectives use MPI over TCP and shared memory")
+            }
+        }
+    }
     Ok(Job {
         world,
         settings,

@@ -6,6 +6,7 @@ pub mod cuda;
 pub mod memory;
 pub mod mpi;
 pub mod nccl;
+pub mod rdma;
 
 use crate::dtype::DataType;
 use crate::error::Result;
