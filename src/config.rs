@@ -94,9 +94,9 @@ pub struct Config {
     pub cycle_time: Duration,
     /// `HOROVOD_FUSION_THRESHOLD` in bytes (default 128 MiB).
     pub fusion_threshold: usize,
-    /// `FERROVOD_FUSION_DIRECT_BYTES` (default 64 KiB): tensors at least this large skip the
-    /// fusion buffer and are reduced in place.
-    pub fusion_direct_bytes: usize,
+    /// `FERROVOD_FUSION_DIRECT_BYTES`: tensors at least this large skip the fusion buffer and
+    /// are reduced in place. Unset: `fusion::planner::direct_bytes` decides per process set.
+    pub fusion_direct_bytes: Option<usize>,
     /// `HOROVOD_CACHE_CAPACITY` (default 1024; 0 disables the response cache).
     pub cache_capacity: usize,
     /// `HOROVOD_STALL_CHECK_DISABLE`.
@@ -207,6 +207,16 @@ fn env_num<T: std::str::FromStr>(key: &str, default: T) -> T {
     }
 }
 
+/// A number, or `None` when the variable is unset or not a number (warned).
+fn env_opt_num<T: std::str::FromStr>(key: &str) -> Option<T> {
+    let v = env_str(key)?;
+    let parsed = v.trim().parse().ok();
+    if parsed.is_none() {
+        tracing::warn!("ignoring {key}={v}: not a number");
+    }
+    parsed
+}
+
 impl Config {
     /// How long a wait for other ranks may last before this rank gives up on them: the stall
     /// shutdown time, unless stall checks or the shutdown are disabled (then for ever, as the
@@ -231,7 +241,7 @@ impl Config {
         Config {
             cycle_time: env_duration("HOROVOD_CYCLE_TIME", 1.0, 1e-3),
             fusion_threshold: env_num("HOROVOD_FUSION_THRESHOLD", 128usize * 1024 * 1024),
-            fusion_direct_bytes: env_num("FERROVOD_FUSION_DIRECT_BYTES", 64usize * 1024),
+            fusion_direct_bytes: env_opt_num("FERROVOD_FUSION_DIRECT_BYTES"),
             cache_capacity: env_num("HOROVOD_CACHE_CAPACITY", 1024usize),
             stall_check: !env_bool("HOROVOD_STALL_CHECK_DISABLE"),
             stall_warn: warn,

@@ -4,12 +4,14 @@
 //! tensors (and a batch of one) are reduced in the tensor's own memory. Reductions the device
 //! backend lacks (16-bit integers, bool) are staged through host memory and the host transport.
 
+use std::ops::Range;
+
 use crate::collective::replay::{Launch, LaunchGraphs, ReplayKey};
 use crate::collective::{
     ActivitySink, allgather_contributions, allgather_shape, alltoall_counts, backend_op,
     reducescatter_segments, reducescatter_shape,
 };
-use crate::collective::{kernels, layout};
+use crate::collective::{kernels, layout, ring};
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
 use crate::message::{ReduceOp, Response};
@@ -333,6 +335,72 @@ fn allreduce_staged(
     crate::elementwise::scale(&mut buf, head.dtype, post)?;
     act(Some("MEMCPY_HOST_TO_DEVICE"));
     upload_outputs(lane, &buf, ios)?;
+    act(None);
+    Ok(())
+}
+
+/// The two levels of a hierarchical GPU allreduce (Horovod's shape with NCCL): NCCL among this
+/// node's ranks, the host transport among the same node rank of every node.
+pub struct Levels<'a> {
+    pub local: &'a dyn DeviceTransport,
+    pub cross: &'a dyn Transport,
+}
+
+/// Hierarchical allreduce of a batch: the tensors packed into the fusion buffer (prescaled), an
+/// NCCL reduce-scatter inside the node, this rank's slice allreduced across nodes through host
+/// memory, an NCCL allgather inside the node, postscaled and unpacked. Only the slice crosses
+/// nodes. The host step waits for the stream's work before it; the rest is enqueued.
+pub fn allreduce_hierarchical(
+    levels: &Levels,
+    lane: &mut Lane,
+    resps: &[&Response],
+    ios: &mut [&mut dyn DeviceIo],
+    act: ActivitySink,
+) -> Result<()> {
+    let head = resps[0];
+    let dtype = head.dtype;
+    let size = dtype.size();
+    let (local, cross) = (levels.local, levels.cross);
+    let (op, post) = backend_op(head.reduce_op, local.size() * cross.size(), head.postscale)?;
+    let total: usize = ios.iter().map(|io| io.input().len()).sum();
+    let elems = total / size;
+    let (n, me) = (local.size(), local.rank());
+    // the same split on every rank of the node: a function of agreed sizes only
+    let slices: Vec<Range<usize>> = (0..n).map(|c| ring::chunk(elems, size, n, c)).collect();
+    let mine = slices[me].clone();
+    // the fusion buffer holds the batch, then this rank's reduced slice
+    let whole = lane.fusion(total + mine.len())?;
+    let (buf, slice) = (whole.first(total)?, whole.sub(total, mine.len())?);
+    let (gpu, stream) = (lane.gpu, lane.stream);
+    act(Some("MEMCPY_IN_FUSION_BUFFER"));
+    let copies_in = consecutive_copies(
+        buf,
+        ios.iter().map(|io| (io.input(), io.input().len())),
+        true,
+    )?;
+    gpu.copy_batch(stream, &copies_in)?;
+    kernels::scale(gpu, stream, buf, buf, elems, dtype, head.prescale)?;
+    act(Some("NCCL_REDUCESCATTER"));
+    let counts: Vec<usize> = slices.iter().map(|s| s.len() / size).collect();
+    local.reduce_scatter(buf, slice, &counts, dtype, op, stream)?;
+    act(Some("MEMCPY_DEVICE_TO_HOST"));
+    let mut host = vec![0u8; mine.len()];
+    gpu.download(stream, slice, &mut host)?;
+    act(Some("MPI_ALLREDUCE"));
+    cross.allreduce(None, &mut host, dtype, op)?;
+    act(Some("MEMCPY_HOST_TO_DEVICE"));
+    gpu.upload(stream, &host, buf.sub(mine.start, mine.len())?)?;
+    act(Some("NCCL_ALLGATHER"));
+    let bytes: Vec<usize> = slices.iter().map(Range::len).collect();
+    local.allgatherv_in_place(buf, &bytes, stream)?;
+    kernels::scale(gpu, stream, buf, buf, elems, dtype, post)?;
+    act(Some("MEMCPY_OUT_FUSION_BUFFER"));
+    let copies_out = consecutive_copies(
+        buf,
+        ios.iter().map(|io| (io.output(), io.input().len())),
+        false,
+    )?;
+    gpu.copy_batch(stream, &copies_out)?;
     act(None);
     Ok(())
 }

@@ -40,10 +40,18 @@ pub fn host(
     }
 }
 
-/// Enqueues one batch of GPU tensors on `lane` over `t`; `host` carries what must be agreed or
-/// staged on the host (dtypes the device transport cannot reduce, alltoall's counts).
+/// Which communicators a GPU batch runs over (chosen by the runtime from agreed values).
+pub enum DeviceRoute<'a> {
+    /// The device transport over every rank of the set.
+    Flat(&'a dyn DeviceTransport),
+    /// An allreduce inside each node, across nodes, inside each node again.
+    Hierarchical(device::Levels<'a>),
+}
+
+/// Enqueues one batch of GPU tensors on `lane` over `route`; `host` carries what must be agreed
+/// or staged on the host (dtypes the device transport cannot reduce, alltoall's counts).
 pub fn device(
-    t: &dyn DeviceTransport,
+    route: DeviceRoute,
     host: &dyn Transport,
     lane: &mut Lane,
     codec: Codec,
@@ -53,6 +61,18 @@ pub fn device(
 ) -> Result<()> {
     let head = resps[0];
     let Codec::None = codec;
+    let t = match route {
+        DeviceRoute::Flat(t) => t,
+        DeviceRoute::Hierarchical(levels) if head.kind == OpKind::Allreduce => {
+            return device::allreduce_hierarchical(&levels, lane, resps, ios, sink);
+        }
+        DeviceRoute::Hierarchical(_) => {
+            return Err(Error::Internal(format!(
+                "a GPU {} cannot run hierarchically",
+                head.kind.name()
+            )));
+        }
+    };
     match head.kind {
         OpKind::Allreduce => device::allreduce_batch(t, host, lane, resps, ios, sink),
         OpKind::Allgather => device::allgather_batch(t, lane, resps, ios, sink),

@@ -31,6 +31,23 @@ fn fuses_at_all(r: &Response) -> bool {
         )
 }
 
+/// Host tensors of this size or more run alone, in place, in a process set inside one node.
+const HOST_DIRECT_BYTES: usize = 64 << 10;
+
+/// The host size from which a set's tensors run alone, in place (`FERROVOD_FUSION_DIRECT_BYTES`
+/// when set). Inside a node the copy through the fusion buffer costs more than an extra
+/// collective call. Across nodes the network bounds an allreduce and one large message moves at
+/// its rate where many medium ones do not (BENCHMARKS.md, "issue 18, slow links"), so every
+/// tensor is fused up to the threshold there. Agreed: from rank 0's setting and the job's
+/// node map.
+pub fn direct_bytes(configured: Option<usize>, spans_nodes: bool) -> usize {
+    match (configured, spans_nodes) {
+        (Some(bytes), _) => bytes,
+        (None, true) => usize::MAX,
+        (None, false) => HOST_DIRECT_BYTES,
+    }
+}
+
 /// GPU tensors of this size or more run alone, in place. Below it a device copy (TB/s) costs
 /// less than NCCL's per-call latency and small-message inefficiency; above it NCCL is at its
 /// bandwidth plateau and copying through the fusion buffer only adds time (BENCHMARKS.md,
@@ -120,6 +137,23 @@ mod tests {
 
     fn members(b: &[Batch]) -> Vec<Vec<usize>> {
         b.iter().map(|b| b.members.clone()).collect()
+    }
+
+    #[test]
+    fn sets_across_nodes_fuse_every_tensor_unless_configured() {
+        assert_eq!(direct_bytes(None, false), HOST_DIRECT_BYTES);
+        assert_eq!(direct_bytes(None, true), usize::MAX);
+        assert_eq!(direct_bytes(Some(0), true), 0);
+        assert_eq!(direct_bytes(Some(1 << 20), false), 1 << 20);
+        // across nodes two 4 MiB tensors share one batch; inside one they run alone
+        let big = [
+            resp("a", OpKind::Allreduce, DataType::F32, 1 << 20),
+            resp("b", OpKind::Allreduce, DataType::F32, 1 << 20),
+        ];
+        let across = plan_batches(&big, 64 << 20, direct_bytes(None, true));
+        assert_eq!(members(&across), vec![vec![0, 1]]);
+        let inside = plan_batches(&big, 64 << 20, direct_bytes(None, false));
+        assert_eq!(members(&inside), vec![vec![0], vec![1]]);
     }
 
     #[test]

@@ -471,7 +471,7 @@ impl Background {
     fn learn(&mut self, responses: &[Arc<Response>], alone_before: bool) {
         let ctx = LearnContext {
             fusion_threshold: self.settings.fusion_threshold,
-            direct_bytes: self.settings.fusion_direct_bytes,
+            direct_bytes: self.sets.member.get(&0).map_or(0, |s| s.direct_bytes),
             alone: alone_before && self.sets.all.len() == 1,
         };
         if let Some(set) = self.sets.member.get_mut(&0) {

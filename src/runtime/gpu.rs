@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use crossbeam::channel::{Receiver, Sender, unbounded};
 
 use crate::collective::ActivitySink;
-use crate::collective::device::{DeviceIo, Lane};
-use crate::collective::execute;
+use crate::collective::device::{self, DeviceIo, Lane};
+use crate::collective::execute::{self, DeviceRoute};
 use crate::collective::replay::{LaunchGraphs, ReplayKey};
 use crate::compress::Codec;
 use crate::error::{Error, Result};
@@ -46,7 +46,10 @@ pub(crate) struct NcclStreams {
 struct NcclStream {
     /// Declared first: NCCL waits, when a communicator goes, for the graphs that use it.
     graphs: LaunchGraphs,
-    comm: NcclComm,
+    /// Over every rank of the set; opened by the first batch that uses it.
+    comm: Option<NcclComm>,
+    /// Over this node's ranks, for hierarchical allreduces; opened likewise.
+    local: Option<NcclComm>,
     fusion: Option<DeviceMem>,
     /// The event after the stream's latest batch (its batches finish in order).
     last: Option<Arc<Event>>,
@@ -54,11 +57,34 @@ struct NcclStream {
     stream: Stream,
 }
 
+/// Which of a stream's communicators.
+#[derive(Clone, Copy)]
+enum Level {
+    /// Every rank of the set.
+    Flat,
+    /// This node's ranks.
+    Local,
+}
+
+impl NcclStream {
+    fn comm(&self, level: Level) -> Option<&NcclComm> {
+        match level {
+            Level::Flat => self.comm.as_ref(),
+            Level::Local => self.local.as_ref(),
+        }
+    }
+
+    fn comm_mut(&mut self, level: Level) -> &mut Option<NcclComm> {
+        match level {
+            Level::Flat => &mut self.comm,
+            Level::Local => &mut self.local,
+        }
+    }
+}
+
 impl NcclStreams {
-    /// Collective over `data`, and agreed: rank 0 always broadcasts the NCCL ids, one per stream
-    /// (none when it failed), and every rank votes on its own readiness before joining the
-    /// communicators, so a rank that cannot open the streams fails the batch everywhere instead
-    /// of leaving the others waiting in NCCL's set-up.
+    /// Collective over `data`, and agreed: every rank votes on its own readiness (a GPU and
+    /// its streams), so a rank that cannot open the streams fails the batch everywhere.
     fn open(
         gpu: Result<Arc<Gpu>>,
         data: &MpiComm,
@@ -66,26 +92,13 @@ impl NcclStreams {
         grace: Duration,
         abort_all: Arc<AtomicBool>,
     ) -> Result<NcclStreams> {
-        let ids = match (&gpu, data.rank()) {
-            (Ok(_), 0) => (0..count)
-                .map(|_| nccl::unique_id())
-                .collect::<Result<Vec<_>>>()
-                .map(|ids| ids.concat())
-                .unwrap_or_else(|e| {
-                    tracing::error!("cannot create an NCCL unique id: {e}");
-                    Vec::new()
-                }),
-            _ => Vec::new(),
-        };
-        let ids = data.broadcast_bytes(ids, 0)?;
-        let count = ids.len() / nccl::UNIQUE_ID_BYTES;
         let local = gpu.and_then(|g| {
-            let cuda_streams = (0..count)
+            let cuda_streams = (0..count.max(1))
                 .map(|_| g.new_stream())
                 .collect::<Result<Vec<_>>>()?;
             Ok((g, cuda_streams))
         });
-        let mut ready = [u64::from(local.is_ok() && count > 0)];
+        let mut ready = [u64::from(local.is_ok())];
         data.and_words(&mut ready)?;
         let (gpu, cuda_streams) = local?;
         if ready[0] == 0 {
@@ -95,20 +108,15 @@ impl NcclStreams {
         }
         let streams = cuda_streams
             .into_iter()
-            .zip(ids.chunks_exact(nccl::UNIQUE_ID_BYTES))
-            .map(|(stream, id)| {
-                if crate::config::test_fault("nccl_init", data.rank() as i32) {
-                    return Err(Error::Internal("test fault: nccl_init".into()));
-                }
-                Ok(NcclStream {
-                    graphs: LaunchGraphs::default(),
-                    comm: NcclComm::new(&gpu, id, data.rank(), data.size())?,
-                    fusion: None,
-                    last: None,
-                    stream,
-                })
+            .map(|stream| NcclStream {
+                graphs: LaunchGraphs::default(),
+                comm: None,
+                local: None,
+                fusion: None,
+                last: None,
+                stream,
             })
-            .collect::<Result<Vec<_>>>()?;
+            .collect();
         Ok(NcclStreams {
             gpu,
             streams,
@@ -117,6 +125,52 @@ impl NcclStreams {
             grace,
             abort_all,
         })
+    }
+
+    /// Opens each stream's communicator of `level` over `over`'s ranks unless open. Collective
+    /// over `over`, and agreed: rank 0 always broadcasts the NCCL ids, one per stream (none when
+    /// it failed), and every rank votes before joining, so that a rank that cannot join fails
+    /// the batch everywhere instead of leaving the others waiting in NCCL's set-up.
+    fn connect(&mut self, level: Level, over: &MpiComm) -> Result<()> {
+        if self.streams.iter().all(|w| w.comm(level).is_some()) {
+            return Ok(());
+        }
+        let count = self.streams.len();
+        let ids = match over.rank() {
+            0 => (0..count)
+                .map(|_| nccl::unique_id())
+                .collect::<Result<Vec<_>>>()
+                .map(|ids| ids.concat())
+                .unwrap_or_else(|e| {
+                    tracing::error!("cannot create an NCCL unique id: {e}");
+                    Vec::new()
+                }),
+            _ => Vec::new(),
+        };
+        let ids = over.broadcast_bytes(ids, 0)?;
+        let bound = self.gpu.bind();
+        let mut ready = [u64::from(
+            bound.is_ok() && ids.len() == count * nccl::UNIQUE_ID_BYTES,
+        )];
+        over.and_words(&mut ready)?;
+        bound?;
+        if ready[0] == 0 {
+            return Err(Error::Aborted(
+                "NCCL communicators could not start on every rank of the process set (the failing rank logs why)".into(),
+            ));
+        }
+        for (w, id) in self
+            .streams
+            .iter_mut()
+            .zip(ids.chunks_exact(nccl::UNIQUE_ID_BYTES))
+        {
+            if crate::config::test_fault("nccl_init", over.rank() as i32) {
+                return Err(Error::Internal("test fault: nccl_init".into()));
+            }
+            let comm = NcclComm::new(&self.gpu, id, over.rank(), over.size())?;
+            *w.comm_mut(level) = Some(comm);
+        }
+        Ok(())
     }
 
     /// Stops every communicator of the streams and the work pending on them: after a local
@@ -133,7 +187,9 @@ impl NcclStreams {
                     // binding failed means a broken context; abort anyway
                     let _ = gpu.bind();
                     w.graphs.clear();
-                    w.comm.abort();
+                    for c in [&mut w.comm, &mut w.local].into_iter().flatten() {
+                        c.abort();
+                    }
                 });
             }
         });
@@ -222,13 +278,22 @@ pub(crate) fn on_device(head: &Response) -> bool {
         )
 }
 
-/// Enqueues one GPU batch on the NCCL streams (opening them first if needed): waits on the inputs'
-/// ready events on the device, runs the collective, records the completion event.
+/// A hierarchical batch's two levels: this node's ranks, and this node rank on every node.
+#[derive(Clone, Copy)]
+pub(crate) struct NodeLevels<'a> {
+    pub local: &'a MpiComm,
+    pub cross: &'a MpiComm,
+}
+
+/// Enqueues one GPU batch on the NCCL streams (opening them first if needed) over the set's
+/// communicator `data`, or hierarchically over `levels`: waits on the inputs' ready events on
+/// the device, runs the collective, records the completion event.
 #[allow(clippy::too_many_arguments)] // the batch, where it runs, and how (codec, replay)
 pub(crate) fn run_device_batch(
     rt: &Runtime,
     streams: &mut Option<NcclStreams>,
     data: &MpiComm,
+    levels: Option<NodeLevels>,
     codec: Codec,
     resps: &[&Response],
     entries: &mut [TensorEntry],
@@ -262,11 +327,18 @@ pub(crate) fn run_device_batch(
                 .into(),
         ));
     }
-    let (recorded, replayed) = enqueue_on_streams(l, data, codec, resps, entries, replay, sink)
+    match &levels {
+        Some(h) => l.connect(Level::Local, h.local)?,
+        None => l.connect(Level::Flat, data)?,
+    }
+    let (recorded, replayed) =
+        enqueue_on_streams(l, data, levels, codec, resps, entries, replay, sink)
         .map_err(|e| {
         // the other ranks' NCCL calls for this batch wait for this rank's forever: stop this
         // rank's communicators and have the job shut down (the vote tells every rank)
+        tracing::debug!("GPU batch failed after agreement ({e}): aborting the NCCL communicators");
         l.abort();
+        tracing::debug!("NCCL communicators aborted after the failed batch");
         let msg = format!(
             "a GPU collective failed on this rank after every rank agreed to run it ({e}); its NCCL communicators were aborted and ferrovod shuts down, as the other ranks cannot complete it"
         );
@@ -285,9 +357,11 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
 /// The batch's part after the streams are open: every failure here leaves the ranks' NCCL calls
 /// out of step. Also says whether the batch was replayed from a graph.
+#[allow(clippy::too_many_arguments)]
 fn enqueue_on_streams(
     l: &mut NcclStreams,
     data: &MpiComm,
+    levels: Option<NodeLevels>,
     codec: Codec,
     resps: &[&Response],
     entries: &mut [TensorEntry],
@@ -337,10 +411,23 @@ fn enqueue_on_streams(
         stream: &w.stream,
         fusion: &mut w.fusion,
         graphs: &mut w.graphs,
-        replay: replay.filter(|_| head.kind == OpKind::Allreduce),
+        // a hierarchical batch waits for the stream on the host: it cannot be a graph
+        replay: replay.filter(|_| head.kind == OpKind::Allreduce && levels.is_none()),
         replayed: false,
     };
-    execute::device(&w.comm, data, &mut lane_ref, codec, resps, &mut ios, sink)?;
+    let route = match (levels, &w.local, &w.comm) {
+        (Some(h), Some(local), _) => DeviceRoute::Hierarchical(device::Levels {
+            local,
+            cross: h.cross,
+        }),
+        (None, _, Some(flat)) => DeviceRoute::Flat(flat),
+        _ => {
+            return Err(Error::Internal(
+                "the batch's NCCL communicators are not open".into(),
+            ));
+        }
+    };
+    execute::device(route, data, &mut lane_ref, codec, resps, &mut ios, sink)?;
     let replayed = lane_ref.replayed;
     super::probe::mark("collective enqueued", n);
     let event = Arc::new(gpu.new_event()?);

@@ -108,7 +108,8 @@ pub(crate) fn open_job(rt: &Runtime, comm: &Communicator, multiple: bool) -> Res
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct JobSettings {
     pub fusion_threshold: usize,
-    pub fusion_direct_bytes: usize,
+    /// `FERROVOD_FUSION_DIRECT_BYTES` when set.
+    pub fusion_direct_bytes: Option<usize>,
     pub cache_capacity: usize,
     pub mpi_max_count: usize,
     /// 0: nodes from MPI_COMM_TYPE_SHARED.
@@ -131,13 +132,16 @@ pub(crate) struct JobSettings {
     pub hierarchical_allgather: bool,
 }
 
+/// An optional setting's "not set" on the wire.
+const UNSET: usize = usize::MAX;
+
 impl JobSettings {
     /// Rank 0's values everywhere. Call on a communicator still at the default MPI count limit,
     /// so that this broadcast itself is split identically on every rank.
     pub fn from_rank0(world: &MpiComm, cfg: &crate::config::Config) -> Result<JobSettings> {
         let mine = [
             cfg.fusion_threshold,
-            cfg.fusion_direct_bytes,
+            cfg.fusion_direct_bytes.unwrap_or(UNSET),
             cfg.cache_capacity,
             cfg.mpi_max_count,
             cfg.local_size_override.unwrap_or(0),
@@ -166,7 +170,7 @@ impl JobSettings {
         }
         Ok(JobSettings {
             fusion_threshold: v[0],
-            fusion_direct_bytes: v[1],
+            fusion_direct_bytes: (v[1] != UNSET).then_some(v[1]),
             cache_capacity: v[2],
             mpi_max_count: v[3],
             local_size_override: v[4],

@@ -30,6 +30,7 @@ use crate::runtime::sets::SetState;
 use crate::runtime::timeline::Timeline;
 use crate::transport::Transport;
 use crate::transport::mpi::MpiComm;
+use crate::transport::nccl;
 
 /// A set's two levels for hierarchical collectives: this node's ranks, and this node rank on
 /// every node; and how each allreduce chooses between them and the flat collective.
@@ -74,8 +75,9 @@ impl Hierarchy {
             }
             return Ok(None);
         }
-        if local.size() == 1 || cross.size() == 1 {
-            // one node, or one rank per node: the flat collective is the hierarchical one
+        // one node: the flat collective is the hierarchical one; one rank per node too, unless
+        // asked for (on GPUs it then runs NCCL inside the node and MPI across, as Horovod's)
+        if cross.size() == 1 || (local.size() == 1 && choice != AlgorithmChoice::Hierarchical) {
             return Ok(None);
         }
         let policy = match choice {
@@ -220,11 +222,27 @@ impl Executor {
     ) -> Result<Option<gpu::Recorded>> {
         let head = resps[0];
         let codec = compress::choose(resps);
+        // decided from agreed values only: the batch's size, the set's policy and settings
+        let bytes = batch_bytes(resps);
+        let hierarchical_allreduce =
+            |h: &&Hierarchy| h.policy.choose(bytes) == Algorithm::Hierarchical;
         if gpu::on_device(head) {
+            // on GPUs, allreduces NCCL reduces go hierarchical (the others stage on the host)
+            let levels = (self.hierarchy.as_ref())
+                .filter(|_| head.kind == OpKind::Allreduce && nccl::reduces(head.dtype))
+                .filter(hierarchical_allreduce)
+                .map(|h| gpu::NodeLevels {
+                    local: &h.local,
+                    cross: &h.cross,
+                });
+            if levels.is_some() {
+                rt.metrics.add_hierarchical_batch();
+            }
             return gpu::run_device_batch(
                 rt,
                 &mut self.gpu,
                 &self.data,
+                levels,
                 codec,
                 resps,
                 entries,
@@ -233,12 +251,8 @@ impl Executor {
             )
             .map(Some);
         }
-        // decided from agreed values only: the batch's size, the set's policy and settings
-        let bytes = batch_bytes(resps);
-        let allreduce = match &self.hierarchy {
-            Some(h) if h.policy.choose(bytes) == Algorithm::Hierarchical => {
-                Allreduce::Hierarchical(h.levels())
-            }
+        let allreduce = match self.hierarchy.as_ref().filter(hierarchical_allreduce) {
+            Some(h) => Allreduce::Hierarchical(h.levels()),
             _ if self.ring_min_bytes > 0 && bytes >= self.ring_min_bytes => Allreduce::Ring,
             _ => Allreduce::Native,
         };
@@ -334,7 +348,7 @@ impl Launcher {
             responses,
             groups,
             settings.fusion_threshold,
-            settings.fusion_direct_bytes,
+            set.direct_bytes,
         );
         for batch in batches {
             let resps: Vec<&Response> = batch.members.iter().map(|i| &*responses[*i]).collect();

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use crate::collective::cost::Policy;
 use crate::error::{Error, Result};
+use crate::fusion::planner;
 use crate::message::{OpKind, Response};
 use crate::negotiate::online::{Negotiator, StallPolicy};
 use crate::negotiate::set::SetNegotiation;
@@ -32,6 +33,8 @@ pub(crate) struct SetState {
     /// number (identical on every rank).
     pub channels: Vec<Channel>,
     pub batch_seq: u64,
+    /// Host tensors of this size or more run alone, in place (`fusion::planner::direct_bytes`).
+    pub direct_bytes: usize,
     /// Advanced by every vote in which some rank's GPU tensors moved (`collective::replay`).
     pub graph_epoch: u64,
 }
@@ -53,6 +56,10 @@ impl SetState {
             .and_then(|r| nodes.get(*r as usize))
             .copied()
             .ok_or_else(|| Error::Internal(format!("no node for rank {set_rank} of set {id}")))?;
+        let spans_nodes = ranks
+            .iter()
+            .any(|r| nodes.get(*r as usize).is_some_and(|n| *n != node));
+        let direct_bytes = planner::direct_bytes(settings.fusion_direct_bytes, spans_nodes);
         let ctrl = comm.dup()?.bounded(
             cfg.stall_limit(),
             cfg.stall_warn,
@@ -104,6 +111,7 @@ impl SetState {
             graph_epoch: 0,
             channels,
             batch_seq: 0,
+            direct_bytes,
             executor: Executor::new(comm, hierarchy, settings.ring_min_bytes),
         })
     }

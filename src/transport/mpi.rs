@@ -121,6 +121,7 @@ impl Watchdog {
                     if waited < limit {
                         continue;
                     }
+                    tracing::debug!("watchdog: {what} has waited {waited:?}; probing the ranks");
                     let absent: Option<Vec<i32>> = concurrent.then(|| {
                         probe
                             .absent_ranks(PROBE_GRACE)

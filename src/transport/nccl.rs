@@ -131,6 +131,12 @@ impl Drop for NcclComm {
 }
 
 /// NCCL's element type for `dtype`, where NCCL can reduce it.
+/// Whether NCCL reduces `dtype` (the others are staged through host memory). The same on every
+/// rank: a function of the dtype only.
+pub fn reduces(dtype: DataType) -> bool {
+    nccl_type(dtype).is_some()
+}
+
 fn nccl_type(dtype: DataType) -> Option<sys::ncclDataType_t> {
     use sys::ncclDataType_t::*;
     Some(match dtype {
@@ -195,7 +201,7 @@ impl DeviceTransport for NcclComm {
     }
 
     fn reduces(&self, dtype: DataType) -> bool {
-        nccl_type(dtype).is_some()
+        reduces(dtype)
     }
 
     fn allreduce(

@@ -1009,3 +1009,28 @@ pub(crate) fn large_counts() {
     }
     finish_job();
 }
+
+/// Allreduces alone, of every dtype NCCL reduces, single and grouped, with
+/// `HOROVOD_HIERARCHICAL_ALLREDUCE` and `FERROVOD_LOCAL_SIZE=1`: every rank is a node of its
+/// own, so on GPUs NCCL runs inside each node and MPI across the nodes, and only the nodes'
+/// communicators open (the ranks may share one GPU); on host memory the same shape over MPI.
+pub(crate) fn hierarchical_allreduces() {
+    init();
+    let ctx = Ctx {
+        ranks: (0..size()).collect(),
+        set: 0,
+        tag: "world".into(),
+    };
+    let dtypes = DataType::ALL.into_iter();
+    for dtype in dtypes.filter(|d| !gpu_mode() || ferrovod::transport::nccl::reduces(*d)) {
+        allreduce_checks(&ctx, dtype);
+    }
+    grouped_allreduce_checks(&ctx);
+    let batches = runtime::runtime()
+        .unwrap()
+        .metrics
+        .snapshot()
+        .hierarchical_batches;
+    assert!(batches > 0, "no hierarchical batch");
+    finish_job();
+}

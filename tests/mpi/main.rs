@@ -147,6 +147,16 @@ pub(crate) const HIERARCHICAL_ALLGATHER_LOCAL2: &[(&str, &str)] = &[
     ("FERROVOD_TEST_HIERARCHICAL", "1"),
 ];
 
+/// One rank per node, hierarchical allreduce asked for: it runs (on GPUs: NCCL inside each node,
+/// MPI across).
+pub(crate) const HIERARCHICAL_ONE_PER_NODE: &[(&str, &str)] = &[
+    ("HOROVOD_HIERARCHICAL_ALLREDUCE", "1"),
+    ("FERROVOD_LOCAL_SIZE", "1"),
+];
+
+/// Scenarios whose ranks may share a GPU (they open no NCCL communicator over two ranks).
+const SHARES_GPUS: &[&str] = &["hierarchical_allreduces"];
+
 /// Nodes of 2 and 1 ranks: hierarchical allreduce falls back to the flat one.
 pub(crate) const HIERARCHICAL_UNEVEN: &[(&str, &str)] = &[
     ("HOROVOD_HIERARCHICAL_ALLREDUCE", "1"),
@@ -374,6 +384,18 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     ("ring", 2, &[], true),
     ("ring", 3, &[], true),
     ("ring", 4, &[], true),
+    (
+        "hierarchical_allreduces",
+        2,
+        HIERARCHICAL_ONE_PER_NODE,
+        true,
+    ),
+    (
+        "hierarchical_allreduces",
+        4,
+        HIERARCHICAL_ONE_PER_NODE,
+        true,
+    ),
     // hierarchical allreduce: 2 nodes of 2 ranks; 2 + 1 falls back to flat
     ("collectives", 4, HIERARCHICAL_LOCAL2, true),
     ("collectives", 3, HIERARCHICAL_UNEVEN, true),
@@ -518,6 +540,12 @@ pub(crate) const GPU_SCENARIOS: &[Scenario] = &[
     ("gpu_kernels", 1, &[], true),
     ("gpu_ring", 2, &[], true),
     (
+        "hierarchical_allreduces",
+        2,
+        HIERARCHICAL_ONE_PER_NODE,
+        true,
+    ),
+    (
         "gpu_failure",
         2,
         &[
@@ -633,7 +661,7 @@ pub(crate) fn main() {
             ),
             None => format!("{name} np={np}"),
         };
-        if np > gpus {
+        if np > gpus && !SHARES_GPUS.contains(&name) {
             println!("scenario {label} ... skipped ({gpus} GPUs)");
             continue;
         }
@@ -918,6 +946,7 @@ pub(crate) fn run_rank(name: &str) {
         "large_counts" => large_counts(),
         "ring" => ring(),
         "gpu_ring" => gpu_ring(),
+        "hierarchical_allreduces" => hierarchical_allreduces(),
         "metrics" => metrics(),
         "offline_steps" => offline_steps(),
         "offline_save" => offline_save(),

@@ -344,9 +344,20 @@ pub(crate) fn gpu_alltoall_fault() {
 /// reduction) fails before the host reduction that rank 0 waits in.
 pub(crate) fn gpu_staged_fault() {
     init();
-    let _ = run(OpSpec::new(
+    let got = run(OpSpec::new(
         OpKind::Allreduce,
-        vec![tensor("staged.fault", DataType::U16, &[4], &[1.0; 4], true)],
+        vec![tensor(
+            "staged.fault",
+            DataType::U16,
+            &[4],
+            &[1.0; 4],
+            false,
+        )],
     ));
+    eprintln!(
+        "rank {}: staged allreduce returned {:?}",
+        rank(),
+        got.map(|_| ())
+    );
     std::thread::sleep(Duration::from_secs(120));
 }

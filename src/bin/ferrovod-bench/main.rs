@@ -619,11 +619,14 @@ fn main() {
     }
     let cfg = ferrovod::config::Config::from_env();
     println!(
-        "# ferrovod {} | np={size} | cycle {:?} | fusion threshold {} B | direct >= {} B | cache {}",
+        "# ferrovod {} | np={size} | cycle {:?} | fusion threshold {} B | direct >= {} | cache {}",
         ferrovod::VERSION,
         cfg.cycle_time,
         cfg.fusion_threshold,
-        cfg.fusion_direct_bytes,
+        cfg.fusion_direct_bytes.map_or(
+            "64 KiB inside a node, fused across nodes".to_string(),
+            |b| format!("{b} B")
+        ),
         cfg.cache_capacity
     );
     if do_sweep {
