@@ -48,7 +48,8 @@ pub(crate) struct Hierarchy {
 impl Hierarchy {
     /// Collective over `comm` (a set's or a channel's communicator), where `node` names this
     /// rank's node. `None` when the algorithm is flat, or when the set's nodes do not hold the
-    /// same number of ranks, or it has one node, or one rank per node (all agreed: every rank
+    /// same number of ranks, or it has one node or one rank per node and hierarchical is not
+    /// asked for (all agreed: every rank
     /// decides from the same allgather); rank 0 of the set logs the choice once when `log`.
     /// With `auto`, the model's parameters are measured here and rank 0's are used everywhere.
     pub fn open(
@@ -75,9 +76,10 @@ impl Hierarchy {
             }
             return Ok(None);
         }
-        // one node: the flat collective is the hierarchical one; one rank per node too, unless
-        // asked for (on GPUs it then runs NCCL inside the node and MPI across, as Horovod's)
-        if cross.size() == 1 || (local.size() == 1 && choice != AlgorithmChoice::Hierarchical) {
+        // one node, or one rank per node: the flat collective does the same work, unless the
+        // hierarchical one is asked for (as Horovod runs it then; on GPUs: NCCL inside the node,
+        // MPI across)
+        if (cross.size() == 1 || local.size() == 1) && choice != AlgorithmChoice::Hierarchical {
             return Ok(None);
         }
         let policy = match choice {

@@ -154,8 +154,18 @@ pub(crate) const HIERARCHICAL_ONE_PER_NODE: &[(&str, &str)] = &[
     ("FERROVOD_LOCAL_SIZE", "1"),
 ];
 
-/// Scenarios whose ranks may share a GPU (they open no NCCL communicator over two ranks).
-const SHARES_GPUS: &[&str] = &["hierarchical_allreduces"];
+/// One node of 2 ranks, hierarchical allreduce asked for: it runs (on GPUs: NCCL reduce-scatter
+/// and allgather between the two GPUs, a one-rank step across nodes).
+pub(crate) const HIERARCHICAL_ONE_NODE: &[(&str, &str)] = &[
+    ("HOROVOD_HIERARCHICAL_ALLREDUCE", "1"),
+    ("FERROVOD_LOCAL_SIZE", "2"),
+];
+
+/// Whether a scenario's ranks may share a GPU: one rank per node opens no NCCL communicator
+/// over two ranks.
+fn shares_gpus(name: &str, env: &[(&str, &str)]) -> bool {
+    name == "hierarchical_allreduces" && env.contains(&("FERROVOD_LOCAL_SIZE", "1"))
+}
 
 /// Nodes of 2 and 1 ranks: hierarchical allreduce falls back to the flat one.
 pub(crate) const HIERARCHICAL_UNEVEN: &[(&str, &str)] = &[
@@ -396,6 +406,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         HIERARCHICAL_ONE_PER_NODE,
         true,
     ),
+    ("hierarchical_allreduces", 2, HIERARCHICAL_ONE_NODE, true),
     // hierarchical allreduce: 2 nodes of 2 ranks; 2 + 1 falls back to flat
     ("collectives", 4, HIERARCHICAL_LOCAL2, true),
     ("collectives", 3, HIERARCHICAL_UNEVEN, true),
@@ -545,6 +556,7 @@ pub(crate) const GPU_SCENARIOS: &[Scenario] = &[
         HIERARCHICAL_ONE_PER_NODE,
         true,
     ),
+    ("hierarchical_allreduces", 2, HIERARCHICAL_ONE_NODE, true),
     (
         "gpu_failure",
         2,
@@ -661,7 +673,7 @@ pub(crate) fn main() {
             ),
             None => format!("{name} np={np}"),
         };
-        if np > gpus && !SHARES_GPUS.contains(&name) {
+        if np > gpus && !shares_gpus(name, env) {
             println!("scenario {label} ... skipped ({gpus} GPUs)");
             continue;
         }
