@@ -82,6 +82,25 @@ pub fn scale(buf: &mut [u8], dtype: DataType, factor: f64) -> Result<()> {
     Ok(())
 }
 
+/// `dst = src * factor`, in pieces small enough to stay in cache between the copy and the
+/// scaling, so that a fusion buffer's pack or unpack and its scaling are one pass over memory.
+pub fn copy_scaled(dst: &mut [u8], src: &[u8], dtype: DataType, factor: f64) -> Result<()> {
+    // a multiple of every element size
+    const PIECE: usize = 64 << 10;
+    if dst.len() != src.len() {
+        return Err(Error::Internal(format!(
+            "copy_scaled: {} bytes into {}",
+            src.len(),
+            dst.len()
+        )));
+    }
+    for (d, s) in dst.chunks_mut(PIECE).zip(src.chunks(PIECE)) {
+        d.copy_from_slice(s);
+        scale(d, dtype, factor)?;
+    }
+    Ok(())
+}
+
 macro_rules! reduce_as {
     ($acc:expr, $x:expr, $t:ty, $f:expr) => {{
         const N: usize = std::mem::size_of::<$t>();
@@ -218,5 +237,22 @@ mod tests {
         assert_eq!(b, [100]);
         assert!(scale(&mut [1u8], DataType::Bool, 2.0).is_err());
         assert!(scale(&mut [1u8], DataType::Bool, 1.0).is_ok());
+    }
+
+    #[test]
+    fn copy_scaled_is_a_copy_then_a_scale_across_pieces() {
+        // more than one 64 KiB piece, and a length that is not a multiple of it
+        let src: Vec<u8> = (0..40_000)
+            .flat_map(|i| (i as f32 * 0.5 - 7.0).to_le_bytes())
+            .collect();
+        let mut want = src.clone();
+        scale(&mut want, DataType::F32, 0.25).unwrap();
+        let mut got = vec![0u8; src.len()];
+        copy_scaled(&mut got, &src, DataType::F32, 0.25).unwrap();
+        assert_eq!(got, want);
+        copy_scaled(&mut got, &src, DataType::F32, 1.0).unwrap();
+        assert_eq!(got, src);
+        assert!(copy_scaled(&mut got[1..], &src, DataType::F32, 1.0).is_err());
+        assert!(copy_scaled(&mut [0u8], &[1u8], DataType::Bool, 2.0).is_err());
     }
 }

@@ -44,6 +44,22 @@ fn pack(ios: &[&mut dyn TensorIo], dst: &mut [u8]) {
     }
 }
 
+/// `pack`, multiplying by `factor` on the way.
+fn pack_scaled(
+    ios: &[&mut dyn TensorIo],
+    dst: &mut [u8],
+    dtype: DataType,
+    factor: f64,
+) -> Result<()> {
+    let mut off = 0;
+    for io in ios {
+        let inp = io.input();
+        elementwise::copy_scaled(&mut dst[off..off + inp.len()], inp, dtype, factor)?;
+        off += inp.len();
+    }
+    Ok(())
+}
+
 /// Fills every tensor's output, in order, from consecutive bytes of `src`.
 fn unpack(src: &[u8], ios: &mut [&mut dyn TensorIo]) {
     let mut off = 0;
@@ -53,6 +69,23 @@ fn unpack(src: &[u8], ios: &mut [&mut dyn TensorIo]) {
         out.copy_from_slice(&src[off..off + n]);
         off += n;
     }
+}
+
+/// `unpack`, multiplying by `factor` on the way.
+fn unpack_scaled(
+    src: &[u8],
+    ios: &mut [&mut dyn TensorIo],
+    dtype: DataType,
+    factor: f64,
+) -> Result<()> {
+    let mut off = 0;
+    for io in ios.iter_mut() {
+        let (_, out) = io.split_io();
+        let n = out.len();
+        elementwise::copy_scaled(out, &src[off..off + n], dtype, factor)?;
+        off += n;
+    }
+    Ok(())
 }
 
 /// The reduction the backend performs, and the factor applied after it.
@@ -125,14 +158,13 @@ pub fn allreduce_batch(
     }
     let total: usize = ios.iter().map(|io| io.input().len()).sum();
     let buf = fusion.get(total);
+    // the scaling rides the copies in and out: one pass over the batch each way
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
-    pack(ios, buf);
+    pack_scaled(ios, buf, head.dtype, head.prescale)?;
     act(Some(phase));
-    elementwise::scale(buf, head.dtype, head.prescale)?;
     reduce_in_place(t, how, buf, head.dtype, op)?;
-    elementwise::scale(buf, head.dtype, post)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-    unpack(buf, ios);
+    unpack_scaled(buf, ios, head.dtype, post)?;
     act(None);
     Ok(())
 }

@@ -1034,3 +1034,65 @@ pub(crate) fn hierarchical_allreduces() {
     assert!(batches > 0, "no hierarchical batch");
     finish_job();
 }
+
+/// Fused batches of tens of MiB whose scaling rides the copies into and out of the fusion
+/// buffer (in pieces of 64 KiB): tensors of odd sizes, inputs in place and in separate outputs;
+/// average with pre- and postscale, sum and max.
+pub(crate) fn large_fused() {
+    init();
+    let (me, n) = (rank(), size());
+    // elements: 3 pieces' worth of f32 and more, with ends inside pieces
+    let sizes = [3_000_001usize, 1, 5_000_003, 257, 2_000_000];
+    let cases = [
+        (DataType::F32, ReduceOp::Average, 0.5, 3.0),
+        (DataType::F64, ReduceOp::Sum, 1.0, 1.0),
+        (DataType::I32, ReduceOp::Max, 1.0, 1.0),
+    ];
+    for (case, (dtype, op, pre, post)) in cases.into_iter().enumerate() {
+        let v = |t: usize, i: usize, r: usize| ((i * 7 + t * 5 + r * 3) % 13 + 1) as f64;
+        let tensors: Vec<TensorSpec> = sizes
+            .iter()
+            .enumerate()
+            .map(|(t, &len)| {
+                let vals: Vec<f64> = (0..len).map(|i| v(t, i, me)).collect();
+                let bytes = encode(dtype, &vals);
+                let output = match t % 2 {
+                    0 => OutputMem::InPlace,
+                    _ => OutputMem::Owned(vec![0u8; bytes.len()]),
+                };
+                TensorSpec {
+                    name: format!("large_fused.{case}.{t}"),
+                    dtype,
+                    shape: vec![len as i64],
+                    input: InputMem::Owned(bytes),
+                    output,
+                    splits: None,
+                }
+            })
+            .collect();
+        let mut spec = OpSpec::new(OpKind::Allreduce, tensors);
+        spec.reduce_op = op;
+        spec.prescale = pre;
+        spec.postscale = post;
+        let results = run(spec).unwrap();
+        for (t, (res, &len)) in results.iter().zip(&sizes).enumerate() {
+            let got = output(res, dtype);
+            assert_eq!(got.len(), len, "tensor {t}");
+            for i in (0..len).step_by(997).chain(len.saturating_sub(3)..len) {
+                let each = (0..n).map(|r| v(t, i, r));
+                let want = match op {
+                    ReduceOp::Max => each.fold(f64::MIN, f64::max),
+                    ReduceOp::Average => each.map(|x| x * pre).sum::<f64>() / n as f64 * post,
+                    _ => each.sum::<f64>(),
+                };
+                let w = quantize(dtype, &[want])[0];
+                assert!(
+                    (got[i] - w).abs() <= 1e-5 * w.abs().max(1.0),
+                    "case {case} tensor {t} element {i}: got {}, want {w}",
+                    got[i]
+                );
+            }
+        }
+    }
+    finish_job();
+}

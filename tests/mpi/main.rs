@@ -147,6 +147,9 @@ pub(crate) const HIERARCHICAL_ALLGATHER_LOCAL2: &[(&str, &str)] = &[
     ("FERROVOD_TEST_HIERARCHICAL", "1"),
 ];
 
+/// Every tensor fused (none reduced directly), however large.
+pub(crate) const FUSE_ALL: &[(&str, &str)] = &[("FERROVOD_FUSION_DIRECT_BYTES", "1073741824")];
+
 /// One rank per node, hierarchical allreduce asked for: it runs (on GPUs: NCCL inside each node,
 /// MPI across).
 pub(crate) const HIERARCHICAL_ONE_PER_NODE: &[(&str, &str)] = &[
@@ -391,6 +394,8 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         true,
     ),
     ("large_counts", 2, &[], true),
+    ("large_fused", 2, FUSE_ALL, true),
+    ("large_fused", 3, FUSE_ALL, true),
     ("ring", 2, &[], true),
     ("ring", 3, &[], true),
     ("ring", 4, &[], true),
@@ -956,6 +961,7 @@ pub(crate) fn run_rank(name: &str) {
         "init_subset" => init_subset(),
         "timeline" => timeline(),
         "large_counts" => large_counts(),
+        "large_fused" => large_fused(),
         "ring" => ring(),
         "gpu_ring" => gpu_ring(),
         "hierarchical_allreduces" => hierarchical_allreduces(),
