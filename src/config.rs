@@ -155,8 +155,9 @@ pub struct Config {
     /// ranks, then a broadcast inside each node.
     pub hierarchical_allgather: bool,
     /// `FERROVOD_RING_MIN_BYTES`: flat host allreduces of at least this many bytes run the ring
-    /// over point-to-point transfers instead of MPI's own (0: never).
-    pub ring_min_bytes: usize,
+    /// over point-to-point transfers instead of MPI's own (0: never). Unset: chosen per set
+    /// (`collective::cost::ring_min_bytes`).
+    pub ring_min_bytes: Option<usize>,
     /// `FERROVOD_POLL` (1 or 0; default: where each local rank has at least 4 cores): waiting
     /// threads poll briefly before they sleep (see `runtime::handle::set_polling`).
     pub poll: Option<bool>,
@@ -285,7 +286,7 @@ impl Config {
                 None if env_bool("HOROVOD_HIERARCHICAL_ALLREDUCE") => AlgorithmChoice::Hierarchical,
                 None => AlgorithmChoice::Auto,
             },
-            ring_min_bytes: env_num("FERROVOD_RING_MIN_BYTES", 0usize),
+            ring_min_bytes: env_opt_num("FERROVOD_RING_MIN_BYTES"),
             hierarchical_allgather: env_bool("HOROVOD_HIERARCHICAL_ALLGATHER"),
             poll: env_str("FERROVOD_POLL").map(|_| env_bool("FERROVOD_POLL")),
         }

@@ -11,6 +11,7 @@ link's limit for the bytes, and checks the averages against the ranks' known inp
 """
 
 import argparse
+import importlib.util
 import os
 import time
 
@@ -68,10 +69,11 @@ def main():
             raise SystemExit(f"rank {r}: tensor {i} averaged to {got[:4]}, want {want}")
     if r == 0:
         limit = 2 * (n - 1) / n * nbytes * 8 / (a.rate_gbit * 1e9)
-        engine = "ferrovod" if hasattr(hvd, "ferrovod_version") or "ferrovod" in hvd.__file__ else "horovod"
+        # ferrovod's drop-in lives beside the ferrovod package; Horovod's environment has none
+        engine = "ferrovod" if importlib.util.find_spec("ferrovod") else "horovod"
         mean = sum(times) / len(times)
         print(
-            f"tf_allreduce: engine {engine} ({hvd.__file__}), np={n}, {len(grads)} tensors, "
+            f"tf_allreduce: engine {engine}, np={n}, {len(grads)} tensors, "
             f"{nbytes / 2**20:.1f} MiB per step; step mean {mean:.3f} s, min {min(times):.3f} s, "
             f"link limit {limit:.3f} s at {a.rate_gbit:g} Gbit/s; mean/limit {mean / limit:.3f}"
         )

@@ -49,6 +49,23 @@ pub struct CostModel {
     pub nodes: usize,
 }
 
+/// From this size a flat host allreduce whose ranks span nodes runs the ring over
+/// point-to-point transfers: every link then sends and receives at once, where MPI's own
+/// allreduce over TCP was measured at half the link's rate (BENCHMARKS.md, "issue 18, slow
+/// links").
+const RING_ACROSS_NODES_BYTES: usize = 4 << 20;
+
+/// The size from which a set's flat host allreduces run the ring (0: never):
+/// `FERROVOD_RING_MIN_BYTES` when set, else `RING_ACROSS_NODES_BYTES` for a set that spans
+/// nodes and never inside one node. Agreed: rank 0's setting and the job's node map.
+pub fn ring_min_bytes(configured: Option<usize>, spans_nodes: bool) -> usize {
+    match (configured, spans_nodes) {
+        (Some(bytes), _) => bytes,
+        (None, true) => RING_ACROSS_NODES_BYTES,
+        (None, false) => 0,
+    }
+}
+
 /// An allreduce of `bytes` over `n` ranks on `link`.
 fn allreduce(link: Link, n: usize, bytes: f64) -> f64 {
     if n <= 1 {
@@ -102,6 +119,14 @@ impl CostModel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn across_nodes_large_allreduces_run_the_ring_unless_configured() {
+        assert_eq!(ring_min_bytes(None, false), 0);
+        assert_eq!(ring_min_bytes(None, true), RING_ACROSS_NODES_BYTES);
+        assert_eq!(ring_min_bytes(Some(0), true), 0);
+        assert_eq!(ring_min_bytes(Some(1 << 10), false), 1 << 10);
+    }
 
     fn model(local: (f64, f64), cross: (f64, f64), per_node: usize, nodes: usize) -> CostModel {
         CostModel {

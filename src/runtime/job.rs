@@ -126,8 +126,8 @@ pub(crate) struct JobSettings {
     pub gpu_graphs: bool,
     /// How allreduces cross nodes (where a set's nodes allow a choice).
     pub algorithm: AlgorithmChoice,
-    /// Flat host allreduces from this size run the ring (0: never).
-    pub ring_min_bytes: usize,
+    /// `FERROVOD_RING_MIN_BYTES` when set.
+    pub ring_min_bytes: Option<usize>,
     /// `HOROVOD_HIERARCHICAL_ALLGATHER`.
     pub hierarchical_allgather: bool,
 }
@@ -151,7 +151,7 @@ impl JobSettings {
             if cfg.autotune { cfg.autotune_window } else { 0 },
             usize::from(cfg.gpu_graphs),
             cfg.algorithm.code(),
-            cfg.ring_min_bytes,
+            cfg.ring_min_bytes.unwrap_or(UNSET),
             usize::from(cfg.hierarchical_allgather),
         ];
         let bytes: Vec<u8> = mine
@@ -180,7 +180,7 @@ impl JobSettings {
             autotune_window: v[8],
             gpu_graphs: v[9] != 0,
             algorithm: AlgorithmChoice::from_code(v[10]),
-            ring_min_bytes: v[11],
+            ring_min_bytes: (v[11] != UNSET).then_some(v[11]),
             hierarchical_allgather: v[12] != 0,
         })
     }

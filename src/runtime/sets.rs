@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use crate::collective::cost::Policy;
+use crate::collective::cost::{self, Policy};
 use crate::error::{Error, Result};
 use crate::fusion::planner;
 use crate::message::{OpKind, Response};
@@ -60,6 +60,7 @@ impl SetState {
             .iter()
             .any(|r| nodes.get(*r as usize).is_some_and(|n| *n != node));
         let direct_bytes = planner::direct_bytes(settings.fusion_direct_bytes, spans_nodes);
+        let ring_min_bytes = cost::ring_min_bytes(settings.ring_min_bytes, spans_nodes);
         let ctrl = comm.dup()?.bounded(
             cfg.stall_limit(),
             cfg.stall_warn,
@@ -90,7 +91,7 @@ impl SetState {
                 .map(|k| {
                     let dup = comm.dup()?;
                     let hierarchy = Hierarchy::open(&dup, node, settings, false)?;
-                    let executor = Executor::new(dup, hierarchy, settings.ring_min_bytes);
+                    let executor = Executor::new(dup, hierarchy, ring_min_bytes);
                     Channel::spawn(k, executor, done.clone(), rt.clone(), turn.clone())
                 })
                 .collect::<Result<Vec<_>>>()?
@@ -112,7 +113,7 @@ impl SetState {
             channels,
             batch_seq: 0,
             direct_bytes,
-            executor: Executor::new(comm, hierarchy, settings.ring_min_bytes),
+            executor: Executor::new(comm, hierarchy, ring_min_bytes),
         })
     }
 }
