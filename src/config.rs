@@ -158,6 +158,8 @@ pub struct Config {
     /// over point-to-point transfers instead of MPI's own (0: never). Unset: chosen per set
     /// (`collective::cost::ring_min_bytes`).
     pub ring_min_bytes: Option<usize>,
+    /// `FERROVOD_COMPRESSION` (or AIACC's `PERSEUS_ALLREDUCE_DTYPE`): how f32 allreduces travel.
+    pub compression: crate::compress::Compression,
     /// `FERROVOD_POLL` (1 or 0; default: where each local rank has at least 4 cores): waiting
     /// threads poll briefly before they sleep (see `runtime::handle::set_polling`).
     pub poll: Option<bool>,
@@ -287,9 +289,31 @@ impl Config {
                 None => AlgorithmChoice::Auto,
             },
             ring_min_bytes: env_opt_num("FERROVOD_RING_MIN_BYTES"),
+            compression: compression_from_env(),
             hierarchical_allgather: env_bool("HOROVOD_HIERARCHICAL_ALLGATHER"),
             poll: env_str("FERROVOD_POLL").map(|_| env_bool("FERROVOD_POLL")),
         }
+    }
+}
+
+/// `FERROVOD_COMPRESSION`, else `PERSEUS_ALLREDUCE_DTYPE` (AIACC's: 0 fp16, 1 none), else none.
+fn compression_from_env() -> crate::compress::Compression {
+    use crate::compress::Compression;
+    match (
+        env_str("FERROVOD_COMPRESSION"),
+        env_str("PERSEUS_ALLREDUCE_DTYPE"),
+    ) {
+        (Some(v), _) => Compression::parse(&v).unwrap_or_else(|| {
+            tracing::warn!("FERROVOD_COMPRESSION={v} is not none, fp16 or bf16; using none");
+            Compression::None
+        }),
+        (None, Some(v)) => Compression::from_perseus(&v).unwrap_or_else(|| {
+            tracing::warn!(
+                "PERSEUS_ALLREDUCE_DTYPE={v}: ferrovod implements 0 (fp16) and 1 (none); using none"
+            );
+            Compression::None
+        }),
+        (None, None) => Compression::None,
     }
 }
 

@@ -101,6 +101,69 @@ pub fn copy_scaled(dst: &mut [u8], src: &[u8], dtype: DataType, factor: f64) -> 
     Ok(())
 }
 
+/// `dst` (16-bit floats of `wire`: F16 or BF16) = `src` (f32) × `factor`, rounded to nearest.
+/// Returns how many finite values left the 16-bit type's range (became infinite).
+pub fn encode_half(dst: &mut [u8], src: &[u8], wire: DataType, factor: f64) -> Result<usize> {
+    if dst.len() * 2 != src.len() {
+        return Err(Error::Internal(format!(
+            "encode_half: {} bytes of f32 into {} bytes",
+            src.len(),
+            dst.len()
+        )));
+    }
+    let f = factor as f32;
+    let mut lost = 0;
+    for (d, s) in dst.chunks_exact_mut(2).zip(src.chunks_exact(4)) {
+        let v = f32::from_le_bytes(s.try_into().expect("4 bytes")) * f;
+        let (bits, inf) = match wire {
+            DataType::F16 => {
+                let h = f16::from_f32(v);
+                (h.to_le_bytes(), h.is_infinite())
+            }
+            DataType::BF16 => {
+                let h = bf16::from_f32(v);
+                (h.to_le_bytes(), h.is_infinite())
+            }
+            other => {
+                return Err(Error::Internal(format!(
+                    "encode_half into {}",
+                    other.name()
+                )));
+            }
+        };
+        lost += usize::from(inf && v.is_finite());
+        d.copy_from_slice(&bits);
+    }
+    Ok(lost)
+}
+
+/// `dst` (f32) = `src` (16-bit floats of `wire`) × `factor`.
+pub fn decode_half(dst: &mut [u8], src: &[u8], wire: DataType, factor: f64) -> Result<()> {
+    if src.len() * 2 != dst.len() {
+        return Err(Error::Internal(format!(
+            "decode_half: {} bytes into {} bytes of f32",
+            src.len(),
+            dst.len()
+        )));
+    }
+    let f = factor as f32;
+    for (d, s) in dst.chunks_exact_mut(4).zip(src.chunks_exact(2)) {
+        let b = [s[0], s[1]];
+        let v = match wire {
+            DataType::F16 => f16::from_le_bytes(b).to_f32(),
+            DataType::BF16 => bf16::from_le_bytes(b).to_f32(),
+            other => {
+                return Err(Error::Internal(format!(
+                    "decode_half from {}",
+                    other.name()
+                )));
+            }
+        };
+        d.copy_from_slice(&(v * f).to_le_bytes());
+    }
+    Ok(())
+}
+
 macro_rules! reduce_as {
     ($acc:expr, $x:expr, $t:ty, $f:expr) => {{
         const N: usize = std::mem::size_of::<$t>();
@@ -237,6 +300,38 @@ mod tests {
         assert_eq!(b, [100]);
         assert!(scale(&mut [1u8], DataType::Bool, 2.0).is_err());
         assert!(scale(&mut [1u8], DataType::Bool, 1.0).is_ok());
+    }
+
+    #[test]
+    fn half_codecs_round_scale_and_report_overflow() {
+        let vals = [1.0f32, -2.5, 1.0 + 1.0 / 4096.0, 3.0e-8, 70000.0, f32::NAN];
+        let src: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut wire = vec![0u8; src.len() / 2];
+        // f16: 1 + 2^-12 rounds to 1 (10 fraction bits); 3e-8 rounds to the smallest subnormal
+        // 2^-24; 70000 overflows
+        let lost = encode_half(&mut wire, &src, DataType::F16, 1.0).unwrap();
+        assert_eq!(lost, 1);
+        let mut back = vec![0u8; src.len()];
+        decode_half(&mut back, &wire, DataType::F16, 2.0).unwrap();
+        let got: Vec<f32> = back
+            .chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(&got[..3], &[2.0, -5.0, 2.0]);
+        assert_eq!(got[3], 2.0 * 2f32.powi(-24));
+        assert!(got[4].is_infinite() && got[5].is_nan());
+        // bf16 keeps f32's range: nothing overflows; the factor applies before the cast
+        let lost = encode_half(&mut wire, &src, DataType::BF16, 0.5).unwrap();
+        assert_eq!(lost, 0);
+        decode_half(&mut back, &wire, DataType::BF16, 1.0).unwrap();
+        let got: Vec<f32> = back
+            .chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(&got[..3], &[0.5, -1.25, 0.5]);
+        assert!((got[4] - 35000.0).abs() <= 35000.0 / 256.0);
+        assert!(encode_half(&mut wire[1..], &src, DataType::F16, 1.0).is_err());
+        assert!(encode_half(&mut wire, &src, DataType::F32, 1.0).is_err());
     }
 
     #[test]

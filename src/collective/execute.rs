@@ -22,10 +22,9 @@ pub fn host(
     sink: ActivitySink,
 ) -> Result<()> {
     let head = resps[0];
-    let Codec::None = codec;
     match head.kind {
         OpKind::Allreduce => {
-            collective::allreduce_batch(t, &how.allreduce, resps, ios, fusion, sink)
+            collective::allreduce_batch(t, &how.allreduce, codec, resps, ios, fusion, sink)
         }
         OpKind::Allgather => {
             collective::allgather_batch(t, how.allgather.as_ref(), resps, ios, fusion, sink)
@@ -60,7 +59,11 @@ pub fn device(
     sink: ActivitySink,
 ) -> Result<()> {
     let head = resps[0];
-    let Codec::None = codec;
+    if codec != Codec::None {
+        return Err(Error::Internal(format!(
+            "GPU batches have no codec {codec:?} yet"
+        )));
+    }
     let t = match route {
         DeviceRoute::Flat(t) => t,
         DeviceRoute::Hierarchical(levels) if head.kind == OpKind::Allreduce => {

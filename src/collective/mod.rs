@@ -11,6 +11,7 @@ pub mod layout;
 pub mod replay;
 pub mod ring;
 
+use crate::compress::Codec;
 use crate::dtype::DataType;
 use crate::elementwise;
 use crate::error::{Error, Result};
@@ -127,18 +128,18 @@ pub enum Allreduce<'a> {
 pub fn allreduce_batch(
     t: &dyn Transport,
     how: &Allreduce,
+    codec: Codec,
     resps: &[&Response],
     ios: &mut [&mut dyn TensorIo],
     fusion: &mut FusionBuffer,
     act: ActivitySink,
 ) -> Result<()> {
+    if let Codec::Half(wire) = codec {
+        return allreduce_half(t, how, wire, resps, ios, fusion, act);
+    }
     let head = resps[0];
     let (op, post) = backend_op(head.reduce_op, t.size(), head.postscale)?;
-    let phase = match how {
-        Allreduce::Native => "MPI_ALLREDUCE",
-        Allreduce::Ring => "RING_ALLREDUCE",
-        Allreduce::Hierarchical(_) => "MPI_HIERARCHICAL_ALLREDUCE",
-    };
+    let phase = phase(how);
     if ios.len() == 1 {
         let (input, output) = ios[0].split_io();
         act(Some(phase));
@@ -165,6 +166,71 @@ pub fn allreduce_batch(
     reduce_in_place(t, how, buf, head.dtype, op)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
     unpack_scaled(buf, ios, head.dtype, post)?;
+    act(None);
+    Ok(())
+}
+
+/// The timeline's name for an allreduce run as `how` says.
+fn phase(how: &Allreduce) -> &'static str {
+    match how {
+        Allreduce::Native => "MPI_ALLREDUCE",
+        Allreduce::Ring => "RING_ALLREDUCE",
+        Allreduce::Hierarchical(_) => "MPI_HIERARCHICAL_ALLREDUCE",
+    }
+}
+
+/// An f32 sum or average whose values travel as the 16-bit float type `wire`: cast (and
+/// scaled) while packed into the fusion buffer, summed as `wire` (pairs added in f32, each
+/// partial sum rounded), cast back (and scaled) while unpacked. An average divides by the ranks
+/// before the cast, so the sum overflows only where one rank's value already would. Values
+/// that leave the 16-bit range while cast are named in a warning (they arrive as infinities).
+fn allreduce_half(
+    t: &dyn Transport,
+    how: &Allreduce,
+    wire: DataType,
+    resps: &[&Response],
+    ios: &mut [&mut dyn TensorIo],
+    fusion: &mut FusionBuffer,
+    act: ActivitySink,
+) -> Result<()> {
+    let head = resps[0];
+    let (pre, post) = match head.reduce_op {
+        ReduceOp::Average => (head.prescale / t.size() as f64, head.postscale),
+        ReduceOp::Sum => (head.prescale, head.postscale),
+        other => {
+            return Err(Error::Internal(format!(
+                "a {other:?} allreduce cannot travel as {}",
+                wire.name()
+            )));
+        }
+    };
+    let half = |io: &dyn TensorIo| io.input().len() / 4 * wire.size();
+    let total: usize = ios.iter().map(|io| half(&**io)).sum();
+    let buf = fusion.get(total);
+    act(Some("MEMCPY_IN_FUSION_BUFFER"));
+    let mut off = 0;
+    for (io, resp) in ios.iter().zip(resps) {
+        let len = half(&**io);
+        let lost = elementwise::encode_half(&mut buf[off..off + len], io.input(), wire, pre)?;
+        if lost > 0 {
+            tracing::warn!(
+                "tensor '{}': {lost} values out of {}'s range became infinite on the wire",
+                resp.name,
+                wire.name()
+            );
+        }
+        off += len;
+    }
+    act(Some(phase(how)));
+    reduce_in_place(t, how, buf, wire, ReduceOp::Sum)?;
+    act(Some("MEMCPY_OUT_FUSION_BUFFER"));
+    let mut off = 0;
+    for io in ios.iter_mut() {
+        let (_, out) = io.split_io();
+        let len = out.len() / 4 * wire.size();
+        elementwise::decode_half(out, &buf[off..off + len], wire, post)?;
+        off += len;
+    }
     act(None);
     Ok(())
 }

@@ -9,7 +9,7 @@ use crate::collective::cost::{Algorithm, CostModel, Link, Policy};
 use crate::collective::hierarchical::{Levels, node_members};
 use crate::collective::replay::{ReplayKey, batch_fingerprint};
 use crate::collective::{self, ActivitySink, Algorithms, Allreduce, TensorIo};
-use crate::compress;
+use crate::compress::{self, Codec, Compression};
 use crate::config::AlgorithmChoice;
 use crate::dtype::DataType;
 use crate::error::{Error, Result, Stall};
@@ -200,16 +200,24 @@ pub(crate) struct Executor {
     hierarchy: Option<Hierarchy>,
     /// Flat allreduces of at least this many bytes run the ring (0: never; agreed).
     ring_min_bytes: usize,
+    /// How f32 allreduces travel (agreed).
+    compression: Compression,
 }
 
 impl Executor {
-    pub fn new(data: MpiComm, hierarchy: Option<Hierarchy>, ring_min_bytes: usize) -> Executor {
+    pub fn new(
+        data: MpiComm,
+        hierarchy: Option<Hierarchy>,
+        ring_min_bytes: usize,
+        compression: Compression,
+    ) -> Executor {
         Executor {
             data,
             fusion: FusionBuffer::default(),
             gpu: None,
             hierarchy,
             ring_min_bytes,
+            compression,
         }
     }
 
@@ -223,7 +231,7 @@ impl Executor {
         sink: ActivitySink,
     ) -> Result<Option<gpu::Recorded>> {
         let head = resps[0];
-        let codec = compress::choose(resps);
+        let codec = compress::choose(resps, self.compression);
         // decided from agreed values only: the batch's size, the set's policy and settings
         let bytes = batch_bytes(resps);
         let hierarchical_allreduce =
@@ -240,12 +248,13 @@ impl Executor {
             if levels.is_some() {
                 rt.metrics.add_hierarchical_batch();
             }
+            // GPU batches travel uncompressed for now
             return gpu::run_device_batch(
                 rt,
                 &mut self.gpu,
                 &self.data,
                 levels,
-                codec,
+                Codec::None,
                 resps,
                 entries,
                 replay,

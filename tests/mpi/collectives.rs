@@ -1096,3 +1096,138 @@ pub(crate) fn large_fused() {
     }
     finish_job();
 }
+
+/// `FERROVOD_COMPRESSION=fp16|bf16`: f32 sums and averages travel as 16-bit floats, fused and
+/// alone, within the codec's bound of an f64 reference; bits below the 16-bit precision are
+/// gone (the wire really was 16-bit); averages divide before the cast (no overflow where one
+/// rank's value fits); f64 sums and f32 maxima stay exact (they travel uncompressed).
+pub(crate) fn compressed() {
+    init();
+    let (me, n) = (rank(), size());
+    let setting = std::env::var("FERROVOD_COMPRESSION").expect("FERROVOD_COMPRESSION");
+    // unit roundoff of the wire type
+    let eps = match setting.as_str() {
+        "fp16" => 2f64.powi(-11),
+        "bf16" => 2f64.powi(-8),
+        other => panic!("compressed scenario under FERROVOD_COMPRESSION={other}"),
+    };
+    let v = |t: usize, i: usize, r: usize| ((i * 7 + t * 3 + r * 5) % 17) as f64 * 0.37 - 2.0;
+    let sizes = [1usize, 1000, 33, 4097];
+    let cases = [
+        (ReduceOp::Sum, 1.0, 1.0),
+        (ReduceOp::Average, 1.0, 1.0),
+        (ReduceOp::Average, 2.0, 0.25),
+    ];
+    for (case, (op, pre, post)) in cases.into_iter().enumerate() {
+        // fused (all tensors in one op) and alone (the first tensor by itself)
+        for fused in [true, false] {
+            let count = if fused { sizes.len() } else { 1 };
+            let tensors: Vec<TensorSpec> = (0..count)
+                .map(|t| {
+                    let vals: Vec<f64> = (0..sizes[t]).map(|i| v(t, i, me)).collect();
+                    tensor(
+                        &format!("cmp.{case}.{fused}.{t}"),
+                        DataType::F32,
+                        &[sizes[t] as i64],
+                        &vals,
+                        false,
+                    )
+                })
+                .collect();
+            let mut spec = OpSpec::new(OpKind::Allreduce, tensors);
+            spec.reduce_op = op;
+            spec.prescale = pre;
+            spec.postscale = post;
+            let results = run(spec).unwrap();
+            for (t, res) in results.iter().enumerate() {
+                let got = output(res, DataType::F32);
+                for (i, g) in got.iter().enumerate() {
+                    let each: Vec<f64> = (0..n).map(|r| v(t, i, r)).collect();
+                    let div = if op == ReduceOp::Average {
+                        n as f64
+                    } else {
+                        1.0
+                    };
+                    let want = each.iter().sum::<f64>() * pre * post / div;
+                    let mag = each.iter().map(|x| x.abs()).sum::<f64>() * (pre * post / div).abs();
+                    let tol = (n + 1) as f64 * eps * mag + 1e-6;
+                    assert!(
+                        (g - want).abs() <= tol,
+                        "case {case} fused {fused} tensor {t} element {i}: got {g}, want {want} (tolerance {tol})"
+                    );
+                }
+            }
+        }
+    }
+    // 1 + 2^-12 is exact in f32 and rounds to 1 in either 16-bit type: the sum shows the wire
+    let fine = 1.0 + 2f64.powi(-12);
+    let spec = OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("cmp.fine", DataType::F32, &[4], &[fine; 4], false)],
+    );
+    let got = output(&run(spec).unwrap()[0], DataType::F32);
+    assert_eq!(
+        got,
+        vec![n as f64; 4],
+        "values did not travel as 16-bit floats"
+    );
+    // f64 sums and f32 maxima travel uncompressed: exact
+    let spec = OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("cmp.f64", DataType::F64, &[2], &[fine, 3.0], false)],
+    );
+    assert_eq!(
+        output(&run(spec).unwrap()[0], DataType::F64),
+        vec![fine * n as f64, 3.0 * n as f64]
+    );
+    let mut spec = OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor(
+            "cmp.max",
+            DataType::F32,
+            &[1],
+            &[fine + me as f64],
+            false,
+        )],
+    );
+    spec.reduce_op = ReduceOp::Max;
+    assert_eq!(
+        output(&run(spec).unwrap()[0], DataType::F32),
+        vec![fine + (n - 1) as f64]
+    );
+    // an average divides before the cast: 40000 on every rank fits f16 once divided
+    let mut spec = OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor(
+            "cmp.avg.big",
+            DataType::F32,
+            &[2],
+            &[40000.0; 2],
+            false,
+        )],
+    );
+    spec.reduce_op = ReduceOp::Average;
+    let got = output(&run(spec).unwrap()[0], DataType::F32);
+    for g in got {
+        assert!(
+            (g - 40000.0).abs() <= 40000.0 * (n + 1) as f64 * eps,
+            "average of 40000: {g}"
+        );
+    }
+    if setting == "fp16" {
+        // beyond f16's 65504 on one rank: infinite, and named in a warning
+        let spec = OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor(
+                "cmp.overflow",
+                DataType::F32,
+                &[1],
+                &[70000.0],
+                false,
+            )],
+        );
+        let got = output(&run(spec).unwrap()[0], DataType::F32);
+        assert!(got[0].is_infinite(), "70000 as f16: {}", got[0]);
+    }
+    finish_job();
+}

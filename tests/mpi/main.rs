@@ -147,6 +147,21 @@ pub(crate) const HIERARCHICAL_ALLGATHER_LOCAL2: &[(&str, &str)] = &[
     ("FERROVOD_TEST_HIERARCHICAL", "1"),
 ];
 
+/// f32 sums and averages on the wire as 16-bit floats.
+pub(crate) const FP16: &[(&str, &str)] = &[("FERROVOD_COMPRESSION", "fp16")];
+pub(crate) const BF16: &[(&str, &str)] = &[("FERROVOD_COMPRESSION", "bf16")];
+/// fp16 through the ring over point-to-point (every batch).
+pub(crate) const FP16_RING: &[(&str, &str)] = &[
+    ("FERROVOD_COMPRESSION", "fp16"),
+    ("FERROVOD_RING_MIN_BYTES", "1"),
+];
+/// fp16 through the hierarchical allreduce (nodes of 2 ranks).
+pub(crate) const FP16_HIERARCHICAL: &[(&str, &str)] = &[
+    ("FERROVOD_COMPRESSION", "fp16"),
+    ("HOROVOD_HIERARCHICAL_ALLREDUCE", "1"),
+    ("FERROVOD_LOCAL_SIZE", "2"),
+];
+
 /// Every tensor fused (none reduced directly), however large.
 pub(crate) const FUSE_ALL: &[(&str, &str)] = &[("FERROVOD_FUSION_DIRECT_BYTES", "1073741824")];
 
@@ -396,6 +411,10 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     ("large_counts", 2, &[], true),
     ("large_fused", 2, FUSE_ALL, true),
     ("large_fused", 3, FUSE_ALL, true),
+    ("compressed", 2, FP16, true),
+    ("compressed", 3, FP16_RING, true),
+    ("compressed", 4, BF16, true),
+    ("compressed", 4, FP16_HIERARCHICAL, true),
     ("ring", 2, &[], true),
     ("ring", 3, &[], true),
     ("ring", 4, &[], true),
@@ -962,6 +981,7 @@ pub(crate) fn run_rank(name: &str) {
         "timeline" => timeline(),
         "large_counts" => large_counts(),
         "large_fused" => large_fused(),
+        "compressed" => compressed(),
         "ring" => ring(),
         "gpu_ring" => gpu_ring(),
         "hierarchical_allreduces" => hierarchical_allreduces(),
