@@ -3,6 +3,7 @@
 //! algorithms over point-to-point transfers) and the prescale/postscale multiply. Chosen once
 //! per call; inner loops on slices.
 
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 use crate::dtype::DataType;
@@ -28,8 +29,28 @@ pub fn reduce_half<T: Copy>(
     }
 }
 
+/// Values converted at a time by the f16 paths: the slice conversions use the CPU's F16C
+/// instructions where it has them (`half` detects them at run time), one value at a time does
+/// not.
+const F16_BLOCK: usize = 256;
+
 pub fn reduce_f16(acc: &mut [f16], x: &[f16], op: ReduceOp) {
-    reduce_half(acc, x, op, f16::to_f32, f16::from_f32);
+    let f: fn(f32, f32) -> f32 = match op {
+        ReduceOp::Min => f32::min,
+        ReduceOp::Max => f32::max,
+        ReduceOp::Product => |a, b| a * b,
+        _ => |a, b| a + b,
+    };
+    let (mut wa, mut wx) = ([0f32; F16_BLOCK], [0f32; F16_BLOCK]);
+    for (a, b) in acc.chunks_mut(F16_BLOCK).zip(x.chunks(F16_BLOCK)) {
+        let k = a.len().min(b.len());
+        a[..k].convert_to_f32_slice(&mut wa[..k]);
+        b[..k].convert_to_f32_slice(&mut wx[..k]);
+        for (p, q) in wa[..k].iter_mut().zip(&wx[..k]) {
+            *p = f(*p, *q);
+        }
+        a[..k].convert_from_f32_slice(&wa[..k]);
+    }
 }
 
 pub fn reduce_bf16(acc: &mut [bf16], x: &[bf16], op: ReduceOp) {
@@ -113,6 +134,21 @@ pub fn encode_half(dst: &mut [u8], src: &[u8], wire: DataType, factor: f64) -> R
     }
     let f = factor as f32;
     let mut lost = 0;
+    if wire == DataType::F16 {
+        let (mut wide, mut narrow) = ([0f32; F16_BLOCK], [f16::ZERO; F16_BLOCK]);
+        for (d, s) in dst.chunks_mut(2 * F16_BLOCK).zip(src.chunks(4 * F16_BLOCK)) {
+            let k = d.len() / 2;
+            for (w, c) in wide[..k].iter_mut().zip(s.chunks_exact(4)) {
+                *w = f32::from_le_bytes(c.try_into().expect("4 bytes")) * f;
+            }
+            narrow[..k].convert_from_f32_slice(&wide[..k]);
+            for ((o, h), w) in d.chunks_exact_mut(2).zip(&narrow[..k]).zip(&wide[..k]) {
+                lost += usize::from(h.is_infinite() && w.is_finite());
+                o.copy_from_slice(&h.to_le_bytes());
+            }
+        }
+        return Ok(lost);
+    }
     for (d, s) in dst.chunks_exact_mut(2).zip(src.chunks_exact(4)) {
         let v = f32::from_le_bytes(s.try_into().expect("4 bytes")) * f;
         let (bits, inf) = match wire {
@@ -147,6 +183,20 @@ pub fn decode_half(dst: &mut [u8], src: &[u8], wire: DataType, factor: f64) -> R
         )));
     }
     let f = factor as f32;
+    if wire == DataType::F16 {
+        let (mut wide, mut narrow) = ([0f32; F16_BLOCK], [f16::ZERO; F16_BLOCK]);
+        for (d, s) in dst.chunks_mut(4 * F16_BLOCK).zip(src.chunks(2 * F16_BLOCK)) {
+            let k = s.len() / 2;
+            for (h, c) in narrow[..k].iter_mut().zip(s.chunks_exact(2)) {
+                *h = f16::from_le_bytes([c[0], c[1]]);
+            }
+            narrow[..k].convert_to_f32_slice(&mut wide[..k]);
+            for (o, w) in d.chunks_exact_mut(4).zip(&wide[..k]) {
+                o.copy_from_slice(&(w * f).to_le_bytes());
+            }
+        }
+        return Ok(());
+    }
     for (d, s) in dst.chunks_exact_mut(4).zip(src.chunks_exact(2)) {
         let b = [s[0], s[1]];
         let v = match wire {
