@@ -10,6 +10,16 @@ use crate::dtype::DataType;
 use crate::error::{Error, Result};
 use crate::message::ReduceOp;
 
+/// The f32 arithmetic of `op` for the 16-bit float reductions.
+fn in_f32(op: ReduceOp) -> fn(f32, f32) -> f32 {
+    match op {
+        ReduceOp::Min => f32::min,
+        ReduceOp::Max => f32::max,
+        ReduceOp::Product => |a, b| a * b,
+        _ => |a, b| a + b,
+    }
+}
+
 /// `acc[i] = op(acc[i], x[i])` for a 16-bit float type, computed in f32.
 pub fn reduce_half<T: Copy>(
     acc: &mut [T],
@@ -18,12 +28,7 @@ pub fn reduce_half<T: Copy>(
     to_f32: fn(T) -> f32,
     from_f32: fn(f32) -> T,
 ) {
-    let f: fn(f32, f32) -> f32 = match op {
-        ReduceOp::Min => f32::min,
-        ReduceOp::Max => f32::max,
-        ReduceOp::Product => |a, b| a * b,
-        _ => |a, b| a + b,
-    };
+    let f = in_f32(op);
     for (a, b) in acc.iter_mut().zip(x) {
         *a = from_f32(f(to_f32(*a), to_f32(*b)));
     }
@@ -35,12 +40,7 @@ pub fn reduce_half<T: Copy>(
 const F16_BLOCK: usize = 256;
 
 pub fn reduce_f16(acc: &mut [f16], x: &[f16], op: ReduceOp) {
-    let f: fn(f32, f32) -> f32 = match op {
-        ReduceOp::Min => f32::min,
-        ReduceOp::Max => f32::max,
-        ReduceOp::Product => |a, b| a * b,
-        _ => |a, b| a + b,
-    };
+    let f = in_f32(op);
     let (mut wa, mut wx) = ([0f32; F16_BLOCK], [0f32; F16_BLOCK]);
     for (a, b) in acc.chunks_mut(F16_BLOCK).zip(x.chunks(F16_BLOCK)) {
         let k = a.len().min(b.len());
@@ -134,41 +134,35 @@ pub fn encode_half(dst: &mut [u8], src: &[u8], wire: DataType, factor: f64) -> R
     }
     let f = factor as f32;
     let mut lost = 0;
-    if wire == DataType::F16 {
-        let (mut wide, mut narrow) = ([0f32; F16_BLOCK], [f16::ZERO; F16_BLOCK]);
-        for (d, s) in dst.chunks_mut(2 * F16_BLOCK).zip(src.chunks(4 * F16_BLOCK)) {
-            let k = d.len() / 2;
-            for (w, c) in wide[..k].iter_mut().zip(s.chunks_exact(4)) {
-                *w = f32::from_le_bytes(c.try_into().expect("4 bytes")) * f;
-            }
-            narrow[..k].convert_from_f32_slice(&wide[..k]);
-            for ((o, h), w) in d.chunks_exact_mut(2).zip(&narrow[..k]).zip(&wide[..k]) {
-                lost += usize::from(h.is_infinite() && w.is_finite());
-                o.copy_from_slice(&h.to_le_bytes());
-            }
-        }
-        return Ok(lost);
-    }
-    for (d, s) in dst.chunks_exact_mut(2).zip(src.chunks_exact(4)) {
-        let v = f32::from_le_bytes(s.try_into().expect("4 bytes")) * f;
-        let (bits, inf) = match wire {
-            DataType::F16 => {
-                let h = f16::from_f32(v);
-                (h.to_le_bytes(), h.is_infinite())
-            }
-            DataType::BF16 => {
+    match wire {
+        DataType::F16 => {}
+        DataType::BF16 => {
+            for (d, s) in dst.chunks_exact_mut(2).zip(src.chunks_exact(4)) {
+                let v = f32::from_le_bytes(s.try_into().expect("4 bytes")) * f;
                 let h = bf16::from_f32(v);
-                (h.to_le_bytes(), h.is_infinite())
+                lost += usize::from(h.is_infinite() && v.is_finite());
+                d.copy_from_slice(&h.to_le_bytes());
             }
-            other => {
-                return Err(Error::Internal(format!(
-                    "encode_half into {}",
-                    other.name()
-                )));
-            }
-        };
-        lost += usize::from(inf && v.is_finite());
-        d.copy_from_slice(&bits);
+            return Ok(lost);
+        }
+        other => {
+            return Err(Error::Internal(format!(
+                "encode_half into {}",
+                other.name()
+            )));
+        }
+    }
+    let (mut wide, mut narrow) = ([0f32; F16_BLOCK], [f16::ZERO; F16_BLOCK]);
+    for (d, s) in dst.chunks_mut(2 * F16_BLOCK).zip(src.chunks(4 * F16_BLOCK)) {
+        let k = d.len() / 2;
+        for (w, c) in wide[..k].iter_mut().zip(s.chunks_exact(4)) {
+            *w = f32::from_le_bytes(c.try_into().expect("4 bytes")) * f;
+        }
+        narrow[..k].convert_from_f32_slice(&wide[..k]);
+        for ((o, h), w) in d.chunks_exact_mut(2).zip(&narrow[..k]).zip(&wide[..k]) {
+            lost += usize::from(h.is_infinite() && w.is_finite());
+            o.copy_from_slice(&h.to_le_bytes());
+        }
     }
     Ok(lost)
 }
@@ -183,33 +177,32 @@ pub fn decode_half(dst: &mut [u8], src: &[u8], wire: DataType, factor: f64) -> R
         )));
     }
     let f = factor as f32;
-    if wire == DataType::F16 {
-        let (mut wide, mut narrow) = ([0f32; F16_BLOCK], [f16::ZERO; F16_BLOCK]);
-        for (d, s) in dst.chunks_mut(4 * F16_BLOCK).zip(src.chunks(2 * F16_BLOCK)) {
-            let k = s.len() / 2;
-            for (h, c) in narrow[..k].iter_mut().zip(s.chunks_exact(2)) {
-                *h = f16::from_le_bytes([c[0], c[1]]);
+    match wire {
+        DataType::F16 => {}
+        DataType::BF16 => {
+            for (d, s) in dst.chunks_exact_mut(4).zip(src.chunks_exact(2)) {
+                let v = bf16::from_le_bytes([s[0], s[1]]).to_f32();
+                d.copy_from_slice(&(v * f).to_le_bytes());
             }
-            narrow[..k].convert_to_f32_slice(&mut wide[..k]);
-            for (o, w) in d.chunks_exact_mut(4).zip(&wide[..k]) {
-                o.copy_from_slice(&(w * f).to_le_bytes());
-            }
+            return Ok(());
         }
-        return Ok(());
+        other => {
+            return Err(Error::Internal(format!(
+                "decode_half from {}",
+                other.name()
+            )));
+        }
     }
-    for (d, s) in dst.chunks_exact_mut(4).zip(src.chunks_exact(2)) {
-        let b = [s[0], s[1]];
-        let v = match wire {
-            DataType::F16 => f16::from_le_bytes(b).to_f32(),
-            DataType::BF16 => bf16::from_le_bytes(b).to_f32(),
-            other => {
-                return Err(Error::Internal(format!(
-                    "decode_half from {}",
-                    other.name()
-                )));
-            }
-        };
-        d.copy_from_slice(&(v * f).to_le_bytes());
+    let (mut wide, mut narrow) = ([0f32; F16_BLOCK], [f16::ZERO; F16_BLOCK]);
+    for (d, s) in dst.chunks_mut(4 * F16_BLOCK).zip(src.chunks(2 * F16_BLOCK)) {
+        let k = s.len() / 2;
+        for (h, c) in narrow[..k].iter_mut().zip(s.chunks_exact(2)) {
+            *h = f16::from_le_bytes([c[0], c[1]]);
+        }
+        narrow[..k].convert_to_f32_slice(&mut wide[..k]);
+        for (o, w) in d.chunks_exact_mut(4).zip(&wide[..k]) {
+            o.copy_from_slice(&(w * f).to_le_bytes());
+        }
     }
     Ok(())
 }

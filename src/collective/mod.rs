@@ -35,23 +35,9 @@ pub trait TensorIo {
 /// Receives the name of each phase as it starts (`None` when the last one ends): the timeline.
 pub type ActivitySink<'a> = &'a mut dyn FnMut(Option<&'static str>);
 
-/// Copies every tensor's input, in order, into consecutive bytes of `dst`.
-fn pack(ios: &[&mut dyn TensorIo], dst: &mut [u8]) {
-    let mut off = 0;
-    for io in ios {
-        let inp = io.input();
-        dst[off..off + inp.len()].copy_from_slice(inp);
-        off += inp.len();
-    }
-}
-
-/// `pack`, multiplying by `factor` on the way.
-fn pack_scaled(
-    ios: &[&mut dyn TensorIo],
-    dst: &mut [u8],
-    dtype: DataType,
-    factor: f64,
-) -> Result<()> {
+/// Copies every tensor's input, in order, into consecutive bytes of `dst`, multiplied by
+/// `factor` on the way (the prescale rides the copy: one pass over the batch).
+fn pack(ios: &[&mut dyn TensorIo], dst: &mut [u8], dtype: DataType, factor: f64) -> Result<()> {
     let mut off = 0;
     for io in ios {
         let inp = io.input();
@@ -61,24 +47,9 @@ fn pack_scaled(
     Ok(())
 }
 
-/// Fills every tensor's output, in order, from consecutive bytes of `src`.
-fn unpack(src: &[u8], ios: &mut [&mut dyn TensorIo]) {
-    let mut off = 0;
-    for io in ios.iter_mut() {
-        let (_, out) = io.split_io();
-        let n = out.len();
-        out.copy_from_slice(&src[off..off + n]);
-        off += n;
-    }
-}
-
-/// `unpack`, multiplying by `factor` on the way.
-fn unpack_scaled(
-    src: &[u8],
-    ios: &mut [&mut dyn TensorIo],
-    dtype: DataType,
-    factor: f64,
-) -> Result<()> {
+/// Fills every tensor's output, in order, from consecutive bytes of `src`, multiplied by
+/// `factor` on the way.
+fn unpack(src: &[u8], ios: &mut [&mut dyn TensorIo], dtype: DataType, factor: f64) -> Result<()> {
     let mut off = 0;
     for io in ios.iter_mut() {
         let (_, out) = io.split_io();
@@ -161,11 +132,11 @@ pub fn allreduce_batch(
     let buf = fusion.get(total);
     // the scaling rides the copies in and out: one pass over the batch each way
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
-    pack_scaled(ios, buf, head.dtype, head.prescale)?;
+    pack(ios, buf, head.dtype, head.prescale)?;
     act(Some(phase));
     reduce_in_place(t, how, buf, head.dtype, op)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-    unpack_scaled(buf, ios, head.dtype, post)?;
+    unpack(buf, ios, head.dtype, post)?;
     act(None);
     Ok(())
 }
@@ -293,15 +264,15 @@ pub fn allreduce_flagged(
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
     let ios = match ios {
         Some(ios) => {
-            pack(ios, &mut buf[..data]);
+            pack(ios, &mut buf[..data], dtype, head.prescale)?;
             Some(ios)
         }
         None => {
             buf[..data].fill(0);
+            elementwise::scale(&mut buf[..data], dtype, head.prescale)?;
             None
         }
     };
-    elementwise::scale(&mut buf[..data], dtype, head.prescale)?;
     // Sum and Max see 1 where a rank raised the flag; Min and Product see 0
     let one_means_raised = matches!(op, ReduceOp::Sum | ReduceOp::Max);
     let flag = &mut buf[data..];
@@ -321,9 +292,8 @@ pub fn allreduce_flagged(
     let zero = buf[data..].iter().all(|b| *b == 0);
     if zero == one_means_raised {
         if let Some(ios) = ios {
-            elementwise::scale(&mut buf[..data], dtype, post)?;
             act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-            unpack(&buf[..data], ios);
+            unpack(&buf[..data], ios, dtype, post)?;
         }
         act(None);
         return Ok(Flagged::Done { raised: false });
@@ -437,7 +407,7 @@ pub fn allgather_batch(
     let buf = fusion.get(total);
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
     let mine: usize = counts[..me].iter().sum();
-    pack(ios, &mut buf[mine..]);
+    pack(ios, &mut buf[mine..], resps[0].dtype, 1.0)?;
     act(Some(phase));
     match levels {
         None => t.allgatherv(None, buf, &counts)?,
@@ -489,9 +459,8 @@ pub fn reducescatter_batch(
     elementwise::scale(send, head.dtype, head.prescale)?;
     act(Some("MPI_REDUCESCATTER"));
     t.reduce_scatter(send, recv, &counts, head.dtype, op)?;
-    elementwise::scale(recv, head.dtype, post)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-    unpack(recv, ios);
+    unpack(recv, ios, head.dtype, post)?;
     act(None);
     Ok(())
 }

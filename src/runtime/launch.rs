@@ -231,7 +231,6 @@ impl Executor {
         sink: ActivitySink,
     ) -> Result<Option<gpu::Recorded>> {
         let head = resps[0];
-        let codec = compress::choose(resps, self.compression);
         // decided from agreed values only: the batch's size, the set's policy and settings
         let bytes = batch_bytes(resps);
         let hierarchical_allreduce =
@@ -281,6 +280,7 @@ impl Executor {
         if hierarchical {
             rt.metrics.add_hierarchical_batch();
         }
+        let codec = compress::choose(resps, self.compression);
         // host memory is ready when enqueued
         sink(Some("WAIT_FOR_DATA"));
         let mut ios: Vec<&mut dyn TensorIo> =
