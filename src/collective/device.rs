@@ -101,19 +101,47 @@ fn between(
     }
 }
 
-/// Copies between `(range, bytes)` tensors and consecutive places of the buffer range `at`, in
-/// tensor order: into the buffer, or out of it.
+/// Enqueues one batch of copies between `(range, bytes)` tensors and consecutive places of the
+/// buffer range `at`, in tensor order: into the buffer (packing), or out of it (unpacking).
+fn copy_consecutive(
+    gpu: &Gpu,
+    stream: &Stream,
+    at: DeviceRange,
+    tensors: &[(DeviceRange, usize)],
+    into_buffer: bool,
+) -> Result<()> {
+    gpu.copy_batch(stream, &consecutive_copies(at, tensors, into_buffer)?)
+}
+
+/// Every tensor's input and its length.
+fn inputs(ios: &[&mut dyn DeviceIo]) -> Vec<(DeviceRange, usize)> {
+    ios.iter()
+        .map(|io| (io.input(), io.input().len()))
+        .collect()
+}
+
+/// Every tensor's output and its length.
+fn outputs(ios: &[&mut dyn DeviceIo]) -> Vec<(DeviceRange, usize)> {
+    ios.iter()
+        .map(|io| (io.output(), io.output().len()))
+        .collect()
+}
+
+/// The copies of `copy_consecutive`.
 fn consecutive_copies(
     at: DeviceRange,
-    ranges: impl Iterator<Item = (DeviceRange, usize)>,
+    tensors: &[(DeviceRange, usize)],
     into_buffer: bool,
 ) -> Result<Vec<Copy>> {
-    let mut place = 0;
-    ranges
-        .map(|(tensor, len)| {
-            let c = between(tensor, at.sub(place, len)?, len, into_buffer);
-            place += len;
-            c
+    layout::consecutive(tensors.iter().map(|t| t.1))
+        .iter()
+        .map(|p| {
+            between(
+                tensors[p.tensor].0,
+                at.sub(p.place, p.len)?,
+                p.len,
+                into_buffer,
+            )
         })
         .collect()
 }
@@ -247,14 +275,12 @@ impl FusedAllreduce<'_, '_> {
         // the rest through the fusion buffer
         if !self.fused.is_empty() {
             act(Some("MEMCPY_IN_FUSION_BUFFER"));
-            let copies_in = consecutive_copies(
-                buf,
-                self.fused
-                    .iter()
-                    .map(|i| (ios[*i].input(), ios[*i].input().len())),
-                true,
-            )?;
-            gpu.copy_batch(stream, &copies_in)?;
+            let inputs: Vec<_> = self
+                .fused
+                .iter()
+                .map(|i| (ios[*i].input(), ios[*i].input().len()))
+                .collect();
+            copy_consecutive(gpu, stream, buf, &inputs, true)?;
             let total: usize = self.fused.iter().map(|i| ios[*i].input().len()).sum();
             let n = total / dtype.size();
             kernels::scale(gpu, stream, buf, buf, n, dtype, self.prescale)?;
@@ -267,14 +293,12 @@ impl FusedAllreduce<'_, '_> {
         }
         if !self.fused.is_empty() {
             act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-            let copies_out = consecutive_copies(
-                buf,
-                self.fused
-                    .iter()
-                    .map(|i| (ios[*i].output(), ios[*i].input().len())),
-                false,
-            )?;
-            gpu.copy_batch(stream, &copies_out)?;
+            let outputs: Vec<_> = self
+                .fused
+                .iter()
+                .map(|i| (ios[*i].output(), ios[*i].input().len()))
+                .collect();
+            copy_consecutive(gpu, stream, buf, &outputs, false)?;
         }
         act(None);
         Ok(())
@@ -317,13 +341,10 @@ fn allreduce_staged(
     let total: usize = ios.iter().map(|io| io.input().len()).sum();
     let mut buf = vec![0u8; total];
     act(Some("MEMCPY_DEVICE_TO_HOST"));
-    let mut off = 0;
-    for io in ios.iter() {
-        let src = io.input();
-        let len = src.len();
+    for p in layout::consecutive(ios.iter().map(|io| io.input().len())) {
+        let into = &mut buf[p.place..p.place + p.len];
         lane.gpu
-            .download(lane.stream, src, &mut buf[off..off + len])?;
-        off += len;
+            .download(lane.stream, ios[p.tensor].input(), into)?;
     }
     if crate::config::test_fault("gpu_staged", host.rank() as i32) {
         // as a failed download: the other ranks wait in the host allreduce below
@@ -373,12 +394,7 @@ pub fn allreduce_hierarchical(
     let (buf, slice) = (whole.first(total)?, whole.sub(total, mine.len())?);
     let (gpu, stream) = (lane.gpu, lane.stream);
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
-    let copies_in = consecutive_copies(
-        buf,
-        ios.iter().map(|io| (io.input(), io.input().len())),
-        true,
-    )?;
-    gpu.copy_batch(stream, &copies_in)?;
+    copy_consecutive(gpu, stream, buf, &inputs(ios), true)?;
     kernels::scale(gpu, stream, buf, buf, elems, dtype, head.prescale)?;
     act(Some("NCCL_REDUCESCATTER"));
     let counts: Vec<usize> = slices.iter().map(|s| s.len() / size).collect();
@@ -395,27 +411,18 @@ pub fn allreduce_hierarchical(
     local.allgatherv_in_place(buf, &bytes, stream)?;
     kernels::scale(gpu, stream, buf, buf, elems, dtype, post)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-    let copies_out = consecutive_copies(
-        buf,
-        ios.iter().map(|io| (io.output(), io.input().len())),
-        false,
-    )?;
-    gpu.copy_batch(stream, &copies_out)?;
+    copy_consecutive(gpu, stream, buf, &outputs(ios), false)?;
     act(None);
     Ok(())
 }
 
 /// Copies consecutive bytes of `src` into the tensors' outputs, in order (the staged paths).
 fn upload_outputs(lane: &Lane, src: &[u8], ios: &[&mut dyn DeviceIo]) -> Result<()> {
-    let mut off = 0;
-    for io in ios {
-        let dst = io.output();
-        let len = dst.len();
+    for p in layout::consecutive(ios.iter().map(|io| io.output().len())) {
         let part = src
-            .get(off..off + len)
+            .get(p.place..p.place + p.len)
             .ok_or_else(|| Error::Internal("staged result shorter than the outputs".into()))?;
-        lane.gpu.upload(lane.stream, part, dst)?;
-        off += len;
+        lane.gpu.upload(lane.stream, part, ios[p.tensor].output())?;
     }
     Ok(())
 }
@@ -455,12 +462,7 @@ pub fn allgather_batch(
     let buf = lane.fusion(total)?.first(total)?;
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
     let mine = buf.sub(counts[..me].iter().sum(), counts[me])?;
-    let copies = consecutive_copies(
-        mine,
-        ios.iter().map(|io| (io.input(), io.input().len())),
-        true,
-    )?;
-    gpu.copy_batch(stream, &copies)?;
+    copy_consecutive(gpu, stream, mine, &inputs(ios), true)?;
     act(Some("NCCL_ALLGATHER"));
     t.allgatherv_in_place(buf, &counts, stream)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
@@ -524,12 +526,7 @@ pub fn reducescatter_batch(
     t.reduce_scatter(buf, recv, &elems, dtype, op, stream)?;
     kernels::scale(gpu, stream, recv, recv, elems[me], dtype, post)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-    let copies = consecutive_copies(
-        recv,
-        ios.iter().map(|io| (io.output(), io.output().len())),
-        false,
-    )?;
-    gpu.copy_batch(stream, &copies)?;
+    copy_consecutive(gpu, stream, recv, &outputs(ios), false)?;
     act(None);
     Ok(())
 }
@@ -639,19 +636,19 @@ mod tests {
     #[test]
     fn consecutive_copies_pack_and_unpack_in_order() {
         let ranges = [(r(1000, 4), 4), (r(2000, 8), 8), (r(3000, 0), 0)];
-        let into = consecutive_copies(r(100, 12), ranges.iter().copied(), true).unwrap();
+        let into = consecutive_copies(r(100, 12), &ranges, true).unwrap();
         assert_eq!(
             triples(&into),
             [(1000, 100, 4), (2000, 104, 8), (3000, 112, 0)]
         );
-        let out = consecutive_copies(r(100, 12), ranges.iter().copied(), false).unwrap();
+        let out = consecutive_copies(r(100, 12), &ranges, false).unwrap();
         assert_eq!(
             triples(&out),
             [(100, 1000, 4), (104, 2000, 8), (112, 3000, 0)]
         );
         // a buffer too short, or a tensor shorter than its bytes: refused, nothing enqueued
-        assert!(consecutive_copies(r(100, 11), ranges.iter().copied(), true).is_err());
-        assert!(consecutive_copies(r(100, 12), [(r(1000, 3), 4)].into_iter(), true).is_err());
+        assert!(consecutive_copies(r(100, 11), &ranges, true).is_err());
+        assert!(consecutive_copies(r(100, 12), &[(r(1000, 3), 4)], true).is_err());
     }
 
     #[test]

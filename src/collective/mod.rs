@@ -35,29 +35,64 @@ pub trait TensorIo {
 /// Receives the name of each phase as it starts (`None` when the last one ends): the timeline.
 pub type ActivitySink<'a> = &'a mut dyn FnMut(Option<&'static str>);
 
+/// Writes every tensor's input, in order, into consecutive places of `dst` through `encode`
+/// (tensor index, place, input); a tensor's place is `wire_len(input bytes)` long. The one
+/// packing walk on host memory: plain, scaled and cast copies differ only in `encode`.
+fn pack_with(
+    ios: &[&mut dyn TensorIo],
+    dst: &mut [u8],
+    wire_len: impl Fn(usize) -> usize,
+    mut encode: impl FnMut(usize, &mut [u8], &[u8]) -> Result<()>,
+) -> Result<()> {
+    for p in layout::consecutive(ios.iter().map(|io| wire_len(io.input().len()))) {
+        encode(
+            p.tensor,
+            &mut dst[p.place..p.place + p.len],
+            ios[p.tensor].input(),
+        )?;
+    }
+    Ok(())
+}
+
+/// Fills every tensor's output, in order, from consecutive places of `src` through `decode`
+/// (output, place); a tensor's place is `wire_len(output bytes)` long.
+fn unpack_with(
+    src: &[u8],
+    ios: &mut [&mut dyn TensorIo],
+    wire_len: impl Fn(usize) -> usize,
+    mut decode: impl FnMut(&mut [u8], &[u8]) -> Result<()>,
+) -> Result<()> {
+    let lens: Vec<usize> = ios
+        .iter_mut()
+        .map(|io| wire_len(io.split_io().1.len()))
+        .collect();
+    for p in layout::consecutive(lens) {
+        let (_, out) = ios[p.tensor].split_io();
+        decode(out, &src[p.place..p.place + p.len])?;
+    }
+    Ok(())
+}
+
 /// Copies every tensor's input, in order, into consecutive bytes of `dst`, multiplied by
 /// `factor` on the way (the prescale rides the copy: one pass over the batch).
 fn pack(ios: &[&mut dyn TensorIo], dst: &mut [u8], dtype: DataType, factor: f64) -> Result<()> {
-    let mut off = 0;
-    for io in ios {
-        let inp = io.input();
-        elementwise::copy_scaled(&mut dst[off..off + inp.len()], inp, dtype, factor)?;
-        off += inp.len();
-    }
-    Ok(())
+    pack_with(
+        ios,
+        dst,
+        |n| n,
+        |_, d, s| elementwise::copy_scaled(d, s, dtype, factor),
+    )
 }
 
 /// Fills every tensor's output, in order, from consecutive bytes of `src`, multiplied by
 /// `factor` on the way.
 fn unpack(src: &[u8], ios: &mut [&mut dyn TensorIo], dtype: DataType, factor: f64) -> Result<()> {
-    let mut off = 0;
-    for io in ios.iter_mut() {
-        let (_, out) = io.split_io();
-        let n = out.len();
-        elementwise::copy_scaled(out, &src[off..off + n], dtype, factor)?;
-        off += n;
-    }
-    Ok(())
+    unpack_with(
+        src,
+        ios,
+        |n| n,
+        |d, s| elementwise::copy_scaled(d, s, dtype, factor),
+    )
 }
 
 /// The reduction the backend performs, and the factor applied after it.
@@ -175,33 +210,27 @@ fn allreduce_half(
             )));
         }
     };
-    let half = |io: &dyn TensorIo| io.input().len() / 4 * wire.size();
-    let total: usize = ios.iter().map(|io| half(&**io)).sum();
+    let half = |bytes: usize| bytes / 4 * wire.size();
+    let total: usize = ios.iter().map(|io| half(io.input().len())).sum();
     let buf = fusion.get(total);
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
-    let mut off = 0;
-    for (io, resp) in ios.iter().zip(resps) {
-        let len = half(&**io);
-        let lost = elementwise::encode_half(&mut buf[off..off + len], io.input(), wire, pre)?;
+    pack_with(ios, buf, half, |i, d, s| {
+        let lost = elementwise::encode_half(d, s, wire, pre)?;
         if lost > 0 {
             tracing::warn!(
                 "tensor '{}': {lost} values out of {}'s range became infinite on the wire",
-                resp.name,
+                resps[i].name,
                 wire.name()
             );
         }
-        off += len;
-    }
+        Ok(())
+    })?;
     act(Some(phase(how)));
     reduce_in_place(t, how, buf, wire, ReduceOp::Sum)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-    let mut off = 0;
-    for io in ios.iter_mut() {
-        let (_, out) = io.split_io();
-        let len = out.len() / 4 * wire.size();
-        elementwise::decode_half(out, &buf[off..off + len], wire, post)?;
-        off += len;
-    }
+    unpack_with(buf, ios, half, |d, s| {
+        elementwise::decode_half(d, s, wire, post)
+    })?;
     act(None);
     Ok(())
 }
