@@ -9,6 +9,13 @@
 #include <stdint.h>
 
 /*
+ Tensors below this many bytes stay f32 under `mixed` unless `FERROVOD_COMPRESSION_MIN_BYTES`
+ says otherwise: above every bias and norm parameter of common models (ResNet-50's largest is
+ 8 KiB), below their weights.
+ */
+#define MIXED_MIN_BYTES (32 << 10)
+
+/*
  Default for `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`. Horovod's default (0) waits forever;
  ferrovod turns a stall into an error on every rank after ten minutes.
  */
@@ -146,6 +153,41 @@ typedef int32_t fv_reduce_op;
 #endif // __cplusplus
 
 /*
+ How an allreduce's f32 values travel (`fv_op.compression`); only f32 sums and averages are
+ compressed, other allreduces travel as they are whatever is asked.
+ */
+enum fv_compression
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : int32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /*
+   As the job's `FERROVOD_COMPRESSION` says.
+   */
+  FV_COMPRESSION_DEFAULT = 0,
+  FV_COMPRESSION_NONE = 1,
+  /*
+   IEEE half precision on the wire.
+   */
+  FV_COMPRESSION_FP16 = 2,
+  /*
+   bfloat16 on the wire.
+   */
+  FV_COMPRESSION_BF16 = 3,
+  /*
+   f32 below `FERROVOD_COMPRESSION_MIN_BYTES`, half precision from it.
+   */
+  FV_COMPRESSION_MIXED = 4,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum fv_compression fv_compression;
+#else
+typedef int32_t fv_compression;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/*
  Options for `fv_init`; pass NULL for all ranks of MPI_COMM_WORLD.
  */
 typedef struct fv_init_options {
@@ -209,6 +251,13 @@ typedef struct fv_metrics {
    GPU batches launched by replaying a captured CUDA graph.
    */
   uint64_t graph_launches;
+  /*
+   Bytes of tensor data this rank put into data collectives as each codec carried them:
+   uncompressed, as IEEE half precision, as bfloat16.
+   */
+  uint64_t wire_uncompressed;
+  uint64_t wire_fp16;
+  uint64_t wire_bf16;
 } fv_metrics;
 
 /*
@@ -315,7 +364,14 @@ typedef struct fv_op {
    precedence over `stream`). With neither, the inputs must be ready at enqueue.
    */
   void *ready_event;
+  /*
+   Allreduce: an `fv_compression` value (0: as the job's `FERROVOD_COMPRESSION` says).
+   Every rank must ask for the same; other ops ignore it.
+   */
+  int32_t compression;
 } fv_op;
+
+
 
 #ifdef __cplusplus
 extern "C" {

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use crate::dtype::DataType;
 use crate::error::{Error, Result, Status};
-use crate::message::{OpKind, ReduceOp};
+use crate::message::{Compression, OpKind, ReduceOp};
 use crate::runtime::entry::{InputMem, OutputAllocator, OutputMem};
 use crate::runtime::handle::HandleId;
 use crate::runtime::{self, Communicator, InitOptions, OpSpec, TensorSpec};
@@ -100,6 +100,40 @@ pub struct fv_op {
     /// GPU ops: or an already recorded `CUevent` the inputs are ready at (NULL: none; takes
     /// precedence over `stream`). With neither, the inputs must be ready at enqueue.
     pub ready_event: *mut c_void,
+    /// Allreduce: an `fv_compression` value (0: as the job's `FERROVOD_COMPRESSION` says).
+    /// Every rank must ask for the same; other ops ignore it.
+    pub compression: i32,
+}
+
+/// How an allreduce's f32 values travel (`fv_op.compression`); only f32 sums and averages are
+/// compressed, other allreduces travel as they are whatever is asked.
+#[repr(i32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpCompression {
+    /// As the job's `FERROVOD_COMPRESSION` says.
+    Default = 0,
+    None = 1,
+    /// IEEE half precision on the wire.
+    Fp16 = 2,
+    /// bfloat16 on the wire.
+    Bf16 = 3,
+    /// f32 below `FERROVOD_COMPRESSION_MIN_BYTES`, half precision from it.
+    Mixed = 4,
+}
+
+/// The core's compression for a C value (None: the job's); an error for unknown values.
+fn compression(c: i32) -> Result<Option<Compression>> {
+    use OpCompression as C;
+    let known = [C::Default, C::None, C::Fp16, C::Bf16, C::Mixed];
+    let k = (known.into_iter().find(|k| *k as i32 == c))
+        .ok_or_else(|| Error::InvalidArgument(format!("unknown compression {c}")))?;
+    Ok(match k {
+        C::Default => None,
+        C::None => Some(Compression::None),
+        C::Fp16 => Some(Compression::Fp16),
+        C::Bf16 => Some(Compression::Bf16),
+        C::Mixed => Some(Compression::Mixed),
+    })
 }
 
 /// Options for `fv_init`; pass NULL for all ranks of MPI_COMM_WORLD.
@@ -358,6 +392,11 @@ pub struct fv_metrics {
     pub tensors: u64,
     /// GPU batches launched by replaying a captured CUDA graph.
     pub graph_launches: u64,
+    /// Bytes of tensor data this rank put into data collectives as each codec carried them:
+    /// uncompressed, as IEEE half precision, as bfloat16.
+    pub wire_uncompressed: u64,
+    pub wire_fp16: u64,
+    pub wire_bf16: u64,
 }
 
 /// Reads the counters into `*out`.
@@ -377,6 +416,9 @@ pub extern "C" fn fv_read_metrics(out: *mut fv_metrics) -> Status {
                 fused_batches: m.fused_batches,
                 tensors: m.tensors,
                 graph_launches: m.graph_launches,
+                wire_uncompressed: m.wire_uncompressed,
+                wire_fp16: m.wire_fp16,
+                wire_bf16: m.wire_bf16,
             },
             "out",
         )
@@ -634,6 +676,7 @@ pub unsafe extern "C" fn fv_enqueue(op: *const fv_op, out: *mut fv_handle) -> St
         spec.reduce_op = reduce_op;
         spec.prescale = op.prescale;
         spec.postscale = op.postscale;
+        spec.compression = compression(op.compression)?;
         spec.root_rank = op.root_rank;
         spec.process_set = op.process_set;
         spec.device = op.device;

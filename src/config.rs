@@ -159,7 +159,9 @@ pub struct Config {
     /// (`collective::cost::ring_min_bytes`).
     pub ring_min_bytes: Option<usize>,
     /// `FERROVOD_COMPRESSION` (or AIACC's `PERSEUS_ALLREDUCE_DTYPE`): how f32 allreduces travel.
-    pub compression: crate::compress::Compression,
+    pub compression: crate::message::Compression,
+    /// `FERROVOD_COMPRESSION_MIN_BYTES`: under `mixed`, tensors below this size stay f32.
+    pub compression_min_bytes: usize,
     /// `FERROVOD_POLL` (1 or 0; default: where each local rank has at least 4 cores): waiting
     /// threads poll briefly before they sleep (see `runtime::handle::set_polling`).
     pub poll: Option<bool>,
@@ -290,26 +292,31 @@ impl Config {
             },
             ring_min_bytes: env_opt_num("FERROVOD_RING_MIN_BYTES"),
             compression: compression_from_env(),
+            compression_min_bytes: env_num(
+                "FERROVOD_COMPRESSION_MIN_BYTES",
+                crate::compress::MIXED_MIN_BYTES,
+            ),
             hierarchical_allgather: env_bool("HOROVOD_HIERARCHICAL_ALLGATHER"),
             poll: env_str("FERROVOD_POLL").map(|_| env_bool("FERROVOD_POLL")),
         }
     }
 }
 
-/// `FERROVOD_COMPRESSION`, else `PERSEUS_ALLREDUCE_DTYPE` (AIACC's: 0 fp16, 1 none), else none.
-fn compression_from_env() -> crate::compress::Compression {
-    use crate::compress::Compression;
+/// `FERROVOD_COMPRESSION`, else `PERSEUS_ALLREDUCE_DTYPE` (AIACC's: 0 fp16, 1 none, 2 mixed),
+/// else none.
+fn compression_from_env() -> crate::message::Compression {
+    use crate::message::Compression;
     match (
         env_str("FERROVOD_COMPRESSION"),
         env_str("PERSEUS_ALLREDUCE_DTYPE"),
     ) {
         (Some(v), _) => Compression::parse(&v).unwrap_or_else(|| {
-            tracing::warn!("FERROVOD_COMPRESSION={v} is not none, fp16 or bf16; using none");
+            tracing::warn!("FERROVOD_COMPRESSION={v} is not none, fp16, bf16 or mixed; using none");
             Compression::None
         }),
         (None, Some(v)) => Compression::from_perseus(&v).unwrap_or_else(|| {
             tracing::warn!(
-                "PERSEUS_ALLREDUCE_DTYPE={v}: ferrovod implements 0 (fp16) and 1 (none); using none"
+                "PERSEUS_ALLREDUCE_DTYPE={v} is not 0 (fp16), 1 (none) or 2 (mixed); using none"
             );
             Compression::None
         }),

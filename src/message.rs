@@ -128,6 +128,68 @@ pub struct Request {
     pub reduce_op: ReduceOp,
     pub prescale: f64,
     pub postscale: f64,
+    /// The operation's own compression (None: the job's).
+    pub compression: Option<Compression>,
+}
+
+/// How an allreduce's values may travel (the codecs: `compress`), as a job
+/// (`FERROVOD_COMPRESSION`, or AIACC's `PERSEUS_ALLREDUCE_DTYPE`; agreed from rank 0) or one
+/// operation (the C API's `fv_op.compression`) asks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Compression {
+    #[default]
+    None,
+    /// f32 allreduces travel as IEEE half precision.
+    Fp16,
+    /// f32 allreduces travel as bfloat16.
+    Bf16,
+    /// Per tensor: f32 below `compress::Codecs::min_bytes` (biases, norm parameters: few bytes, and
+    /// the most sensitive to rounding), IEEE half precision from it.
+    Mixed,
+}
+
+impl Compression {
+    pub const ALL: [Compression; 4] = [
+        Compression::None,
+        Compression::Fp16,
+        Compression::Bf16,
+        Compression::Mixed,
+    ];
+
+    /// `none`, `fp16`, `bf16` or `mixed` (`FERROVOD_COMPRESSION`).
+    pub fn parse(s: &str) -> Option<Compression> {
+        let s = s.trim().to_ascii_lowercase();
+        Compression::ALL.into_iter().find(|c| c.name() == s)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Compression::None => "none",
+            Compression::Fp16 => "fp16",
+            Compression::Bf16 => "bf16",
+            Compression::Mixed => "mixed",
+        }
+    }
+
+    /// AIACC's `PERSEUS_ALLREDUCE_DTYPE`: 0 fp16, 1 none, 2 mixed.
+    pub fn from_perseus(s: &str) -> Option<Compression> {
+        match s.trim() {
+            "0" => Some(Compression::Fp16),
+            "1" => Some(Compression::None),
+            "2" => Some(Compression::Mixed),
+            _ => None,
+        }
+    }
+
+    /// The value on the wire and in the C API (`FV_COMPRESSION_*` less one: 0 there is "the
+    /// job's").
+    pub fn code(self) -> usize {
+        self as usize
+    }
+
+    pub fn from_code(c: usize) -> Option<Compression> {
+        Compression::ALL.get(c).copied()
+    }
 }
 
 /// What two descriptions of one tensor must agree on for the same collective to run: everything
@@ -142,6 +204,7 @@ pub struct OpParams<'a> {
     pub reduce_op: ReduceOp,
     pub prescale: f64,
     pub postscale: f64,
+    pub compression: Option<Compression>,
 }
 
 impl Request {
@@ -155,6 +218,7 @@ impl Request {
             reduce_op: self.reduce_op,
             prescale: self.prescale,
             postscale: self.postscale,
+            compression: self.compression,
         }
     }
 
@@ -176,6 +240,7 @@ impl Request {
             reduce_op: ReduceOp::Sum,
             prescale: 1.0,
             postscale: 1.0,
+            compression: None,
         }
     }
 }
@@ -195,6 +260,8 @@ pub struct Response {
     pub reduce_op: ReduceOp,
     pub prescale: f64,
     pub postscale: f64,
+    /// The operation's own compression (None: the job's).
+    pub compression: Option<Compression>,
     /// Join: the last rank to join. Add process set: the new set's id.
     pub result: i32,
     /// Set when negotiation failed: every rank completes the tensor with this precondition error.
@@ -212,6 +279,7 @@ impl Response {
             reduce_op: self.reduce_op,
             prescale: self.prescale,
             postscale: self.postscale,
+            compression: self.compression,
         }
     }
 
@@ -252,6 +320,7 @@ impl Response {
             reduce_op: req.reduce_op,
             prescale: req.prescale,
             postscale: req.postscale,
+            compression: req.compression,
             result: 0,
             error: None,
         }

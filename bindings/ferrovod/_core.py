@@ -28,6 +28,8 @@ ALLREDUCE, ALLGATHER, BROADCAST, JOIN, ALLTOALL, BARRIER, REDUCESCATTER = 0, 1, 
 
 # fv_reduce_op (Horovod's values)
 AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT = 0, 1, 2, 3, 4, 5
+# fv_compression: how an allreduce's f32 values travel (JOB: as FERROVOD_COMPRESSION says)
+COMPRESSION_JOB, COMPRESSION_NONE, COMPRESSION_FP16, COMPRESSION_BF16, COMPRESSION_MIXED = range(5)
 
 CPU_DEVICE = -1
 
@@ -100,6 +102,7 @@ class _Op(ctypes.Structure):
         # GPU ops: the caller's CUstream / recorded CUevent (None for host tensors)
         ("stream", ctypes.c_void_p),
         ("ready_event", ctypes.c_void_p),
+        ("compression", ctypes.c_int32),
     ]
 
 
@@ -118,7 +121,8 @@ class _InitOptions(ctypes.Structure):
 class _Metrics(ctypes.Structure):
     _fields_ = [(name, ctypes.c_uint64) for name in (
         "cycles", "control_collectives", "control_bytes", "negotiation_ns", "data_collectives",
-        "data_bytes", "fused_batches", "tensors", "graph_launches")]
+        "data_bytes", "fused_batches", "tensors", "graph_launches", "wire_uncompressed", "wire_fp16",
+        "wire_bf16")]
 
 
 def library_path():
@@ -269,8 +273,8 @@ def _query(fn):
 
 def metrics():
     """Counters since init: cycles, control collectives and bytes, negotiation time, data
-    collectives and bytes, fused batches, tensors, GPU batches replayed from CUDA graphs (a dict;
-    see fv_read_metrics in ferrovod.h)."""
+    collectives and bytes, fused batches, tensors, GPU batches replayed from CUDA graphs, and
+    tensor bytes on the wire by codec (a dict; see fv_read_metrics in ferrovod.h)."""
     out = _Metrics()
     check(LIB.fv_read_metrics(ctypes.byref(out)))
     return {name: int(getattr(out, name)) for name, _ in _Metrics._fields_}
@@ -482,7 +486,7 @@ def auto_name(prefix):
 
 
 def enqueue(kind, arrays, names, reduce_op=SUM, prescale=1.0, postscale=1.0, root_rank=0,
-            process_set=0, splits=None, inplace=False):
+            process_set=0, splits=None, inplace=False, compression=COMPRESSION_JOB):
     """Enqueues one operation over numpy `arrays` (one name each) and returns a Handle.
 
     Allreduce/broadcast write a new array (or the input itself with `inplace=True`);
@@ -527,6 +531,7 @@ def enqueue(kind, arrays, names, reduce_op=SUM, prescale=1.0, postscale=1.0, roo
     op.kind = kind
     op.reduce_op = reduce_op
     op.prescale = prescale
+    op.compression = compression
     op.postscale = postscale
     op.root_rank = root_rank
     op.process_set = process_set

@@ -73,26 +73,91 @@ fn unpack_with(
     Ok(())
 }
 
-/// Copies every tensor's input, in order, into consecutive bytes of `dst`, multiplied by
-/// `factor` on the way (the prescale rides the copy: one pass over the batch).
-fn pack(ios: &[&mut dyn TensorIo], dst: &mut [u8], dtype: DataType, factor: f64) -> Result<()> {
-    pack_with(
-        ios,
-        dst,
-        |n| n,
-        |_, d, s| elementwise::copy_scaled(d, s, dtype, factor),
-    )
+/// How a batch's values travel and are reduced: the dtype on the wire, the reduction there,
+/// and the factors applied while packing (`pre`) and unpacking (`post`).
+struct Encoding {
+    codec: Codec,
+    dtype: DataType,
+    wire: DataType,
+    op: ReduceOp,
+    pre: f64,
+    post: f64,
 }
 
-/// Fills every tensor's output, in order, from consecutive bytes of `src`, multiplied by
-/// `factor` on the way.
-fn unpack(src: &[u8], ios: &mut [&mut dyn TensorIo], dtype: DataType, factor: f64) -> Result<()> {
-    unpack_with(
-        src,
-        ios,
-        |n| n,
-        |d, s| elementwise::copy_scaled(d, s, dtype, factor),
-    )
+impl Encoding {
+    /// `head`'s allreduce over `size` ranks, travelling as `codec` says. Under a 16-bit codec an
+    /// average divides by the ranks before the cast, so the sum overflows only where one rank's
+    /// value already would.
+    fn of(codec: Codec, head: &Response, size: usize) -> Result<Encoding> {
+        let (op, pre, post) = match (codec, head.reduce_op) {
+            (Codec::None, op) => {
+                let (op, post) = backend_op(op, size, head.postscale)?;
+                (op, head.prescale, post)
+            }
+            (Codec::Half(_), ReduceOp::Average) => {
+                (ReduceOp::Sum, head.prescale / size as f64, head.postscale)
+            }
+            (Codec::Half(_), ReduceOp::Sum) => (ReduceOp::Sum, head.prescale, head.postscale),
+            (Codec::Half(w), other) => {
+                return Err(Error::Internal(format!(
+                    "a {other:?} allreduce cannot travel as {}",
+                    w.name()
+                )));
+            }
+        };
+        Ok(Encoding {
+            codec,
+            dtype: head.dtype,
+            wire: codec.wire(head.dtype),
+            op,
+            pre,
+            post,
+        })
+    }
+
+    /// The bytes on the wire of `bytes` bytes of values.
+    fn wire_len(&self, bytes: usize) -> usize {
+        bytes / self.dtype.size() * self.wire.size()
+    }
+
+    /// Packs every tensor's input, in order, into consecutive places of `dst`, scaled by `pre`
+    /// and cast on the way (one pass over the batch). Values that leave a 16-bit range are
+    /// named in a warning (they arrive as infinities).
+    fn pack(&self, ios: &[&mut dyn TensorIo], dst: &mut [u8], resps: &[&Response]) -> Result<()> {
+        pack_with(
+            ios,
+            dst,
+            |n| self.wire_len(n),
+            |i, d, s| match self.codec {
+                Codec::None => elementwise::copy_scaled(d, s, self.dtype, self.pre),
+                Codec::Half(w) => {
+                    let lost = elementwise::encode_half(d, s, w, self.pre)?;
+                    if lost > 0 {
+                        tracing::warn!(
+                            "tensor '{}': {lost} values out of {}'s range became infinite on the wire",
+                            resps[i].name,
+                            w.name()
+                        );
+                    }
+                    Ok(())
+                }
+            },
+        )
+    }
+
+    /// Fills every tensor's output from consecutive places of `src`, cast back and scaled by
+    /// `post` on the way.
+    fn unpack(&self, src: &[u8], ios: &mut [&mut dyn TensorIo]) -> Result<()> {
+        unpack_with(
+            src,
+            ios,
+            |n| self.wire_len(n),
+            |d, s| match self.codec {
+                Codec::None => elementwise::copy_scaled(d, s, self.dtype, self.post),
+                Codec::Half(w) => elementwise::decode_half(d, s, w, self.post),
+            },
+        )
+    }
 }
 
 /// The reduction the backend performs, and the factor applied after it.
@@ -128,9 +193,9 @@ pub enum Allreduce<'a> {
     Hierarchical(Levels<'a>),
 }
 
-/// Allreduce of one or more tensors with the same dtype, op and scales, over `t` as `how`
-/// says. A single tensor is reduced directly in its output, without a copy through the fusion
-/// buffer.
+/// Allreduce of one or more tensors with the same dtype, op, scales and codec, over `t` as `how`
+/// says. A single uncompressed tensor is reduced directly in its output, without a copy through
+/// the fusion buffer.
 pub fn allreduce_batch(
     t: &dyn Transport,
     how: &Allreduce,
@@ -140,38 +205,35 @@ pub fn allreduce_batch(
     fusion: &mut FusionBuffer,
     act: ActivitySink,
 ) -> Result<()> {
-    if let Codec::Half(wire) = codec {
-        return allreduce_half(t, how, wire, resps, ios, fusion, act);
-    }
     let head = resps[0];
-    let (op, post) = backend_op(head.reduce_op, t.size(), head.postscale)?;
+    let enc = Encoding::of(codec, head, t.size())?;
     let phase = phase(how);
-    if ios.len() == 1 {
+    if ios.len() == 1 && codec == Codec::None {
         let (input, output) = ios[0].split_io();
         act(Some(phase));
         match (how, head.prescale != 1.0) {
-            (Allreduce::Native, false) => t.allreduce(input, output, head.dtype, op)?,
+            (Allreduce::Native, false) => t.allreduce(input, output, head.dtype, enc.op)?,
             (how, _) => {
                 if let Some(inp) = input {
                     output.copy_from_slice(inp);
                 }
                 elementwise::scale(output, head.dtype, head.prescale)?;
-                reduce_in_place(t, how, output, head.dtype, op)?;
+                reduce_in_place(t, how, output, head.dtype, enc.op)?;
             }
         }
-        elementwise::scale(output, head.dtype, post)?;
+        elementwise::scale(output, head.dtype, enc.post)?;
         act(None);
         return Ok(());
     }
-    let total: usize = ios.iter().map(|io| io.input().len()).sum();
+    let total: usize = ios.iter().map(|io| enc.wire_len(io.input().len())).sum();
     let buf = fusion.get(total);
-    // the scaling rides the copies in and out: one pass over the batch each way
+    // scaling and casting ride the copies in and out: one pass over the batch each way
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
-    pack(ios, buf, head.dtype, head.prescale)?;
+    enc.pack(ios, buf, resps)?;
     act(Some(phase));
-    reduce_in_place(t, how, buf, head.dtype, op)?;
+    reduce_in_place(t, how, buf, enc.wire, enc.op)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-    unpack(buf, ios, head.dtype, post)?;
+    enc.unpack(buf, ios)?;
     act(None);
     Ok(())
 }
@@ -183,56 +245,6 @@ fn phase(how: &Allreduce) -> &'static str {
         Allreduce::Ring => "RING_ALLREDUCE",
         Allreduce::Hierarchical(_) => "MPI_HIERARCHICAL_ALLREDUCE",
     }
-}
-
-/// An f32 sum or average whose values travel as the 16-bit float type `wire`: cast (and
-/// scaled) while packed into the fusion buffer, summed as `wire` (pairs added in f32, each
-/// partial sum rounded), cast back (and scaled) while unpacked. An average divides by the ranks
-/// before the cast, so the sum overflows only where one rank's value already would. Values
-/// that leave the 16-bit range while cast are named in a warning (they arrive as infinities).
-fn allreduce_half(
-    t: &dyn Transport,
-    how: &Allreduce,
-    wire: DataType,
-    resps: &[&Response],
-    ios: &mut [&mut dyn TensorIo],
-    fusion: &mut FusionBuffer,
-    act: ActivitySink,
-) -> Result<()> {
-    let head = resps[0];
-    let (pre, post) = match head.reduce_op {
-        ReduceOp::Average => (head.prescale / t.size() as f64, head.postscale),
-        ReduceOp::Sum => (head.prescale, head.postscale),
-        other => {
-            return Err(Error::Internal(format!(
-                "a {other:?} allreduce cannot travel as {}",
-                wire.name()
-            )));
-        }
-    };
-    let half = |bytes: usize| bytes / 4 * wire.size();
-    let total: usize = ios.iter().map(|io| half(io.input().len())).sum();
-    let buf = fusion.get(total);
-    act(Some("MEMCPY_IN_FUSION_BUFFER"));
-    pack_with(ios, buf, half, |i, d, s| {
-        let lost = elementwise::encode_half(d, s, wire, pre)?;
-        if lost > 0 {
-            tracing::warn!(
-                "tensor '{}': {lost} values out of {}'s range became infinite on the wire",
-                resps[i].name,
-                wire.name()
-            );
-        }
-        Ok(())
-    })?;
-    act(Some(phase(how)));
-    reduce_in_place(t, how, buf, wire, ReduceOp::Sum)?;
-    act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-    unpack_with(buf, ios, half, |d, s| {
-        elementwise::decode_half(d, s, wire, post)
-    })?;
-    act(None);
-    Ok(())
 }
 
 /// Allreduces `buf` in place as `how` says.
@@ -272,47 +284,49 @@ pub enum Flagged {
 /// Allreduce of one offline-plan batch with an escape flag appended to the fusion buffer: the
 /// flag is reduced with the data, so every rank learns whether any rank raised it. `ios` None:
 /// this rank lacks the batch's tensors and contributes zeros (and must raise the flag).
+#[allow(clippy::too_many_arguments)] // the batch, how it travels, its flag, where and how long
 pub fn allreduce_flagged(
     t: &dyn Transport,
     resps: &[Response],
+    codec: Codec,
     ios: Option<&mut [&mut dyn TensorIo]>,
     fusion: &mut FusionBuffer,
     raise: bool,
     wait: Wait,
     act: ActivitySink,
 ) -> Result<Flagged> {
-    let head = &resps[0];
-    let dtype = head.dtype;
-    let (op, post) = backend_op(head.reduce_op, t.size(), head.postscale)?;
+    let refs: Vec<&Response> = resps.iter().collect();
+    let enc = Encoding::of(codec, &resps[0], t.size())?;
     let data: usize = resps
         .iter()
-        .map(|r| byte_len(r.num_elements(), dtype))
+        .map(|r| enc.wire_len(byte_len(r.num_elements(), enc.dtype)))
         .sum();
-    let total = data + dtype.size();
+    let total = data + enc.wire.size();
     let buf = fusion.get(total);
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
+    // a rank without the tensors contributes zeros (scaled or cast, still zeros)
     let ios = match ios {
         Some(ios) => {
-            pack(ios, &mut buf[..data], dtype, head.prescale)?;
+            enc.pack(ios, &mut buf[..data], &refs)?;
             Some(ios)
         }
         None => {
             buf[..data].fill(0);
-            elementwise::scale(&mut buf[..data], dtype, head.prescale)?;
             None
         }
     };
     // Sum and Max see 1 where a rank raised the flag; Min and Product see 0
-    let one_means_raised = matches!(op, ReduceOp::Sum | ReduceOp::Max);
+    let one_means_raised = matches!(enc.op, ReduceOp::Sum | ReduceOp::Max);
     let flag = &mut buf[data..];
     if raise == one_means_raised {
-        flag.copy_from_slice(&one(dtype));
+        flag.copy_from_slice(&one(enc.wire));
     } else {
         flag.fill(0);
     }
     act(Some("MPI_ALLREDUCE"));
     let owned = fusion.take(total);
-    let Some(reduced) = t.allreduce_owned_within(owned, dtype, op, wait.limit, wait.slow)? else {
+    let Some(reduced) = t.allreduce_owned_within(owned, enc.wire, enc.op, wait.limit, wait.slow)?
+    else {
         act(None);
         return Ok(Flagged::TimedOut);
     };
@@ -322,7 +336,7 @@ pub fn allreduce_flagged(
     if zero == one_means_raised {
         if let Some(ios) = ios {
             act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-            unpack(&buf[..data], ios, dtype, post)?;
+            enc.unpack(&buf[..data], ios)?;
         }
         act(None);
         return Ok(Flagged::Done { raised: false });
@@ -436,7 +450,15 @@ pub fn allgather_batch(
     let buf = fusion.get(total);
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
     let mine: usize = counts[..me].iter().sum();
-    pack(ios, &mut buf[mine..], resps[0].dtype, 1.0)?;
+    pack_with(
+        ios,
+        &mut buf[mine..],
+        |n| n,
+        |_, d, s| {
+            d.copy_from_slice(s);
+            Ok(())
+        },
+    )?;
     act(Some(phase));
     match levels {
         None => t.allgatherv(None, buf, &counts)?,
@@ -489,7 +511,12 @@ pub fn reducescatter_batch(
     act(Some("MPI_REDUCESCATTER"));
     t.reduce_scatter(send, recv, &counts, head.dtype, op)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-    unpack(recv, ios, head.dtype, post)?;
+    unpack_with(
+        recv,
+        ios,
+        |n| n,
+        |d, s| elementwise::copy_scaled(d, s, head.dtype, post),
+    )?;
     act(None);
     Ok(())
 }

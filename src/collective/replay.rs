@@ -195,6 +195,7 @@ mod tests {
             reduce_op: crate::message::ReduceOp::Average,
             prescale: 1.0,
             postscale: 1.0,
+            compression: None,
             result: 0,
             error: None,
         };

@@ -1,52 +1,53 @@
-//! Compression: how a batch's values travel on the wire. The stage between fusion and the
-//! collective: a codec is chosen per batch from agreed data only (the batch's responses and the
-//! job's agreed setting), so every rank encodes and decodes the same batches alike.
+//! Compression: how a batch's values travel on the wire. The stage between negotiation and the
+//! collective: a codec is chosen per tensor from agreed data only (its response and the job's
+//! agreed settings), fusion puts only tensors of one codec in a batch, and every rank encodes and
+//! decodes the same batches alike.
 
 use crate::dtype::DataType;
+pub use crate::message::Compression;
 use crate::message::{OpKind, ReduceOp, Response};
 
-/// What the job asks for (`FERROVOD_COMPRESSION`, or AIACC's `PERSEUS_ALLREDUCE_DTYPE`); agreed
-/// from rank 0.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Compression {
-    #[default]
-    None,
-    /// f32 allreduces travel as IEEE half precision.
-    Fp16,
-    /// f32 allreduces travel as bfloat16.
-    Bf16,
+/// Tensors below this many bytes stay f32 under `mixed` unless `FERROVOD_COMPRESSION_MIN_BYTES`
+/// says otherwise: above every bias and norm parameter of common models (ResNet-50's largest is
+/// 8 KiB), below their weights.
+pub const MIXED_MIN_BYTES: usize = 32 << 10;
+
+/// Which codec each tensor gets: the job's agreed compression settings, which with a tensor's
+/// response are all the choice reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Codecs {
+    /// For operations that do not ask for a compression of their own.
+    pub setting: Compression,
+    /// `mixed`: tensors of at least this many bytes travel compressed.
+    pub min_bytes: usize,
 }
 
-impl Compression {
-    /// `none`, `fp16` or `bf16` (`FERROVOD_COMPRESSION`).
-    pub fn parse(s: &str) -> Option<Compression> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "none" => Some(Compression::None),
-            "fp16" => Some(Compression::Fp16),
-            "bf16" => Some(Compression::Bf16),
-            _ => None,
+impl Default for Codecs {
+    fn default() -> Codecs {
+        Codecs {
+            setting: Compression::None,
+            min_bytes: MIXED_MIN_BYTES,
         }
     }
+}
 
-    /// AIACC's `PERSEUS_ALLREDUCE_DTYPE`: 0 fp16, 1 none; its 2 ("mixed") is not implemented
-    /// yet (None here: the caller says so).
-    pub fn from_perseus(s: &str) -> Option<Compression> {
-        match s.trim() {
-            "0" => Some(Compression::Fp16),
-            "1" => Some(Compression::None),
-            _ => None,
+impl Codecs {
+    /// The codec of one tensor: a pure function of its agreed response and the agreed settings
+    /// (identical on every rank). Only f32 sums and averages compress: a 16-bit min, max or
+    /// product would change results beyond rounding, and other dtypes gain nothing or lose range.
+    pub fn of(&self, r: &Response) -> Codec {
+        let compressible = r.kind == OpKind::Allreduce
+            && r.dtype == DataType::F32
+            && matches!(r.reduce_op, ReduceOp::Sum | ReduceOp::Average);
+        if !compressible {
+            return Codec::None;
         }
-    }
-
-    pub fn code(self) -> usize {
-        self as usize
-    }
-
-    pub fn from_code(c: usize) -> Compression {
-        match c {
-            1 => Compression::Fp16,
-            2 => Compression::Bf16,
-            _ => Compression::None,
+        match r.compression.unwrap_or(self.setting) {
+            Compression::None => Codec::None,
+            Compression::Fp16 => Codec::Half(DataType::F16),
+            Compression::Bf16 => Codec::Half(DataType::BF16),
+            Compression::Mixed if r.fused_bytes() >= self.min_bytes => Codec::Half(DataType::F16),
+            Compression::Mixed => Codec::None,
         }
     }
 }
@@ -74,22 +75,6 @@ impl Codec {
     }
 }
 
-/// The codec of a batch: a pure function of its agreed responses and the agreed setting
-/// (identical on every rank). Only f32 sums and averages compress: a 16-bit min, max or
-/// product would change results beyond rounding, and other dtypes gain nothing or lose range.
-pub fn choose(resps: &[&Response], setting: Compression) -> Codec {
-    debug_assert!(!resps.is_empty());
-    let head = resps[0];
-    let compressible = head.kind == OpKind::Allreduce
-        && head.dtype == DataType::F32
-        && matches!(head.reduce_op, ReduceOp::Sum | ReduceOp::Average);
-    match (setting, compressible) {
-        (Compression::Fp16, true) => Codec::Half(DataType::F16),
-        (Compression::Bf16, true) => Codec::Half(DataType::BF16),
-        _ => Codec::None,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -99,15 +84,23 @@ mod tests {
             kind,
             name: "t".into(),
             dtype,
-            shape: vec![4],
+            shape: vec![1 << 14],
             first_dims: Vec::new(),
             root: 0,
             device: crate::message::CPU_DEVICE,
             reduce_op: op,
             prescale: 1.0,
             postscale: 1.0,
+            compression: None,
             result: 0,
             error: None,
+        }
+    }
+
+    fn codecs(setting: Compression) -> Codecs {
+        Codecs {
+            setting,
+            ..Codecs::default()
         }
     }
 
@@ -116,14 +109,14 @@ mod tests {
         let sum = resp(OpKind::Allreduce, DataType::F32, ReduceOp::Sum);
         let avg = resp(OpKind::Allreduce, DataType::F32, ReduceOp::Average);
         assert_eq!(
-            choose(&[&sum], Compression::Fp16),
+            codecs(Compression::Fp16).of(&sum),
             Codec::Half(DataType::F16)
         );
         assert_eq!(
-            choose(&[&avg], Compression::Bf16),
+            codecs(Compression::Bf16).of(&avg),
             Codec::Half(DataType::BF16)
         );
-        assert_eq!(choose(&[&sum], Compression::None), Codec::None);
+        assert_eq!(codecs(Compression::None).of(&sum), Codec::None);
         for other in [
             resp(OpKind::Allreduce, DataType::F32, ReduceOp::Max),
             resp(OpKind::Allreduce, DataType::F32, ReduceOp::Product),
@@ -131,12 +124,38 @@ mod tests {
             resp(OpKind::Allreduce, DataType::F16, ReduceOp::Sum),
             resp(OpKind::Allgather, DataType::F32, ReduceOp::Sum),
         ] {
-            assert_eq!(
-                choose(&[&other], Compression::Fp16),
-                Codec::None,
-                "{other:?}"
-            );
+            for c in Compression::ALL {
+                assert_eq!(codecs(c).of(&other), Codec::None, "{other:?} {c:?}");
+            }
         }
+    }
+
+    #[test]
+    fn an_operations_own_compression_wins_over_the_jobs() {
+        let mut r = resp(OpKind::Allreduce, DataType::F32, ReduceOp::Sum);
+        r.compression = Some(Compression::None);
+        assert_eq!(codecs(Compression::Fp16).of(&r), Codec::None);
+        r.compression = Some(Compression::Bf16);
+        assert_eq!(
+            codecs(Compression::None).of(&r),
+            Codec::Half(DataType::BF16)
+        );
+    }
+
+    #[test]
+    fn mixed_keeps_small_tensors_f32_by_size_alone() {
+        let p = Codecs {
+            setting: Compression::Mixed,
+            min_bytes: 4096,
+        };
+        let mut r = resp(OpKind::Allreduce, DataType::F32, ReduceOp::Average);
+        r.shape = vec![1023];
+        assert_eq!(p.of(&r), Codec::None);
+        r.shape = vec![32, 32];
+        assert_eq!(p.of(&r), Codec::Half(DataType::F16));
+        // the same shape under any name, on any rank: the choice reads agreed metadata only
+        r.name = "other".into();
+        assert_eq!(p.of(&r), Codec::Half(DataType::F16));
     }
 
     #[test]
@@ -145,13 +164,17 @@ mod tests {
         assert_eq!(Compression::parse("bf16"), Some(Compression::Bf16));
         assert_eq!(Compression::parse("none"), Some(Compression::None));
         assert_eq!(Compression::parse("u8"), None);
-        // AIACC: 0 is fp16 (its default), 1 none, 2 mixed (not here yet)
+        assert_eq!(Compression::parse("mixed"), Some(Compression::Mixed));
+        // AIACC: 0 is fp16 (its default), 1 none, 2 mixed
         assert_eq!(Compression::from_perseus("0"), Some(Compression::Fp16));
         assert_eq!(Compression::from_perseus("1"), Some(Compression::None));
-        assert_eq!(Compression::from_perseus("2"), None);
-        for c in [Compression::None, Compression::Fp16, Compression::Bf16] {
-            assert_eq!(Compression::from_code(c.code()), c);
+        assert_eq!(Compression::from_perseus("2"), Some(Compression::Mixed));
+        assert_eq!(Compression::from_perseus("3"), None);
+        for c in Compression::ALL {
+            assert_eq!(Compression::from_code(c.code()), Some(c));
+            assert_eq!(Compression::parse(c.name()), Some(c));
         }
+        assert_eq!(Compression::from_code(Compression::ALL.len()), None);
         assert_eq!(
             Codec::Half(DataType::F16).wire(DataType::F32),
             DataType::F16

@@ -3,6 +3,7 @@
 
 use std::borrow::Borrow;
 
+use crate::compress::Codecs;
 use crate::message::{OpKind, Response};
 
 /// Indices into the cycle's response list, executed as one collective.
@@ -11,8 +12,8 @@ pub struct Batch {
     pub members: Vec<usize>,
 }
 
-/// Responses that may share one collective: same op, dtype, device, reduction and scales.
-fn fusable(a: &Response, b: &Response) -> bool {
+/// Responses that may share one collective: same op, dtype, device, reduction, scales and codec.
+fn fusable(a: &Response, b: &Response, codecs: &Codecs) -> bool {
     a.kind == b.kind
         && a.dtype == b.dtype
         && a.device == b.device
@@ -21,6 +22,7 @@ fn fusable(a: &Response, b: &Response) -> bool {
         && a.postscale == b.postscale
         && a.error.is_none()
         && b.error.is_none()
+        && codecs.of(a) == codecs.of(b)
 }
 
 fn fuses_at_all(r: &Response) -> bool {
@@ -63,6 +65,7 @@ pub fn plan_batches<R: Borrow<Response>>(
     responses: &[R],
     threshold: usize,
     direct_bytes: usize,
+    codecs: &Codecs,
 ) -> Vec<Batch> {
     let fuses = |r: &Response| {
         let direct = if r.device == crate::message::CPU_DEVICE {
@@ -85,7 +88,7 @@ pub fn plan_batches<R: Borrow<Response>>(
             let mut bytes = head.fused_bytes();
             for j in i + 1..responses.len() {
                 let r = responses[j].borrow();
-                if assigned[j] || !fusable(head, r) || !fuses(r) {
+                if assigned[j] || !fusable(head, r, codecs) || !fuses(r) {
                     continue;
                 }
                 let b = r.fused_bytes();
@@ -109,13 +112,14 @@ pub fn plan_segments<R: Borrow<Response>>(
     segments: &[usize],
     threshold: usize,
     direct_bytes: usize,
+    codecs: &Codecs,
 ) -> Vec<Batch> {
     let mut batches = Vec::new();
     let mut start = 0;
     let rest = responses.len() - segments.iter().sum::<usize>().min(responses.len());
     for len in segments.iter().copied().chain([rest]) {
         let end = (start + len).min(responses.len());
-        for b in plan_batches(&responses[start..end], threshold, direct_bytes) {
+        for b in plan_batches(&responses[start..end], threshold, direct_bytes, codecs) {
             batches.push(Batch {
                 members: b.members.iter().map(|m| m + start).collect(),
             });
@@ -129,7 +133,12 @@ pub fn plan_segments<R: Borrow<Response>>(
 mod tests {
     use super::*;
     use crate::dtype::DataType;
-    use crate::message::Request;
+    use crate::message::{Compression, Request};
+
+    const NONE: Codecs = Codecs {
+        setting: Compression::None,
+        min_bytes: 0,
+    };
 
     fn resp(name: &str, kind: OpKind, dtype: DataType, elems: i64) -> Response {
         Response::from_request(&Request::test(name, kind, dtype, &[elems]))
@@ -150,9 +159,9 @@ mod tests {
             resp("a", OpKind::Allreduce, DataType::F32, 1 << 20),
             resp("b", OpKind::Allreduce, DataType::F32, 1 << 20),
         ];
-        let across = plan_batches(&big, 64 << 20, direct_bytes(None, true));
+        let across = plan_batches(&big, 64 << 20, direct_bytes(None, true), &NONE);
         assert_eq!(members(&across), vec![vec![0, 1]]);
-        let inside = plan_batches(&big, 64 << 20, direct_bytes(None, false));
+        let inside = plan_batches(&big, 64 << 20, direct_bytes(None, false), &NONE);
         assert_eq!(members(&inside), vec![vec![0], vec![1]]);
     }
 
@@ -162,15 +171,15 @@ mod tests {
             .map(|i| resp(&format!("t{i}"), OpKind::Allreduce, DataType::F32, 4))
             .collect();
         assert_eq!(
-            members(&plan_segments(&rs, &[2, 3], 1 << 20, 1 << 20)),
+            members(&plan_segments(&rs, &[2, 3], 1 << 20, 1 << 20, &NONE)),
             vec![vec![0, 1], vec![2, 3, 4], vec![5]]
         );
         assert_eq!(
-            members(&plan_segments(&rs, &[], 1 << 20, 1 << 20)),
+            members(&plan_segments(&rs, &[], 1 << 20, 1 << 20, &NONE)),
             vec![vec![0, 1, 2, 3, 4, 5]]
         );
         assert_eq!(
-            members(&plan_segments(&rs, &[6], 1 << 20, 1 << 20)),
+            members(&plan_segments(&rs, &[6], 1 << 20, 1 << 20, &NONE)),
             vec![vec![0, 1, 2, 3, 4, 5]]
         );
     }
@@ -182,19 +191,19 @@ mod tests {
             .collect();
         // host: each 4 MiB tensor is at least direct_bytes and runs alone
         assert_eq!(
-            members(&plan_batches(&rs, 64 << 20, 64 << 10)),
+            members(&plan_batches(&rs, 64 << 20, 64 << 10, &NONE)),
             vec![vec![0], vec![1], vec![2]]
         );
         for r in &mut rs {
             r.device = 0;
         }
         assert_eq!(
-            members(&plan_batches(&rs, 64 << 20, 64 << 10)),
+            members(&plan_batches(&rs, 64 << 20, 64 << 10, &NONE)),
             vec![vec![0, 1, 2]]
         );
         // still bounded by the threshold
         assert_eq!(
-            members(&plan_batches(&rs, 8 << 20, 64 << 10)),
+            members(&plan_batches(&rs, 8 << 20, 64 << 10, &NONE)),
             vec![vec![0, 1], vec![2]]
         );
         // at NCCL's plateau a GPU tensor runs alone
@@ -206,7 +215,7 @@ mod tests {
         );
         rs[1].device = 0;
         assert_eq!(
-            members(&plan_batches(&rs, 128 << 20, 64 << 10)),
+            members(&plan_batches(&rs, 128 << 20, 64 << 10, &NONE)),
             vec![vec![0, 2], vec![1]]
         );
     }
@@ -222,11 +231,11 @@ mod tests {
             resp("f", OpKind::Allreduce, DataType::F64, 5),
         ];
         assert_eq!(
-            members(&plan_batches(&rs, 80, usize::MAX)),
+            members(&plan_batches(&rs, 80, usize::MAX, &NONE)),
             vec![vec![0, 2], vec![1, 5], vec![3], vec![4]]
         );
         assert_eq!(
-            members(&plan_batches(&rs, 1 << 20, usize::MAX)),
+            members(&plan_batches(&rs, 1 << 20, usize::MAX, &NONE)),
             vec![vec![0, 2, 4], vec![1, 5], vec![3]]
         );
     }
@@ -239,11 +248,11 @@ mod tests {
             resp("c", OpKind::Allreduce, DataType::F32, 1),
         ];
         assert_eq!(
-            members(&plan_batches(&rs, 8, usize::MAX)),
+            members(&plan_batches(&rs, 8, usize::MAX, &NONE)),
             vec![vec![0], vec![1, 2]]
         );
         assert_eq!(
-            members(&plan_batches(&rs, 0, usize::MAX)),
+            members(&plan_batches(&rs, 0, usize::MAX, &NONE)),
             vec![vec![0], vec![1], vec![2]]
         );
     }
@@ -256,11 +265,11 @@ mod tests {
             resp("small1", OpKind::Allreduce, DataType::F32, 4),
         ];
         assert_eq!(
-            members(&plan_batches(&rs, 1 << 20, 4000)),
+            members(&plan_batches(&rs, 1 << 20, 4000, &NONE)),
             vec![vec![0, 2], vec![1]]
         );
         assert_eq!(
-            members(&plan_batches(&rs, 1 << 20, 4001)),
+            members(&plan_batches(&rs, 1 << 20, 4001, &NONE)),
             vec![vec![0, 1, 2]]
         );
     }
@@ -280,7 +289,7 @@ mod tests {
             resp("b", OpKind::Allreduce, DataType::F32, 1),
         ];
         assert_eq!(
-            members(&plan_batches(&rs, 1 << 20, usize::MAX)),
+            members(&plan_batches(&rs, 1 << 20, usize::MAX, &NONE)),
             vec![vec![0, 5], vec![1], vec![2], vec![3], vec![4]]
         );
     }
@@ -293,12 +302,42 @@ mod tests {
         b.name = "b".into();
         assert_eq!(a.fused_bytes(), 40);
         assert_eq!(
-            members(&plan_batches(&[a.clone(), b.clone()], 79, usize::MAX)),
+            members(&plan_batches(
+                &[a.clone(), b.clone()],
+                79,
+                usize::MAX,
+                &NONE
+            )),
             vec![vec![0], vec![1]]
         );
         assert_eq!(
-            members(&plan_batches(&[a, b], 80, usize::MAX)),
+            members(&plan_batches(&[a, b], 80, usize::MAX, &NONE)),
             vec![vec![0, 1]]
+        );
+    }
+
+    #[test]
+    fn batches_hold_one_codec() {
+        // mixed from 64 bytes: a and c travel as f16, the small b as f32; d asks for none
+        let mixed = Codecs {
+            setting: Compression::Mixed,
+            min_bytes: 64,
+        };
+        let mut d = resp("d", OpKind::Allreduce, DataType::F32, 16);
+        d.compression = Some(Compression::None);
+        let rs = vec![
+            resp("a", OpKind::Allreduce, DataType::F32, 16),
+            resp("b", OpKind::Allreduce, DataType::F32, 15),
+            resp("c", OpKind::Allreduce, DataType::F32, 20),
+            d,
+        ];
+        assert_eq!(
+            members(&plan_batches(&rs, 1 << 20, usize::MAX, &mixed)),
+            vec![vec![0, 2], vec![1, 3]]
+        );
+        assert_eq!(
+            members(&plan_batches(&rs, 1 << 20, usize::MAX, &NONE)),
+            vec![vec![0, 1, 2, 3]]
         );
     }
 }

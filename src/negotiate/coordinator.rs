@@ -105,6 +105,7 @@ impl Coordinator {
                 reduce_op: crate::message::ReduceOp::Sum,
                 prescale: 1.0,
                 postscale: 1.0,
+                compression: None,
             });
             join.result = self.last_joined;
             ready.push(join);

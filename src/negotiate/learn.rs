@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use crate::compress::Codecs;
 use crate::hashing::HashSet;
 use crate::message::{CPU_DEVICE, Response};
 use crate::negotiate::plan::{Plan, PlanRecorder};
@@ -19,6 +20,7 @@ const GPU_BUCKET_BYTES: usize = 48 << 20;
 pub struct LearnContext {
     pub fusion_threshold: usize,
     pub direct_bytes: usize,
+    pub codecs: Codecs,
     /// The global set is the only set (another set's votes could interleave with a batch
     /// differently on different ranks), and, for plans, no rank has joined.
     pub alone: bool,
@@ -88,9 +90,16 @@ impl GroupLearner {
                         &step,
                         ctx.fusion_threshold.min(GPU_BUCKET_BYTES),
                         ctx.direct_bytes,
+                        &ctx.codecs,
                     )
                 } else {
-                    Plan::from_cycles(&step, &cycles, ctx.fusion_threshold, ctx.direct_bytes)
+                    Plan::from_cycles(
+                        &step,
+                        &cycles,
+                        ctx.fusion_threshold,
+                        ctx.direct_bytes,
+                        &ctx.codecs,
+                    )
                 };
                 self.armed = Some(Armed::new(plan, &r.name));
             }
@@ -166,6 +175,7 @@ impl PlanLearner {
                             &cycles,
                             ctx.fusion_threshold,
                             ctx.direct_bytes,
+                            &ctx.codecs,
                         );
                         self.armed = Some(Armed::new(plan, &r.name));
                     }
@@ -229,6 +239,7 @@ mod tests {
         LearnContext {
             fusion_threshold: 1 << 20,
             direct_bytes: 1 << 20,
+            codecs: Codecs::default(),
             alone: true,
         }
     }

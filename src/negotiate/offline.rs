@@ -152,7 +152,7 @@ mod tests {
             .map(|n| Response::from_request(&req(n, 4)))
             .collect();
         // threshold 32 bytes: [a, b] then [c]
-        let plan = Plan::from_step(&step, 32, 1 << 20);
+        let plan = Plan::from_step(&step, 32, 1 << 20, &crate::compress::Codecs::default());
         assert_eq!(plan.batches.len(), 2);
         OfflineQueue::new(
             plan,

@@ -3,6 +3,7 @@
 //! (identical on every rank, so every rank learns the same plan at the same point), or loaded
 //! from a file; once frozen, each batch runs when its tensors are ready locally.
 
+use crate::compress::Codecs;
 use crate::error::{Error, Result};
 use crate::fusion::planner::plan_batches;
 use crate::hashing::HashSet;
@@ -21,8 +22,19 @@ const FILE_MAGIC: &[u8; 8] = b"FVPLAN01";
 
 impl Plan {
     /// Groups one step's responses (in agreed order) into batches with the fusion planner.
-    pub fn from_step(step: &[Response], fusion_threshold: usize, direct_bytes: usize) -> Plan {
-        Plan::from_cycles(step, &vec![0; step.len()], fusion_threshold, direct_bytes)
+    pub fn from_step(
+        step: &[Response],
+        fusion_threshold: usize,
+        direct_bytes: usize,
+        codecs: &Codecs,
+    ) -> Plan {
+        Plan::from_cycles(
+            step,
+            &vec![0; step.len()],
+            fusion_threshold,
+            direct_bytes,
+            codecs,
+        )
     }
 
     /// Buckets in the step's order, as PyTorch DDP's: consecutive responses up to `bucket`
@@ -30,13 +42,18 @@ impl Plan {
     /// bucket is ready as soon as its last tensor is, and its size does not depend on when
     /// votes happened to run while the plan was learned (the GPU groups: on a GPU the first
     /// bucket's reduction then overlaps the submission of the rest).
-    pub fn from_buckets(step: &[Response], bucket: usize, direct_bytes: usize) -> Plan {
+    pub fn from_buckets(
+        step: &[Response],
+        bucket: usize,
+        direct_bytes: usize,
+        codecs: &Codecs,
+    ) -> Plan {
         let sizes: Vec<usize> = step.iter().map(Response::fused_bytes).collect();
         let mut runs = vec![0u64; step.len()];
         for (k, range) in bucket_ranges(&sizes, bucket).into_iter().enumerate() {
             runs[range].fill(k as u64);
         }
-        Plan::from_cycles(step, &runs, bucket, direct_bytes)
+        Plan::from_cycles(step, &runs, bucket, direct_bytes, codecs)
     }
 
     /// As `from_step`, but fusing only responses agreed in the same negotiation cycle
@@ -47,6 +64,7 @@ impl Plan {
         cycle: &[u64],
         fusion_threshold: usize,
         direct_bytes: usize,
+        codecs: &Codecs,
     ) -> Plan {
         let mut batches = Vec::new();
         let mut start = 0;
@@ -56,7 +74,7 @@ impl Plan {
                 .unwrap_or(step.len());
             let group = &step[start..end];
             batches.extend(
-                plan_batches(group, fusion_threshold, direct_bytes)
+                plan_batches(group, fusion_threshold, direct_bytes, codecs)
                     .into_iter()
                     .map(|b| b.members.iter().map(|i| group[*i].clone()).collect()),
             );
@@ -135,7 +153,7 @@ impl Plan {
         Ok(plan)
     }
 
-    /// Allreduces of distinct names only, each batch of one dtype, op and scale.
+    /// Allreduces of distinct names only, each batch of one dtype, op, scale and compression.
     fn is_valid(&self) -> bool {
         let mut names = HashSet::default();
         self.batches.iter().all(|b| {
@@ -147,6 +165,7 @@ impl Plan {
                     && r.reduce_op == h.reduce_op
                     && r.prescale == h.prescale
                     && r.postscale == h.postscale
+                    && r.compression == h.compression
             })
         })
     }
@@ -246,6 +265,7 @@ impl StepPrint {
             r.reduce_op as i32,
             r.prescale.to_bits(),
             r.postscale.to_bits(),
+            r.compression,
         )
             .hash(&mut h);
         self.len += 1;
@@ -457,19 +477,34 @@ mod tests {
                 .collect()
         };
         assert_eq!(
-            names(&Plan::from_buckets(&step, 100, usize::MAX)),
+            names(&Plan::from_buckets(
+                &step,
+                100,
+                usize::MAX,
+                &Codecs::default()
+            )),
             [vec!["a", "b"], vec!["c", "d"], vec!["e"]]
         );
         // a tensor larger than a bucket is a bucket of its own
         let mut big = step.clone();
         big[1] = resp("B", 100);
         assert_eq!(
-            names(&Plan::from_buckets(&big, 100, usize::MAX)),
+            names(&Plan::from_buckets(
+                &big,
+                100,
+                usize::MAX,
+                &Codecs::default()
+            )),
             [vec!["a"], vec!["B"], vec!["c", "d"], vec!["e"]]
         );
         // one bucket for everything when it fits, however the cycles fell
         assert_eq!(
-            names(&Plan::from_buckets(&step, 1 << 20, usize::MAX)),
+            names(&Plan::from_buckets(
+                &step,
+                1 << 20,
+                usize::MAX,
+                &Codecs::default()
+            )),
             [vec!["a", "b", "c", "d", "e"]]
         );
     }
@@ -534,7 +569,13 @@ mod tests {
     #[test]
     fn batches_never_span_cycles() {
         let step: Vec<Response> = (0..6).map(|k| resp(&format!("g{k}"), 4)).collect();
-        let plan = Plan::from_cycles(&step, &[0, 0, 1, 1, 1, 2], 1 << 20, 1 << 20);
+        let plan = Plan::from_cycles(
+            &step,
+            &[0, 0, 1, 1, 1, 2],
+            1 << 20,
+            1 << 20,
+            &Codecs::default(),
+        );
         let names: Vec<Vec<&str>> = plan
             .batches
             .iter()
@@ -549,7 +590,7 @@ mod tests {
     #[test]
     fn encodes_decodes_hashes_and_accepts() {
         let step: Vec<Response> = (0..5).map(|k| resp(&format!("g{k}"), 10 + k)).collect();
-        let plan = Plan::from_step(&step, 200, 1 << 20);
+        let plan = Plan::from_step(&step, 200, 1 << 20, &Codecs::default());
         assert_eq!(plan.num_tensors(), 5);
         assert!(plan.batches.len() > 1, "threshold splits the step");
         let back = Plan::decode(&plan.encode()).unwrap();

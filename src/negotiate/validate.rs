@@ -169,6 +169,21 @@ pub fn find_mismatch(reqs: &[Request], any_joined: bool) -> Option<String> {
             );
         }
     }
+    if kind == OpKind::Allreduce
+        && let Some((a, b)) = first_difference(reqs, |r| r.compression)
+    {
+        let said = |r: &Request| r.compression.map_or("the job's", |c| c.name());
+        return mismatch(
+            format!(
+                "Mismatched compression: One rank asked for {} compression, but another rank asked for {}.",
+                said(a),
+                said(b)
+            ),
+            name,
+            a,
+            b,
+        );
+    }
     if kind == OpKind::Broadcast
         && let Some((a, b)) = first_difference(reqs, |r| r.root)
     {
@@ -309,6 +324,12 @@ mod tests {
         b.postscale = 0.5;
         assert!(find_mismatch(&[a.clone(), b], false).unwrap().starts_with(
             "Mismatched prescale and/or postscale factors: One rank sent factors (1, 1), but another rank sent factors (1, 0.5)."
+        ));
+        let mut b = a.clone();
+        b.rank = 1;
+        b.compression = Some(crate::message::Compression::Fp16);
+        assert!(find_mismatch(&[a.clone(), b], false).unwrap().starts_with(
+            "Mismatched compression: One rank asked for the job's compression, but another rank asked for fp16."
         ));
         let mut b = a.clone();
         b.rank = 1;

@@ -3,7 +3,7 @@
 
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
-use crate::message::{OpKind, ReduceOp, Request, Response};
+use crate::message::{Compression, OpKind, ReduceOp, Request, Response};
 
 /// What a rank sends to the coordinator in a slow-path cycle.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -30,6 +30,10 @@ struct Writer(Vec<u8>);
 impl Writer {
     fn u8(&mut self, v: u8) {
         self.0.push(v);
+    }
+    /// 0: the job's; else the compression's code plus one.
+    fn compression(&mut self, c: Option<Compression>) {
+        self.u8(c.map_or(0, |c| c.code() as u8 + 1));
     }
     fn u32(&mut self, v: u32) {
         self.0.extend_from_slice(&v.to_le_bytes());
@@ -115,6 +119,14 @@ impl<'a> Reader<'a> {
     fn reduce_op(&mut self) -> Result<ReduceOp> {
         ReduceOp::from_i32(self.i32()?).ok_or_else(|| corrupt("unknown reduce op"))
     }
+    fn compression(&mut self) -> Result<Option<Compression>> {
+        match self.u8()? {
+            0 => Ok(None),
+            c => Compression::from_code(c as usize - 1)
+                .map(Some)
+                .ok_or_else(|| corrupt("unknown compression")),
+        }
+    }
     fn finish(&self) -> Result<()> {
         if self.pos == self.buf.len() {
             Ok(())
@@ -139,6 +151,7 @@ pub fn encode_requests(list: &RequestList) -> Vec<u8> {
         w.i32(r.reduce_op as i32);
         w.f64(r.prescale);
         w.f64(r.postscale);
+        w.compression(r.compression);
     }
     w.0
 }
@@ -162,6 +175,7 @@ pub fn decode_requests(buf: &[u8]) -> Result<RequestList> {
             reduce_op: r.reduce_op()?,
             prescale: r.f64()?,
             postscale: r.f64()?,
+            compression: r.compression()?,
         });
     }
     r.finish()?;
@@ -191,6 +205,7 @@ pub fn encode_responses(list: &ResponseList) -> Vec<u8> {
         w.i32(r.reduce_op as i32);
         w.f64(r.prescale);
         w.f64(r.postscale);
+        w.compression(r.compression);
         w.i32(r.result);
         match &r.error {
             Some(e) => {
@@ -232,6 +247,7 @@ pub fn decode_responses(buf: &[u8]) -> Result<ResponseList> {
             reduce_op: r.reduce_op()?,
             prescale: r.f64()?,
             postscale: r.f64()?,
+            compression: r.compression()?,
             result: r.i32()?,
             error: match r.u8()? {
                 0 => None,
@@ -264,6 +280,7 @@ mod tests {
             reduce_op: ReduceOp::Max,
             prescale: 0.5,
             postscale: 2.0,
+            compression: Compression::from_code(i as usize % 5),
         }
     }
 

@@ -472,6 +472,7 @@ impl Background {
         let ctx = LearnContext {
             fusion_threshold: self.settings.fusion_threshold,
             direct_bytes: self.sets.member.get(&0).map_or(0, |s| s.direct_bytes),
+            codecs: self.settings.compression,
             alone: alone_before && self.sets.all.len() == 1,
         };
         if let Some(set) = self.sets.member.get_mut(&0) {

@@ -130,8 +130,8 @@ pub(crate) struct JobSettings {
     pub ring_min_bytes: Option<usize>,
     /// `HOROVOD_HIERARCHICAL_ALLGATHER`.
     pub hierarchical_allgather: bool,
-    /// How f32 allreduces travel (`FERROVOD_COMPRESSION`).
-    pub compression: crate::compress::Compression,
+    /// How f32 allreduces travel (`FERROVOD_COMPRESSION`, `FERROVOD_COMPRESSION_MIN_BYTES`).
+    pub compression: crate::compress::Codecs,
 }
 
 /// An optional setting's "not set" on the wire.
@@ -156,6 +156,7 @@ impl JobSettings {
             cfg.ring_min_bytes.unwrap_or(UNSET),
             usize::from(cfg.hierarchical_allgather),
             cfg.compression.code(),
+            cfg.compression_min_bytes,
         ];
         let bytes: Vec<u8> = mine
             .iter()
@@ -168,7 +169,7 @@ impl JobSettings {
             .collect();
         if v[..] != mine[..] {
             tracing::warn!(
-                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS / HOROVOD_AUTOTUNE / FERROVOD_GPU_GRAPHS / FERROVOD_ALGORITHM / HOROVOD_HIERARCHICAL_ALLREDUCE / FERROVOD_RING_MIN_BYTES / HOROVOD_HIERARCHICAL_ALLGATHER / FERROVOD_COMPRESSION differ from rank 0's; using rank 0's values {v:?}"
+                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS / HOROVOD_AUTOTUNE / FERROVOD_GPU_GRAPHS / FERROVOD_ALGORITHM / HOROVOD_HIERARCHICAL_ALLREDUCE / FERROVOD_RING_MIN_BYTES / HOROVOD_HIERARCHICAL_ALLGATHER / FERROVOD_COMPRESSION / FERROVOD_COMPRESSION_MIN_BYTES differ from rank 0's; using rank 0's values {v:?}"
             );
         }
         Ok(JobSettings {
@@ -185,7 +186,10 @@ impl JobSettings {
             algorithm: AlgorithmChoice::from_code(v[10]),
             ring_min_bytes: (v[11] != UNSET).then_some(v[11]),
             hierarchical_allgather: v[12] != 0,
-            compression: crate::compress::Compression::from_code(v[13]),
+            compression: crate::compress::Codecs {
+                setting: crate::compress::Compression::from_code(v[13]).unwrap_or_default(),
+                min_bytes: v[14],
+            },
         })
     }
 }

@@ -9,7 +9,7 @@ use crate::collective::cost::{Algorithm, CostModel, Link, Policy};
 use crate::collective::hierarchical::{Levels, node_members};
 use crate::collective::replay::{ReplayKey, batch_fingerprint};
 use crate::collective::{self, ActivitySink, Algorithms, Allreduce, TensorIo};
-use crate::compress::{self, Codec, Compression};
+use crate::compress::{Codec, Codecs};
 use crate::config::AlgorithmChoice;
 use crate::dtype::DataType;
 use crate::error::{Error, Result, Stall};
@@ -201,7 +201,7 @@ pub(crate) struct Executor {
     /// Flat allreduces of at least this many bytes run the ring (0: never; agreed).
     ring_min_bytes: usize,
     /// How f32 allreduces travel (agreed).
-    compression: Compression,
+    compression: Codecs,
 }
 
 impl Executor {
@@ -209,7 +209,7 @@ impl Executor {
         data: MpiComm,
         hierarchy: Option<Hierarchy>,
         ring_min_bytes: usize,
-        compression: Compression,
+        compression: Codecs,
     ) -> Executor {
         Executor {
             data,
@@ -219,6 +219,11 @@ impl Executor {
             ring_min_bytes,
             compression,
         }
+    }
+
+    /// Which codec each tensor gets (agreed).
+    pub fn codecs(&self) -> &Codecs {
+        &self.compression
     }
 
     /// Runs a batch; a GPU batch is only enqueued, and what it recorded comes back.
@@ -247,6 +252,7 @@ impl Executor {
             if levels.is_some() {
                 rt.metrics.add_hierarchical_batch();
             }
+            rt.metrics.add_wire(Codec::None, head.dtype, bytes as u64);
             // GPU batches travel uncompressed for now
             return gpu::run_device_batch(
                 rt,
@@ -280,7 +286,9 @@ impl Executor {
         if hierarchical {
             rt.metrics.add_hierarchical_batch();
         }
-        let codec = compress::choose(resps, self.compression);
+        // the planner fused only tensors of one codec
+        let codec = self.compression.of(head);
+        rt.metrics.add_wire(codec, head.dtype, bytes as u64);
         // host memory is ready when enqueued
         sink(Some("WAIT_FOR_DATA"));
         let mut ios: Vec<&mut dyn TensorIo> =
@@ -360,6 +368,7 @@ impl Launcher {
             groups,
             settings.fusion_threshold,
             set.direct_bytes,
+            &settings.compression,
         );
         for batch in batches {
             let resps: Vec<&Response> = batch.members.iter().map(|i| &*responses[*i]).collect();
@@ -592,6 +601,7 @@ fn local_entries(set: &mut SetState, resps: &[&Response]) -> Option<Vec<TensorEn
                     reduce_op: r.reduce_op,
                     prescale: r.prescale,
                     postscale: r.postscale,
+                    compression: r.compression,
                 };
                 entries.push(TensorEntry::new(
                     req,
@@ -653,6 +663,8 @@ pub(crate) fn run_plan_batch(
             t.begin(n, "ALLREDUCE");
         }
     }
+    // the plan fused only tensors of one codec
+    let codec = set.executor.codecs().of(&resps[0]);
     let flagged = {
         // a rank without the batch's tensors has no spans to mark
         let traced: &[String] = if have { &names } else { &[] };
@@ -679,6 +691,7 @@ pub(crate) fn run_plan_batch(
         collective::allreduce_flagged(
             &set.executor.data,
             resps,
+            codec,
             ios,
             &mut set.executor.fusion,
             batch.raise,
@@ -729,6 +742,7 @@ pub(crate) fn run_plan_batch(
         .map(|r| r.num_elements() as usize * r.dtype.size())
         .sum();
     rt.metrics.add_batch(entries.len() as u64, bytes as u64);
+    rt.metrics.add_wire(codec, resps[0].dtype, bytes as u64);
     for e in entries {
         e.complete(Ok(()), None);
     }

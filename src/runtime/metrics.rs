@@ -5,6 +5,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::compress::Codec;
+use crate::dtype::DataType;
+
 #[derive(Default)]
 pub struct Metrics {
     cycles: AtomicU64,
@@ -17,6 +20,9 @@ pub struct Metrics {
     tensors: AtomicU64,
     graph_launches: AtomicU64,
     hierarchical_batches: AtomicU64,
+    wire_uncompressed: AtomicU64,
+    wire_fp16: AtomicU64,
+    wire_bf16: AtomicU64,
 }
 
 /// A copy of the counters at one moment. Every field counts from init.
@@ -42,6 +48,11 @@ pub struct MetricsSnapshot {
     pub graph_launches: u64,
     /// Batches allreduced hierarchically (`collective::hierarchical`).
     pub hierarchical_batches: u64,
+    /// Bytes of tensor data this rank put into data collectives as each codec carried it:
+    /// uncompressed, as IEEE half and as bfloat16 (`compress`). The savings of compression.
+    pub wire_uncompressed: u64,
+    pub wire_fp16: u64,
+    pub wire_bf16: u64,
 }
 
 impl Metrics {
@@ -61,6 +72,17 @@ impl Metrics {
         if tensors > 1 {
             self.fused_batches.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// A batch of `bytes` tensor bytes put on the wire as `codec` carries them.
+    pub(crate) fn add_wire(&self, codec: Codec, dtype: DataType, bytes: u64) {
+        let wire = bytes / dtype.size() as u64 * codec.wire(dtype).size() as u64;
+        let counter = match codec {
+            Codec::None => &self.wire_uncompressed,
+            Codec::Half(DataType::BF16) => &self.wire_bf16,
+            Codec::Half(_) => &self.wire_fp16,
+        };
+        counter.fetch_add(wire, Ordering::Relaxed);
     }
 
     pub(crate) fn add_graph_launch(&self) {
@@ -84,6 +106,9 @@ impl Metrics {
             tensors: get(&self.tensors),
             graph_launches: get(&self.graph_launches),
             hierarchical_batches: get(&self.hierarchical_batches),
+            wire_uncompressed: get(&self.wire_uncompressed),
+            wire_fp16: get(&self.wire_fp16),
+            wire_bf16: get(&self.wire_bf16),
         }
     }
 }
@@ -101,6 +126,9 @@ mod tests {
         m.add_batch(4, 400);
         m.add_graph_launch();
         m.add_hierarchical_batch();
+        m.add_wire(Codec::None, DataType::F64, 80);
+        m.add_wire(Codec::Half(DataType::F16), DataType::F32, 400);
+        m.add_wire(Codec::Half(DataType::BF16), DataType::F32, 40);
         assert_eq!(
             m.snapshot(),
             MetricsSnapshot {
@@ -114,6 +142,9 @@ mod tests {
                 tensors: 5,
                 graph_launches: 1,
                 hierarchical_batches: 1,
+                wire_uncompressed: 80,
+                wire_fp16: 200,
+                wire_bf16: 20,
             }
         );
     }

@@ -25,7 +25,7 @@ use crossbeam::channel::{Sender, unbounded};
 use crate::config::Config;
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
-use crate::message::{CPU_DEVICE, OpKind, ReduceOp, Request};
+use crate::message::{CPU_DEVICE, Compression, OpKind, ReduceOp, Request};
 use entry::{InputMem, OutputMem, SharedAllocator, TensorEntry};
 use handle::{DoneCallback, Handle, HandleTable};
 
@@ -85,6 +85,8 @@ pub struct OpSpec {
     pub reduce_op: ReduceOp,
     pub prescale: f64,
     pub postscale: f64,
+    /// Allreduce: how its values travel (None: as the job's `FERROVOD_COMPRESSION` says).
+    pub compression: Option<Compression>,
     /// Broadcast root as a rank of ferrovod's world.
     pub root_rank: i32,
     pub process_set: i32,
@@ -106,6 +108,7 @@ impl OpSpec {
             reduce_op: ReduceOp::Sum,
             prescale: 1.0,
             postscale: 1.0,
+            compression: None,
             root_rank: 0,
             process_set: 0,
             device: CPU_DEVICE,
@@ -530,6 +533,7 @@ impl Runtime {
             reduce_op: ReduceOp::Sum,
             prescale: 1.0,
             postscale: 1.0,
+            compression: None,
         };
         let no_memory = |r| TensorEntry::new(r, InputMem::Owned(Vec::new()), OutputMem::InPlace);
         match kind {
@@ -678,6 +682,8 @@ impl Runtime {
             false => (ReduceOp::Sum, 1.0, 1.0),
         };
         let device = spec.device;
+        // only allreduces have codecs: elsewhere the field cannot make ranks disagree
+        let compression = spec.compression.filter(|_| kind == OpKind::Allreduce);
         Ok(std::mem::take(&mut spec.tensors)
             .into_iter()
             .map(|t| {
@@ -692,6 +698,7 @@ impl Runtime {
                     reduce_op,
                     prescale,
                     postscale,
+                    compression,
                 };
                 let mut e = TensorEntry::new(request, t.input, t.output);
                 e.splits = t.splits;
@@ -758,6 +765,7 @@ impl Runtime {
                 reduce_op: ReduceOp::Sum,
                 prescale: 1.0,
                 postscale: 1.0,
+                compression: None,
             },
             InputMem::Owned(Vec::new()),
             OutputMem::InPlace,

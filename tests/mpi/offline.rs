@@ -87,11 +87,17 @@ pub(crate) fn offline_stale_plan() {
                 reduce_op: ReduceOp::Sum,
                 prescale: 1.0,
                 postscale: 1.0,
+                compression: None,
             };
             ferrovod::message::Response::from_request(&req)
         })
         .collect();
-    let stale = ferrovod::negotiate::plan::Plan::from_step(&other, 1 << 20, 1 << 20);
+    let stale = ferrovod::negotiate::plan::Plan::from_step(
+        &other,
+        1 << 20,
+        1 << 20,
+        &ferrovod::compress::Codecs::default(),
+    );
     let path = plan_path().with_file_name("stale.bin");
     if std::env::var("OMPI_COMM_WORLD_RANK").as_deref() == Ok("0") {
         std::fs::write(&path, stale.encode()).unwrap();

@@ -114,7 +114,7 @@ def test_metrics_count_this_process_traffic():
     before = hvd.metrics()
     assert set(before) == {"cycles", "control_collectives", "control_bytes", "negotiation_ns",
                            "data_collectives", "data_bytes", "fused_batches", "tensors",
-                           "graph_launches"}
+                           "graph_launches", "wire_uncompressed", "wire_fp16", "wire_bf16"}
     hs = [_core.enqueue(_core.ALLREDUCE, [np.ones(25, np.float32)], ["metrics.%d" % k])
           for k in range(3)]
     for h in hs:
@@ -125,6 +125,47 @@ def test_metrics_count_this_process_traffic():
     assert after["control_collectives"] > before["control_collectives"]
     assert after["cycles"] > before["cycles"]
     assert after["graph_launches"] == before["graph_launches"]  # host batches have no graphs
+    assert after["wire_uncompressed"] - before["wire_uncompressed"] == 3 * 25 * 4
+
+
+def test_an_allreduce_asks_for_its_own_compression():
+    """fv_op.compression: f32 values travel as fp16 or bf16 (half the wire bytes, counted per
+    codec), sums and averages within the 16-bit type's rounding of an f64 reference; other
+    dtypes and ops travel as they are; ranks asking differently get a mismatch error."""
+    r, n = hvd.rank(), hvd.size()
+    rng = np.random.default_rng(7)
+    xs = rng.standard_normal((n, 3000)).astype(np.float32) * 10  # every rank's values
+    exact = xs.astype(np.float64).sum(axis=0)
+    for codec, key, eps in ((_core.COMPRESSION_FP16, "wire_fp16", 2.0 ** -11),
+                            (_core.COMPRESSION_BF16, "wire_bf16", 2.0 ** -8)):
+        for op, want in ((_core.SUM, exact), (_core.AVERAGE, exact / n)):
+            before = hvd.metrics()
+            (got,) = _core.enqueue(_core.ALLREDUCE, [xs[r]], ["own.%d.%d" % (codec, op)],
+                                   reduce_op=op, compression=codec).wait()
+            after = hvd.metrics()
+            assert got.dtype == np.float32
+            # each value rounded once, each of the n - 1 partial sums once
+            bound = eps * n * (np.abs(xs).sum(axis=0) / (n if op == _core.AVERAGE else 1))
+            assert np.all(np.abs(got - want) <= bound + 1e-6)
+            assert not np.array_equal(got, want.astype(np.float32))  # it did travel rounded
+            assert after[key] - before[key] == 3000 * 2
+            assert after["wire_uncompressed"] == before["wire_uncompressed"]
+    # f64 and a max are not compressed, whatever is asked
+    before = hvd.metrics()
+    (m,) = _core.enqueue(_core.ALLREDUCE, [xs[r]], ["own.max"], reduce_op=_core.MAX,
+                         compression=_core.COMPRESSION_FP16).wait()
+    np.testing.assert_array_equal(m, xs.max(axis=0))
+    (d,) = _core.enqueue(_core.ALLREDUCE, [xs[r].astype(np.float64)], ["own.f64"],
+                         compression=_core.COMPRESSION_FP16).wait()
+    np.testing.assert_allclose(d, exact, rtol=1e-12)
+    after = hvd.metrics()
+    assert after["wire_fp16"] == before["wire_fp16"]
+    assert after["wire_uncompressed"] - before["wire_uncompressed"] == 3000 * 4 + 3000 * 8
+    with pytest.raises(PreconditionError, match="Mismatched compression"):
+        _core.enqueue(_core.ALLREDUCE, [xs[r]], ["own.mismatch"],
+                      compression=_core.COMPRESSION_FP16 if r == 0 else _core.COMPRESSION_JOB).wait()
+    with pytest.raises(InvalidArgumentError, match="unknown compression 9"):
+        _core.enqueue(_core.ALLREDUCE, [xs[r]], ["own.bad"], compression=9)
 
 
 def test_dropped_handle_keeps_its_buffers_until_completion():
