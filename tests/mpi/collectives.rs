@@ -1231,3 +1231,71 @@ pub(crate) fn compressed() {
     }
     finish_job();
 }
+
+/// `mixed` under `FERROVOD_COMPRESSION_MIN_BYTES=4096`, steps of one grouped allreduce whose
+/// tensors straddle the threshold, plus tensors that ask for their own compression: each
+/// tensor travels as its codec says although they are submitted (and could be fused)
+/// together, on every step (under offline negotiation, also from the frozen plan).
+pub(crate) fn mixed_compressed() {
+    init();
+    let n = size();
+    let offline = std::env::var("FERROVOD_NEGOTIATION").as_deref() == Ok("offline");
+    // 1 + 2^-12 is exact in f32 and rounds to 1 in f16: a sum shows how a tensor travelled
+    let fine = 1.0 + 2f64.powi(-12);
+    // (elements, asks for, travels compressed): 1023 f32 values are below 4096 bytes
+    let cases: [(usize, Option<Compression>, bool); 6] = [
+        (1023, None, false),
+        (1024, None, true),
+        (5000, None, true),
+        (7, None, false),
+        (2048, Some(Compression::None), false),
+        (3, Some(Compression::Fp16), true),
+    ];
+    let metrics = || runtime::runtime().unwrap().metrics.snapshot();
+    let mut steady = 0;
+    for step in 0..8 {
+        let before = metrics();
+        let control = control_collectives();
+        // one op per codec request: an op's tensors share its compression field
+        let mut handles = Vec::new();
+        for (k, (elems, asks, _)) in cases.iter().enumerate() {
+            let vals = vec![fine * (step + 1) as f64; *elems];
+            let t = tensor(
+                &format!("mixed.{k}"),
+                DataType::F32,
+                &[*elems as i64],
+                &vals,
+                false,
+            );
+            let mut spec = OpSpec::new(OpKind::Allreduce, vec![t]);
+            spec.reduce_op = ReduceOp::Sum;
+            spec.compression = *asks;
+            handles.push(submit(spec).unwrap());
+        }
+        let mut fp16 = 0u64;
+        for (k, h) in handles.into_iter().enumerate() {
+            let (elems, _, compressed) = cases[k];
+            let got = output(&finish(h).unwrap()[0], DataType::F32);
+            let exact = fine * (step + 1) as f64 * n as f64;
+            let rounded = ((step + 1) * n) as f64;
+            let want = if compressed { rounded } else { exact };
+            assert!(
+                got.iter().all(|g| (*g - want).abs() < 1e-9 * want),
+                "step {step} tensor {k} ({elems} values, compressed: {compressed}): got {}, want {want}",
+                got[0]
+            );
+            if compressed {
+                fp16 += elems as u64 * 2;
+            }
+        }
+        let after = metrics();
+        assert_eq!(after.wire_fp16 - before.wire_fp16, fp16, "step {step}");
+        if offline && step >= 4 && control_collectives() == control {
+            steady += 1;
+        }
+    }
+    if offline {
+        assert!(steady >= 3, "the plan never froze ({steady} steady steps)");
+    }
+    finish_job();
+}

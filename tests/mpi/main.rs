@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferrovod::error::SHUT_DOWN_MESSAGE;
+use ferrovod::message::Compression;
 use ferrovod::runtime::entry::{InputMem, OutputMem};
 use ferrovod::runtime::handle::{Handle, TensorResult};
 use ferrovod::runtime::{self, OpSpec, TensorSpec};
@@ -42,6 +43,12 @@ pub(crate) type Scenario = (
 pub(crate) const STALL_FAST: &[(&str, &str)] = &[
     ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
     ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+];
+
+pub(crate) const STALL_FAST_FP16: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+    ("FERROVOD_COMPRESSION", "fp16"),
 ];
 
 pub(crate) const STALL_FAST_HOROVOD: &[(&str, &str)] = &[
@@ -131,6 +138,15 @@ pub(crate) const OFFLINE_STALL: &[(&str, &str)] = &[
     ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
 ];
 
+pub(crate) const OFFLINE_STALL_FP16: &[(&str, &str)] = &[
+    ("FERROVOD_COMPRESSION", "fp16"),
+    ("FERROVOD_NEGOTIATION", "offline"),
+    ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+    ("FERROVOD_PLAN_ESCAPE_MS", "200"),
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+];
+
 /// Hierarchical allreduce over nodes of `FERROVOD_LOCAL_SIZE` ranks.
 pub(crate) const HIERARCHICAL_LOCAL2: &[(&str, &str)] = &[
     ("HOROVOD_HIERARCHICAL_ALLREDUCE", "1"),
@@ -150,6 +166,16 @@ pub(crate) const HIERARCHICAL_ALLGATHER_LOCAL2: &[(&str, &str)] = &[
 /// f32 sums and averages on the wire as 16-bit floats.
 pub(crate) const FP16: &[(&str, &str)] = &[("FERROVOD_COMPRESSION", "fp16")];
 pub(crate) const BF16: &[(&str, &str)] = &[("FERROVOD_COMPRESSION", "bf16")];
+pub(crate) const MIXED: &[(&str, &str)] = &[
+    ("FERROVOD_COMPRESSION", "mixed"),
+    ("FERROVOD_COMPRESSION_MIN_BYTES", "4096"),
+];
+pub(crate) const MIXED_OFFLINE: &[(&str, &str)] = &[
+    ("PERSEUS_ALLREDUCE_DTYPE", "2"),
+    ("FERROVOD_COMPRESSION_MIN_BYTES", "4096"),
+    ("FERROVOD_NEGOTIATION", "offline"),
+    ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+];
 /// fp16 through the ring over point-to-point (every batch).
 pub(crate) const FP16_RING: &[(&str, &str)] = &[
     ("FERROVOD_COMPRESSION", "fp16"),
@@ -304,6 +330,9 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     ("offline_diverge", 2, OFFLINE, true),
     ("offline_skip", 2, OFFLINE_STALL, true),
     ("offline_stall", 2, OFFLINE_STALL, false),
+    // a rank missing from a compressed batch of a frozen plan, and from an online one
+    ("offline_stall", 2, OFFLINE_STALL_FP16, false),
+    ("stall", 2, STALL_FAST_FP16, true),
     (
         "online_groups_stall",
         2,
@@ -415,6 +444,8 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     ("compressed", 3, FP16_RING, true),
     ("compressed", 4, BF16, true),
     ("compressed", 4, FP16_HIERARCHICAL, true),
+    ("mixed_compressed", 3, MIXED, true),
+    ("mixed_compressed", 2, MIXED_OFFLINE, true),
     ("ring", 2, &[], true),
     ("ring", 3, &[], true),
     ("ring", 4, &[], true),
@@ -982,6 +1013,7 @@ pub(crate) fn run_rank(name: &str) {
         "large_counts" => large_counts(),
         "large_fused" => large_fused(),
         "compressed" => compressed(),
+        "mixed_compressed" => mixed_compressed(),
         "ring" => ring(),
         "gpu_ring" => gpu_ring(),
         "hierarchical_allreduces" => hierarchical_allreduces(),
