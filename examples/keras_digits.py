@@ -19,6 +19,8 @@ parser = argparse.ArgumentParser(description="Keras digits example (Horovod API)
 parser.add_argument("--epochs", type=int, default=12)
 parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
 parser.add_argument("--lr", type=float, default=0.05, help="learning rate for one worker")
+parser.add_argument("--compression", default="none", choices=["none", "fp16", "bf16", "mixed"],
+                    help="how gradients travel (bf16 and mixed are ferrovod extensions)")
 args = parser.parse_args()
 
 # Horovod: initialize Horovod.
@@ -45,7 +47,7 @@ scaled_lr = args.lr * hvd.size()
 opt = keras.optimizers.SGD(learning_rate=scaled_lr, momentum=0.9)
 
 # Horovod: add Horovod DistributedOptimizer.
-opt = hvd.DistributedOptimizer(opt)
+opt = hvd.DistributedOptimizer(opt, compression=getattr(hvd.Compression, args.compression))
 
 model.compile(loss=keras.losses.SparseCategoricalCrossentropy(), optimizer=opt, metrics=["accuracy"])
 

@@ -158,6 +158,7 @@ class CollectiveOp : public AsyncOpKernel {
     if (c->HasAttr("ignore_name_scope")) OP_REQUIRES_OK(c, c->GetAttr("ignore_name_scope", &ignore_name_scope_));
     if (c->HasAttr("process_set_id")) OP_REQUIRES_OK(c, c->GetAttr("process_set_id", &process_set_));
     if (c->HasAttr("num_tensors")) OP_REQUIRES_OK(c, c->GetAttr("num_tensors", &num_tensors_));
+    if (c->HasAttr("compression")) OP_REQUIRES_OK(c, c->GetAttr("compression", &compression_));
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
@@ -223,6 +224,7 @@ class CollectiveOp : public AsyncOpKernel {
     op.reduce_op = reduce_op_;
     op.prescale = prescale_;
     op.postscale = postscale_;
+    op.compression = compression_;
     op.root_rank = root_rank_;
     op.process_set = process_set_;
     op.device = FV_CPU_DEVICE;
@@ -252,6 +254,7 @@ class CollectiveOp : public AsyncOpKernel {
   bool ignore_name_scope_ = false;
   int process_set_ = 0;
   int num_tensors_ = 1;
+  int compression_ = FV_COMPRESSION_DEFAULT;
 };
 
 template <int32_t Kind>
@@ -343,6 +346,7 @@ REGISTER_OP("HorovodAllreduce")
     .Attr("reduce_op: int")
     .Attr("prescale_factor: float")
     .Attr("postscale_factor: float")
+    .Attr("compression: int = 0")
     .Attr("ignore_name_scope: bool = False")
     .Attr("process_set_id: int = 0")
     .Input("tensor: T")
@@ -355,6 +359,7 @@ REGISTER_OP("HorovodGroupedAllreduce")
     .Attr("reduce_op: int")
     .Attr("prescale_factor: float")
     .Attr("postscale_factor: float")
+    .Attr("compression: int = 0")
     .Attr("num_tensors: int")
     .Attr("ignore_name_scope: bool = False")
     .Attr("process_set_id: int = 0")

@@ -72,12 +72,15 @@ def _group_name(prefix, tensors, name):
 
 
 def _allreduce(tensor, name=None, op=Sum, prescale_factor=1.0, postscale_factor=1.0,
-               ignore_name_scope=False, process_set=global_process_set):
-    """Reduces `tensor` across the process set (no averaging convenience: `op` as given)."""
+               ignore_name_scope=False, process_set=global_process_set,
+               compression=_core.COMPRESSION_JOB):
+    """Reduces `tensor` across the process set (no averaging convenience: `op` as given);
+    `compression`: an fv_compression value, how ferrovod's core carries f32 sums and averages."""
     return MPI_LIB.horovod_allreduce(
         tensor, name=_name("HorovodAllreduce", tensor, name), reduce_op=op,
         prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-        ignore_name_scope=ignore_name_scope, process_set_id=process_set.process_set_id)
+        ignore_name_scope=ignore_name_scope, process_set_id=process_set.process_set_id,
+        compression=compression)
 
 
 @ops.RegisterGradient("HorovodAllreduce")
@@ -88,7 +91,8 @@ def _allreduce_grad(op, grad):
     return _allreduce(grad, op=reduce_op, prescale_factor=op.get_attr("prescale_factor"),
                       postscale_factor=op.get_attr("postscale_factor"),
                       ignore_name_scope=op.get_attr("ignore_name_scope"),
-                      process_set=_process_set(op), name=_grad_name(op, "_grad"))
+                      process_set=_process_set(op), name=_grad_name(op, "_grad"),
+                      compression=op.get_attr("compression"))
 
 
 def _grad_name(op, suffix):
@@ -114,12 +118,13 @@ def _process_set(op):
 
 
 def _grouped_allreduce(tensors, name=None, op=Sum, prescale_factor=1.0, postscale_factor=1.0,
-                       ignore_name_scope=False, process_set=global_process_set):
+                       ignore_name_scope=False, process_set=global_process_set,
+                       compression=_core.COMPRESSION_JOB):
     name = _group_name("HorovodGroupedAllreduce", tensors, name)
     return MPI_LIB.horovod_grouped_allreduce(
         tensors, name=name, reduce_op=op, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, ignore_name_scope=ignore_name_scope,
-        process_set_id=process_set.process_set_id)
+        process_set_id=process_set.process_set_id, compression=compression)
 
 
 def _output_dtype_grads(op, grads):
@@ -136,7 +141,8 @@ def _grouped_allreduce_grad(op, *grads):
                               prescale_factor=op.get_attr("prescale_factor"),
                               postscale_factor=op.get_attr("postscale_factor"),
                               ignore_name_scope=op.get_attr("ignore_name_scope"),
-                              process_set=_process_set(op), name=_grad_name(op, "_grad"))
+                              process_set=_process_set(op), name=_grad_name(op, "_grad"),
+                              compression=op.get_attr("compression"))
 
 
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):

@@ -2,7 +2,7 @@
 
 import tensorflow as tf
 
-from ferrovod.tensorflow.compression import Compression
+from ferrovod.tensorflow.compression import Compression, core_codec
 from ferrovod.tensorflow.mpi_ops import (
     Adasum,
     Average,
@@ -50,6 +50,12 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
                 values = tf.math.divide(values, tf.cast(process_set.size(), values.dtype))
             return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
     with tf.device(device_dense):
+        core = core_codec(compression, tf.as_dtype(tensor.dtype), op)
+        if core is not None:
+            return _allreduce(tensor, name=name, op=op, prescale_factor=prescale_factor,
+                              postscale_factor=postscale_factor,
+                              ignore_name_scope=ignore_name_scope, process_set=process_set,
+                              compression=core)
         compressed, ctx = compression.compress(tensor)
         reduced = _allreduce(compressed, name=name, op=op, prescale_factor=prescale_factor,
                              postscale_factor=postscale_factor, ignore_name_scope=ignore_name_scope,
@@ -71,6 +77,13 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
                           device_dense=device_dense, device_sparse=device_sparse,
                           ignore_name_scope=ignore_name_scope) for t in tensors]
     with tf.device(device_dense):
+        dtypes = {tf.as_dtype(t.dtype) for t in tensors}
+        core = core_codec(compression, dtypes.pop(), op) if len(dtypes) == 1 else None
+        if core is not None:
+            return _grouped_allreduce(tensors, name=name, op=op, prescale_factor=prescale_factor,
+                                      postscale_factor=postscale_factor,
+                                      ignore_name_scope=ignore_name_scope, process_set=process_set,
+                                      compression=core)
         pairs = [compression.compress(t) for t in tensors]
         reduced = _grouped_allreduce([p[0] for p in pairs], name=name, op=op,
                                      prescale_factor=prescale_factor, postscale_factor=postscale_factor,

@@ -41,6 +41,46 @@ def test_fp16_compression_keeps_dtype():
     assert i.dtype == tf.int32 and int(i.numpy()[0]) == n * (n - 1) // 2
 
 
+def test_compressors_run_in_the_core():
+    """hvd.Compression.fp16 (and ferrovod's bf16 and mixed) hand f32 sums and averages to the
+    core's codec: half the wire bytes, counted per codec, and no Python cast in the graph;
+    f64 still takes Horovod's cast to float16 and back; grouped allreduces alike."""
+    r, n = hvd.rank(), hvd.size()
+    rng = np.random.default_rng(3)
+    xs = rng.standard_normal((n, 16384)).astype(np.float32)
+    exact = xs.astype(np.float64).sum(axis=0)
+    bound = 2.0 ** -11 * (n + 1) * np.abs(xs).astype(np.float64).sum(axis=0) + 1e-6
+    for comp, key, eps in ((hvd.Compression.fp16, "wire_fp16", 2.0 ** -11),
+                           (hvd.Compression.bf16, "wire_bf16", 2.0 ** -8),
+                           (hvd.Compression.mixed, "wire_fp16", 2.0 ** -11)):
+        before = hvd.metrics()
+        y = hvd.allreduce(tf.constant(xs[r]), op=hvd.Average, compression=comp)
+        g = hvd.grouped_allreduce([tf.constant(xs[r]), tf.constant(xs[r][:100])], op=hvd.Sum,
+                                  compression=comp)
+        after = hvd.metrics()
+        assert y.dtype == tf.float32
+        tol = eps / 2.0 ** -11 * bound
+        assert np.all(np.abs(y.numpy() - exact / n) <= tol / n)
+        assert np.all(np.abs(g[0].numpy() - exact) <= tol)
+        assert not np.array_equal(y.numpy(), (exact / n).astype(np.float32))
+        # mixed leaves the 400-byte tensor f32 (below FERROVOD_COMPRESSION_MIN_BYTES, 32 KiB)
+        small = 0 if comp is hvd.Compression.mixed else 100 * 2
+        assert after[key] - before[key] == 2 * 16384 * 2 + small, comp
+    # a graph: the core codec leaves no Cast node behind
+    fn = tf.function(lambda t: hvd.allreduce(t, op=hvd.Sum, compression=hvd.Compression.fp16))
+    graph = fn.get_concrete_function(tf.TensorSpec([16384], tf.float32)).graph
+    ops = {o.type for o in graph.get_operations()}
+    assert "HorovodAllreduce" in ops and "Cast" not in ops
+    # f64 is cast in Python, as Horovod does: the result carries float16's rounding
+    before = hvd.metrics()
+    d = hvd.allreduce(tf.constant(xs[r].astype(np.float64)), op=hvd.Sum,
+                      compression=hvd.Compression.fp16)
+    after = hvd.metrics()
+    assert d.dtype == tf.float64
+    assert after["wire_uncompressed"] - before["wire_uncompressed"] == 16384 * 2  # f16 tensor
+    assert np.all(np.abs(d.numpy() - exact) <= bound)
+
+
 def test_indexed_slices_are_gathered():
     r, n = hvd.rank(), hvd.size()
     s = tf.IndexedSlices(values=tf.fill([1, 2], float(r + 1)), indices=tf.constant([r]), dense_shape=tf.constant([n, 2]))
