@@ -160,8 +160,12 @@ pub struct Config {
     pub ring_min_bytes: Option<usize>,
     /// `FERROVOD_COMPRESSION` (or AIACC's `PERSEUS_ALLREDUCE_DTYPE`): how f32 allreduces travel.
     pub compression: crate::message::Compression,
-    /// `FERROVOD_COMPRESSION_MIN_BYTES`: under `mixed`, tensors below this size stay f32.
-    pub compression_min_bytes: usize,
+    /// `FERROVOD_COMPRESSION_MIN_BYTES`: under `mixed`, tensors below this size stay f32
+    /// (unset: `compress::MIXED_MIN_BYTES`).
+    pub compression_min_bytes: Option<usize>,
+    /// AIACC's `PERSEUS_ALLREDUCE_NANCHECK`: allreduces whose result holds NaN or Inf fail
+    /// (`compress::check_finite`).
+    pub nan_check: bool,
     /// `FERROVOD_POLL` (1 or 0; default: where each local rank has at least 4 cores): waiting
     /// threads poll briefly before they sleep (see `runtime::handle::set_polling`).
     pub poll: Option<bool>,
@@ -292,10 +296,8 @@ impl Config {
             },
             ring_min_bytes: env_opt_num("FERROVOD_RING_MIN_BYTES"),
             compression: compression_from_env(),
-            compression_min_bytes: env_num(
-                "FERROVOD_COMPRESSION_MIN_BYTES",
-                crate::compress::MIXED_MIN_BYTES,
-            ),
+            compression_min_bytes: env_opt_num("FERROVOD_COMPRESSION_MIN_BYTES"),
+            nan_check: env_bool("PERSEUS_ALLREDUCE_NANCHECK"),
             hierarchical_allgather: env_bool("HOROVOD_HIERARCHICAL_ALLGATHER"),
             poll: env_str("FERROVOD_POLL").map(|_| env_bool("FERROVOD_POLL")),
         }

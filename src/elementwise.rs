@@ -103,6 +103,45 @@ pub fn scale(buf: &mut [u8], dtype: DataType, factor: f64) -> Result<()> {
     Ok(())
 }
 
+/// How many values of `buf` (of `dtype`) are NaN or infinite; 0 for integer types.
+pub fn non_finite(buf: &[u8], dtype: DataType) -> usize {
+    fn count<T: Copy>(
+        buf: &[u8],
+        n: usize,
+        from: impl Fn(&[u8]) -> T,
+        bad: impl Fn(T) -> bool,
+    ) -> usize {
+        buf.chunks_exact(n).filter(|c| bad(from(c))).count()
+    }
+    match dtype {
+        DataType::F32 => count(
+            buf,
+            4,
+            |c| f32::from_le_bytes(c.try_into().expect("4 bytes")),
+            |v: f32| !v.is_finite(),
+        ),
+        DataType::F64 => count(
+            buf,
+            8,
+            |c| f64::from_le_bytes(c.try_into().expect("8 bytes")),
+            |v: f64| !v.is_finite(),
+        ),
+        DataType::F16 => count(
+            buf,
+            2,
+            |c| f16::from_le_bytes([c[0], c[1]]),
+            |v: f16| !v.is_finite(),
+        ),
+        DataType::BF16 => count(
+            buf,
+            2,
+            |c| bf16::from_le_bytes([c[0], c[1]]),
+            |v: bf16| !v.is_finite(),
+        ),
+        _ => 0,
+    }
+}
+
 /// `dst = src * factor`, in pieces small enough to stay in cache between the copy and the
 /// scaling, so that a fusion buffer's pack or unpack and its scaling are one pass over memory.
 pub fn copy_scaled(dst: &mut [u8], src: &[u8], dtype: DataType, factor: f64) -> Result<()> {

@@ -4,6 +4,7 @@
 //! decodes the same batches alike.
 
 use crate::dtype::DataType;
+use crate::error::{Error, Result};
 pub use crate::message::Compression;
 use crate::message::{OpKind, ReduceOp, Response};
 
@@ -50,6 +51,29 @@ impl Codecs {
             Compression::Mixed => Codec::None,
         }
     }
+}
+
+/// `PERSEUS_ALLREDUCE_NANCHECK=1`: an allreduce whose result holds NaN or infinite values
+/// fails, naming each such tensor. The result is the same on every rank, so every rank fails the
+/// same tensors (a NaN an input brings in stays in a sum; one a minimum or maximum drops is not
+/// seen). `outputs`: each tensor's name and reduced bytes.
+pub fn check_finite<'a>(
+    dtype: DataType,
+    outputs: impl Iterator<Item = (&'a str, &'a [u8])>,
+) -> Result<()> {
+    let bad: Vec<String> = outputs
+        .filter_map(|(name, bytes)| {
+            let n = crate::elementwise::non_finite(bytes, dtype);
+            (n > 0).then(|| format!("'{name}' ({n} values)"))
+        })
+        .collect();
+    if bad.is_empty() {
+        return Ok(());
+    }
+    Err(Error::InvalidArgument(format!(
+        "NaN or Inf in the allreduced values of tensor {} (PERSEUS_ALLREDUCE_NANCHECK)",
+        bad.join(", ")
+    )))
 }
 
 /// How a batch's values travel.
@@ -180,5 +204,33 @@ mod tests {
             DataType::F16
         );
         assert_eq!(Codec::None.wire(DataType::F32), DataType::F32);
+    }
+
+    #[test]
+    fn the_nan_check_names_each_tensor_with_non_finite_values() {
+        let f32s = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        let (clean, nan, inf) = (
+            f32s(&[1.0, -2.0, f32::MAX]),
+            f32s(&[f32::NAN, 1.0, f32::NAN]),
+            f32s(&[0.0, f32::NEG_INFINITY]),
+        );
+        assert!(check_finite(DataType::F32, [("a", &clean[..])].into_iter()).is_ok());
+        let e = check_finite(
+            DataType::F32,
+            [("a", &clean[..]), ("b", &nan[..]), ("c", &inf[..])].into_iter(),
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "NaN or Inf in the allreduced values of tensor 'b' (2 values), 'c' (1 values) (PERSEUS_ALLREDUCE_NANCHECK)"
+        );
+        let h = half::f16::INFINITY.to_le_bytes();
+        assert!(check_finite(DataType::F16, [("h", &h[..])].into_iter()).is_err());
+        let b = half::bf16::NAN.to_le_bytes();
+        assert!(check_finite(DataType::BF16, [("b", &b[..])].into_iter()).is_err());
+        let d = f64::NAN.to_le_bytes();
+        assert!(check_finite(DataType::F64, [("d", &d[..])].into_iter()).is_err());
+        // integers have no NaN
+        assert!(check_finite(DataType::I32, [("i", &[255u8; 8][..])].into_iter()).is_ok());
     }
 }

@@ -132,6 +132,8 @@ pub(crate) struct JobSettings {
     pub hierarchical_allgather: bool,
     /// How f32 allreduces travel (`FERROVOD_COMPRESSION`, `FERROVOD_COMPRESSION_MIN_BYTES`).
     pub compression: crate::compress::Codecs,
+    /// `PERSEUS_ALLREDUCE_NANCHECK`.
+    pub nan_check: bool,
 }
 
 /// An optional setting's "not set" on the wire.
@@ -156,7 +158,9 @@ impl JobSettings {
             cfg.ring_min_bytes.unwrap_or(UNSET),
             usize::from(cfg.hierarchical_allgather),
             cfg.compression.code(),
-            cfg.compression_min_bytes,
+            cfg.compression_min_bytes
+                .unwrap_or(crate::compress::MIXED_MIN_BYTES),
+            usize::from(cfg.nan_check),
         ];
         let bytes: Vec<u8> = mine
             .iter()
@@ -169,7 +173,7 @@ impl JobSettings {
             .collect();
         if v[..] != mine[..] {
             tracing::warn!(
-                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS / HOROVOD_AUTOTUNE / FERROVOD_GPU_GRAPHS / FERROVOD_ALGORITHM / HOROVOD_HIERARCHICAL_ALLREDUCE / FERROVOD_RING_MIN_BYTES / HOROVOD_HIERARCHICAL_ALLGATHER / FERROVOD_COMPRESSION / FERROVOD_COMPRESSION_MIN_BYTES differ from rank 0's; using rank 0's values {v:?}"
+                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS / HOROVOD_AUTOTUNE / FERROVOD_GPU_GRAPHS / FERROVOD_ALGORITHM / HOROVOD_HIERARCHICAL_ALLREDUCE / FERROVOD_RING_MIN_BYTES / HOROVOD_HIERARCHICAL_ALLGATHER / FERROVOD_COMPRESSION / FERROVOD_COMPRESSION_MIN_BYTES / PERSEUS_ALLREDUCE_NANCHECK differ from rank 0's; using rank 0's values {v:?}"
             );
         }
         Ok(JobSettings {
@@ -190,6 +194,7 @@ impl JobSettings {
                 setting: crate::compress::Compression::from_code(v[13]).unwrap_or_default(),
                 min_bytes: v[14],
             },
+            nan_check: v[15] != 0,
         })
     }
 }

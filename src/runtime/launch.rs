@@ -9,7 +9,7 @@ use crate::collective::cost::{Algorithm, CostModel, Link, Policy};
 use crate::collective::hierarchical::{Levels, node_members};
 use crate::collective::replay::{ReplayKey, batch_fingerprint};
 use crate::collective::{self, ActivitySink, Algorithms, Allreduce, TensorIo};
-use crate::compress::{Codec, Codecs};
+use crate::compress::{self, Codec, Codecs};
 use crate::config::AlgorithmChoice;
 use crate::dtype::DataType;
 use crate::error::{Error, Result, Stall};
@@ -202,6 +202,8 @@ pub(crate) struct Executor {
     ring_min_bytes: usize,
     /// How f32 allreduces travel (agreed).
     compression: Codecs,
+    /// Allreduces with NaN or Inf in their result fail (agreed).
+    pub nan_check: bool,
 }
 
 impl Executor {
@@ -209,7 +211,7 @@ impl Executor {
         data: MpiComm,
         hierarchy: Option<Hierarchy>,
         ring_min_bytes: usize,
-        compression: Codecs,
+        settings: &JobSettings,
     ) -> Executor {
         Executor {
             data,
@@ -217,7 +219,8 @@ impl Executor {
             gpu: None,
             hierarchy,
             ring_min_bytes,
-            compression,
+            compression: settings.compression,
+            nan_check: settings.nan_check,
         }
     }
 
@@ -310,9 +313,21 @@ impl Executor {
                 &mut ios,
                 sink,
             ),
+        }?;
+        if self.nan_check && head.kind == OpKind::Allreduce {
+            check_finite(resps, &mut ios)?;
         }
-        .map(|()| None)
+        Ok(None)
     }
+}
+
+/// `compress::check_finite` over a host batch's outputs.
+fn check_finite(resps: &[&Response], ios: &mut [&mut dyn TensorIo]) -> Result<()> {
+    let outputs: Vec<&[u8]> = ios.iter_mut().map(|io| &*io.split_io().1).collect();
+    compress::check_finite(
+        resps[0].dtype,
+        resps.iter().map(|r| r.name.as_str()).zip(outputs),
+    )
 }
 
 /// The bytes of a batch's tensors (agreed: from the responses).
@@ -743,8 +758,20 @@ pub(crate) fn run_plan_batch(
         .sum();
     rt.metrics.add_batch(entries.len() as u64, bytes as u64);
     rt.metrics.add_wire(codec, resps[0].dtype, bytes as u64);
+    let outcome = match set.executor.nan_check {
+        true => {
+            let refs: Vec<&Response> = resps.iter().collect();
+            let mut ios: Vec<&mut dyn TensorIo> =
+                entries.iter_mut().map(|e| e as &mut dyn TensorIo).collect();
+            check_finite(&refs, &mut ios)
+        }
+        false => Ok(()),
+    };
+    if let Err(e) = &outcome {
+        tracing::error!("set {}: offline plan batch {}: {e}", set.id, batch.index);
+    }
     for e in entries {
-        e.complete(Ok(()), None);
+        e.complete(outcome.clone(), None);
     }
     Ok(false)
 }

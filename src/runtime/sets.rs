@@ -91,8 +91,7 @@ impl SetState {
                 .map(|k| {
                     let dup = comm.dup()?;
                     let hierarchy = Hierarchy::open(&dup, node, settings, false)?;
-                    let executor =
-                        Executor::new(dup, hierarchy, ring_min_bytes, settings.compression);
+                    let executor = Executor::new(dup, hierarchy, ring_min_bytes, settings);
                     Channel::spawn(k, executor, done.clone(), rt.clone(), turn.clone())
                 })
                 .collect::<Result<Vec<_>>>()?
@@ -114,7 +113,7 @@ impl SetState {
             channels,
             batch_seq: 0,
             direct_bytes,
-            executor: Executor::new(comm, hierarchy, ring_min_bytes, settings.compression),
+            executor: Executor::new(comm, hierarchy, ring_min_bytes, settings),
         })
     }
 }

@@ -1299,3 +1299,61 @@ pub(crate) fn mixed_compressed() {
     }
     finish_job();
 }
+
+/// `PERSEUS_ALLREDUCE_NANCHECK=1`: steps of two allreduces submitted together; on step 5 rank 1
+/// puts a NaN into one of them, on step 6 an f32 beyond f16's range into one that asks for
+/// fp16. Every rank fails exactly those tensors, with their names; the others and later steps
+/// complete (under offline negotiation, from the frozen plan).
+pub(crate) fn nan_check() {
+    init();
+    let (me, n) = (rank(), size());
+    let offline = std::env::var("FERROVOD_NEGOTIATION").as_deref() == Ok("offline");
+    let mut steady = 0;
+    for step in 0..9 {
+        let control = control_collectives();
+        let mut handles = Vec::new();
+        for k in 0..2 {
+            let mut vals = vec![(k + step) as f64; 300];
+            let bad = (step == 5 && k == 0) || (step == 6 && k == 1);
+            if bad && me == 1 {
+                vals[17] = if step == 5 { f64::NAN } else { 70000.0 };
+            }
+            let t = tensor(&format!("nan.{k}"), DataType::F32, &[300], &vals, false);
+            let mut spec = OpSpec::new(OpKind::Allreduce, vec![t]);
+            spec.reduce_op = ReduceOp::Sum;
+            if k == 1 {
+                spec.compression = Some(Compression::Fp16);
+            }
+            handles.push((k, bad, submit(spec).unwrap()));
+        }
+        for (k, bad, h) in handles {
+            match (finish(h), bad) {
+                (Ok(res), false) => {
+                    let got = output(&res[0], DataType::F32);
+                    assert!(
+                        got.iter().all(|g| *g == ((k + step) * n) as f64),
+                        "step {step} tensor {k}: {}",
+                        got[0]
+                    );
+                }
+                (Err(e), true) => {
+                    let msg = e.to_string();
+                    assert!(
+                        msg.contains(&format!(
+                            "NaN or Inf in the allreduced values of tensor 'nan.{k}' (1 values)"
+                        )),
+                        "step {step}: {msg}"
+                    );
+                }
+                (r, bad) => panic!("step {step} tensor {k} (bad: {bad}): {:?}", r.map(|_| ())),
+            }
+        }
+        if offline && step >= 4 && control_collectives() == control {
+            steady += 1;
+        }
+    }
+    if offline {
+        assert!(steady >= 4, "the plan never froze ({steady} steady steps)");
+    }
+    finish_job();
+}
