@@ -16,6 +16,11 @@
 #define MIXED_MIN_BYTES (32 << 10)
 
 /*
+ Bytes before a block's values: its minimum and step, little-endian f32.
+ */
+#define HEADER 8
+
+/*
  Default for `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`. Horovod's default (0) waits forever;
  ferrovod turns a stall into an error on every rank after ten minutes.
  */
@@ -178,6 +183,10 @@ enum fv_compression
    f32 below `FERROVOD_COMPRESSION_MIN_BYTES`, half precision from it.
    */
   FV_COMPRESSION_MIXED = 4,
+  /*
+   8-bit min-max quantization with error feedback (residuals kept per tensor name).
+   */
+  FV_COMPRESSION_U8 = 5,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -258,6 +267,10 @@ typedef struct fv_metrics {
   uint64_t wire_uncompressed;
   uint64_t wire_fp16;
   uint64_t wire_bf16;
+  /*
+   ... and as 8-bit blocks (values only, without the blocks' minimum and step).
+   */
+  uint64_t wire_u8;
 } fv_metrics;
 
 /*

@@ -119,12 +119,14 @@ pub enum OpCompression {
     Bf16 = 3,
     /// f32 below `FERROVOD_COMPRESSION_MIN_BYTES`, half precision from it.
     Mixed = 4,
+    /// 8-bit min-max quantization with error feedback (residuals kept per tensor name).
+    U8 = 5,
 }
 
 /// The core's compression for a C value (None: the job's); an error for unknown values.
 fn compression(c: i32) -> Result<Option<Compression>> {
     use OpCompression as C;
-    let known = [C::Default, C::None, C::Fp16, C::Bf16, C::Mixed];
+    let known = [C::Default, C::None, C::Fp16, C::Bf16, C::Mixed, C::U8];
     let k = (known.into_iter().find(|k| *k as i32 == c))
         .ok_or_else(|| Error::InvalidArgument(format!("unknown compression {c}")))?;
     Ok(match k {
@@ -133,6 +135,7 @@ fn compression(c: i32) -> Result<Option<Compression>> {
         C::Fp16 => Some(Compression::Fp16),
         C::Bf16 => Some(Compression::Bf16),
         C::Mixed => Some(Compression::Mixed),
+        C::U8 => Some(Compression::U8),
     })
 }
 
@@ -397,6 +400,8 @@ pub struct fv_metrics {
     pub wire_uncompressed: u64,
     pub wire_fp16: u64,
     pub wire_bf16: u64,
+    /// ... and as 8-bit blocks (values only, without the blocks' minimum and step).
+    pub wire_u8: u64,
 }
 
 /// Reads the counters into `*out`.
@@ -419,6 +424,7 @@ pub extern "C" fn fv_read_metrics(out: *mut fv_metrics) -> Status {
                 wire_uncompressed: m.wire_uncompressed,
                 wire_fp16: m.wire_fp16,
                 wire_bf16: m.wire_bf16,
+                wire_u8: m.wire_u8,
             },
             "out",
         )

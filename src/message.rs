@@ -146,17 +146,20 @@ pub enum Compression {
     /// Per tensor: f32 below `compress::Codecs::min_bytes` (biases, norm parameters: few bytes, and
     /// the most sensitive to rounding), IEEE half precision from it.
     Mixed,
+    /// 8-bit min-max quantization with error feedback (`compress::quantize`).
+    U8,
 }
 
 impl Compression {
-    pub const ALL: [Compression; 4] = [
+    pub const ALL: [Compression; 5] = [
         Compression::None,
         Compression::Fp16,
         Compression::Bf16,
         Compression::Mixed,
+        Compression::U8,
     ];
 
-    /// `none`, `fp16`, `bf16` or `mixed` (`FERROVOD_COMPRESSION`).
+    /// `none`, `fp16`, `bf16`, `mixed` or `u8` (`FERROVOD_COMPRESSION`).
     pub fn parse(s: &str) -> Option<Compression> {
         let s = s.trim().to_ascii_lowercase();
         Compression::ALL.into_iter().find(|c| c.name() == s)
@@ -168,6 +171,7 @@ impl Compression {
             Compression::Fp16 => "fp16",
             Compression::Bf16 => "bf16",
             Compression::Mixed => "mixed",
+            Compression::U8 => "u8",
         }
     }
 

@@ -29,7 +29,8 @@ ALLREDUCE, ALLGATHER, BROADCAST, JOIN, ALLTOALL, BARRIER, REDUCESCATTER = 0, 1, 
 # fv_reduce_op (Horovod's values)
 AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT = 0, 1, 2, 3, 4, 5
 # fv_compression: how an allreduce's f32 values travel (JOB: as FERROVOD_COMPRESSION says)
-COMPRESSION_JOB, COMPRESSION_NONE, COMPRESSION_FP16, COMPRESSION_BF16, COMPRESSION_MIXED = range(5)
+(COMPRESSION_JOB, COMPRESSION_NONE, COMPRESSION_FP16, COMPRESSION_BF16, COMPRESSION_MIXED,
+ COMPRESSION_U8) = range(6)
 
 CPU_DEVICE = -1
 
@@ -122,7 +123,7 @@ class _Metrics(ctypes.Structure):
     _fields_ = [(name, ctypes.c_uint64) for name in (
         "cycles", "control_collectives", "control_bytes", "negotiation_ns", "data_collectives",
         "data_bytes", "fused_batches", "tensors", "graph_launches", "wire_uncompressed", "wire_fp16",
-        "wire_bf16")]
+        "wire_bf16", "wire_u8")]
 
 
 def library_path():

@@ -4,19 +4,19 @@
 
 use crate::collective::device::{self, DeviceIo, Lane};
 use crate::collective::{self, ActivitySink, Algorithms, TensorIo};
-use crate::compress::Codec;
+use crate::compress::{Codec, Wire};
 use crate::error::{Error, Result};
 use crate::fusion::FusionBuffer;
 use crate::message::{OpKind, Response};
 use crate::transport::{DeviceTransport, Transport};
 
 /// Runs one batch of host tensors over `t`, through the fusion buffer `fusion`, its values
-/// travelling as `codec` says, with the algorithms `how` names.
+/// travelling as `wire` says, with the algorithms `how` names.
 pub fn host(
     t: &dyn Transport,
     how: &Algorithms,
     fusion: &mut FusionBuffer,
-    codec: Codec,
+    wire: Wire,
     resps: &[&Response],
     ios: &mut [&mut dyn TensorIo],
     sink: ActivitySink,
@@ -24,7 +24,7 @@ pub fn host(
     let head = resps[0];
     match head.kind {
         OpKind::Allreduce => {
-            collective::allreduce_batch(t, &how.allreduce, codec, resps, ios, fusion, sink)
+            collective::allreduce_batch(t, &how.allreduce, wire, resps, ios, fusion, sink)
         }
         OpKind::Allgather => {
             collective::allgather_batch(t, how.allgather.as_ref(), resps, ios, fusion, sink)

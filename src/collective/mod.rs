@@ -8,10 +8,11 @@ pub mod execute;
 pub mod hierarchical;
 pub mod kernels;
 pub mod layout;
+pub mod quantized;
 pub mod replay;
 pub mod ring;
 
-use crate::compress::Codec;
+use crate::compress::{Codec, Feedback, Wire};
 use crate::dtype::DataType;
 use crate::elementwise;
 use crate::error::{Error, Result};
@@ -98,10 +99,14 @@ impl Encoding {
                 (ReduceOp::Sum, head.prescale / size as f64, head.postscale)
             }
             (Codec::Half(_), ReduceOp::Sum) => (ReduceOp::Sum, head.prescale, head.postscale),
-            (Codec::Half(w), other) => {
+            // summed in f32 by each chunk's owner: no overflow to avoid
+            (Codec::U8, ReduceOp::Average) => {
+                (ReduceOp::Sum, head.prescale, head.postscale / size as f64)
+            }
+            (Codec::U8, ReduceOp::Sum) => (ReduceOp::Sum, head.prescale, head.postscale),
+            (codec, other) => {
                 return Err(Error::Internal(format!(
-                    "a {other:?} allreduce cannot travel as {}",
-                    w.name()
+                    "a {other:?} allreduce cannot travel as {codec:?}"
                 )));
             }
         };
@@ -130,6 +135,7 @@ impl Encoding {
             |n| self.wire_len(n),
             |i, d, s| match self.codec {
                 Codec::None => elementwise::copy_scaled(d, s, self.dtype, self.pre),
+                Codec::U8 => Err(Error::Internal("u8 batches are not packed as bytes".into())),
                 Codec::Half(w) => {
                     let lost = elementwise::encode_half(d, s, w, self.pre)?;
                     if lost > 0 {
@@ -155,6 +161,9 @@ impl Encoding {
             |d, s| match self.codec {
                 Codec::None => elementwise::copy_scaled(d, s, self.dtype, self.post),
                 Codec::Half(w) => elementwise::decode_half(d, s, w, self.post),
+                Codec::U8 => Err(Error::Internal(
+                    "u8 batches are not unpacked as bytes".into(),
+                )),
             },
         )
     }
@@ -199,14 +208,18 @@ pub enum Allreduce<'a> {
 pub fn allreduce_batch(
     t: &dyn Transport,
     how: &Allreduce,
-    codec: Codec,
+    wire: Wire,
     resps: &[&Response],
     ios: &mut [&mut dyn TensorIo],
     fusion: &mut FusionBuffer,
     act: ActivitySink,
 ) -> Result<()> {
     let head = resps[0];
+    let codec = wire.codec;
     let enc = Encoding::of(codec, head, t.size())?;
+    if codec == Codec::U8 {
+        return allreduce_u8(t, &enc, wire.feedback, resps, ios, act);
+    }
     let phase = phase(how);
     if ios.len() == 1 && codec == Codec::None {
         let (input, output) = ios[0].split_io();
@@ -234,6 +247,48 @@ pub fn allreduce_batch(
     reduce_in_place(t, how, buf, enc.wire, enc.op)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
     enc.unpack(buf, ios)?;
+    act(None);
+    Ok(())
+}
+
+/// An f32 sum or average travelling as 8-bit blocks (`quantized`): each tensor's contribution
+/// is its prescaled input plus what rounding lost of it last time (`feedback`), and what it
+/// loses now is kept for next time.
+fn allreduce_u8(
+    t: &dyn Transport,
+    enc: &Encoding,
+    feedback: &Feedback,
+    resps: &[&Response],
+    ios: &mut [&mut dyn TensorIo],
+    act: ActivitySink,
+) -> Result<()> {
+    act(Some("MEMCPY_IN_FUSION_BUFFER"));
+    let lens: Vec<usize> = ios.iter().map(|io| io.input().len() / 4).collect();
+    let total: usize = lens.iter().sum();
+    let mut x = vec![0f32; total];
+    for p in layout::consecutive(lens.iter().copied()) {
+        let residual = feedback.take(&resps[p.tensor].name, p.len);
+        let input = ios[p.tensor].input();
+        let dst = &mut x[p.place..p.place + p.len];
+        for ((d, b), r) in dst.iter_mut().zip(input.chunks_exact(4)).zip(residual) {
+            let v = f32::from_le_bytes(b.try_into().expect("4 bytes"));
+            *d = (f64::from(v) * enc.pre) as f32 + r;
+        }
+    }
+    act(Some("U8_ALLREDUCE"));
+    let mut lost = vec![0f32; total];
+    quantized::allreduce(t, &mut x, &mut lost)?;
+    act(Some("MEMCPY_OUT_FUSION_BUFFER"));
+    for p in layout::consecutive(lens) {
+        feedback.put(
+            &resps[p.tensor].name,
+            lost[p.place..p.place + p.len].to_vec(),
+        );
+        let (_, out) = ios[p.tensor].split_io();
+        for (o, v) in out.chunks_exact_mut(4).zip(&x[p.place..p.place + p.len]) {
+            o.copy_from_slice(&((f64::from(*v) * enc.post) as f32).to_le_bytes());
+        }
+    }
     act(None);
     Ok(())
 }
@@ -283,12 +338,14 @@ pub enum Flagged {
 
 /// Allreduce of one offline-plan batch with an escape flag appended to the fusion buffer: the
 /// flag is reduced with the data, so every rank learns whether any rank raised it. `ios` None:
-/// this rank lacks the batch's tensors and contributes zeros (and must raise the flag).
+/// this rank lacks the batch's tensors and contributes zeros (and must raise the flag). A `u8`
+/// batch cannot carry a flag among its blocks: the flag is allreduced alone (an i32, which
+/// cannot wrap), then the blocks travel if no rank raised it.
 #[allow(clippy::too_many_arguments)] // the batch, how it travels, its flag, where and how long
 pub fn allreduce_flagged(
     t: &dyn Transport,
     resps: &[Response],
-    codec: Codec,
+    wire: Wire,
     ios: Option<&mut [&mut dyn TensorIo]>,
     fusion: &mut FusionBuffer,
     raise: bool,
@@ -296,16 +353,23 @@ pub fn allreduce_flagged(
     act: ActivitySink,
 ) -> Result<Flagged> {
     let refs: Vec<&Response> = resps.iter().collect();
-    let enc = Encoding::of(codec, &resps[0], t.size())?;
-    let data: usize = resps
-        .iter()
-        .map(|r| enc.wire_len(byte_len(r.num_elements(), enc.dtype)))
-        .sum();
-    let total = data + enc.wire.size();
+    let enc = Encoding::of(wire.codec, &resps[0], t.size())?;
+    let alone = wire.codec == Codec::U8;
+    let (data, flag_dtype) = match alone {
+        true => (0, DataType::I32),
+        false => {
+            let data = (resps.iter())
+                .map(|r| enc.wire_len(byte_len(r.num_elements(), enc.dtype)))
+                .sum();
+            (data, enc.wire)
+        }
+    };
+    let total = data + flag_dtype.size();
     let buf = fusion.get(total);
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
     // a rank without the tensors contributes zeros (scaled or cast, still zeros)
     let ios = match ios {
+        Some(ios) if alone => Some(ios),
         Some(ios) => {
             enc.pack(ios, &mut buf[..data], &refs)?;
             Some(ios)
@@ -319,13 +383,14 @@ pub fn allreduce_flagged(
     let one_means_raised = matches!(enc.op, ReduceOp::Sum | ReduceOp::Max);
     let flag = &mut buf[data..];
     if raise == one_means_raised {
-        flag.copy_from_slice(&one(enc.wire));
+        flag.copy_from_slice(&one(flag_dtype));
     } else {
         flag.fill(0);
     }
     act(Some("MPI_ALLREDUCE"));
     let owned = fusion.take(total);
-    let Some(reduced) = t.allreduce_owned_within(owned, enc.wire, enc.op, wait.limit, wait.slow)?
+    let Some(reduced) =
+        t.allreduce_owned_within(owned, flag_dtype, enc.op, wait.limit, wait.slow)?
     else {
         act(None);
         return Ok(Flagged::TimedOut);
@@ -334,9 +399,13 @@ pub fn allreduce_flagged(
     let buf = fusion.get(total);
     let zero = buf[data..].iter().all(|b| *b == 0);
     if zero == one_means_raised {
-        if let Some(ios) = ios {
-            act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-            enc.unpack(&buf[..data], ios)?;
+        match ios {
+            Some(ios) if alone => allreduce_u8(t, &enc, wire.feedback, &refs, ios, act)?,
+            Some(ios) => {
+                act(Some("MEMCPY_OUT_FUSION_BUFFER"));
+                enc.unpack(&buf[..data], ios)?;
+            }
+            None => {}
         }
         act(None);
         return Ok(Flagged::Done { raised: false });

@@ -3,8 +3,13 @@
 //! agreed settings), fusion puts only tensors of one codec in a batch, and every rank encodes and
 //! decodes the same batches alike.
 
+pub mod quantize;
+
+use std::sync::Mutex;
+
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
+use crate::hashing::HashMap;
 pub use crate::message::Compression;
 use crate::message::{OpKind, ReduceOp, Response};
 
@@ -49,6 +54,7 @@ impl Codecs {
             Compression::Bf16 => Codec::Half(DataType::BF16),
             Compression::Mixed if r.fused_bytes() >= self.min_bytes => Codec::Half(DataType::F16),
             Compression::Mixed => Codec::None,
+            Compression::U8 => Codec::U8,
         }
     }
 }
@@ -87,6 +93,10 @@ pub enum Codec {
     /// back while unpacked. Averages are divided by the ranks before the cast, so sums cannot
     /// overflow what each rank's values would not.
     Half(DataType),
+    /// f32 values quantized to 8 bits per block (`quantize`), carried by a reduce-scatter and
+    /// an allgather of the blocks (8-bit values cannot simply be summed) and summed in f32;
+    /// what each rank's rounding lost is added to the tensor's next contribution (`Feedback`).
+    U8,
 }
 
 impl Codec {
@@ -95,8 +105,40 @@ impl Codec {
         match self {
             Codec::None => dtype,
             Codec::Half(w) => w,
+            Codec::U8 => DataType::U8,
         }
     }
+}
+
+/// What the `u8` codec's rounding lost, per tensor name: added to the tensor's next
+/// contribution, so the error does not accumulate over steps (error feedback). Shared by a
+/// process set's communicators, whichever runs a tensor's batch.
+#[derive(Default)]
+pub struct Feedback(Mutex<HashMap<String, Vec<f32>>>);
+
+impl Feedback {
+    /// The residual of `name` (zeros if none, or if the tensor's size changed), removed.
+    pub fn take(&self, name: &str, len: usize) -> Vec<f32> {
+        let mut map = self.0.lock().expect("feedback");
+        match map.remove(name) {
+            Some(r) if r.len() == len => r,
+            _ => vec![0.0; len],
+        }
+    }
+
+    pub fn put(&self, name: &str, residual: Vec<f32>) {
+        self.0
+            .lock()
+            .expect("feedback")
+            .insert(name.to_owned(), residual);
+    }
+}
+
+/// A batch's codec and, for `u8`, where residuals live.
+#[derive(Clone, Copy)]
+pub struct Wire<'a> {
+    pub codec: Codec,
+    pub feedback: &'a Feedback,
 }
 
 #[cfg(test)]
@@ -187,7 +229,8 @@ mod tests {
         assert_eq!(Compression::parse(" FP16 "), Some(Compression::Fp16));
         assert_eq!(Compression::parse("bf16"), Some(Compression::Bf16));
         assert_eq!(Compression::parse("none"), Some(Compression::None));
-        assert_eq!(Compression::parse("u8"), None);
+        assert_eq!(Compression::parse("u8"), Some(Compression::U8));
+        assert_eq!(Compression::parse("int8"), None);
         assert_eq!(Compression::parse("mixed"), Some(Compression::Mixed));
         // AIACC: 0 is fp16 (its default), 1 none, 2 mixed
         assert_eq!(Compression::from_perseus("0"), Some(Compression::Fp16));

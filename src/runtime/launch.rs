@@ -9,7 +9,7 @@ use crate::collective::cost::{Algorithm, CostModel, Link, Policy};
 use crate::collective::hierarchical::{Levels, node_members};
 use crate::collective::replay::{ReplayKey, batch_fingerprint};
 use crate::collective::{self, ActivitySink, Algorithms, Allreduce, TensorIo};
-use crate::compress::{self, Codec, Codecs};
+use crate::compress::{self, Codec, Codecs, Feedback, Wire};
 use crate::config::AlgorithmChoice;
 use crate::dtype::DataType;
 use crate::error::{Error, Result, Stall};
@@ -204,6 +204,8 @@ pub(crate) struct Executor {
     compression: Codecs,
     /// Allreduces with NaN or Inf in their result fail (agreed).
     pub nan_check: bool,
+    /// The `u8` codec's residuals, shared by the set's communicators.
+    pub feedback: Arc<Feedback>,
 }
 
 impl Executor {
@@ -212,6 +214,7 @@ impl Executor {
         hierarchy: Option<Hierarchy>,
         ring_min_bytes: usize,
         settings: &JobSettings,
+        feedback: Arc<Feedback>,
     ) -> Executor {
         Executor {
             data,
@@ -221,12 +224,13 @@ impl Executor {
             ring_min_bytes,
             compression: settings.compression,
             nan_check: settings.nan_check,
+            feedback,
         }
     }
 
-    /// Which codec each tensor gets (agreed).
-    pub fn codecs(&self) -> &Codecs {
-        &self.compression
+    /// The codec of a batch led by `head` (agreed: the planner fused one codec per batch).
+    pub fn codec(&self, head: &Response) -> Codec {
+        self.compression.of(head)
     }
 
     /// Runs a batch; a GPU batch is only enqueued, and what it recorded comes back.
@@ -289,9 +293,11 @@ impl Executor {
         if hierarchical {
             rt.metrics.add_hierarchical_batch();
         }
-        // the planner fused only tensors of one codec
-        let codec = self.compression.of(head);
-        rt.metrics.add_wire(codec, head.dtype, bytes as u64);
+        let wire = Wire {
+            codec: self.codec(head),
+            feedback: &self.feedback,
+        };
+        rt.metrics.add_wire(wire.codec, head.dtype, bytes as u64);
         // host memory is ready when enqueued
         sink(Some("WAIT_FOR_DATA"));
         let mut ios: Vec<&mut dyn TensorIo> =
@@ -308,7 +314,7 @@ impl Executor {
                 &self.data,
                 &how,
                 &mut self.fusion,
-                codec,
+                wire,
                 resps,
                 &mut ios,
                 sink,
@@ -678,8 +684,7 @@ pub(crate) fn run_plan_batch(
             t.begin(n, "ALLREDUCE");
         }
     }
-    // the plan fused only tensors of one codec
-    let codec = set.executor.codecs().of(&resps[0]);
+    let codec = set.executor.codec(&resps[0]);
     let flagged = {
         // a rank without the batch's tensors has no spans to mark
         let traced: &[String] = if have { &names } else { &[] };
@@ -706,7 +711,10 @@ pub(crate) fn run_plan_batch(
         collective::allreduce_flagged(
             &set.executor.data,
             resps,
-            codec,
+            Wire {
+                codec,
+                feedback: &set.executor.feedback,
+            },
             ios,
             &mut set.executor.fusion,
             batch.raise,

@@ -23,6 +23,7 @@ pub struct Metrics {
     wire_uncompressed: AtomicU64,
     wire_fp16: AtomicU64,
     wire_bf16: AtomicU64,
+    wire_u8: AtomicU64,
 }
 
 /// A copy of the counters at one moment. Every field counts from init.
@@ -53,6 +54,8 @@ pub struct MetricsSnapshot {
     pub wire_uncompressed: u64,
     pub wire_fp16: u64,
     pub wire_bf16: u64,
+    /// ... and as 8-bit blocks (values only, without the blocks' headers).
+    pub wire_u8: u64,
 }
 
 impl Metrics {
@@ -81,6 +84,7 @@ impl Metrics {
             Codec::None => &self.wire_uncompressed,
             Codec::Half(DataType::BF16) => &self.wire_bf16,
             Codec::Half(_) => &self.wire_fp16,
+            Codec::U8 => &self.wire_u8,
         };
         counter.fetch_add(wire, Ordering::Relaxed);
     }
@@ -109,6 +113,7 @@ impl Metrics {
             wire_uncompressed: get(&self.wire_uncompressed),
             wire_fp16: get(&self.wire_fp16),
             wire_bf16: get(&self.wire_bf16),
+            wire_u8: get(&self.wire_u8),
         }
     }
 }
@@ -129,6 +134,7 @@ mod tests {
         m.add_wire(Codec::None, DataType::F64, 80);
         m.add_wire(Codec::Half(DataType::F16), DataType::F32, 400);
         m.add_wire(Codec::Half(DataType::BF16), DataType::F32, 40);
+        m.add_wire(Codec::U8, DataType::F32, 40);
         assert_eq!(
             m.snapshot(),
             MetricsSnapshot {
@@ -145,6 +151,7 @@ mod tests {
                 wire_uncompressed: 80,
                 wire_fp16: 200,
                 wire_bf16: 20,
+                wire_u8: 10,
             }
         );
     }

@@ -1357,3 +1357,157 @@ pub(crate) fn nan_check() {
     }
     finish_job();
 }
+
+/// `FERROVOD_COMPRESSION=u8`: each rank allreduces the same gradients every step (two fused,
+/// one alone, an average with scales among them). The first step lands within the 8-bit
+/// rounding bound of the f64 sum (half a step of each contribution's and of the sum's range),
+/// later ones within twice that (a step also returns what the one before lost); over the
+/// steps error feedback makes the mean of the results converge to the exact value, where
+/// rounding alone would repeat the same error every step. f64 sums and maxima travel as they
+/// are; the wire carries one byte per value. Also with two channels and from an offline plan.
+pub(crate) fn u8_compressed() {
+    init();
+    let (me, n) = (rank(), size());
+    let offline = std::env::var("FERROVOD_NEGOTIATION").as_deref() == Ok("offline");
+    let v = |t: usize, i: usize, r: usize| {
+        ((i * 7919 + t * 104_729 + r * 31) % 1000) as f64 / 1000.0 * (t + 1) as f64 - 0.3
+    };
+    let sizes = [700usize, 33, 2500];
+    let ops = [
+        (ReduceOp::Sum, 1.0, 1.0),
+        (ReduceOp::Sum, 1.0, 1.0),
+        (ReduceOp::Average, 2.0, 0.5),
+    ];
+    // the range of a rank's values in its batch (tensors 0 and 1 travel fused, in shared blocks)
+    let range = |t: usize, r: usize| {
+        let batch: &[usize] = if t == 2 { &[2] } else { &[0, 1] };
+        let vals: Vec<f64> = (batch.iter())
+            .flat_map(|b| (0..sizes[*b]).map(move |i| v(*b, i, r)))
+            .collect();
+        vals.iter().cloned().fold(f64::MIN, f64::max)
+            - vals.iter().cloned().fold(f64::MAX, f64::min)
+    };
+    let exact = |t: usize, i: usize| {
+        let (op, pre, post) = ops[t];
+        let sum: f64 = (0..n).map(|r| v(t, i, r)).sum::<f64>() * pre * post;
+        if op == ReduceOp::Average {
+            sum / n as f64
+        } else {
+            sum
+        }
+    };
+    // one step's bound: half a step (range / 255) of every rank's contribution and of the sum
+    let bound = |t: usize| {
+        let (op, pre, post) = ops[t];
+        let contributions: f64 = (0..n).map(|r| range(t, r) * pre).sum();
+        let scale = post
+            / if op == ReduceOp::Average {
+                n as f64
+            } else {
+                1.0
+            };
+        (2.0 * contributions) / 510.0 * scale * 1.01 + 1e-5
+    };
+    let steps = 30;
+    let mut means: Vec<Vec<f64>> = sizes.iter().map(|s| vec![0.0; *s]).collect();
+    let mut first_error = [0f64; 3];
+    let mut steady = 0;
+    let metrics = || runtime::runtime().unwrap().metrics.snapshot();
+    for step in 0..steps {
+        let control = control_collectives();
+        let before = metrics();
+        let mut handles = Vec::new();
+        // tensors 0 and 1 in one op (fusable), tensor 2 alone with scales
+        for group in [vec![0usize, 1], vec![2]] {
+            let (op, pre, post) = ops[group[0]];
+            let tensors = group
+                .iter()
+                .map(|t| {
+                    let vals: Vec<f64> = (0..sizes[*t]).map(|i| v(*t, i, me)).collect();
+                    tensor(
+                        &format!("u8.{t}"),
+                        DataType::F32,
+                        &[sizes[*t] as i64],
+                        &vals,
+                        false,
+                    )
+                })
+                .collect();
+            let mut spec = OpSpec::new(OpKind::Allreduce, tensors);
+            spec.reduce_op = op;
+            spec.prescale = pre;
+            spec.postscale = post;
+            handles.push((group, submit(spec).unwrap()));
+        }
+        for (group, h) in handles {
+            for (res, t) in finish(h).unwrap().iter().zip(group) {
+                let got = output(res, DataType::F32);
+                for (i, g) in got.iter().enumerate() {
+                    // later steps also give back what the step before lost: twice the bound
+                    let within = bound(t) * if step == 0 { 1.0 } else { 2.0 };
+                    let err = (g - exact(t, i)).abs();
+                    assert!(
+                        err <= within,
+                        "step {step} tensor {t} element {i}: error {err} > {within}"
+                    );
+                    if step == 0 {
+                        first_error[t] = first_error[t].max(err);
+                    }
+                    means[t][i] += g / steps as f64;
+                }
+            }
+        }
+        let after = metrics();
+        assert_eq!(
+            after.wire_u8 - before.wire_u8,
+            sizes.iter().sum::<usize>() as u64
+        );
+        if offline && step >= 4 && control_collectives() == control {
+            steady += 1;
+        }
+    }
+    for t in 0..3 {
+        // rounding did lose something in one step, and the mean recovered it
+        assert!(
+            first_error[t] > bound(t) / 50.0,
+            "tensor {t}: no rounding to recover ({})",
+            first_error[t]
+        );
+        let mean_error = (0..sizes[t])
+            .map(|i| (means[t][i] - exact(t, i)).abs())
+            .fold(0.0, f64::max);
+        assert!(
+            mean_error <= 2.0 * bound(t) / steps as f64 + 1e-5,
+            "tensor {t}: the mean over {steps} steps is off by {mean_error} (one step: {}, bound {})",
+            first_error[t],
+            bound(t)
+        );
+    }
+    if offline {
+        assert!(steady >= 10, "the plan never froze ({steady} steady steps)");
+    }
+    // f64 sums and f32 maxima are not quantized
+    let fine = 1.0 + 2f64.powi(-30);
+    let spec = OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("u8.f64", DataType::F64, &[2], &[fine, 3.0], false)],
+    );
+    assert_eq!(
+        output(&run(spec).unwrap()[0], DataType::F64),
+        vec![fine * n as f64, 3.0 * n as f64]
+    );
+    let mut spec = OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor(
+            "u8.max",
+            DataType::F32,
+            &[3],
+            &[0.1 * me as f64, 7.25, -1.0],
+            false,
+        )],
+    );
+    spec.reduce_op = ReduceOp::Max;
+    let got = output(&run(spec).unwrap()[0], DataType::F32);
+    assert_eq!(got, vec![(0.1 * (n - 1) as f64) as f32 as f64, 7.25, -1.0]);
+    finish_job();
+}

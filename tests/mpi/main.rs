@@ -447,6 +447,24 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     ("mixed_compressed", 3, MIXED, true),
     ("mixed_compressed", 2, MIXED_OFFLINE, true),
     ("nan_check", 3, &[("PERSEUS_ALLREDUCE_NANCHECK", "1")], true),
+    ("u8_compressed", 2, &[("FERROVOD_COMPRESSION", "u8")], true),
+    ("u8_compressed", 3, &[("FERROVOD_COMPRESSION", "u8")], true),
+    (
+        "u8_compressed",
+        4,
+        &[("FERROVOD_COMPRESSION", "u8"), ("FERROVOD_CHANNELS", "2")],
+        true,
+    ),
+    (
+        "u8_compressed",
+        2,
+        &[
+            ("FERROVOD_COMPRESSION", "u8"),
+            ("FERROVOD_NEGOTIATION", "offline"),
+            ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+        ],
+        true,
+    ),
     (
         "nan_check",
         2,
@@ -1026,6 +1044,7 @@ pub(crate) fn run_rank(name: &str) {
         "compressed" => compressed(),
         "mixed_compressed" => mixed_compressed(),
         "nan_check" => nan_check(),
+        "u8_compressed" => u8_compressed(),
         "ring" => ring(),
         "gpu_ring" => gpu_ring(),
         "hierarchical_allreduces" => hierarchical_allreduces(),
