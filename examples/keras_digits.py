@@ -19,7 +19,7 @@ parser = argparse.ArgumentParser(description="Keras digits example (Horovod API)
 parser.add_argument("--epochs", type=int, default=12)
 parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
 parser.add_argument("--lr", type=float, default=0.05, help="learning rate for one worker")
-parser.add_argument("--compression", default="none", choices=["none", "fp16", "bf16", "mixed"],
+parser.add_argument("--compression", default="none", choices=["none", "fp16", "bf16", "mixed", "u8"],
                     help="how gradients travel (bf16 and mixed are ferrovod extensions)")
 args = parser.parse_args()
 

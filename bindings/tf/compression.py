@@ -1,5 +1,5 @@
 """Gradient compression for allreduce: Horovod's `Compression.none` / `Compression.fp16`, and
-ferrovod's `Compression.bf16` / `Compression.mixed`.
+ferrovod's `Compression.bf16` / `Compression.mixed` / `Compression.u8`.
 
 A compressor with a `core` value (an fv_compression code) has f32 sums and averages compressed
 by ferrovod's core: cast while packed into the fusion buffer and back while unpacked, with no
@@ -91,8 +91,17 @@ def core_codec(compression, dtype, op):
     return core
 
 
+class U8Compressor(_CoreOnly):
+    """ferrovod extension: f32 sums and averages travel as 8-bit min-max blocks with error
+    feedback (what rounding loses is added to the tensor's next allreduce, kept per tensor
+    name), summed in f32."""
+
+    core = _core.COMPRESSION_U8
+
+
 class Compression:
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
     mixed = MixedCompressor
+    u8 = U8Compressor

@@ -42,7 +42,7 @@ def test_fp16_compression_keeps_dtype():
 
 
 def test_compressors_run_in_the_core():
-    """hvd.Compression.fp16 (and ferrovod's bf16 and mixed) hand f32 sums and averages to the
+    """hvd.Compression.fp16 (and ferrovod's bf16, mixed and u8) hand f32 sums and averages to the
     core's codec: half the wire bytes, counted per codec, and no Python cast in the graph;
     f64 still takes Horovod's cast to float16 and back; grouped allreduces alike."""
     r, n = hvd.rank(), hvd.size()
@@ -66,6 +66,15 @@ def test_compressors_run_in_the_core():
         # mixed leaves the 400-byte tensor f32 (below FERROVOD_COMPRESSION_MIN_BYTES, 32 KiB)
         small = 0 if comp is hvd.Compression.mixed else 100 * 2
         assert after[key] - before[key] == 2 * 16384 * 2 + small, comp
+    # u8: one byte per value on the wire, within the rounding of 8-bit blocks (half a step of
+    # each rank's range and of the sum's)
+    ranges = sum(float(xs[k].max() - xs[k].min()) for k in range(n))
+    before = hvd.metrics()
+    y = hvd.allreduce(tf.constant(xs[r]), op=hvd.Sum, name="u8.once", compression=hvd.Compression.u8)
+    after = hvd.metrics()
+    assert after["wire_u8"] - before["wire_u8"] == 16384
+    assert np.all(np.abs(y.numpy() - exact) <= 2 * ranges / 510 * 1.01)
+    assert np.abs(y.numpy() - exact).max() > ranges / 510 / 50  # it did travel as 8 bits
     # a graph: the core codec leaves no Cast node behind
     fn = tf.function(lambda t: hvd.allreduce(t, op=hvd.Sum, compression=hvd.Compression.fp16))
     graph = fn.get_concrete_function(tf.TensorSpec([16384], tf.float32)).graph

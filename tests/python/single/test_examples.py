@@ -32,9 +32,9 @@ def test_keras_digits_example_trains_under_horovodrun():
 
 
 def test_keras_digits_accuracy_holds_with_every_codec():
-    """The same seeds with gradients travelling as fp16, bf16 and mixed (in the core): test
+    """The same seeds with gradients travelling as fp16, bf16, mixed and u8 (in the core): test
     accuracy within 1 % of uncompressed."""
     plain = _accuracy(_digits("--compression", "none"))
-    for codec in ("fp16", "bf16", "mixed"):
+    for codec in ("fp16", "bf16", "mixed", "u8"):
         acc = _accuracy(_digits("--compression", codec))
         assert abs(acc - plain) <= 0.01, (codec, acc, plain)
