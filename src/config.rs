@@ -313,7 +313,9 @@ fn compression_from_env() -> crate::message::Compression {
         env_str("PERSEUS_ALLREDUCE_DTYPE"),
     ) {
         (Some(v), _) => Compression::parse(&v).unwrap_or_else(|| {
-            tracing::warn!("FERROVOD_COMPRESSION={v} is not none, fp16, bf16, mixed or u8; using none");
+            tracing::warn!(
+                "FERROVOD_COMPRESSION={v} is not none, fp16, bf16, mixed or u8; using none"
+            );
             Compression::None
         }),
         (None, Some(v)) => Compression::from_perseus(&v).unwrap_or_else(|| {

@@ -218,7 +218,7 @@ pub fn allreduce_batch(
     let codec = wire.codec;
     let enc = Encoding::of(codec, head, t.size())?;
     if codec == Codec::U8 {
-        return allreduce_u8(t, &enc, wire.feedback, resps, ios, act);
+        return allreduce_u8(t, &enc, wire.feedback, resps, ios, fusion, act);
     }
     let phase = phase(how);
     if ios.len() == 1 && codec == Codec::None {
@@ -260,34 +260,36 @@ fn allreduce_u8(
     feedback: &Feedback,
     resps: &[&Response],
     ios: &mut [&mut dyn TensorIo],
+    fusion: &mut FusionBuffer,
     act: ActivitySink,
 ) -> Result<()> {
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
     let lens: Vec<usize> = ios.iter().map(|io| io.input().len() / 4).collect();
     let total: usize = lens.iter().sum();
-    let mut x = vec![0f32; total];
-    for p in layout::consecutive(lens.iter().copied()) {
+    let (scratch_values, scratch_bytes) = quantized::scratch(total, t.size());
+    let (values, bytes) = fusion.values_and_bytes(2 * total + scratch_values, scratch_bytes);
+    let (x, rest) = values.split_at_mut(total);
+    let (lost, scratch) = rest.split_at_mut(total);
+    let pieces = layout::consecutive(lens);
+    let mut residuals = Vec::with_capacity(pieces.len());
+    for p in &pieces {
         let residual = feedback.take(&resps[p.tensor].name, p.len);
-        let input = ios[p.tensor].input();
+        let input = ios[p.tensor].input().chunks_exact(4);
         let dst = &mut x[p.place..p.place + p.len];
-        for ((d, b), r) in dst.iter_mut().zip(input.chunks_exact(4)).zip(residual) {
-            let v = f32::from_le_bytes(b.try_into().expect("4 bytes"));
-            *d = (f64::from(v) * enc.pre) as f32 + r;
+        let pre = enc.pre as f32;
+        for ((d, b), r) in dst.iter_mut().zip(input).zip(&residual) {
+            *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]) * pre + r;
         }
+        residuals.push(residual);
     }
     act(Some("U8_ALLREDUCE"));
-    let mut lost = vec![0f32; total];
-    quantized::allreduce(t, &mut x, &mut lost)?;
+    let reduced = quantized::allreduce(t, x, lost, scratch, bytes)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-    for p in layout::consecutive(lens) {
-        feedback.put(
-            &resps[p.tensor].name,
-            lost[p.place..p.place + p.len].to_vec(),
-        );
+    for (p, mut residual) in pieces.iter().zip(residuals) {
+        residual.copy_from_slice(&lost[p.place..p.place + p.len]);
+        feedback.put(&resps[p.tensor].name, residual);
         let (_, out) = ios[p.tensor].split_io();
-        for (o, v) in out.chunks_exact_mut(4).zip(&x[p.place..p.place + p.len]) {
-            o.copy_from_slice(&((f64::from(*v) * enc.post) as f32).to_le_bytes());
-        }
+        reduced.write(p.place..p.place + p.len, enc.post as f32, out);
     }
     act(None);
     Ok(())
@@ -400,7 +402,7 @@ pub fn allreduce_flagged(
     let zero = buf[data..].iter().all(|b| *b == 0);
     if zero == one_means_raised {
         match ios {
-            Some(ios) if alone => allreduce_u8(t, &enc, wire.feedback, &refs, ios, act)?,
+            Some(ios) if alone => allreduce_u8(t, &enc, wire.feedback, &refs, ios, fusion, act)?,
             Some(ios) => {
                 act(Some("MEMCPY_OUT_FUSION_BUFFER"));
                 enc.unpack(&buf[..data], ios)?;

@@ -11,15 +11,11 @@ pub fn encoded_len(values: usize) -> usize {
 }
 
 /// Encodes `x` into `out` (`encoded_len(x.len())` bytes) and writes `x - decoded` into `lost`.
-/// A block holding NaN or an infinity encodes as NaN throughout, so it stays visible in sums.
+/// A block holding NaN or an infinity encodes as NaN throughout, so it stays visible in sums,
+/// and loses nothing (a NaN kept for the next step would spoil every later one).
 pub fn encode(x: &[f32], out: &mut [u8], lost: &mut [f32]) {
     debug_assert_eq!(out.len(), encoded_len(x.len()));
-    let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
-    for v in x {
-        lo = lo.min(*v);
-        hi = hi.max(*v);
-    }
-    let finite = x.iter().all(|v| v.is_finite());
+    let (lo, hi, finite) = bounds(x);
     let (min, step) = match (finite, x.is_empty()) {
         (_, true) => (0.0, 0.0),
         (false, _) => (f32::NAN, f32::NAN),
@@ -27,20 +23,68 @@ pub fn encode(x: &[f32], out: &mut [u8], lost: &mut [f32]) {
     };
     out[..4].copy_from_slice(&min.to_le_bytes());
     out[4..HEADER].copy_from_slice(&step.to_le_bytes());
+    if !min.is_finite() {
+        out[HEADER..].fill(0);
+        lost.fill(0.0);
+        return;
+    }
     let inv = if step > 0.0 { 1.0 / step } else { 0.0 };
     for ((v, q), l) in x.iter().zip(&mut out[HEADER..]).zip(lost) {
-        let k = ((v - min) * inv).round().clamp(0.0, 255.0);
-        *q = k as u8;
-        *l = v - (min + k * step);
+        // (v - min) * inv lies in [0, 255]: adding 1.5 * 2^23 rounds it to the nearest integer,
+        // which then sits in the low mantissa bits (no float-to-int conversion per value)
+        let shifted = (v - min) * inv + ROUND;
+        *q = (shifted.to_bits() & 0xff) as u8;
+        *l = v - (min + (shifted - ROUND) * step);
     }
+}
+
+/// 1.5 * 2^23: floats from it to 2^24 are integers one apart.
+const ROUND: f32 = 12_582_912.0;
+
+/// The minimum and maximum of `x`, and whether every value is finite, in lanes the compiler
+/// can vectorise (comparisons rather than f32::min/max, which skip NaN; `v * 0.0` is NaN for
+/// NaN and infinities).
+fn bounds(x: &[f32]) -> (f32, f32, bool) {
+    const LANES: usize = 16;
+    let (mut lo, mut hi, mut poison) = (
+        [f32::INFINITY; LANES],
+        [f32::NEG_INFINITY; LANES],
+        [0f32; LANES],
+    );
+    let mut blocks = x.chunks_exact(LANES);
+    for b in &mut blocks {
+        for j in 0..LANES {
+            lo[j] = if b[j] < lo[j] { b[j] } else { lo[j] };
+            hi[j] = if b[j] > hi[j] { b[j] } else { hi[j] };
+            poison[j] += b[j] * 0.0;
+        }
+    }
+    for v in blocks.remainder() {
+        lo[0] = if *v < lo[0] { *v } else { lo[0] };
+        hi[0] = if *v > hi[0] { *v } else { hi[0] };
+        poison[0] += v * 0.0;
+    }
+    let lo = lo
+        .iter()
+        .fold(f32::INFINITY, |a, b| if *b < a { *b } else { a });
+    let hi = hi
+        .iter()
+        .fold(f32::NEG_INFINITY, |a, b| if *b > a { *b } else { a });
+    (lo, hi, poison.iter().all(|p| *p == 0.0))
+}
+
+/// A block's minimum and step.
+pub fn header(block: &[u8]) -> (f32, f32) {
+    let min = f32::from_le_bytes(block[..4].try_into().expect("4 bytes"));
+    let step = f32::from_le_bytes(block[4..HEADER].try_into().expect("4 bytes"));
+    (min, step)
 }
 
 /// Decodes a block into `out` (`src` is `encoded_len(out.len())` bytes); with `add`, adds the
 /// decoded values to `out` instead.
 pub fn decode(src: &[u8], out: &mut [f32], add: bool) {
     debug_assert_eq!(src.len(), encoded_len(out.len()));
-    let min = f32::from_le_bytes(src[..4].try_into().expect("4 bytes"));
-    let step = f32::from_le_bytes(src[4..HEADER].try_into().expect("4 bytes"));
+    let (min, step) = header(src);
     let values = src[HEADER..].iter().map(|q| min + f32::from(*q) * step);
     match add {
         true => out.iter_mut().zip(values).for_each(|(o, v)| *o += v),
@@ -91,9 +135,11 @@ mod tests {
         assert_eq!(back, vec![2.5; 7]);
         assert_eq!(lost, vec![0.0; 7]);
         assert!(round_trip(&[]).0.is_empty());
-        let (back, _) = round_trip(&[1.0, f32::NAN, 3.0]);
+        let (back, lost) = round_trip(&[1.0, f32::NAN, 3.0]);
         assert!(back.iter().all(|v| v.is_nan()));
-        let (back, _) = round_trip(&[1.0, f32::INFINITY]);
+        assert_eq!(lost, vec![0.0; 3]);
+        let (back, lost) = round_trip(&[1.0, f32::INFINITY]);
         assert!(back.iter().all(|v| !v.is_finite()));
+        assert_eq!(lost, vec![0.0; 2]);
     }
 }

@@ -9,6 +9,8 @@ pub mod planner;
 #[derive(Default)]
 pub struct FusionBuffer {
     bytes: Vec<u8>,
+    /// For codecs that compute on f32 values (`u8`): kept like the bytes.
+    values: Vec<f32>,
 }
 
 impl FusionBuffer {
@@ -31,6 +33,15 @@ impl FusionBuffer {
 
     pub fn restore(&mut self, bytes: Vec<u8>) {
         self.bytes = bytes;
+    }
+
+    /// The first `values` f32 values and the first `bytes` bytes (contents unspecified).
+    pub fn values_and_bytes(&mut self, values: usize, bytes: usize) -> (&mut [f32], &mut [u8]) {
+        if self.values.len() < values {
+            self.values.resize(values, 0.0);
+        }
+        self.get(bytes);
+        (&mut self.values[..values], &mut self.bytes[..bytes])
     }
 }
 

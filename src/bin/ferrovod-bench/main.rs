@@ -434,7 +434,18 @@ fn resnet_ferrovod(a: &Args, grads: &[(String, usize)], size: usize) -> Resnet {
         // values are sums of sums: reset a sample to keep them finite and check one element
         let b = bufs[0].as_mut().unwrap();
         let v = f32::from_le_bytes(b[4..8].try_into().unwrap());
-        assert_eq!(v, (size as f32).powi(1), "resnet50 allreduce result");
+        // 8-bit blocks of values 0..6: within half a step of each rank's range and of the sum's,
+        // twice that with error feedback; the other codecs carry small integers exactly
+        let u8_wire = std::env::var("FERROVOD_COMPRESSION").is_ok_and(|c| c.trim() == "u8");
+        let tol = if u8_wire {
+            4.0 * 6.0 * size as f32 / 510.0
+        } else {
+            0.0
+        };
+        assert!(
+            (v - size as f32).abs() <= tol,
+            "resnet50 allreduce result: {v}, want {size}"
+        );
         for (k, (_, n)) in grads.iter().enumerate() {
             let b = bufs[k].as_mut().unwrap();
             for (i, c) in b.chunks_exact_mut(4).enumerate().take(*n) {
