@@ -171,6 +171,57 @@ fn rank_major_copies(
         .collect()
 }
 
+/// An f32 sum or average whose values travel as the 16-bit float type `wire` (fp16, bf16,
+/// mixed's large tensors): one batched kernel casts every tensor into the fusion buffer, scaled
+/// (an average divided by the ranks first, so the sum cannot overflow where no rank's value
+/// does), NCCL sums the 16-bit values, one batched kernel casts back into the outputs,
+/// postscaled. Launched eagerly (no graph).
+pub fn allreduce_half(
+    t: &dyn DeviceTransport,
+    lane: &mut Lane,
+    wire: DataType,
+    resps: &[&Response],
+    ios: &mut [&mut dyn DeviceIo],
+    act: ActivitySink,
+) -> Result<()> {
+    let head = resps[0];
+    let pre = match head.reduce_op {
+        ReduceOp::Average => head.prescale / t.size() as f64,
+        ReduceOp::Sum => head.prescale,
+        other => {
+            return Err(Error::Internal(format!(
+                "a {other:?} allreduce cannot travel as {}",
+                wire.name()
+            )));
+        }
+    };
+    let counts: Vec<usize> = ios.iter().map(|io| io.input().len() / 4).collect();
+    let pieces = layout::consecutive(counts.iter().map(|n| n * wire.size()));
+    let total: usize = pieces.iter().map(|p| p.len).sum();
+    let buf = lane.fusion(total)?.first(total)?;
+    let (gpu, stream) = (lane.gpu, lane.stream);
+    let place = |p: &layout::Piece| buf.sub(p.place, p.len);
+    act(Some("MEMCPY_IN_FUSION_BUFFER"));
+    let into = (pieces.iter())
+        .map(|p| Ok((ios[p.tensor].input(), place(p)?, counts[p.tensor])))
+        .collect::<Result<Vec<_>>>()?;
+    kernels::cast_batch(gpu, stream, &into, wire, true, pre)?;
+    act(Some("NCCL_ALLREDUCE"));
+    t.allreduce_many(
+        &[(buf, buf, total / wire.size())],
+        wire,
+        ReduceOp::Sum,
+        stream,
+    )?;
+    act(Some("MEMCPY_OUT_FUSION_BUFFER"));
+    let out = (pieces.iter())
+        .map(|p| Ok((place(p)?, ios[p.tensor].output(), counts[p.tensor])))
+        .collect::<Result<Vec<_>>>()?;
+    kernels::cast_batch(gpu, stream, &out, wire, false, head.postscale)?;
+    act(None);
+    Ok(())
+}
+
 /// Allreduce of a batch (same dtype, op and scales). With `lane.replay`, the launches are
 /// captured into a graph and replayed as `replay` decides.
 pub fn allreduce_batch(

@@ -59,10 +59,16 @@ pub fn device(
     sink: ActivitySink,
 ) -> Result<()> {
     let head = resps[0];
-    if codec != Codec::None {
-        return Err(Error::Internal(format!(
-            "GPU batches have no codec {codec:?} yet"
-        )));
+    match (codec, &route) {
+        (Codec::None, _) => {}
+        (Codec::Half(wire), DeviceRoute::Flat(t)) if head.kind == OpKind::Allreduce => {
+            return device::allreduce_half(*t, lane, wire, resps, ios, sink);
+        }
+        _ => {
+            return Err(Error::Internal(format!(
+                "GPU batches have no codec {codec:?} on this route"
+            )));
+        }
     }
     let t = match route {
         DeviceRoute::Flat(t) => t,

@@ -1,13 +1,13 @@
 //! The GPU compute kernels of the collectives — scaling (pre/postscale, averaging), elementwise
-//! reduction (the ring) — and f32↔f16/bf16 casts (tested now; the GPU codecs of compression will
-//! use them): CUDA C compiled once per process by NVRTC, loaded and launched by
-//! `transport::cuda`. Each computes
+//! reduction (the ring) — and f32↔f16/bf16 casts, one tensor at a time or batched over a fusion
+//! buffer's tensors (the 16-bit codecs): CUDA C compiled once per process by NVRTC, loaded and
+//! launched by `transport::cuda`. Each computes
 //! as the host's `elementwise` does, so host and GPU results agree bit for bit.
 
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
 use crate::message::ReduceOp;
-use crate::transport::cuda::{Elementwise, Extra, Gpu, KernelLibrary, Stream};
+use crate::transport::cuda::{Elementwise, Extra, Gpu, KernelLibrary, Span, Stream};
 use crate::transport::memory::DeviceRange;
 
 /// Every kernel below, for loading (`Gpu::load`).
@@ -29,6 +29,10 @@ pub static LIBRARY: KernelLibrary = KernelLibrary {
         "fv_cast_f16_f32",
         "fv_cast_f32_bf16",
         "fv_cast_bf16_f32",
+        "fv_pack_f32_f16",
+        "fv_unpack_f16_f32",
+        "fv_pack_f32_bf16",
+        "fv_unpack_bf16_f32",
         "fv_reduce_u8",
         "fv_reduce_i8",
         "fv_reduce_u16",
@@ -134,6 +138,43 @@ pub fn cast(
     gpu.launch_elementwise(stream, kernel, src, dst, n, Extra::None)
 }
 
+/// Packs (`into_wire`: f32 tensors into 16-bit places of a fusion buffer) or unpacks (the
+/// reverse) every `(source, destination, elements)` in one batched launch per 128, multiplying
+/// by `factor` in f32 on the way (before rounding when packing, after widening when unpacking).
+pub fn cast_batch(
+    gpu: &Gpu,
+    stream: &Stream,
+    items: &[(DeviceRange, DeviceRange, usize)],
+    wire: DataType,
+    into_wire: bool,
+    factor: f64,
+) -> Result<()> {
+    let name = match (wire, into_wire) {
+        (DataType::F16, true) => "fv_pack_f32_f16",
+        (DataType::F16, false) => "fv_unpack_f16_f32",
+        (DataType::BF16, true) => "fv_pack_f32_bf16",
+        (DataType::BF16, false) => "fv_unpack_bf16_f32",
+        _ => {
+            return Err(Error::InvalidArgument(format!(
+                "no GPU codec travels as {}",
+                wire.name()
+            )));
+        }
+    };
+    let (src_size, dst_size) = if into_wire { (4, 2) } else { (2, 4) };
+    let kernel = Elementwise {
+        library: &LIBRARY,
+        name,
+        src_size,
+        dst_size,
+    };
+    let spans = items
+        .iter()
+        .map(|(s, d, n)| Span::new(*s, *d, *n, &kernel))
+        .collect::<Result<Vec<_>>>()?;
+    gpu.launch_batched(stream, kernel, &spans, factor as f32)
+}
+
 /// `acc[i] = op(acc[i], x[i])` for `n` elements of any dtype (Sum, Min, Max or Product),
 /// computed as the host's `reduce_into` computes it.
 pub fn reduce_into(
@@ -207,6 +248,24 @@ extern "C" __global__ void fv_cast_f32_bf16(const float* s, unsigned short* d, u
 extern "C" __global__ void fv_cast_bf16_f32(const unsigned short* s, float* d, u64 n) {
   FV_LOOP { d[i] = b2f(s[i]); } }
 
+// batched casts of the 16-bit codecs: many tensors packed into (or unpacked from) a fusion
+// buffer in one launch, scaled on the way (block row y handles span y)
+struct Span { const void* src; void* dst; u64 n; };
+struct SpanBatch { Span d[128]; int n; float factor; };
+#define FV_SPAN(S, D, body) \
+  if ((int)blockIdx.y >= b.n) return; \
+  const Span sp = b.d[blockIdx.y]; \
+  const S* s = (const S*)sp.src; D* d = (D*)sp.dst; const float g = b.factor; \
+  for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < sp.n; i += (u64)gridDim.x * blockDim.x) { body; }
+extern "C" __global__ void fv_pack_f32_f16(const SpanBatch b) {
+  FV_SPAN(float, unsigned short, d[i] = f2h(s[i] * g)) }
+extern "C" __global__ void fv_unpack_f16_f32(const SpanBatch b) {
+  FV_SPAN(unsigned short, float, d[i] = h2f(s[i]) * g) }
+extern "C" __global__ void fv_pack_f32_bf16(const SpanBatch b) {
+  FV_SPAN(float, unsigned short, d[i] = f2b(s[i] * g)) }
+extern "C" __global__ void fv_unpack_bf16_f32(const SpanBatch b) {
+  FV_SPAN(unsigned short, float, d[i] = b2f(s[i]) * g) }
+
 // d[i] = op(d[i], s[i]); op: 0 sum, 1 min, 2 max, 3 product. Integers wrap (computed unsigned),
 // 16-bit floats in f32, bool's sum and max are OR, its min and product AND: as the host does.
 #define FV_REDUCE_INT(name, T, U) \
@@ -247,6 +306,27 @@ mod tests {
         let family = family.trim_start_matches("fv_").to_uppercase();
         SOURCE.contains(&format!(" {name}("))
             || SOURCE.contains(&format!("\nFV_{family}_INT({suffix}, "))
+    }
+
+    #[test]
+    fn batched_casts_match_their_parameter_and_are_loaded() {
+        let decl = format!(
+            "Span d[{}]; int n; float factor;",
+            crate::transport::cuda::SPAN_BATCH
+        );
+        assert!(SOURCE.contains(&decl));
+        for name in [
+            "fv_pack_f32_f16",
+            "fv_unpack_f16_f32",
+            "fv_pack_f32_bf16",
+            "fv_unpack_bf16_f32",
+        ] {
+            assert!(LIBRARY.kernels.contains(&name), "{name} is not loaded");
+            assert!(
+                SOURCE.contains(&format!(" {name}(const SpanBatch b)")),
+                "{name}"
+            );
+        }
     }
 
     #[test]

@@ -259,14 +259,19 @@ impl Executor {
             if levels.is_some() {
                 rt.metrics.add_hierarchical_batch();
             }
-            rt.metrics.add_wire(Codec::None, head.dtype, bytes as u64);
-            // GPU batches travel uncompressed for now
+            // the 16-bit codecs on flat routes; u8 and hierarchical batches travel uncompressed
+            // on GPUs for now (agreed: from the codec and the route, both agreed)
+            let codec = match self.codec(head) {
+                Codec::Half(w) if levels.is_none() => Codec::Half(w),
+                _ => Codec::None,
+            };
+            rt.metrics.add_wire(codec, head.dtype, bytes as u64);
             return gpu::run_device_batch(
                 rt,
                 &mut self.gpu,
                 &self.data,
                 levels,
-                Codec::None,
+                codec,
                 resps,
                 entries,
                 replay,

@@ -286,6 +286,71 @@ impl Gpu {
         Ok(())
     }
 
+    /// The function of `kernel`, its library loaded first if it is not yet.
+    fn function(&self, kernel: Elementwise) -> Result<Function> {
+        let found = self
+            .elementwise
+            .read()
+            .expect("kernel table")
+            .get(kernel.name)
+            .copied();
+        match found {
+            Some(f) => Ok(f),
+            None => {
+                let lib = kernel.library;
+                self.load(lib)?;
+                let table = self.elementwise.read().expect("kernel table");
+                table.get(kernel.name).copied().ok_or_else(|| {
+                    Error::Internal(format!("{} has no kernel {}", lib.name, kernel.name))
+                })
+            }
+        }
+    }
+
+    /// Launches the batched `kernel` over every span, up to `SPAN_BATCH` spans a launch, each
+    /// span's elements multiplied by `factor` (the `KernelLibrary` contract for batched
+    /// kernels: `name(const SpanBatch b)`).
+    pub fn launch_batched(
+        &self,
+        stream: &Stream,
+        kernel: Elementwise,
+        spans: &[Span],
+        factor: f32,
+    ) -> Result<()> {
+        if spans.iter().all(|s| s.n == 0) {
+            return Ok(());
+        }
+        let f = self.function(kernel)?;
+        for chunk in spans.chunks(SPAN_BATCH) {
+            let mut batch = SpanBatch {
+                d: [Span::default(); SPAN_BATCH],
+                n: chunk.len() as i32,
+                factor,
+            };
+            batch.d[..chunk.len()].copy_from_slice(chunk);
+            let longest = chunk.iter().map(|s| s.n).max().unwrap_or(0);
+            if longest == 0 {
+                continue;
+            }
+            let blocks = longest.div_ceil(256 * 4).clamp(1, 512) as u32;
+            let mut params = [(&mut batch as *mut SpanBatch).cast::<c_void>()];
+            // SAFETY: the kernel reads `batch` (copied by the launch); each span was made from
+            // ranges checked to hold its elements at the kernel's sizes (`Span::new`).
+            unsafe {
+                result::launch_kernel(
+                    f.0,
+                    (blocks, chunk.len() as u32, 1),
+                    (256, 1, 1),
+                    0,
+                    stream.0,
+                    &mut params,
+                )
+            }
+            .map_err(|e| driver("batched kernel launch", e))?;
+        }
+        Ok(())
+    }
+
     /// Launches `kernel` over `n` elements: it reads `n` elements of `kernel.src_size` bytes at
     /// `src` and writes `n` of `kernel.dst_size` bytes at `dst` (src may equal dst). Its library
     /// is loaded first if it is not yet.
@@ -303,23 +368,7 @@ impl Gpu {
         }
         src.holds(n.saturating_mul(kernel.src_size), "kernel source")?;
         dst.holds(n.saturating_mul(kernel.dst_size), "kernel destination")?;
-        let found = self
-            .elementwise
-            .read()
-            .expect("kernel table")
-            .get(kernel.name)
-            .copied();
-        let f = match found {
-            Some(f) => f,
-            None => {
-                let lib = kernel.library;
-                self.load(lib)?;
-                let table = self.elementwise.read().expect("kernel table");
-                table.get(kernel.name).copied().ok_or_else(|| {
-                    Error::Internal(format!("{} has no kernel {}", lib.name, kernel.name))
-                })?
-            }
-        };
+        let f = self.function(kernel)?;
         let (mut s, mut d, mut count) = (src.ptr(), dst.ptr(), n as u64);
         let (mut factor, mut op) = match extra {
             Extra::Factor(k) => (k, 0),
@@ -662,6 +711,41 @@ struct CopyBatch {
     n: i32,
 }
 
+/// `n` elements of a batched kernel: read at `src`, written at `dst`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Span {
+    src: CUdeviceptr,
+    dst: CUdeviceptr,
+    n: u64,
+}
+
+impl Span {
+    /// `n` elements from `src` to `dst`, which must hold them at `kernel`'s element sizes.
+    pub fn new(src: DeviceRange, dst: DeviceRange, n: usize, kernel: &Elementwise) -> Result<Span> {
+        src.holds(n.saturating_mul(kernel.src_size), "kernel source")?;
+        dst.holds(n.saturating_mul(kernel.dst_size), "kernel destination")?;
+        Ok(Span {
+            src: src.ptr(),
+            dst: dst.ptr(),
+            n: n as u64,
+        })
+    }
+}
+
+/// Spans per batched launch (the parameter, as `CopyBatch`, stays under 4 KiB).
+pub(crate) const SPAN_BATCH: usize = 128;
+
+/// A batched kernel's parameter, as CUDA C declares it:
+/// `struct Span { const void* src; void* dst; u64 n; };
+/// struct SpanBatch { Span d[128]; int n; float factor; };`
+#[repr(C)]
+struct SpanBatch {
+    d: [Span; SPAN_BATCH],
+    n: i32,
+    factor: f32,
+}
+
 #[derive(Clone, Copy)]
 struct Function(sys::CUfunction);
 
@@ -682,7 +766,9 @@ pub enum Extra {
 /// Elementwise kernels in CUDA C without headers (NVRTC needs no include path), supplied by the
 /// stage that computes with them. Contract: each kernel in `kernels` is
 /// `extern "C" __global__ void name(const S* src, D* dst, unsigned long long n[, extra])` and
-/// touches elements `0..n` of `src` and `dst` only.
+/// touches elements `0..n` of `src` and `dst` only; or, launched by `Gpu::launch_batched`,
+/// `extern "C" __global__ void name(const SpanBatch b)`, where block row `blockIdx.y < b.n`
+/// touches elements `0..n` of span `b.d[blockIdx.y]` only.
 pub struct KernelLibrary {
     /// A name for NVRTC's messages.
     pub name: &'static str,
@@ -778,5 +864,7 @@ mod tests {
         // the parameter as the kernel sees it fits the 4 KiB every CUDA device accepts
         assert!(std::mem::size_of::<CopyBatch>() <= 4096);
         assert_eq!(std::mem::size_of::<Copy>(), 24);
+        assert!(std::mem::size_of::<SpanBatch>() <= 4096);
+        assert_eq!(std::mem::size_of::<Span>(), 24);
     }
 }

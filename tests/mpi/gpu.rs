@@ -599,3 +599,139 @@ pub(crate) fn gpu_ring() {
     }
     finish_job();
 }
+
+/// GPU allreduces asking for fp16 and bf16: several tensors fused into one 16-bit buffer by a
+/// batched cast kernel (and one alone), sums and averages with scales, within the codec's
+/// rounding of the f64 reference; 1 + 2^-12 arrives as 1 (it did travel as 16 bits); the wire
+/// bytes are counted per codec; an f32 maximum is not compressed.
+pub(crate) fn gpu_compressed() {
+    init();
+    let (me, n) = (rank(), size());
+    let gpu = gpu::this_gpu();
+    let stream = gpu.new_stream().unwrap();
+    let v = |t: usize, i: usize, r: usize| ((i * 7 + t * 3 + r * 5) % 17) as f64 * 0.37 - 2.0;
+    let sizes = [1usize, 1000, 33, 70_000];
+    let metrics = || runtime::runtime().unwrap().metrics.snapshot();
+    let run_gpu =
+        |name: &str, vals: &[Vec<f64>], asks: Compression, op: ReduceOp, pre: f64, post: f64| {
+            let mems: Vec<DeviceMem> = vals
+                .iter()
+                .map(|x| {
+                    let host = encode(DataType::F32, x);
+                    let m = gpu.alloc(host.len().max(4)).unwrap();
+                    gpu.upload(&stream, &host, m.range()).unwrap();
+                    m
+                })
+                .collect();
+            stream.synchronize().unwrap();
+            let tensors = vals
+                .iter()
+                .zip(&mems)
+                .enumerate()
+                .map(|(t, (x, m))| TensorSpec {
+                    name: format!("{name}.{t}"),
+                    dtype: DataType::F32,
+                    shape: vec![x.len() as i64],
+                    input: InputMem::Device(m.range().first(x.len() * 4).unwrap()),
+                    output: OutputMem::InPlace,
+                    splits: None,
+                })
+                .collect();
+            let mut spec = OpSpec::new(OpKind::Allreduce, tensors);
+            spec.device = gpu.ordinal;
+            spec.reduce_op = op;
+            spec.prescale = pre;
+            spec.postscale = post;
+            spec.compression = Some(asks);
+            let h = runtime::runtime().unwrap().enqueue(spec).unwrap();
+            h.wait(Some(Duration::from_secs(120))).unwrap();
+            runtime::runtime().unwrap().handles.release(h.id).unwrap();
+            vals.iter()
+                .zip(&mems)
+                .map(|(x, m)| {
+                    let mut got = vec![0u8; x.len() * 4];
+                    gpu.download(&stream, m.range().first(x.len() * 4).unwrap(), &mut got)
+                        .unwrap();
+                    stream.synchronize().unwrap();
+                    decode(DataType::F32, &got)
+                })
+                .collect::<Vec<_>>()
+        };
+    for (asks, eps, key) in [
+        (Compression::Fp16, 2f64.powi(-11), 0),
+        (Compression::Bf16, 2f64.powi(-8), 1),
+    ] {
+        for (case, (op, pre, post)) in [
+            (ReduceOp::Sum, 1.0, 1.0),
+            (ReduceOp::Average, 1.0, 1.0),
+            (ReduceOp::Average, 2.0, 0.25),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            for fused in [true, false] {
+                let count = if fused { sizes.len() } else { 1 };
+                let vals: Vec<Vec<f64>> = (0..count)
+                    .map(|t| (0..sizes[t]).map(|i| v(t, i, me)).collect())
+                    .collect();
+                let before = metrics();
+                let name = format!("gpu.cmp.{key}.{case}.{fused}");
+                let results = run_gpu(&name, &vals, asks, op, pre, post);
+                let wire = metrics();
+                let elems: usize = sizes[..count].iter().sum();
+                let counted = if key == 0 {
+                    wire.wire_fp16 - before.wire_fp16
+                } else {
+                    wire.wire_bf16 - before.wire_bf16
+                };
+                assert_eq!(counted, 2 * elems as u64, "{name}: wire bytes");
+                for (t, got) in results.iter().enumerate() {
+                    for (i, g) in got.iter().enumerate() {
+                        let each: Vec<f64> = (0..n).map(|r| v(t, i, r)).collect();
+                        let div = if op == ReduceOp::Average {
+                            n as f64
+                        } else {
+                            1.0
+                        };
+                        let want = each.iter().sum::<f64>() * pre * post / div;
+                        let mag =
+                            each.iter().map(|x| x.abs()).sum::<f64>() * (pre * post / div).abs();
+                        let tol = (n + 1) as f64 * eps * mag + 1e-6;
+                        assert!(
+                            (g - want).abs() <= tol,
+                            "{name} tensor {t} element {i}: got {g}, want {want} (tolerance {tol})"
+                        );
+                    }
+                }
+            }
+        }
+        let fine = 1.0 + 2f64.powi(-12);
+        let got = run_gpu(
+            &format!("gpu.cmp.fine.{key}"),
+            &[vec![fine; 8]],
+            asks,
+            ReduceOp::Sum,
+            1.0,
+            1.0,
+        );
+        assert_eq!(
+            got[0],
+            vec![n as f64; 8],
+            "values did not travel as 16-bit floats"
+        );
+        let got = run_gpu(
+            &format!("gpu.cmp.max.{key}"),
+            &[vec![fine + me as f64; 3]],
+            asks,
+            ReduceOp::Max,
+            1.0,
+            1.0,
+        );
+        assert_eq!(
+            got[0],
+            vec![(fine + (n - 1) as f64) as f32 as f64; 3],
+            "a maximum is not compressed"
+        );
+    }
+    finish_job();
+}

@@ -25,7 +25,7 @@ mod shutdown;
 
 use collectives::*;
 use common::*;
-use gpu::{gpu_failure, gpu_graphs, gpu_kernels, gpu_ring, gpu_streams};
+use gpu::{gpu_compressed, gpu_failure, gpu_graphs, gpu_kernels, gpu_ring, gpu_streams};
 use hosts::*;
 use negotiation::*;
 use offline::*;
@@ -634,6 +634,7 @@ pub(crate) const GPU_SCENARIOS: &[Scenario] = &[
     ("process_sets", 4, &[], true),
     ("gpu_kernels", 1, &[], true),
     ("gpu_ring", 2, &[], true),
+    ("gpu_compressed", 2, &[], true),
     (
         "hierarchical_allreduces",
         2,
@@ -1047,6 +1048,7 @@ pub(crate) fn run_rank(name: &str) {
         "u8_compressed" => u8_compressed(),
         "ring" => ring(),
         "gpu_ring" => gpu_ring(),
+        "gpu_compressed" => gpu_compressed(),
         "hierarchical_allreduces" => hierarchical_allreduces(),
         "metrics" => metrics(),
         "offline_steps" => offline_steps(),
