@@ -1511,3 +1511,121 @@ pub(crate) fn u8_compressed() {
     assert_eq!(got, vec![(0.1 * (n - 1) as f64) as f32 as f64, 7.25, -1.0]);
     finish_job();
 }
+
+/// Codecs in process sets: ranks {0, 2} and {1, 3} each allreduce a tensor as u8 every step,
+/// and the global set a tensor of the same name as u8 too (each set keeps its own residuals:
+/// the means over the steps converge to each set's exact sum), one as fp16 (within its rounding
+/// bound) and an uncompressed one.
+pub(crate) fn compressed_in_sets() {
+    init();
+    let me = rank();
+    let rt = runtime::runtime().unwrap();
+    let sets: Vec<i32> = [[0, 2], [1, 3]]
+        .iter()
+        .map(|r| {
+            let h = rt.add_process_set(r).unwrap();
+            h.wait(None).unwrap();
+            h.value()
+        })
+        .collect();
+    let (set, members) = if me.is_multiple_of(2) {
+        (sets[0], [0, 2])
+    } else {
+        (sets[1], [1, 3])
+    };
+    let v = |i: usize, r: usize| ((i * 131 + r * 977) % 1000) as f64 / 250.0 - 1.5 + r as f64;
+    let len = 3000;
+    let exact: Vec<f64> = (0..len)
+        .map(|i| members.iter().map(|r| v(i, *r)).sum())
+        .collect();
+    let range = |r: usize| {
+        let x: Vec<f64> = (0..len).map(|i| v(i, r)).collect();
+        x.iter().cloned().fold(f64::MIN, f64::max) - x.iter().cloned().fold(f64::MAX, f64::min)
+    };
+    let one_step = 2.0 * members.iter().map(|r| range(*r)).sum::<f64>() / 510.0 * 1.01;
+    let all_exact: Vec<f64> = (0..len).map(|i| (0..4).map(|r| v(i, r)).sum()).collect();
+    let all_step = 2.0 * (0..4).map(range).sum::<f64>() / 510.0 * 1.01;
+    let steps = 20;
+    let mut mean = vec![0.0; len];
+    let mut all_mean = vec![0.0; len];
+    for step in 0..steps {
+        let mine: Vec<f64> = (0..len).map(|i| v(i, me)).collect();
+        let mut spec = OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor("sets.g", DataType::F32, &[len as i64], &mine, false)],
+        );
+        spec.process_set = set;
+        spec.reduce_op = ReduceOp::Sum;
+        spec.compression = Some(Compression::U8);
+        let u8_handle = submit(spec).unwrap();
+        let mut spec = OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor("sets.h", DataType::F32, &[len as i64], &mine, false)],
+        );
+        spec.process_set = set;
+        spec.reduce_op = ReduceOp::Sum;
+        spec.compression = Some(Compression::Fp16);
+        let half_handle = submit(spec).unwrap();
+        let global = OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor(
+                "sets.global",
+                DataType::F64,
+                &[2],
+                &[1.0, me as f64],
+                false,
+            )],
+        );
+        assert_eq!(
+            output(&run(global).unwrap()[0], DataType::F64),
+            vec![4.0, 6.0]
+        );
+        let mut spec = OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor("sets.g", DataType::F32, &[len as i64], &mine, false)],
+        );
+        spec.reduce_op = ReduceOp::Sum;
+        spec.compression = Some(Compression::U8);
+        let got = output(&run(spec).unwrap()[0], DataType::F32);
+        for (i, g) in got.iter().enumerate() {
+            assert!(
+                (g - all_exact[i]).abs() <= 2.0 * all_step,
+                "step {step} global u8 element {i}"
+            );
+            all_mean[i] += g / steps as f64;
+        }
+        let got = output(&finish(u8_handle).unwrap()[0], DataType::F32);
+        let within = one_step * if step == 0 { 1.0 } else { 2.0 };
+        for (i, g) in got.iter().enumerate() {
+            assert!(
+                (g - exact[i]).abs() <= within,
+                "step {step} u8 element {i}: {g} vs {}",
+                exact[i]
+            );
+            mean[i] += g / steps as f64;
+        }
+        let got = output(&finish(half_handle).unwrap()[0], DataType::F32);
+        for (i, g) in got.iter().enumerate() {
+            let mag: f64 = members.iter().map(|r| v(i, *r).abs()).sum();
+            assert!(
+                (g - exact[i]).abs() <= 3.0 * 2f64.powi(-11) * mag + 1e-6,
+                "step {step} fp16 element {i}"
+            );
+        }
+    }
+    let off = (0..len)
+        .map(|i| (mean[i] - exact[i]).abs())
+        .fold(0.0, f64::max);
+    assert!(
+        off <= 2.0 * one_step / steps as f64,
+        "set {set}: the mean is off by {off} (one step {one_step})"
+    );
+    let off = (0..len)
+        .map(|i| (all_mean[i] - all_exact[i]).abs())
+        .fold(0.0, f64::max);
+    assert!(
+        off <= 2.0 * all_step / steps as f64,
+        "global set: the mean is off by {off} (one step {all_step})"
+    );
+    finish_job();
+}

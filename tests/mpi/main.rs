@@ -449,6 +449,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     ("nan_check", 3, &[("PERSEUS_ALLREDUCE_NANCHECK", "1")], true),
     ("u8_compressed", 2, &[("FERROVOD_COMPRESSION", "u8")], true),
     ("u8_compressed", 3, &[("FERROVOD_COMPRESSION", "u8")], true),
+    ("compressed_in_sets", 4, &[], true),
     (
         "u8_compressed",
         4,
@@ -1046,6 +1047,7 @@ pub(crate) fn run_rank(name: &str) {
         "mixed_compressed" => mixed_compressed(),
         "nan_check" => nan_check(),
         "u8_compressed" => u8_compressed(),
+        "compressed_in_sets" => compressed_in_sets(),
         "ring" => ring(),
         "gpu_ring" => gpu_ring(),
         "gpu_compressed" => gpu_compressed(),
