@@ -175,7 +175,7 @@ fn rank_major_copies(
 /// mixed's large tensors): one batched kernel casts every tensor into the fusion buffer, scaled
 /// (an average divided by the ranks first, so the sum cannot overflow where no rank's value
 /// does), NCCL sums the 16-bit values, one batched kernel casts back into the outputs,
-/// postscaled. Launched eagerly (no graph).
+/// postscaled. Captured and replayed as graphs like the uncompressed batches.
 pub fn allreduce_half(
     t: &dyn DeviceTransport,
     lane: &mut Lane,
@@ -199,27 +199,60 @@ pub fn allreduce_half(
     let pieces = layout::consecutive(counts.iter().map(|n| n * wire.size()));
     let total: usize = pieces.iter().map(|p| p.len).sum();
     let buf = lane.fusion(total)?.first(total)?;
-    let (gpu, stream) = (lane.gpu, lane.stream);
-    let place = |p: &layout::Piece| buf.sub(p.place, p.len);
-    act(Some("MEMCPY_IN_FUSION_BUFFER"));
-    let into = (pieces.iter())
-        .map(|p| Ok((ios[p.tensor].input(), place(p)?, counts[p.tensor])))
-        .collect::<Result<Vec<_>>>()?;
-    kernels::cast_batch(gpu, stream, &into, wire, true, pre)?;
-    act(Some("NCCL_ALLREDUCE"));
-    t.allreduce_many(
-        &[(buf, buf, total / wire.size())],
+    let batch = HalfAllreduce {
+        ios,
+        buf,
+        pieces,
+        counts,
         wire,
-        ReduceOp::Sum,
-        stream,
-    )?;
-    act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-    let out = (pieces.iter())
-        .map(|p| Ok((place(p)?, ios[p.tensor].output(), counts[p.tensor])))
-        .collect::<Result<Vec<_>>>()?;
-    kernels::cast_batch(gpu, stream, &out, wire, false, head.postscale)?;
-    act(None);
-    Ok(())
+        pre,
+        post: head.postscale,
+    };
+    launch_or_replay(t, lane, &batch, act)
+}
+
+/// A 16-bit allreduce's launches: cast in, sum, cast out.
+struct HalfAllreduce<'a, 'b> {
+    ios: &'a [&'b mut dyn DeviceIo],
+    buf: DeviceRange,
+    pieces: Vec<layout::Piece>,
+    /// Elements of each tensor.
+    counts: Vec<usize>,
+    wire: DataType,
+    pre: f64,
+    post: f64,
+}
+
+impl Launches for HalfAllreduce<'_, '_> {
+    fn addresses(&self) -> Vec<u64> {
+        buffer_and_tensors(self.buf, self.ios)
+    }
+
+    fn launch(
+        &self,
+        t: &dyn DeviceTransport,
+        gpu: &Gpu,
+        stream: &Stream,
+        act: ActivitySink,
+    ) -> Result<()> {
+        let (ios, buf, wire) = (self.ios, self.buf, self.wire);
+        let place = |p: &layout::Piece| buf.sub(p.place, p.len);
+        act(Some("MEMCPY_IN_FUSION_BUFFER"));
+        let into = (self.pieces.iter())
+            .map(|p| Ok((ios[p.tensor].input(), place(p)?, self.counts[p.tensor])))
+            .collect::<Result<Vec<_>>>()?;
+        kernels::cast_batch(gpu, stream, &into, wire, true, self.pre)?;
+        act(Some("NCCL_ALLREDUCE"));
+        let n = buf.len() / wire.size();
+        t.allreduce_many(&[(buf, buf, n)], wire, ReduceOp::Sum, stream)?;
+        act(Some("MEMCPY_OUT_FUSION_BUFFER"));
+        let out = (self.pieces.iter())
+            .map(|p| Ok((place(p)?, ios[p.tensor].output(), self.counts[p.tensor])))
+            .collect::<Result<Vec<_>>>()?;
+        kernels::cast_batch(gpu, stream, &out, wire, false, self.post)?;
+        act(None);
+        Ok(())
+    }
 }
 
 /// Allreduce of a batch (same dtype, op and scales). With `lane.replay`, the launches are
@@ -257,6 +290,41 @@ pub fn allreduce_batch(
         post,
         dtype,
     };
+    launch_or_replay(t, lane, &batch, act)
+}
+
+/// A batch's launches, which a graph may capture and replay.
+trait Launches {
+    /// This rank's addresses the launches use (what a replayed graph must find again).
+    fn addresses(&self) -> Vec<u64>;
+    /// Enqueues the batch's kernels and NCCL calls on `stream`.
+    fn launch(
+        &self,
+        t: &dyn DeviceTransport,
+        gpu: &Gpu,
+        stream: &Stream,
+        act: ActivitySink,
+    ) -> Result<()>;
+}
+
+/// The fusion buffer's address, then each tensor's input and output addresses.
+fn buffer_and_tensors(buf: DeviceRange, ios: &[&mut dyn DeviceIo]) -> Vec<u64> {
+    let mut a = Vec::with_capacity(1 + 2 * ios.len());
+    a.push(buf.ptr());
+    for io in ios {
+        a.extend([io.input().ptr(), io.output().ptr()]);
+    }
+    a
+}
+
+/// Launches `batch`, or, with `lane.replay`, captures it into a graph and replays it as the
+/// lane's graphs decide.
+fn launch_or_replay(
+    t: &dyn DeviceTransport,
+    lane: &mut Lane,
+    batch: &dyn Launches,
+    act: ActivitySink,
+) -> Result<()> {
     let (gpu, stream) = (lane.gpu, lane.stream);
     let Some(key) = lane.replay else {
         return batch.launch(t, gpu, stream, act);
@@ -291,18 +359,12 @@ struct FusedAllreduce<'a, 'b> {
     dtype: DataType,
 }
 
-impl FusedAllreduce<'_, '_> {
-    /// This rank's addresses the launches use (what a replayed graph must find again).
+impl Launches for FusedAllreduce<'_, '_> {
     fn addresses(&self) -> Vec<u64> {
-        let mut a = Vec::with_capacity(1 + 2 * self.ios.len());
-        a.push(self.buf.ptr());
-        for io in self.ios {
-            a.extend([io.input().ptr(), io.output().ptr()]);
-        }
-        a
+        buffer_and_tensors(self.buf, self.ios)
     }
 
-    /// Enqueues the batch's copies, scaling and NCCL group on `stream`.
+    /// The batch's copies, scaling and NCCL group.
     fn launch(
         &self,
         t: &dyn DeviceTransport,

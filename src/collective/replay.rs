@@ -38,6 +38,7 @@ pub fn batch_fingerprint(resps: &[&Response]) -> u64 {
         r.prescale.to_bits().hash(&mut h);
         r.postscale.to_bits().hash(&mut h);
         r.device.hash(&mut h);
+        r.compression.hash(&mut h);
     }
     h.finish()
 }

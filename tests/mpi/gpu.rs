@@ -705,6 +705,56 @@ pub(crate) fn gpu_compressed() {
                 }
             }
         }
+        // the same batch in the same memory step after step: captured into a graph, then
+        // replayed, on new values
+        let graphs = metrics().graph_launches;
+        let mems: Vec<DeviceMem> = sizes.iter().map(|s| gpu.alloc(s * 4).unwrap()).collect();
+        for step in 0..6 {
+            let vals: Vec<Vec<f64>> = (sizes.iter().enumerate())
+                .map(|(t, s)| (0..*s).map(|i| v(t, i + step, me)).collect())
+                .collect();
+            for (x, m) in vals.iter().zip(&mems) {
+                gpu.upload(&stream, &encode(DataType::F32, x), m.range())
+                    .unwrap();
+            }
+            stream.synchronize().unwrap();
+            let tensors = (sizes.iter().zip(&mems).enumerate())
+                .map(|(t, (s, m))| TensorSpec {
+                    name: format!("gpu.cmp.steps.{key}.{t}"),
+                    dtype: DataType::F32,
+                    shape: vec![*s as i64],
+                    input: InputMem::Device(m.range().first(s * 4).unwrap()),
+                    output: OutputMem::InPlace,
+                    splits: None,
+                })
+                .collect();
+            let mut spec = OpSpec::new(OpKind::Allreduce, tensors);
+            spec.device = gpu.ordinal;
+            spec.compression = Some(asks);
+            let h = runtime::runtime().unwrap().enqueue(spec).unwrap();
+            h.wait(Some(Duration::from_secs(120))).unwrap();
+            runtime::runtime().unwrap().handles.release(h.id).unwrap();
+            for (t, (s, m)) in sizes.iter().zip(&mems).enumerate() {
+                let mut got = vec![0u8; s * 4];
+                gpu.download(&stream, m.range().first(s * 4).unwrap(), &mut got)
+                    .unwrap();
+                stream.synchronize().unwrap();
+                for (i, x) in decode(DataType::F32, &got).iter().enumerate() {
+                    let each: Vec<f64> = (0..n).map(|r| v(t, i + step, r)).collect();
+                    let want: f64 = each.iter().sum();
+                    let tol =
+                        (n + 1) as f64 * eps * each.iter().map(|x| x.abs()).sum::<f64>() + 1e-6;
+                    assert!(
+                        (x - want).abs() <= tol,
+                        "step {step} tensor {t} element {i}: {x} vs {want}"
+                    );
+                }
+            }
+        }
+        assert!(
+            metrics().graph_launches > graphs,
+            "the compressed batch was never replayed from a graph"
+        );
         let fine = 1.0 + 2f64.powi(-12);
         let got = run_gpu(
             &format!("gpu.cmp.fine.{key}"),
