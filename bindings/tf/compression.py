@@ -56,16 +56,8 @@ class FP16Compressor(Compressor):
         return tensor
 
 
-class _CoreOnly(Compressor):
+class _CoreOnly(NoneCompressor):
     """Compressed in the core only; what the core does not compress travels as it is."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
 
 
 class BF16Compressor(_CoreOnly):

@@ -149,6 +149,8 @@ fuzz_target!(|data: &[u8]| {
         alloc_user_data: std::ptr::null_mut(),
         stream: std::ptr::null_mut(),
         ready_event: std::ptr::null_mut(),
+        // the known codes and some unknown ones
+        compression: b.i32() % 8,
     };
     let mut h = 0u64;
     let out = if b.u8() & 1 == 0 {

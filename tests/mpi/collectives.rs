@@ -1239,7 +1239,7 @@ pub(crate) fn compressed() {
 pub(crate) fn mixed_compressed() {
     init();
     let n = size();
-    let offline = std::env::var("FERROVOD_NEGOTIATION").as_deref() == Ok("offline");
+    let mut plan = PlanWatch::new();
     // 1 + 2^-12 is exact in f32 and rounds to 1 in f16: a sum shows how a tensor travelled
     let fine = 1.0 + 2f64.powi(-12);
     // (elements, asks for, travels compressed): 1023 f32 values are below 4096 bytes
@@ -1252,10 +1252,9 @@ pub(crate) fn mixed_compressed() {
         (3, Some(Compression::Fp16), true),
     ];
     let metrics = || runtime::runtime().unwrap().metrics.snapshot();
-    let mut steady = 0;
     for step in 0..8 {
         let before = metrics();
-        let control = control_collectives();
+        plan.step_start();
         // one op per codec request: an op's tensors share its compression field
         let mut handles = Vec::new();
         for (k, (elems, asks, _)) in cases.iter().enumerate() {
@@ -1290,13 +1289,9 @@ pub(crate) fn mixed_compressed() {
         }
         let after = metrics();
         assert_eq!(after.wire_fp16 - before.wire_fp16, fp16, "step {step}");
-        if offline && step >= 4 && control_collectives() == control {
-            steady += 1;
-        }
+        plan.step_end(step);
     }
-    if offline {
-        assert!(steady >= 3, "the plan never froze ({steady} steady steps)");
-    }
+    plan.froze(3);
     finish_job();
 }
 
@@ -1307,10 +1302,9 @@ pub(crate) fn mixed_compressed() {
 pub(crate) fn nan_check() {
     init();
     let (me, n) = (rank(), size());
-    let offline = std::env::var("FERROVOD_NEGOTIATION").as_deref() == Ok("offline");
-    let mut steady = 0;
+    let mut plan = PlanWatch::new();
     for step in 0..9 {
-        let control = control_collectives();
+        plan.step_start();
         let mut handles = Vec::new();
         for k in 0..2 {
             let mut vals = vec![(k + step) as f64; 300];
@@ -1348,13 +1342,9 @@ pub(crate) fn nan_check() {
                 (r, bad) => panic!("step {step} tensor {k} (bad: {bad}): {:?}", r.map(|_| ())),
             }
         }
-        if offline && step >= 4 && control_collectives() == control {
-            steady += 1;
-        }
+        plan.step_end(step);
     }
-    if offline {
-        assert!(steady >= 4, "the plan never froze ({steady} steady steps)");
-    }
+    plan.froze(4);
     finish_job();
 }
 
@@ -1368,7 +1358,7 @@ pub(crate) fn nan_check() {
 pub(crate) fn u8_compressed() {
     init();
     let (me, n) = (rank(), size());
-    let offline = std::env::var("FERROVOD_NEGOTIATION").as_deref() == Ok("offline");
+    let mut plan = PlanWatch::new();
     let v = |t: usize, i: usize, r: usize| {
         ((i * 7919 + t * 104_729 + r * 31) % 1000) as f64 / 1000.0 * (t + 1) as f64 - 0.3
     };
@@ -1411,10 +1401,9 @@ pub(crate) fn u8_compressed() {
     let steps = 30;
     let mut means: Vec<Vec<f64>> = sizes.iter().map(|s| vec![0.0; *s]).collect();
     let mut first_error = [0f64; 3];
-    let mut steady = 0;
     let metrics = || runtime::runtime().unwrap().metrics.snapshot();
     for step in 0..steps {
-        let control = control_collectives();
+        plan.step_start();
         let before = metrics();
         let mut handles = Vec::new();
         // tensors 0 and 1 in one op (fusable), tensor 2 alone with scales
@@ -1462,9 +1451,7 @@ pub(crate) fn u8_compressed() {
             after.wire_u8 - before.wire_u8,
             sizes.iter().sum::<usize>() as u64
         );
-        if offline && step >= 4 && control_collectives() == control {
-            steady += 1;
-        }
+        plan.step_end(step);
     }
     for t in 0..3 {
         // rounding did lose something in one step, and the mean recovered it
@@ -1483,9 +1470,7 @@ pub(crate) fn u8_compressed() {
             bound(t)
         );
     }
-    if offline {
-        assert!(steady >= 10, "the plan never froze ({steady} steady steps)");
-    }
+    plan.froze(10);
     // f64 sums and f32 maxima are not quantized
     let fine = 1.0 + 2f64.powi(-30);
     let spec = OpSpec::new(

@@ -274,3 +274,42 @@ pub(crate) fn wait_for_shutdown(start: Instant) {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Under offline negotiation (`FERROVOD_NEGOTIATION=offline`), counts the steps from the fifth on
+/// that issued no control collective: the plan froze. Elsewhere it checks nothing.
+pub(crate) struct PlanWatch {
+    offline: bool,
+    control: u64,
+    steady: usize,
+}
+
+impl PlanWatch {
+    pub(crate) fn new() -> PlanWatch {
+        PlanWatch {
+            offline: std::env::var("FERROVOD_NEGOTIATION").as_deref() == Ok("offline"),
+            control: 0,
+            steady: 0,
+        }
+    }
+
+    pub(crate) fn step_start(&mut self) {
+        self.control = control_collectives();
+    }
+
+    pub(crate) fn step_end(&mut self, step: usize) {
+        if self.offline && step >= 4 && control_collectives() == self.control {
+            self.steady += 1;
+        }
+    }
+
+    /// Under offline negotiation, at least `steps` steps ran from the frozen plan.
+    pub(crate) fn froze(&self, steps: usize) {
+        if self.offline {
+            let steady = self.steady;
+            assert!(
+                steady >= steps,
+                "the plan never froze ({steady} steady steps)"
+            );
+        }
+    }
+}
