@@ -8,10 +8,11 @@ use std::ops::Range;
 
 use crate::collective::replay::{Launch, LaunchGraphs, ReplayKey};
 use crate::collective::{
-    ActivitySink, allgather_contributions, allgather_shape, alltoall_counts, backend_op,
+    ActivitySink, Encoding, allgather_contributions, allgather_shape, alltoall_counts, backend_op,
     reducescatter_segments, reducescatter_shape,
 };
 use crate::collective::{kernels, layout, ring};
+use crate::compress::Codec;
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
 use crate::message::{ReduceOp, Response};
@@ -184,18 +185,11 @@ pub fn allreduce_half(
     ios: &mut [&mut dyn DeviceIo],
     act: ActivitySink,
 ) -> Result<()> {
-    let head = resps[0];
-    let pre = match head.reduce_op {
-        ReduceOp::Average => head.prescale / t.size() as f64,
-        ReduceOp::Sum => head.prescale,
-        other => {
-            return Err(Error::Internal(format!(
-                "a {other:?} allreduce cannot travel as {}",
-                wire.name()
-            )));
-        }
-    };
-    let counts: Vec<usize> = ios.iter().map(|io| io.input().len() / 4).collect();
+    // the host's encoding of the codec: the same scales, the same reduction
+    let enc = Encoding::of(Codec::Half(wire), resps[0], t.size())?;
+    let counts: Vec<usize> = (ios.iter())
+        .map(|io| io.input().len() / enc.dtype.size())
+        .collect();
     let pieces = layout::consecutive(counts.iter().map(|n| n * wire.size()));
     let total: usize = pieces.iter().map(|p| p.len).sum();
     let buf = lane.fusion(total)?.first(total)?;
@@ -205,8 +199,8 @@ pub fn allreduce_half(
         pieces,
         counts,
         wire,
-        pre,
-        post: head.postscale,
+        pre: enc.pre,
+        post: enc.post,
     };
     launch_or_replay(t, lane, &batch, act)
 }

@@ -264,7 +264,9 @@ fn allreduce_u8(
     act: ActivitySink,
 ) -> Result<()> {
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
-    let lens: Vec<usize> = ios.iter().map(|io| io.input().len() / 4).collect();
+    let lens: Vec<usize> = (ios.iter())
+        .map(|io| io.input().len() / enc.dtype.size())
+        .collect();
     let total: usize = lens.iter().sum();
     let (scratch_values, scratch_bytes) = quantized::scratch(total, t.size());
     let (values, bytes) = fusion.values_and_bytes(2 * total + scratch_values, scratch_bytes);
@@ -272,11 +274,11 @@ fn allreduce_u8(
     let (lost, scratch) = rest.split_at_mut(total);
     let pieces = layout::consecutive(lens);
     let mut residuals = Vec::with_capacity(pieces.len());
+    let pre = enc.pre as f32;
     for p in &pieces {
         let residual = feedback.take(&resps[p.tensor].name, p.len);
         let input = ios[p.tensor].input().chunks_exact(4);
         let dst = &mut x[p.place..p.place + p.len];
-        let pre = enc.pre as f32;
         for ((d, b), r) in dst.iter_mut().zip(input).zip(&residual) {
             *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]) * pre + r;
         }

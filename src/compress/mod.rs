@@ -117,20 +117,24 @@ impl Codec {
 pub struct Feedback(Mutex<HashMap<String, Vec<f32>>>);
 
 impl Feedback {
-    /// The residual of `name` (zeros if none, or if the tensor's size changed), removed.
+    /// The residual of `name` (zeros if none, or if the tensor's size changed), taken out; its
+    /// entry stays, so that a steady step allocates neither the name nor the values again.
     pub fn take(&self, name: &str, len: usize) -> Vec<f32> {
         let mut map = self.0.lock().expect("feedback");
-        match map.remove(name) {
+        match map.get_mut(name).map(std::mem::take) {
             Some(r) if r.len() == len => r,
             _ => vec![0.0; len],
         }
     }
 
     pub fn put(&self, name: &str, residual: Vec<f32>) {
-        self.0
-            .lock()
-            .expect("feedback")
-            .insert(name.to_owned(), residual);
+        let mut map = self.0.lock().expect("feedback");
+        match map.get_mut(name) {
+            Some(slot) => *slot = residual,
+            None => {
+                map.insert(name.to_owned(), residual);
+            }
+        }
     }
 }
 

@@ -1148,9 +1148,7 @@ pub(crate) fn compressed() {
                     } else {
                         1.0
                     };
-                    let want = each.iter().sum::<f64>() * pre * post / div;
-                    let mag = each.iter().map(|x| x.abs()).sum::<f64>() * (pre * post / div).abs();
-                    let tol = (n + 1) as f64 * eps * mag + 1e-6;
+                    let (want, tol) = half_sum(&each, pre * post / div, eps);
                     assert!(
                         (g - want).abs() <= tol,
                         "case {case} fused {fused} tensor {t} element {i}: got {g}, want {want} (tolerance {tol})"
@@ -1171,30 +1169,7 @@ pub(crate) fn compressed() {
         vec![n as f64; 4],
         "values did not travel as 16-bit floats"
     );
-    // f64 sums and f32 maxima travel uncompressed: exact
-    let spec = OpSpec::new(
-        OpKind::Allreduce,
-        vec![tensor("cmp.f64", DataType::F64, &[2], &[fine, 3.0], false)],
-    );
-    assert_eq!(
-        output(&run(spec).unwrap()[0], DataType::F64),
-        vec![fine * n as f64, 3.0 * n as f64]
-    );
-    let mut spec = OpSpec::new(
-        OpKind::Allreduce,
-        vec![tensor(
-            "cmp.max",
-            DataType::F32,
-            &[1],
-            &[fine + me as f64],
-            false,
-        )],
-    );
-    spec.reduce_op = ReduceOp::Max;
-    assert_eq!(
-        output(&run(spec).unwrap()[0], DataType::F32),
-        vec![fine + (n - 1) as f64]
-    );
+    uncompressed_ops_stay_exact("cmp");
     // an average divides before the cast: 40000 on every rank fits f16 once divided
     let mut spec = OpSpec::new(
         OpKind::Allreduce,
@@ -1471,29 +1446,7 @@ pub(crate) fn u8_compressed() {
         );
     }
     plan.froze(10);
-    // f64 sums and f32 maxima are not quantized
-    let fine = 1.0 + 2f64.powi(-30);
-    let spec = OpSpec::new(
-        OpKind::Allreduce,
-        vec![tensor("u8.f64", DataType::F64, &[2], &[fine, 3.0], false)],
-    );
-    assert_eq!(
-        output(&run(spec).unwrap()[0], DataType::F64),
-        vec![fine * n as f64, 3.0 * n as f64]
-    );
-    let mut spec = OpSpec::new(
-        OpKind::Allreduce,
-        vec![tensor(
-            "u8.max",
-            DataType::F32,
-            &[3],
-            &[0.1 * me as f64, 7.25, -1.0],
-            false,
-        )],
-    );
-    spec.reduce_op = ReduceOp::Max;
-    let got = output(&run(spec).unwrap()[0], DataType::F32);
-    assert_eq!(got, vec![(0.1 * (n - 1) as f64) as f32 as f64, 7.25, -1.0]);
+    uncompressed_ops_stay_exact("u8");
     finish_job();
 }
 
@@ -1591,11 +1544,9 @@ pub(crate) fn compressed_in_sets() {
         }
         let got = output(&finish(half_handle).unwrap()[0], DataType::F32);
         for (i, g) in got.iter().enumerate() {
-            let mag: f64 = members.iter().map(|r| v(i, *r).abs()).sum();
-            assert!(
-                (g - exact[i]).abs() <= 3.0 * 2f64.powi(-11) * mag + 1e-6,
-                "step {step} fp16 element {i}"
-            );
+            let each: Vec<f64> = members.iter().map(|r| v(i, *r)).collect();
+            let (want, tol) = half_sum(&each, 1.0, 2f64.powi(-11));
+            assert!((g - want).abs() <= tol, "step {step} fp16 element {i}");
         }
     }
     let off = (0..len)

@@ -313,3 +313,50 @@ impl PlanWatch {
         }
     }
 }
+
+/// f64 sums and f32 maxima travel as they are whatever the job's codec: exact. The f64 value
+/// needs more than f32's mantissa; the maximum needs more than f16's, and its three values
+/// would round in an 8-bit block.
+pub(crate) fn uncompressed_ops_stay_exact(prefix: &str) {
+    let (me, n) = (rank(), size());
+    let fine64 = 1.0 + 2f64.powi(-30);
+    let spec = OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor(
+            &format!("{prefix}.f64"),
+            DataType::F64,
+            &[2],
+            &[fine64, 3.0],
+            false,
+        )],
+    );
+    assert_eq!(
+        output(&run(spec).unwrap()[0], DataType::F64),
+        vec![fine64 * n as f64, 3.0 * n as f64]
+    );
+    let fine = 1.0 + 2f64.powi(-12);
+    let mut spec = OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor(
+            &format!("{prefix}.max"),
+            DataType::F32,
+            &[3],
+            &[fine + me as f64, 7.25, -1.0],
+            false,
+        )],
+    );
+    spec.reduce_op = ReduceOp::Max;
+    assert_eq!(
+        output(&run(spec).unwrap()[0], DataType::F32),
+        vec![fine + (n - 1) as f64, 7.25, -1.0]
+    );
+}
+
+/// The f64 reference of a sum of `each` (every rank's value) times `factor`, and the bound a
+/// 16-bit codec with unit roundoff `eps` keeps it within: each rank's value rounded once, each
+/// partial sum once.
+pub(crate) fn half_sum(each: &[f64], factor: f64, eps: f64) -> (f64, f64) {
+    let want = each.iter().sum::<f64>() * factor;
+    let mag = each.iter().map(|x| x.abs()).sum::<f64>() * factor.abs();
+    (want, (each.len() + 1) as f64 * eps * mag + 1e-6)
+}

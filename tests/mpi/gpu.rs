@@ -693,10 +693,7 @@ pub(crate) fn gpu_compressed() {
                         } else {
                             1.0
                         };
-                        let want = each.iter().sum::<f64>() * pre * post / div;
-                        let mag =
-                            each.iter().map(|x| x.abs()).sum::<f64>() * (pre * post / div).abs();
-                        let tol = (n + 1) as f64 * eps * mag + 1e-6;
+                        let (want, tol) = half_sum(&each, pre * post / div, eps);
                         assert!(
                             (g - want).abs() <= tol,
                             "{name} tensor {t} element {i}: got {g}, want {want} (tolerance {tol})"
@@ -741,9 +738,7 @@ pub(crate) fn gpu_compressed() {
                 stream.synchronize().unwrap();
                 for (i, x) in decode(DataType::F32, &got).iter().enumerate() {
                     let each: Vec<f64> = (0..n).map(|r| v(t, i + step, r)).collect();
-                    let want: f64 = each.iter().sum();
-                    let tol =
-                        (n + 1) as f64 * eps * each.iter().map(|x| x.abs()).sum::<f64>() + 1e-6;
+                    let (want, tol) = half_sum(&each, 1.0, eps);
                     assert!(
                         (x - want).abs() <= tol,
                         "step {step} tensor {t} element {i}: {x} vs {want}"
