@@ -8,8 +8,12 @@
 #
 #   bash scripts/hosts/up.sh N [RATE] [DELAY]
 #
-# FERROVOD_HOSTS_QUEUE: the token bucket's queue, as tbf's latency (default 1ms: a longer
-# queue lets a small message wait behind tens of MB of bulk data, and timings vary with it).
+# FERROVOD_HOSTS_QUEUE: the switch's queue toward each host, as tbf's latency (default 1ms: a
+# longer queue lets a small message wait behind tens of MB of bulk data, and timings vary with
+# it). A host's own transmit queue is deep (4 MB), as a NIC's queue is: a packet dropped in the
+# sender's own queue while none of its connection's packets is in flight stalls that TCP
+# connection for a whole retransmission timeout (200 ms), which a real NIC never causes
+# (BENCHMARKS.md, "pipelined hierarchical allreduce").
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 n=${1:?usage: up.sh N [RATE] [DELAY]}
@@ -37,6 +41,8 @@ for i in $(seq 0 $((n - 1))); do
     ip netns exec fvhostsw tc qdisc add dev "fvs$i" root tbf rate "$rate" burst 256kb latency "$queue"
     if [ -n "$delay" ]; then
       ip netns exec "$ns" tc qdisc add dev "fvh$i" parent 1:1 handle 10: netem delay "$delay"
+    else
+      ip netns exec "$ns" tc qdisc add dev "fvh$i" parent 1:1 handle 10: bfifo limit 4mb
     fi
   fi
 done

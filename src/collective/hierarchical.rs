@@ -1,7 +1,8 @@
 //! Hierarchical allreduce (Horovod's `HOROVOD_HIERARCHICAL_ALLREDUCE`, AIACC's and NCCL's
 //! shape): a reduce-scatter inside each node, an allreduce of each node rank's slice across the
 //! nodes among the ranks with the same node rank, an allgather inside each node. Only
-//! 1/ranks-per-node of the data crosses the slower network between nodes. Hierarchical
+//! 1/ranks-per-node of the data crosses the slower network between nodes; large buffers go in
+//! pieces whose node work overlaps the previous piece's network transfers. Hierarchical
 //! allgather (`HOROVOD_HIERARCHICAL_ALLGATHER`): an allgather inside the node, one allgather of
 //! whole nodes' blocks among the nodes' first ranks, a broadcast inside the node — every byte
 //! crosses the network once per node instead of once per rank. Written over the
@@ -9,7 +10,7 @@
 //! node; every node holds the same number of ranks (the runtime falls back to the flat
 //! collective otherwise).
 
-use crate::collective::ring::chunk;
+use crate::collective::ring::{self, HostWorkspace, chunk};
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
 use crate::message::ReduceOp;
@@ -84,8 +85,15 @@ pub fn allgatherv(levels: &Levels, buf: &mut [u8], counts: &[usize]) -> Result<(
     Ok(())
 }
 
+/// Size of the pieces a large hierarchical allreduce is cut into: while one piece crosses the
+/// network, the next is reduce-scattered inside the node and the one before allgathered there,
+/// so the node's work hides behind the slower link.
+pub const PIECE_BYTES: usize = 4 << 20;
+
 /// Allreduces `buf` (whole elements of `dtype`) in place with `op` (Sum, Min, Max or Product;
-/// averaging is the caller's postscale, as for the flat collective).
+/// averaging is the caller's postscale, as for the flat collective). Buffers of more than one
+/// piece are pipelined; the number of pieces depends on the size alone, so every rank cuts
+/// the same.
 pub fn allreduce(levels: &Levels, buf: &mut [u8], dtype: DataType, op: ReduceOp) -> Result<()> {
     let size = dtype.size();
     if !buf.len().is_multiple_of(size) {
@@ -95,16 +103,104 @@ pub fn allreduce(levels: &Levels, buf: &mut [u8], dtype: DataType, op: ReduceOp)
             dtype.name()
         )));
     }
-    let (n, me) = (levels.local.size(), levels.local.rank());
+    let pieces = buf.len().div_ceil(PIECE_BYTES);
+    if pieces <= 1 || levels.cross.size() == 1 {
+        let mut piece = Piece::new(levels, buf, dtype);
+        piece.scatter(levels, dtype, op)?;
+        levels.cross.allreduce(None, &mut piece.mine, dtype, op)?;
+        return piece.gather(levels);
+    }
+    pipelined(levels, buf, pieces, dtype, op)
+}
+
+/// One piece of a hierarchical allreduce: its bytes, how they split among the node's ranks
+/// (the same split on every rank of the node: a function of agreed sizes only), and this
+/// rank's part once reduced inside the node.
+struct Piece<'b> {
+    data: &'b mut [u8],
+    counts: Vec<usize>,
+    mine: Vec<u8>,
+}
+
+impl<'b> Piece<'b> {
+    fn new(levels: &Levels, data: &'b mut [u8], dtype: DataType) -> Piece<'b> {
+        let (n, me) = (levels.local.size(), levels.local.rank());
+        let elems = data.len() / dtype.size();
+        let counts: Vec<usize> = (0..n)
+            .map(|c| chunk(elems, dtype.size(), n, c).len())
+            .collect();
+        let mine = vec![0u8; counts[me]];
+        Piece { data, counts, mine }
+    }
+
+    /// This rank's part, reduced over the node's ranks.
+    fn scatter(&mut self, levels: &Levels, dtype: DataType, op: ReduceOp) -> Result<()> {
+        (levels.local).reduce_scatter(self.data, &mut self.mine, &self.counts, dtype, op)
+    }
+
+    /// Every part of the node back into the piece.
+    fn gather(&mut self, levels: &Levels) -> Result<()> {
+        (levels.local).allgatherv(Some(&self.mine), self.data, &self.counts)
+    }
+}
+
+/// The pieces in turn: each crosses the nodes in the ring (`ring.rs`), and while its transfers
+/// are in flight this rank reduce-scatters the next piece inside the node, then allgathers the
+/// previous one. Every rank of a node runs the same node collectives in the same order, and
+/// the ring's transfers are posted before them, so neither level waits on the other.
+fn pipelined(
+    levels: &Levels,
+    buf: &mut [u8],
+    pieces: usize,
+    dtype: DataType,
+    op: ReduceOp,
+) -> Result<()> {
+    let size = dtype.size();
     let elems = buf.len() / size;
-    // the same split on every rank of the node: a function of agreed sizes only
-    let counts: Vec<usize> = (0..n).map(|c| chunk(elems, size, n, c).len()).collect();
-    let mut mine = vec![0u8; counts[me]];
-    levels
-        .local
-        .reduce_scatter(buf, &mut mine, &counts, dtype, op)?;
-    levels.cross.allreduce(None, &mut mine, dtype, op)?;
-    levels.local.allgatherv(Some(&mine), buf, &counts)
+    let mut parts = Vec::with_capacity(pieces);
+    let mut rest = buf;
+    for k in 0..pieces {
+        let (head, tail) = rest.split_at_mut(chunk(elems, size, pieces, k).len());
+        parts.push(Piece::new(levels, head, dtype));
+        rest = tail;
+    }
+    let mut parts = parts.into_iter();
+    let mut current = parts.next();
+    if let Some(first) = current.as_mut() {
+        first.scatter(levels, dtype, op)?;
+    }
+    let mut gathering: Option<Piece> = None;
+    while let Some(mut piece) = current {
+        let mut next = parts.next();
+        let mut scattered = next.is_none();
+        let mut work = || -> Result<()> {
+            if !scattered {
+                scattered = true;
+                if let Some(n) = next.as_mut() {
+                    return n.scatter(levels, dtype, op);
+                }
+            }
+            match gathering.take() {
+                Some(mut g) => g.gather(levels),
+                None => Ok(()),
+            }
+        };
+        let mine_elems = piece.mine.len() / size;
+        {
+            let mut ws = HostWorkspace::new(levels.cross, &mut piece.mine, mine_elems, dtype)?
+                .overlapping(&mut work);
+            ring::allreduce(&mut ws, mine_elems, dtype, op)?;
+        }
+        // what the ring's transfers left no room for
+        work()?;
+        work()?;
+        gathering = Some(piece);
+        current = next;
+    }
+    match gathering {
+        Some(mut g) => g.gather(levels),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]

@@ -100,6 +100,8 @@ pub struct HostWorkspace<'a> {
     transport: &'a dyn Transport,
     data: &'a mut [u8],
     scratch: Vec<u8>,
+    /// Run while each transfer is in flight (a pipelined algorithm's work on another level).
+    meanwhile: Option<&'a mut dyn FnMut() -> Result<()>>,
 }
 
 impl<'a> HostWorkspace<'a> {
@@ -122,7 +124,29 @@ impl<'a> HostWorkspace<'a> {
             transport,
             data,
             scratch,
+            meanwhile: None,
         })
+    }
+
+    /// Runs `meanwhile` while each of the ring's transfers is in flight.
+    pub fn overlapping(mut self, meanwhile: &'a mut dyn FnMut() -> Result<()>) -> Self {
+        self.meanwhile = Some(meanwhile);
+        self
+    }
+}
+
+/// One of a host ring's transfers, with the workspace's `meanwhile` work if it has any.
+fn transfer(
+    transport: &dyn Transport,
+    meanwhile: &mut Option<&mut dyn FnMut() -> Result<()>>,
+    send: &[u8],
+    to: usize,
+    recv: &mut [u8],
+    from: usize,
+) -> Result<()> {
+    match meanwhile {
+        Some(f) => transport.sendrecv_while(send, to, recv, from, *f),
+        None => transport.sendrecv(send, to, recv, from),
     }
 }
 
@@ -142,8 +166,14 @@ impl Workspace for HostWorkspace<'_> {
         from: usize,
         recv_len: usize,
     ) -> Result<()> {
-        self.transport
-            .sendrecv(&self.data[send], to, &mut self.scratch[..recv_len], from)
+        transfer(
+            self.transport,
+            &mut self.meanwhile,
+            &self.data[send],
+            to,
+            &mut self.scratch[..recv_len],
+            from,
+        )
     }
 
     fn reduce_from_scratch(
@@ -172,7 +202,14 @@ impl Workspace for HostWorkspace<'_> {
             let (a, b) = self.data.split_at_mut(send.start);
             (&b[..send.len()], &mut a[recv])
         };
-        self.transport.sendrecv(send_part, to, recv_part, from)
+        transfer(
+            self.transport,
+            &mut self.meanwhile,
+            send_part,
+            to,
+            recv_part,
+            from,
+        )
     }
 }
 

@@ -86,7 +86,21 @@ pub trait Transport {
     /// Sends `send` to rank `to` while receiving `recv.len()` bytes from rank `from` (the two
     /// may be the same rank; either length may be 0). The point-to-point step that algorithms
     /// in `collective/` are built from.
-    fn sendrecv(&self, send: &[u8], to: usize, recv: &mut [u8], from: usize) -> Result<()>;
+    fn sendrecv(&self, send: &[u8], to: usize, recv: &mut [u8], from: usize) -> Result<()> {
+        self.sendrecv_while(send, to, recv, from, &mut || Ok(()))
+    }
+
+    /// `sendrecv`, running `meanwhile` (work on other communicators or memory) while the
+    /// transfer is in flight: how a pipelined algorithm overlaps one level's transfers with
+    /// another's. Both finish before it returns; `meanwhile`'s error comes first.
+    fn sendrecv_while(
+        &self,
+        send: &[u8],
+        to: usize,
+        recv: &mut [u8],
+        from: usize,
+        meanwhile: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()>;
 
     fn barrier(&self) -> Result<()>;
 }

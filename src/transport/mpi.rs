@@ -802,6 +802,21 @@ impl MpiComm {
         &self,
         transfers: &[(Direction, *mut c_void, usize, usize, usize)],
     ) -> Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.transfer_all_while(transfers, &mut || Ok(())) }
+    }
+
+    /// `transfer_all`, running `meanwhile` after the transfers are posted and before waiting
+    /// for them (its MPI calls on other communicators progress them). The transfers complete
+    /// even when `meanwhile` fails; its error is returned first.
+    ///
+    /// # Safety
+    /// As `transfer_all`; `meanwhile` must not touch the buffers.
+    unsafe fn transfer_all_while(
+        &self,
+        transfers: &[(Direction, *mut c_void, usize, usize, usize)],
+        meanwhile: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()> {
         let mut reqs: Vec<ffi::MPI_Request> = Vec::with_capacity(transfers.len());
         let mut posted = || -> Result<()> {
             for &(dir, buf, len, peer, tag) in transfers {
@@ -819,8 +834,9 @@ impl MpiComm {
             }
             return Err(e);
         }
+        let local = meanwhile();
         // SAFETY: every request was created above.
-        check(
+        let waited = check(
             unsafe {
                 ffi::MPI_Waitall(
                     reqs.len() as c_int,
@@ -829,7 +845,8 @@ impl MpiComm {
                 )
             },
             "MPI_Waitall",
-        )
+        );
+        local.and(waited)
     }
 
     /// The largest of every rank's `v`.
@@ -1257,7 +1274,14 @@ impl Transport for MpiComm {
         Ok(data)
     }
 
-    fn sendrecv(&self, send: &[u8], to: usize, recv: &mut [u8], from: usize) -> Result<()> {
+    fn sendrecv_while(
+        &self,
+        send: &[u8],
+        to: usize,
+        recv: &mut [u8],
+        from: usize,
+        meanwhile: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()> {
         let _blocked = blocked("MPI_Isend/MPI_Irecv");
         if to >= self.size || from >= self.size {
             return Err(Error::InvalidArgument(format!(
@@ -1272,8 +1296,9 @@ impl Transport for MpiComm {
         for (k, c) in send.chunks(self.max_count).enumerate() {
             transfers.push((Direction::Send, ptr(c) as *mut c_void, c.len(), to, k));
         }
-        // SAFETY: every range lies in `send` or `recv`, which outlive the call.
-        unsafe { self.transfer_all(&transfers) }
+        // SAFETY: every range lies in `send` or `recv`, which outlive the call; `meanwhile`
+        // cannot reach them while they are borrowed here.
+        unsafe { self.transfer_all_while(&transfers, meanwhile) }
     }
 
     fn barrier(&self) -> Result<()> {

@@ -1037,7 +1037,7 @@ pub(crate) fn hierarchical_allreduces() {
 
 /// Fused batches of tens of MiB whose scaling rides the copies into and out of the fusion
 /// buffer (in pieces of 64 KiB): tensors of odd sizes, inputs in place and in separate outputs;
-/// average with pre- and postscale, sum and max.
+/// average with pre- and postscale, sum and max. Hierarchical, they are pipelined in pieces.
 pub(crate) fn large_fused() {
     init();
     let (me, n) = (rank(), size());
@@ -1093,6 +1093,17 @@ pub(crate) fn large_fused() {
                 );
             }
         }
+    }
+    // FERROVOD_TEST_HIERARCHICAL=1: the batches went hierarchical, in several pieces each
+    if std::env::var("FERROVOD_TEST_HIERARCHICAL").is_ok_and(|v| v == "1") {
+        let batches = runtime::runtime()
+            .unwrap()
+            .metrics
+            .snapshot()
+            .hierarchical_batches;
+        assert!(batches > 0, "no hierarchical batch");
+        let smallest_batch = 4 * sizes.iter().sum::<usize>();
+        assert!(smallest_batch > 2 * ferrovod::collective::hierarchical::PIECE_BYTES);
     }
     finish_job();
 }

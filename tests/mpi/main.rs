@@ -497,6 +497,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     ("collectives", 3, HIERARCHICAL_UNEVEN, true),
     ("collectives", 4, HIERARCHICAL_ALLGATHER_LOCAL2, true),
     ("join", 4, HIERARCHICAL_LOCAL2, true),
+    ("large_fused", 4, HIERARCHICAL_LOCAL2, true),
     ("offline_steps", 4, HIERARCHICAL_OFFLINE, true),
     // every host allreduce through the ring over point-to-point transfers
     ("collectives", 3, &[("FERROVOD_RING_MIN_BYTES", "1")], true),
@@ -541,6 +542,18 @@ pub(crate) const HOST_SCENARIOS: &[HostScenario] = &[
     ),
     (
         "collectives",
+        Hosts {
+            n: 2,
+            per: 2,
+            rate: "10gbit",
+            round_robin: false,
+        },
+        HIERARCHICAL_HOSTS,
+        true,
+    ),
+    // pipelined pieces: each piece's transfers across hosts overlap the next one's node work
+    (
+        "large_fused",
         Hosts {
             n: 2,
             per: 2,
