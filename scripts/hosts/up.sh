@@ -10,10 +10,13 @@
 #
 # FERROVOD_HOSTS_QUEUE: the switch's queue toward each host, as tbf's latency (default 1ms: a
 # longer queue lets a small message wait behind tens of MB of bulk data, and timings vary with
-# it). A host's own transmit queue is deep (4 MB), as a NIC's queue is: a packet dropped in the
-# sender's own queue while none of its connection's packets is in flight stalls that TCP
-# connection for a whole retransmission timeout (200 ms), which a real NIC never causes
-# (BENCHMARKS.md, "pipelined hierarchical allreduce").
+# it). Each host's own transmit queue holds 1 MB and each TCP connection keeps at most 256 KB in
+# it (tcp_limit_output_bytes; the kernel's default is 1 MB): a packet dropped in the sender's
+# own queue while none of its connection's packets is in flight stalls that connection for a
+# whole retransmission timeout (200 ms), and with the rate estimate that veth's bursts inflate,
+# one connection would otherwise fill the queue and drop the others' packets there — what a
+# real NIC with small per-connection queues does not do (BENCHMARKS.md, "pipelined
+# hierarchical allreduce").
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 n=${1:?usage: up.sh N [RATE] [DELAY]}
@@ -34,6 +37,8 @@ for i in $(seq 0 $((n - 1))); do
   ip -n fvhostsw link set "fvs$i" up
   ip -n "$ns" addr add "10.78.0.$((i + 1))/24" dev "fvh$i"
   ip -n "$ns" link set lo up
+  # at most 256 KB of each connection in the host's transmit queue (see above)
+  ip netns exec "$ns" sysctl -q -w net.ipv4.tcp_limit_output_bytes=262144
   ip -n "$ns" link set "fvh$i" up
   if [ -n "$rate" ]; then
     # what host i sends, and what it receives (the bridge's side of its link)
@@ -42,7 +47,7 @@ for i in $(seq 0 $((n - 1))); do
     if [ -n "$delay" ]; then
       ip netns exec "$ns" tc qdisc add dev "fvh$i" parent 1:1 handle 10: netem delay "$delay"
     else
-      ip netns exec "$ns" tc qdisc add dev "fvh$i" parent 1:1 handle 10: bfifo limit 4mb
+      ip netns exec "$ns" tc qdisc add dev "fvh$i" parent 1:1 handle 10: bfifo limit 1mb
     fi
   fi
 done

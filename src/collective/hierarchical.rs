@@ -103,7 +103,7 @@ pub fn allreduce(levels: &Levels, buf: &mut [u8], dtype: DataType, op: ReduceOp)
             dtype.name()
         )));
     }
-    let pieces = buf.len().div_ceil(PIECE_BYTES);
+    let pieces = pieces(buf.len());
     if pieces <= 1 || levels.cross.size() == 1 {
         let mut piece = Piece::new(levels, buf, dtype);
         piece.scatter(levels, dtype, op)?;
@@ -112,6 +112,18 @@ pub fn allreduce(levels: &Levels, buf: &mut [u8], dtype: DataType, op: ReduceOp)
     }
     pipelined(levels, buf, pieces, dtype, op)
 }
+
+/// How many pieces a buffer of `len` bytes is cut into: pieces of `PIECE_BYTES`, and at least
+/// `MIN_PIECES` of a buffer from `MIN_PIECES` MiB up, so that mid sizes overlap too.
+fn pieces(len: usize) -> usize {
+    if len < MIN_PIECES << 20 {
+        return 1;
+    }
+    len.div_ceil(PIECE_BYTES).max(MIN_PIECES)
+}
+
+/// Pieces of a buffer that is pipelined at all.
+const MIN_PIECES: usize = 4;
 
 /// One piece of a hierarchical allreduce: its bytes, how they split among the node's ranks
 /// (the same split on every rank of the node: a function of agreed sizes only), and this
@@ -206,6 +218,19 @@ fn pipelined(
 #[cfg(test)]
 mod tests {
     use super::node_members;
+
+    #[test]
+    fn buffers_from_4_mib_go_in_at_least_4_pieces_of_at_most_4_mib() {
+        use super::{PIECE_BYTES, pieces};
+        assert_eq!(pieces(0), 1);
+        assert_eq!(pieces((4 << 20) - 1), 1);
+        assert_eq!(pieces(4 << 20), 4);
+        assert_eq!(pieces(16 << 20), 4);
+        assert_eq!(pieces((16 << 20) + 1), 5);
+        for len in [5usize << 20, 100 << 20, (97 << 20) + 3] {
+            assert!(len.div_ceil(pieces(len)) <= PIECE_BYTES, "{len}");
+        }
+    }
 
     #[test]
     fn nodes_are_ordered_by_their_lowest_rank_and_hold_their_ranks_ascending() {
