@@ -1026,13 +1026,17 @@ pub(crate) fn hierarchical_allreduces() {
         allreduce_checks(&ctx, dtype);
     }
     grouped_allreduce_checks(&ctx);
-    let batches = runtime::runtime()
+    assert!(hierarchical_batches() > 0, "no hierarchical batch");
+    finish_job();
+}
+
+/// Batches this process has allreduced hierarchically so far.
+fn hierarchical_batches() -> u64 {
+    runtime::runtime()
         .unwrap()
         .metrics
         .snapshot()
-        .hierarchical_batches;
-    assert!(batches > 0, "no hierarchical batch");
-    finish_job();
+        .hierarchical_batches
 }
 
 /// Fused batches of tens of MiB whose scaling rides the copies into and out of the fusion
@@ -1096,12 +1100,7 @@ pub(crate) fn large_fused() {
     }
     // FERROVOD_TEST_HIERARCHICAL=1: the batches went hierarchical, in several pieces each
     if std::env::var("FERROVOD_TEST_HIERARCHICAL").is_ok_and(|v| v == "1") {
-        let batches = runtime::runtime()
-            .unwrap()
-            .metrics
-            .snapshot()
-            .hierarchical_batches;
-        assert!(batches > 0, "no hierarchical batch");
+        assert!(hierarchical_batches() > 0, "no hierarchical batch");
         let smallest_batch = 4 * sizes.iter().sum::<usize>();
         assert!(smallest_batch > 2 * ferrovod::collective::hierarchical::PIECE_BYTES);
     }
