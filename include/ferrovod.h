@@ -109,7 +109,8 @@ typedef int32_t fv_dtype;
 
 /*
  Collective kinds. Values follow Horovod's `RequestType`; process-set changes are ferrovod's
- own, negotiated like tensors so that no per-cycle control traffic is needed for them.
+ own, negotiated like tensors so that no per-cycle control traffic is needed for them; so is
+ gossip.
  */
 enum fv_op_kind
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
@@ -125,6 +126,10 @@ enum fv_op_kind
   FV_OP_KIND_REDUCESCATTER = 7,
   FV_OP_KIND_ADD_PROCESS_SET = 20,
   FV_OP_KIND_REMOVE_PROCESS_SET = 21,
+  /*
+   ferrovod's own: every rank averages its tensor with one peer's (`collective::gossip`).
+   */
+  FV_OP_KIND_GOSSIP = 22,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -193,6 +198,35 @@ enum fv_compression
 typedef enum fv_compression fv_compression;
 #else
 typedef int32_t fv_compression;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/*
+ What a multistep allreduce does with the calls between its communications
+ (`fv_op.multistep_mode`).
+ */
+enum fv_multistep_mode
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : int32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /*
+   Their inputs are summed, and the communicating call reduces the sum (gradients:
+   Horovod's `backward_passes_per_step`). The output of a call that does not
+   communicate is left as it was.
+   */
+  FV_MULTISTEP_MODE_ACCUMULATE = 0,
+  /*
+   Only the communicating call's input is reduced (parameters: local SGD, model
+   averaging).
+   */
+  FV_MULTISTEP_MODE_LATEST = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum fv_multistep_mode fv_multistep_mode;
+#else
+typedef int32_t fv_multistep_mode;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
@@ -382,7 +416,25 @@ typedef struct fv_op {
    Every rank must ask for the same; other ops ignore it.
    */
   int32_t compression;
+  /*
+   Allreduce: communicate on every `multistep`-th call of each tensor only (0: as the
+   job's `FERROVOD_MULTISTEP` says; 1: every call). A call that does not communicate
+   completes before `fv_enqueue` returns (its callback runs on the calling thread) and
+   `fv_handle_value` reports 0 for it, 1 for a call that communicated.
+   */
+  int32_t multistep;
+  /*
+   Allreduce: an `fv_multistep_mode` value: what the calls between communications do.
+   */
+  int32_t multistep_mode;
+  /*
+   Allreduce: the first `multistep_warmup` calls of each tensor all communicate
+   (post-local SGD).
+   */
+  int32_t multistep_warmup;
 } fv_op;
+
+
 
 
 
@@ -558,7 +610,8 @@ fv_status fv_handle_received_splits(fv_handle h,
                                     int32_t *n);
 
 /*
- Join: the last rank that joined. Add process set: the new set's id.
+ Join: the last rank that joined. Add process set: the new set's id. Allreduce: 1 if it
+ communicated, 0 for a multistep call that did not.
  */
 fv_status fv_handle_value(fv_handle h, int32_t *out);
 

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use crate::dtype::DataType;
 use crate::error::{Error, Result, Status};
-use crate::message::{Compression, OpKind, ReduceOp};
+use crate::message::{Compression, Multistep, OpKind, ReduceOp};
 use crate::runtime::entry::{InputMem, OutputAllocator, OutputMem};
 use crate::runtime::handle::HandleId;
 use crate::runtime::{self, Communicator, InitOptions, OpSpec, TensorSpec};
@@ -103,6 +103,54 @@ pub struct fv_op {
     /// Allreduce: an `fv_compression` value (0: as the job's `FERROVOD_COMPRESSION` says).
     /// Every rank must ask for the same; other ops ignore it.
     pub compression: i32,
+    /// Allreduce: communicate on every `multistep`-th call of each tensor only (0: as the
+    /// job's `FERROVOD_MULTISTEP` says; 1: every call). A call that does not communicate
+    /// completes before `fv_enqueue` returns (its callback runs on the calling thread) and
+    /// `fv_handle_value` reports 0 for it, 1 for a call that communicated.
+    pub multistep: i32,
+    /// Allreduce: an `fv_multistep_mode` value: what the calls between communications do.
+    pub multistep_mode: i32,
+    /// Allreduce: the first `multistep_warmup` calls of each tensor all communicate
+    /// (post-local SGD).
+    pub multistep_warmup: i32,
+}
+
+/// What a multistep allreduce does with the calls between its communications
+/// (`fv_op.multistep_mode`).
+#[repr(i32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MultistepMode {
+    /// Their inputs are summed, and the communicating call reduces the sum (gradients:
+    /// Horovod's `backward_passes_per_step`). The output of a call that does not
+    /// communicate is left as it was.
+    Accumulate = 0,
+    /// Only the communicating call's input is reduced (parameters: local SGD, model
+    /// averaging).
+    Latest = 1,
+}
+
+/// The core's multistep for an op's fields (None: the job's); an error for bad values.
+fn multistep(op: &fv_op) -> Result<Option<Multistep>> {
+    if op.multistep < 0 || op.multistep_warmup < 0 {
+        return Err(Error::InvalidArgument(format!(
+            "multistep {} and multistep_warmup {} must not be negative",
+            op.multistep, op.multistep_warmup
+        )));
+    }
+    let accumulate = match op.multistep_mode {
+        m if m == MultistepMode::Accumulate as i32 => true,
+        m if m == MultistepMode::Latest as i32 => false,
+        m => {
+            return Err(Error::InvalidArgument(format!(
+                "unknown multistep mode {m}"
+            )));
+        }
+    };
+    Ok((op.multistep > 0).then_some(Multistep {
+        every: op.multistep as u32,
+        warmup: op.multistep_warmup as u32,
+        accumulate,
+    }))
 }
 
 /// How an allreduce's f32 values travel (`fv_op.compression`); only f32 sums and averages are
@@ -683,6 +731,7 @@ pub unsafe extern "C" fn fv_enqueue(op: *const fv_op, out: *mut fv_handle) -> St
         spec.prescale = op.prescale;
         spec.postscale = op.postscale;
         spec.compression = compression(op.compression)?;
+        spec.multistep = multistep(op)?;
         spec.root_rank = op.root_rank;
         spec.process_set = op.process_set;
         spec.device = op.device;
@@ -909,7 +958,8 @@ pub extern "C" fn fv_handle_received_splits(
     })
 }
 
-/// Join: the last rank that joined. Add process set: the new set's id.
+/// Join: the last rank that joined. Add process set: the new set's id. Allreduce: 1 if it
+/// communicated, 0 for a multistep call that did not.
 #[unsafe(no_mangle)]
 pub extern "C" fn fv_handle_value(h: fv_handle, out: *mut i32) -> Status {
     guard(|| {

@@ -166,6 +166,12 @@ pub struct Config {
     /// AIACC's `PERSEUS_ALLREDUCE_NANCHECK`: allreduces whose result holds NaN or Inf fail
     /// (`compress::check_finite`).
     pub nan_check: bool,
+    /// `FERROVOD_MULTISTEP` (default 1): allreduces that do not set their own multistep
+    /// communicate every this many calls of a tensor and sum its inputs in between.
+    pub multistep: u32,
+    /// `FERROVOD_GOSSIP_SYNC_EVERY` (default 10; 0: never): every this many rounds of a
+    /// gossiped tensor is an exact average instead.
+    pub gossip_sync_every: u32,
     /// `FERROVOD_POLL` (1 or 0; default: where each local rank has at least 4 cores): waiting
     /// threads poll briefly before they sleep (see `runtime::handle::set_polling`).
     pub poll: Option<bool>,
@@ -298,6 +304,8 @@ impl Config {
             compression: compression_from_env(),
             compression_min_bytes: env_opt_num("FERROVOD_COMPRESSION_MIN_BYTES"),
             nan_check: env_bool("PERSEUS_ALLREDUCE_NANCHECK"),
+            multistep: env_num("FERROVOD_MULTISTEP", 1u32).max(1),
+            gossip_sync_every: env_num("FERROVOD_GOSSIP_SYNC_EVERY", 10u32),
             hierarchical_allgather: env_bool("HOROVOD_HIERARCHICAL_ALLGATHER"),
             poll: env_str("FERROVOD_POLL").map(|_| env_bool("FERROVOD_POLL")),
         }

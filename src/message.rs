@@ -5,7 +5,8 @@ use crate::dtype::DataType;
 use crate::error::{Error, Result};
 
 /// Collective kinds. Values follow Horovod's `RequestType`; process-set changes are ferrovod's
-/// own, negotiated like tensors so that no per-cycle control traffic is needed for them.
+/// own, negotiated like tensors so that no per-cycle control traffic is needed for them; so is
+/// gossip.
 #[repr(i32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum OpKind {
@@ -18,12 +19,14 @@ pub enum OpKind {
     Reducescatter = 7,
     AddProcessSet = 20,
     RemoveProcessSet = 21,
+    /// ferrovod's own: every rank averages its tensor with one peer's (`collective::gossip`).
+    Gossip = 22,
 }
 
 impl OpKind {
     /// Rust only: as a C macro it would name identifiers that do not exist.
     /// cbindgen:ignore
-    pub const ALL: [OpKind; 9] = [
+    pub const ALL: [OpKind; 10] = [
         OpKind::Allreduce,
         OpKind::Allgather,
         OpKind::Broadcast,
@@ -33,6 +36,7 @@ impl OpKind {
         OpKind::Reducescatter,
         OpKind::AddProcessSet,
         OpKind::RemoveProcessSet,
+        OpKind::Gossip,
     ];
 
     pub fn from_i32(v: i32) -> Option<OpKind> {
@@ -51,6 +55,7 @@ impl OpKind {
             OpKind::Reducescatter => "REDUCESCATTER",
             OpKind::AddProcessSet => "ADD_PROCESS_SET",
             OpKind::RemoveProcessSet => "REMOVE_PROCESS_SET",
+            OpKind::Gossip => "GOSSIP",
         }
     }
 
@@ -63,6 +68,7 @@ impl OpKind {
                 | OpKind::Broadcast
                 | OpKind::Alltoall
                 | OpKind::Reducescatter
+                | OpKind::Gossip
         )
     }
 }
@@ -130,6 +136,8 @@ pub struct Request {
     pub postscale: f64,
     /// The operation's own compression (None: the job's).
     pub compression: Option<Compression>,
+    /// Allreduce: how often it communicates (resolved: the job's where the op did not say).
+    pub multistep: Multistep,
 }
 
 /// How an allreduce's values may travel (the codecs: `compress`), as a job
@@ -196,6 +204,44 @@ impl Compression {
     }
 }
 
+/// How often an allreduce communicates (`compress::multistep`): on every `every`-th call of a
+/// tensor, and on each of its first `warmup` calls (post-local SGD). Between communications
+/// the calls' inputs are summed and the sum is reduced (`accumulate`: gradients, Horovod's
+/// `backward_passes_per_step`), or only the communicating call's input is (parameters: local
+/// SGD, model averaging).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Multistep {
+    pub every: u32,
+    pub warmup: u32,
+    pub accumulate: bool,
+}
+
+impl Multistep {
+    /// Every call communicates.
+    pub const EVERY_CALL: Multistep = Multistep {
+        every: 1,
+        warmup: 0,
+        accumulate: true,
+    };
+
+    /// Whether a tensor's call number `call` (0 for its first) communicates: a pure function of
+    /// the call count, which every rank's script advances alike.
+    pub fn communicates(self, call: u64) -> bool {
+        let (every, warmup) = (self.every.max(1) as u64, self.warmup as u64);
+        call < warmup || (call - warmup + 1).is_multiple_of(every)
+    }
+
+    pub fn is_every_call(self) -> bool {
+        self.every <= 1
+    }
+}
+
+impl Default for Multistep {
+    fn default() -> Multistep {
+        Multistep::EVERY_CALL
+    }
+}
+
 /// What two descriptions of one tensor must agree on for the same collective to run: everything
 /// but the name, the data and (for responses) the outcome.
 #[derive(Clone, Debug, PartialEq)]
@@ -209,6 +255,7 @@ pub struct OpParams<'a> {
     pub prescale: f64,
     pub postscale: f64,
     pub compression: Option<Compression>,
+    pub multistep: Multistep,
 }
 
 impl Request {
@@ -223,6 +270,7 @@ impl Request {
             prescale: self.prescale,
             postscale: self.postscale,
             compression: self.compression,
+            multistep: self.multistep,
         }
     }
 
@@ -245,6 +293,7 @@ impl Request {
             prescale: 1.0,
             postscale: 1.0,
             compression: None,
+            multistep: Multistep::EVERY_CALL,
         }
     }
 }
@@ -266,6 +315,7 @@ pub struct Response {
     pub postscale: f64,
     /// The operation's own compression (None: the job's).
     pub compression: Option<Compression>,
+    pub multistep: Multistep,
     /// Join: the last rank to join. Add process set: the new set's id.
     pub result: i32,
     /// Set when negotiation failed: every rank completes the tensor with this precondition error.
@@ -284,6 +334,7 @@ impl Response {
             prescale: self.prescale,
             postscale: self.postscale,
             compression: self.compression,
+            multistep: self.multistep,
         }
     }
 
@@ -325,6 +376,7 @@ impl Response {
             prescale: req.prescale,
             postscale: req.postscale,
             compression: req.compression,
+            multistep: req.multistep,
             result: 0,
             error: None,
         }

@@ -25,12 +25,15 @@ NOT_INITIALIZED, SHUT_DOWN, TIMEOUT, INTERNAL = 6, 7, 8, 9
 
 # fv_op_kind
 ALLREDUCE, ALLGATHER, BROADCAST, JOIN, ALLTOALL, BARRIER, REDUCESCATTER = 0, 1, 2, 3, 5, 6, 7
+GOSSIP = 22
 
 # fv_reduce_op (Horovod's values)
 AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT = 0, 1, 2, 3, 4, 5
 # fv_compression: how an allreduce's f32 values travel (JOB: as FERROVOD_COMPRESSION says)
 (COMPRESSION_JOB, COMPRESSION_NONE, COMPRESSION_FP16, COMPRESSION_BF16, COMPRESSION_MIXED,
  COMPRESSION_U8) = range(6)
+# fv_multistep_mode: what a multistep allreduce does with the calls between communications
+MULTISTEP_ACCUMULATE, MULTISTEP_LATEST = 0, 1
 
 CPU_DEVICE = -1
 
@@ -104,6 +107,9 @@ class _Op(ctypes.Structure):
         ("stream", ctypes.c_void_p),
         ("ready_event", ctypes.c_void_p),
         ("compression", ctypes.c_int32),
+        ("multistep", ctypes.c_int32),
+        ("multistep_mode", ctypes.c_int32),
+        ("multistep_warmup", ctypes.c_int32),
     ]
 
 
@@ -405,6 +411,7 @@ class Handle:
         _register(hid, keep)
         self._outputs = outputs
         self._kind = kind
+        self.communicated = None
         self._released = False
 
     def __del__(self):
@@ -454,6 +461,9 @@ class Handle:
         try:
             if status != OK:
                 raise error_for(status, self._error() or last_error())
+            if self._kind == ALLREDUCE:
+                # False for a multistep call that only summed its input
+                self.communicated = self.value() != 0
             results = []
             for i, out in enumerate(self._outputs):
                 if isinstance(out, np.ndarray):
@@ -487,11 +497,14 @@ def auto_name(prefix):
 
 
 def enqueue(kind, arrays, names, reduce_op=SUM, prescale=1.0, postscale=1.0, root_rank=0,
-            process_set=0, splits=None, inplace=False, compression=COMPRESSION_JOB):
+            process_set=0, splits=None, inplace=False, compression=COMPRESSION_JOB,
+            multistep=0, multistep_mode=MULTISTEP_ACCUMULATE, multistep_warmup=0):
     """Enqueues one operation over numpy `arrays` (one name each) and returns a Handle.
 
     Allreduce/broadcast write a new array (or the input itself with `inplace=True`);
     allgather/alltoall/reducescatter outputs are allocated by ferrovod and copied out on wait.
+    Allreduce: `multistep` k > 1 communicates on every k-th call of each name only (0: as
+    FERROVOD_MULTISTEP says); the handle's `communicated` tells, after `wait`.
     """
     _sweep_orphans()
     arrays = [np.ascontiguousarray(a) for a in arrays]
@@ -533,6 +546,9 @@ def enqueue(kind, arrays, names, reduce_op=SUM, prescale=1.0, postscale=1.0, roo
     op.reduce_op = reduce_op
     op.prescale = prescale
     op.compression = compression
+    op.multistep = multistep
+    op.multistep_mode = multistep_mode
+    op.multistep_warmup = multistep_warmup
     op.postscale = postscale
     op.root_rank = root_rank
     op.process_set = process_set

@@ -30,6 +30,10 @@ pub fn host(
             collective::allgather_batch(t, how.allgather.as_ref(), resps, ios, fusion, sink)
         }
         OpKind::Reducescatter => collective::reducescatter_batch(t, resps, ios, fusion, sink),
+        OpKind::Gossip => match &how.gossip {
+            Some(s) => collective::gossip::batch(t, s, resps, ios, fusion, sink),
+            None => Err(Error::Internal("a gossip batch without its rounds".into())),
+        },
         OpKind::Broadcast => collective::broadcast(t, head, &mut *ios[0], sink),
         OpKind::Alltoall => collective::alltoall(t, head, &mut *ios[0], sink),
         other => Err(Error::Internal(format!(

@@ -5,6 +5,7 @@
 pub mod cost;
 pub mod device;
 pub mod execute;
+pub mod gossip;
 pub mod hierarchical;
 pub mod kernels;
 pub mod layout;
@@ -189,6 +190,8 @@ pub struct Algorithms<'a> {
     pub allreduce: Allreduce<'a>,
     /// Allgather hierarchically over these levels.
     pub allgather: Option<Levels<'a>>,
+    /// A gossip batch's rounds.
+    pub gossip: Option<gossip::Schedule>,
 }
 
 /// How a batch's values are allreduced (chosen per batch from agreed data).

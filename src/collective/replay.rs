@@ -197,6 +197,7 @@ mod tests {
             prescale: 1.0,
             postscale: 1.0,
             compression: None,
+            multistep: crate::message::Multistep::EVERY_CALL,
             result: 0,
             error: None,
         };

@@ -3,6 +3,7 @@
 //! agreed settings), fusion puts only tensors of one codec in a batch, and every rank encodes and
 //! decodes the same batches alike.
 
+pub mod multistep;
 pub mod quantize;
 
 use std::sync::Mutex;
@@ -162,6 +163,7 @@ mod tests {
             prescale: 1.0,
             postscale: 1.0,
             compression: None,
+            multistep: crate::message::Multistep::EVERY_CALL,
             result: 0,
             error: None,
         }

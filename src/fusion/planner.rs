@@ -29,7 +29,7 @@ fn fuses_at_all(r: &Response) -> bool {
     r.error.is_none()
         && matches!(
             r.kind,
-            OpKind::Allreduce | OpKind::Allgather | OpKind::Reducescatter
+            OpKind::Allreduce | OpKind::Allgather | OpKind::Reducescatter | OpKind::Gossip
         )
 }
 

@@ -106,6 +106,7 @@ impl Coordinator {
                 prescale: 1.0,
                 postscale: 1.0,
                 compression: None,
+                multistep: crate::message::Multistep::EVERY_CALL,
             });
             join.result = self.last_joined;
             ready.push(join);

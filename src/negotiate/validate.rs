@@ -38,6 +38,7 @@ fn join_unsupported(kind: OpKind) -> Option<&'static str> {
         OpKind::Alltoall => Some("Alltoall is not supported with Join at this time."),
         OpKind::Broadcast => Some("Broadcast is not supported with Join at this time."),
         OpKind::Reducescatter => Some("Reducescatter is not supported with Join at this time."),
+        OpKind::Gossip => Some("Gossip is not supported with Join at this time."),
         OpKind::AddProcessSet | OpKind::RemoveProcessSet => {
             Some("Process sets cannot be changed while a rank has joined.")
         }
@@ -77,7 +78,7 @@ pub fn find_mismatch(reqs: &[Request], any_joined: bool) -> Option<String> {
         return Some(format!("{text} (tensor '{name}')"));
     }
     match kind {
-        OpKind::Allreduce | OpKind::Broadcast | OpKind::Reducescatter => {
+        OpKind::Allreduce | OpKind::Broadcast | OpKind::Reducescatter | OpKind::Gossip => {
             if let Some((a, b)) = first_difference(reqs, |r| r.shape.clone()) {
                 return mismatch(
                     format!(
@@ -176,6 +177,29 @@ pub fn find_mismatch(reqs: &[Request], any_joined: bool) -> Option<String> {
         return mismatch(
             format!(
                 "Mismatched compression: One rank asked for {} compression, but another rank asked for {}.",
+                said(a),
+                said(b)
+            ),
+            name,
+            a,
+            b,
+        );
+    }
+    if kind == OpKind::Allreduce
+        && let Some((a, b)) = first_difference(reqs, |r| r.multistep)
+    {
+        let said = |r: &Request| {
+            let m = r.multistep;
+            let mode = if m.accumulate {
+                "accumulating"
+            } else {
+                "latest"
+            };
+            format!("every {} calls ({mode}, warm-up {})", m.every, m.warmup)
+        };
+        return mismatch(
+            format!(
+                "Mismatched multistep: One rank communicates {}, but another rank communicates {}.",
                 said(a),
                 said(b)
             ),

@@ -3,7 +3,7 @@
 
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
-use crate::message::{Compression, OpKind, ReduceOp, Request, Response};
+use crate::message::{Compression, Multistep, OpKind, ReduceOp, Request, Response};
 
 /// What a rank sends to the coordinator in a slow-path cycle.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -37,6 +37,11 @@ impl Writer {
     }
     fn u32(&mut self, v: u32) {
         self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn multistep(&mut self, m: Multistep) {
+        self.u32(m.every);
+        self.u32(m.warmup);
+        self.u8(u8::from(m.accumulate));
     }
     fn i32(&mut self, v: i32) {
         self.0.extend_from_slice(&v.to_le_bytes());
@@ -127,6 +132,17 @@ impl<'a> Reader<'a> {
                 .ok_or_else(|| corrupt("unknown compression")),
         }
     }
+    fn multistep(&mut self) -> Result<Multistep> {
+        Ok(Multistep {
+            every: self.u32()?,
+            warmup: self.u32()?,
+            accumulate: match self.u8()? {
+                0 => false,
+                1 => true,
+                _ => return Err(corrupt("bad multistep mode")),
+            },
+        })
+    }
     fn finish(&self) -> Result<()> {
         if self.pos == self.buf.len() {
             Ok(())
@@ -152,6 +168,7 @@ pub fn encode_requests(list: &RequestList) -> Vec<u8> {
         w.f64(r.prescale);
         w.f64(r.postscale);
         w.compression(r.compression);
+        w.multistep(r.multistep);
     }
     w.0
 }
@@ -176,6 +193,7 @@ pub fn decode_requests(buf: &[u8]) -> Result<RequestList> {
             prescale: r.f64()?,
             postscale: r.f64()?,
             compression: r.compression()?,
+            multistep: r.multistep()?,
         });
     }
     r.finish()?;
@@ -206,6 +224,7 @@ pub fn encode_responses(list: &ResponseList) -> Vec<u8> {
         w.f64(r.prescale);
         w.f64(r.postscale);
         w.compression(r.compression);
+        w.multistep(r.multistep);
         w.i32(r.result);
         match &r.error {
             Some(e) => {
@@ -248,6 +267,7 @@ pub fn decode_responses(buf: &[u8]) -> Result<ResponseList> {
             prescale: r.f64()?,
             postscale: r.f64()?,
             compression: r.compression()?,
+            multistep: r.multistep()?,
             result: r.i32()?,
             error: match r.u8()? {
                 0 => None,
@@ -281,6 +301,11 @@ mod tests {
             prescale: 0.5,
             postscale: 2.0,
             compression: Compression::from_code(i as usize % 5),
+            multistep: Multistep {
+                every: i as u32,
+                warmup: 7,
+                accumulate: i % 2 == 0,
+            },
         }
     }
 

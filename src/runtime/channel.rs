@@ -119,6 +119,7 @@ pub(crate) fn runs_on_channel(kind: OpKind) -> bool {
             | OpKind::Reducescatter
             | OpKind::Broadcast
             | OpKind::Alltoall
+            | OpKind::Gossip
     )
 }
 

@@ -97,6 +97,15 @@ impl TensorEntry {
         }
     }
 
+    /// Makes `values` what this tensor contributes (a multistep sum), its result still going
+    /// where the caller's input would have.
+    pub fn contribute(&mut self, values: Vec<u8>) {
+        let old = std::mem::replace(&mut self.input, InputMem::Owned(values));
+        if let (OutputMem::InPlace, InputMem::Borrowed(b)) = (&self.output, old) {
+            self.output = OutputMem::Borrowed(b);
+        }
+    }
+
     /// Finishes this tensor: hands its result (and library-owned output) to the handle.
     pub fn complete(mut self, outcome: Result<()>, value: Option<i32>) {
         self.complete_on_device(outcome, value, None);

@@ -257,6 +257,11 @@ impl Handle {
         s.outcome.clone().unwrap_or(Ok(()))
     }
 
+    /// Sets the value the operation reports unless its completion says otherwise.
+    pub fn set_value(&self, v: i32) {
+        self.state.lock().expect("handle lock").value = v;
+    }
+
     pub fn value(&self) -> i32 {
         self.state.lock().expect("handle lock").value
     }

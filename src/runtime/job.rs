@@ -44,6 +44,7 @@ pub(crate) fn open_job(rt: &Runtime, comm: &Communicator, multiple: bool) -> Res
         }
     };
     let mut settings = JobSettings::from_rank0(&world, &rt.config)?;
+    let _ = rt.job_multistep.set(settings.multistep);
     let world = world.with_max_count(settings.mpi_max_count);
     let local = world.split_local(Some(settings.local_size_override).filter(|n| *n > 0))?;
     let cross = world.split(local.rank() as i32)?;
@@ -134,6 +135,11 @@ pub(crate) struct JobSettings {
     pub compression: crate::compress::Codecs,
     /// `PERSEUS_ALLREDUCE_NANCHECK`.
     pub nan_check: bool,
+    /// `FERROVOD_MULTISTEP`: allreduces that do not say otherwise communicate every this many
+    /// calls, accumulating between.
+    pub multistep: u32,
+    /// `FERROVOD_GOSSIP_SYNC_EVERY`.
+    pub gossip_sync_every: u32,
 }
 
 /// An optional setting's "not set" on the wire.
@@ -161,6 +167,8 @@ impl JobSettings {
             cfg.compression_min_bytes
                 .unwrap_or(crate::compress::MIXED_MIN_BYTES),
             usize::from(cfg.nan_check),
+            cfg.multistep as usize,
+            cfg.gossip_sync_every as usize,
         ];
         let bytes: Vec<u8> = mine
             .iter()
@@ -173,7 +181,7 @@ impl JobSettings {
             .collect();
         if v[..] != mine[..] {
             tracing::warn!(
-                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS / HOROVOD_AUTOTUNE / FERROVOD_GPU_GRAPHS / FERROVOD_ALGORITHM / HOROVOD_HIERARCHICAL_ALLREDUCE / FERROVOD_RING_MIN_BYTES / HOROVOD_HIERARCHICAL_ALLGATHER / FERROVOD_COMPRESSION / FERROVOD_COMPRESSION_MIN_BYTES / PERSEUS_ALLREDUCE_NANCHECK differ from rank 0's; using rank 0's values {v:?}"
+                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS / HOROVOD_AUTOTUNE / FERROVOD_GPU_GRAPHS / FERROVOD_ALGORITHM / HOROVOD_HIERARCHICAL_ALLREDUCE / FERROVOD_RING_MIN_BYTES / HOROVOD_HIERARCHICAL_ALLGATHER / FERROVOD_COMPRESSION / FERROVOD_COMPRESSION_MIN_BYTES / PERSEUS_ALLREDUCE_NANCHECK / FERROVOD_MULTISTEP / FERROVOD_GOSSIP_SYNC_EVERY differ from rank 0's; using rank 0's values {v:?}"
             );
         }
         Ok(JobSettings {
@@ -195,6 +203,8 @@ impl JobSettings {
                 min_bytes: v[14],
             },
             nan_check: v[15] != 0,
+            multistep: v[16] as u32,
+            gossip_sync_every: v[17] as u32,
         })
     }
 }

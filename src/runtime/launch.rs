@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use crate::collective::cost::{Algorithm, CostModel, Link, Policy};
 use crate::collective::hierarchical::{Levels, node_members};
 use crate::collective::replay::{ReplayKey, batch_fingerprint};
-use crate::collective::{self, ActivitySink, Algorithms, Allreduce, TensorIo};
+use crate::collective::{self, ActivitySink, Algorithms, Allreduce, TensorIo, gossip};
 use crate::compress::{self, Codec, Codecs, Feedback, Wire};
 use crate::config::AlgorithmChoice;
 use crate::dtype::DataType;
@@ -190,6 +190,16 @@ fn measure(comm: &MpiComm, local: &MpiComm, cross: &MpiComm) -> Result<CostModel
     })
 }
 
+/// What a process set's communicators carry from one step to the next, whichever runs a
+/// tensor's batch.
+#[derive(Default)]
+pub(crate) struct Carried {
+    /// The `u8` codec's residuals.
+    pub feedback: Feedback,
+    /// Gossiped tensors' rounds.
+    pub rounds: gossip::Rounds,
+}
+
 /// Where batches run: a communicator with its host fusion buffer and its NCCL streams (and, for
 /// hierarchical collectives, its two levels). Each set has one, and so has each of its channels.
 pub(crate) struct Executor {
@@ -204,8 +214,10 @@ pub(crate) struct Executor {
     compression: Codecs,
     /// Allreduces with NaN or Inf in their result fail (agreed).
     pub nan_check: bool,
-    /// The `u8` codec's residuals, shared by the set's communicators.
-    pub feedback: Arc<Feedback>,
+    /// What the set's communicators carry from step to step.
+    pub carried: Arc<Carried>,
+    /// Every this many rounds a gossip is an exact average (0: never; agreed).
+    gossip_sync_every: u32,
 }
 
 impl Executor {
@@ -214,7 +226,7 @@ impl Executor {
         hierarchy: Option<Hierarchy>,
         ring_min_bytes: usize,
         settings: &JobSettings,
-        feedback: Arc<Feedback>,
+        carried: Arc<Carried>,
     ) -> Executor {
         Executor {
             data,
@@ -224,7 +236,8 @@ impl Executor {
             ring_min_bytes,
             compression: settings.compression,
             nan_check: settings.nan_check,
-            feedback,
+            carried,
+            gossip_sync_every: settings.gossip_sync_every,
         }
     }
 
@@ -289,6 +302,10 @@ impl Executor {
                 .filter(|h| h.allgather)
                 .map(Hierarchy::levels),
             allreduce,
+            gossip: (head.kind == OpKind::Gossip).then(|| gossip::Schedule {
+                rounds: self.carried.rounds.advance(resps),
+                sync_every: self.gossip_sync_every,
+            }),
         };
         let hierarchical = match head.kind {
             OpKind::Allreduce => matches!(how.allreduce, Allreduce::Hierarchical(_)),
@@ -300,7 +317,7 @@ impl Executor {
         }
         let wire = Wire {
             codec: self.codec(head),
-            feedback: &self.feedback,
+            feedback: &self.carried.feedback,
         };
         rt.metrics.add_wire(wire.codec, head.dtype, bytes as u64);
         // host memory is ready when enqueued
@@ -628,6 +645,7 @@ fn local_entries(set: &mut SetState, resps: &[&Response]) -> Option<Vec<TensorEn
                     prescale: r.prescale,
                     postscale: r.postscale,
                     compression: r.compression,
+                    multistep: r.multistep,
                 };
                 entries.push(TensorEntry::new(
                     req,
@@ -718,7 +736,7 @@ pub(crate) fn run_plan_batch(
             resps,
             Wire {
                 codec,
-                feedback: &set.executor.feedback,
+                feedback: &set.executor.carried.feedback,
             },
             ios,
             &mut set.executor.fusion,

@@ -25,7 +25,7 @@ use crossbeam::channel::{Sender, unbounded};
 use crate::config::Config;
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
-use crate::message::{CPU_DEVICE, Compression, OpKind, ReduceOp, Request};
+use crate::message::{CPU_DEVICE, Compression, Multistep, OpKind, ReduceOp, Request};
 use entry::{InputMem, OutputMem, SharedAllocator, TensorEntry};
 use handle::{DoneCallback, Handle, HandleTable};
 
@@ -87,6 +87,8 @@ pub struct OpSpec {
     pub postscale: f64,
     /// Allreduce: how its values travel (None: as the job's `FERROVOD_COMPRESSION` says).
     pub compression: Option<Compression>,
+    /// Allreduce: which calls communicate (None: as the job's `FERROVOD_MULTISTEP` says).
+    pub multistep: Option<Multistep>,
     /// Broadcast root as a rank of ferrovod's world.
     pub root_rank: i32,
     pub process_set: i32,
@@ -109,6 +111,7 @@ impl OpSpec {
             prescale: 1.0,
             postscale: 1.0,
             compression: None,
+            multistep: None,
             root_rank: 0,
             process_set: 0,
             device: CPU_DEVICE,
@@ -157,6 +160,10 @@ pub struct Runtime {
     gpu_device: OnceLock<i32>,
     /// How the global set picks each allreduce's algorithm (set at init).
     pub(crate) allreduce_policy: OnceLock<crate::collective::cost::Policy>,
+    /// The job's `FERROVOD_MULTISTEP` (set at init, agreed).
+    pub(crate) job_multistep: OnceLock<u32>,
+    /// Multistep allreduces' call counts and sums.
+    steps: crate::compress::multistep::Steps,
 }
 
 static RUNTIME: Mutex<Option<Arc<Runtime>>> = Mutex::new(None);
@@ -249,6 +256,8 @@ pub fn init(opts: InitOptions) -> Result<()> {
         metrics: metrics::Metrics::default(),
         gpu_device: OnceLock::new(),
         allreduce_policy: OnceLock::new(),
+        job_multistep: OnceLock::new(),
+        steps: Default::default(),
     });
     let (ready_tx, ready_rx) = crossbeam::channel::bounded(1);
     let rt2 = rt.clone();
@@ -391,7 +400,25 @@ impl Runtime {
             }
         }
         let set = spec.process_set;
+        let multistep = (entries.first())
+            .map(|e| e.request.multistep)
+            .filter(|m| spec.kind == OpKind::Allreduce && !m.is_every_call());
+        if let Some(m) = multistep
+            && !self.take_steps(set, m, &mut entries)?
+        {
+            // summed, nothing to send: complete now, reporting that nothing travelled
+            let handle = self.handles.create(entries.len(), spec.callback.take());
+            for (i, mut e) in entries.into_iter().enumerate() {
+                e.index = i;
+                e.handle = Some(handle.clone());
+                e.complete(Ok(()), Some(0));
+            }
+            return Ok(handle);
+        }
         let handle = self.handles.create(entries.len(), spec.callback.take());
+        if spec.kind == OpKind::Allreduce {
+            handle.set_value(1);
+        }
         let claimed = self.in_flight.lock().expect("in flight").claim(
             set,
             entries.iter().map(|e| (e.request.name.as_str(), e.place())),
@@ -420,6 +447,30 @@ impl Runtime {
             return Err(self.shut_down_error());
         }
         Ok(handle)
+    }
+
+    /// Records a multistep call of an allreduce's tensors; whether it communicates (then each
+    /// tensor's input is what is to travel: the sum of the calls since the last).
+    fn take_steps(&self, set: i32, m: Multistep, entries: &mut [TensorEntry]) -> Result<bool> {
+        use crate::collective::TensorIo;
+        use crate::compress::multistep::Call;
+        let calls = self.steps.call(
+            set,
+            m,
+            (entries.iter()).map(|e| (e.request.name.as_str(), e.request.dtype, e.input())),
+        )?;
+        let mut communicates = false;
+        for (e, call) in entries.iter_mut().zip(calls) {
+            match call {
+                Call::Skip => {}
+                Call::Input => communicates = true,
+                Call::Sum(sum) => {
+                    communicates = true;
+                    e.contribute(sum);
+                }
+            }
+        }
+        Ok(communicates)
     }
 
     /// This process's GPU for work it has no tensor of its own in (a joined rank): the one its
@@ -534,6 +585,7 @@ impl Runtime {
             prescale: 1.0,
             postscale: 1.0,
             compression: None,
+            multistep: Multistep::EVERY_CALL,
         };
         let no_memory = |r| TensorEntry::new(r, InputMem::Owned(Vec::new()), OutputMem::InPlace);
         match kind {
@@ -578,6 +630,11 @@ impl Runtime {
             0
         };
         let reduces = matches!(kind, OpKind::Allreduce | OpKind::Reducescatter);
+        if kind == OpKind::Gossip && spec.device != CPU_DEVICE {
+            return Err(Error::InvalidArgument(format!(
+                "{what}: gossip of GPU tensors is not supported yet"
+            )));
+        }
         for t in &spec.tensors {
             if t.name.is_empty() {
                 return Err(Error::InvalidArgument(format!(
@@ -600,6 +657,13 @@ impl Runtime {
                         t.name
                     )));
                 }
+            }
+            if kind == OpKind::Gossip && !t.dtype.is_float() {
+                return Err(Error::InvalidArgument(format!(
+                    "{what}: tensor '{}' is {}; gossip averages floating-point tensors only",
+                    t.name,
+                    t.dtype.name()
+                )));
             }
             let input_len = match &t.input {
                 InputMem::Borrowed(b) => b.len(),
@@ -682,8 +746,20 @@ impl Runtime {
             false => (ReduceOp::Sum, 1.0, 1.0),
         };
         let device = spec.device;
-        // only allreduces have codecs: elsewhere the field cannot make ranks disagree
+        // only allreduces have codecs and steps: elsewhere the fields cannot make ranks disagree
         let compression = spec.compression.filter(|_| kind == OpKind::Allreduce);
+        let multistep = match kind {
+            OpKind::Allreduce => spec.multistep.unwrap_or(Multistep {
+                every: self.job_multistep.get().copied().unwrap_or(1),
+                ..Multistep::EVERY_CALL
+            }),
+            _ => Multistep::EVERY_CALL,
+        };
+        if !multistep.is_every_call() && device != CPU_DEVICE {
+            return Err(Error::InvalidArgument(format!(
+                "{what}: multistep is not supported on GPU tensors yet"
+            )));
+        }
         Ok(std::mem::take(&mut spec.tensors)
             .into_iter()
             .map(|t| {
@@ -699,6 +775,7 @@ impl Runtime {
                     prescale,
                     postscale,
                     compression,
+                    multistep,
                 };
                 let mut e = TensorEntry::new(request, t.input, t.output);
                 e.splits = t.splits;
@@ -766,6 +843,7 @@ impl Runtime {
                 prescale: 1.0,
                 postscale: 1.0,
                 compression: None,
+                multistep: Multistep::EVERY_CALL,
             },
             InputMem::Owned(Vec::new()),
             OutputMem::InPlace,
@@ -820,5 +898,6 @@ fn op_title(kind: OpKind) -> &'static str {
         OpKind::Reducescatter => "Reducescatter",
         OpKind::AddProcessSet => "AddProcessSet",
         OpKind::RemoveProcessSet => "RemoveProcessSet",
+        OpKind::Gossip => "Gossip",
     }
 }

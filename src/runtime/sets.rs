@@ -15,7 +15,7 @@ use crate::runtime::Runtime;
 use crate::runtime::channel::{self, Channel};
 use crate::runtime::entry::PendingEntries;
 use crate::runtime::job::JobSettings;
-use crate::runtime::launch::{Executor, Hierarchy};
+use crate::runtime::launch::{Carried, Executor, Hierarchy};
 use crate::transport::Transport;
 use crate::transport::mpi::MpiComm;
 
@@ -79,7 +79,7 @@ impl SetState {
             let policy = hierarchy.as_ref().map_or(Policy::Flat, Hierarchy::policy);
             let _ = rt.allreduce_policy.set(policy);
         }
-        let feedback = Arc::new(crate::compress::Feedback::default());
+        let carried = Arc::new(Carried::default());
         let channels = if settings.channels > 1 {
             let done = rt
                 .inbox
@@ -88,13 +88,12 @@ impl SetState {
                 .clone()
                 .ok_or_else(Error::shut_down)?;
             let turn = Arc::new(channel::LaunchTurn::default());
-            let feedback = feedback.clone();
             (0..settings.channels)
                 .map(|k| {
                     let dup = comm.dup()?;
                     let hierarchy = Hierarchy::open(&dup, node, settings, false)?;
                     let executor =
-                        Executor::new(dup, hierarchy, ring_min_bytes, settings, feedback.clone());
+                        Executor::new(dup, hierarchy, ring_min_bytes, settings, carried.clone());
                     Channel::spawn(k, executor, done.clone(), rt.clone(), turn.clone())
                 })
                 .collect::<Result<Vec<_>>>()?
@@ -116,7 +115,7 @@ impl SetState {
             channels,
             batch_seq: 0,
             direct_bytes,
-            executor: Executor::new(comm, hierarchy, ring_min_bytes, settings, feedback),
+            executor: Executor::new(comm, hierarchy, ring_min_bytes, settings, carried),
         })
     }
 }

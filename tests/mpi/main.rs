@@ -16,6 +16,7 @@ use ferrovod::{DataType, Error, OpKind, ReduceOp};
 
 mod collectives;
 mod common;
+mod decentralized;
 mod gpu;
 mod hosts;
 mod negotiation;
@@ -25,6 +26,7 @@ mod shutdown;
 
 use collectives::*;
 use common::*;
+use decentralized::*;
 use gpu::{gpu_compressed, gpu_failure, gpu_graphs, gpu_kernels, gpu_ring, gpu_streams};
 use hosts::*;
 use negotiation::*;
@@ -165,6 +167,9 @@ pub(crate) const HIERARCHICAL_ALLGATHER_LOCAL2: &[(&str, &str)] = &[
 
 /// f32 sums and averages on the wire as 16-bit floats.
 pub(crate) const FP16: &[(&str, &str)] = &[("FERROVOD_COMPRESSION", "fp16")];
+
+/// Gossip rounds without the periodic exact average.
+const GOSSIP_ONLY: &[(&str, &str)] = &[("FERROVOD_GOSSIP_SYNC_EVERY", "0")];
 pub(crate) const BF16: &[(&str, &str)] = &[("FERROVOD_COMPRESSION", "bf16")];
 pub(crate) const MIXED: &[(&str, &str)] = &[
     ("FERROVOD_COMPRESSION", "mixed"),
@@ -476,6 +481,25 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         ],
         true,
     ),
+    ("gossip", 2, GOSSIP_ONLY, true),
+    ("gossip", 3, GOSSIP_ONLY, true),
+    ("gossip", 4, GOSSIP_ONLY, true),
+    ("gossip", 8, GOSSIP_ONLY, true),
+    (
+        "gossip_sync",
+        3,
+        &[("FERROVOD_GOSSIP_SYNC_EVERY", "3")],
+        true,
+    ),
+    (
+        "gossip_sync",
+        4,
+        &[("FERROVOD_GOSSIP_SYNC_EVERY", "3")],
+        true,
+    ),
+    ("gossip_stall", 3, STALL_FAST, true),
+    ("multistep", 2, &[("FERROVOD_MULTISTEP", "2")], true),
+    ("multistep", 3, &[("FERROVOD_MULTISTEP", "2")], true),
     ("ring", 2, &[], true),
     ("ring", 3, &[], true),
     ("ring", 4, &[], true),
@@ -1061,6 +1085,10 @@ pub(crate) fn run_rank(name: &str) {
         "nan_check" => nan_check(),
         "u8_compressed" => u8_compressed(),
         "compressed_in_sets" => compressed_in_sets(),
+        "gossip" => gossip(),
+        "gossip_sync" => gossip_sync(),
+        "gossip_stall" => gossip_stall(),
+        "multistep" => multistep(),
         "ring" => ring(),
         "gpu_ring" => gpu_ring(),
         "gpu_compressed" => gpu_compressed(),

@@ -88,6 +88,7 @@ pub(crate) fn offline_stale_plan() {
                 prescale: 1.0,
                 postscale: 1.0,
                 compression: None,
+                multistep: ferrovod::message::Multistep::EVERY_CALL,
             };
             ferrovod::message::Response::from_request(&req)
         })

@@ -1,0 +1,285 @@
+//! Gossip: each rank averages its tensor with one peer's, `(x_self + x_peer) / 2`, the peer
+//! chosen by an agreed schedule from the tensor's round (how many times it has been gossiped
+//! before). Every rank's peer is its peer's peer, so each exchange is one `sendrecv` and the
+//! sum over ranks is kept. Every `sync_every`-th round is an exact average (an allreduce)
+//! instead, so that the ranks' copies cannot drift apart for long.
+
+use std::sync::Mutex;
+
+use crate::collective::{ActivitySink, TensorIo};
+use crate::dtype::DataType;
+use crate::elementwise;
+use crate::error::{Error, Result};
+use crate::fusion::FusionBuffer;
+use crate::hashing::HashMap;
+use crate::message::{ReduceOp, Response};
+use crate::transport::Transport;
+
+/// Rank `rank`'s peer among `size` in round `round` (itself: it sits the round out).
+///
+/// A power of two: the hypercube, `rank XOR 2^(round mod log2 size)`, after log2 size
+/// consecutive rounds every rank holds the exact average. Otherwise a round-robin tournament
+/// (the circle method): `size - 1` rounds (`size` when odd, one rank idle in each) in which
+/// every pair meets once; the average is then reached geometrically, not exactly.
+pub fn peer(rank: usize, size: usize, round: u64) -> usize {
+    if size <= 1 {
+        return rank;
+    }
+    if size.is_power_of_two() {
+        let dims = size.trailing_zeros() as u64;
+        return rank ^ (1 << (round % dims));
+    }
+    // players 0..m, m even; the last one is a bye when size is odd
+    let m = size + size % 2;
+    let turns = (m - 1) as u64;
+    let r = (round % turns) as usize;
+    let circle = m - 1;
+    let partner = if rank == circle {
+        r
+    } else {
+        let q = (2 * r + circle - rank % circle) % circle;
+        if q == rank { circle } else { q }
+    };
+    if partner >= size { rank } else { partner }
+}
+
+/// Whether round `round` is an exact average (every `sync_every`-th; 0: never).
+pub fn syncs(round: u64, sync_every: u32) -> bool {
+    sync_every > 0 && (round + 1).is_multiple_of(sync_every as u64)
+}
+
+/// Each tensor's round, per name, within one process set: advanced as its batches run, which
+/// is in the same order on every rank (a name is never in flight twice).
+#[derive(Default)]
+pub struct Rounds(Mutex<HashMap<String, u64>>);
+
+impl Rounds {
+    /// The rounds of a batch's tensors, each advanced by one.
+    pub fn advance(&self, resps: &[&Response]) -> Vec<u64> {
+        let mut map = self.0.lock().expect("gossip rounds");
+        resps
+            .iter()
+            .map(|r| match map.get_mut(&r.name) {
+                Some(t) => {
+                    *t += 1;
+                    *t - 1
+                }
+                None => {
+                    map.insert(r.name.clone(), 1);
+                    0
+                }
+            })
+            .collect()
+    }
+}
+
+/// How a gossip batch runs: its tensors' rounds and the exact-average period.
+pub struct Schedule {
+    pub rounds: Vec<u64>,
+    pub sync_every: u32,
+}
+
+/// Gossip of one batch: tensors of one floating dtype, grouped by round (in rising order, so
+/// every rank meets its peers in the same order); each group travels as one message.
+pub fn batch(
+    t: &dyn Transport,
+    schedule: &Schedule,
+    resps: &[&Response],
+    ios: &mut [&mut dyn TensorIo],
+    fusion: &mut FusionBuffer,
+    act: ActivitySink,
+) -> Result<()> {
+    let dtype = resps[0].dtype;
+    if !dtype.is_float() {
+        return Err(Error::Internal(format!("gossip of {}", dtype.name())));
+    }
+    let mut rounds: Vec<u64> = schedule.rounds.clone();
+    rounds.sort_unstable();
+    rounds.dedup();
+    for round in rounds {
+        let members: Vec<usize> = (0..ios.len())
+            .filter(|i| schedule.rounds[*i] == round)
+            .collect();
+        let group = Group {
+            ios: &mut *ios,
+            members: &members,
+        };
+        if syncs(round, schedule.sync_every) {
+            average(t, dtype, group, fusion, act)?;
+        } else {
+            exchange(
+                t,
+                dtype,
+                peer(t.rank(), t.size(), round),
+                group,
+                fusion,
+                act,
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// The tensors of one round among a batch's.
+struct Group<'g, 'a> {
+    ios: &'g mut [&'a mut dyn TensorIo],
+    members: &'g [usize],
+}
+
+impl Group<'_, '_> {
+    fn input_bytes(&self) -> usize {
+        self.members
+            .iter()
+            .map(|i| self.ios[*i].input().len())
+            .sum()
+    }
+
+    /// Every member's input, in order, into consecutive places of `dst`.
+    fn pack(&self, dst: &mut [u8]) {
+        let mut at = 0;
+        for i in self.members {
+            let input = self.ios[*i].input();
+            dst[at..at + input.len()].copy_from_slice(input);
+            at += input.len();
+        }
+    }
+
+    /// Every member's output from consecutive places of `src` through `decode(out, place)`.
+    fn unpack(&mut self, mut decode: impl FnMut(&mut [u8], usize) -> Result<()>) -> Result<()> {
+        let mut at = 0;
+        for i in self.members {
+            let (_, out) = self.ios[*i].split_io();
+            decode(out, at)?;
+            at += out.len();
+        }
+        Ok(())
+    }
+}
+
+/// The exact average over all ranks.
+fn average(
+    t: &dyn Transport,
+    dtype: DataType,
+    mut group: Group,
+    fusion: &mut FusionBuffer,
+    act: ActivitySink,
+) -> Result<()> {
+    let buf = fusion.get(group.input_bytes());
+    act(Some("MEMCPY_IN_FUSION_BUFFER"));
+    group.pack(buf);
+    act(Some("MPI_ALLREDUCE"));
+    t.allreduce(None, buf, dtype, ReduceOp::Sum)?;
+    act(Some("MEMCPY_OUT_FUSION_BUFFER"));
+    let scale = 1.0 / t.size() as f64;
+    group
+        .unpack(|out, at| elementwise::copy_scaled(out, &buf[at..at + out.len()], dtype, scale))?;
+    act(None);
+    Ok(())
+}
+
+/// `(mine + peer's) / 2`, one message each way.
+fn exchange(
+    t: &dyn Transport,
+    dtype: DataType,
+    peer: usize,
+    mut group: Group,
+    fusion: &mut FusionBuffer,
+    act: ActivitySink,
+) -> Result<()> {
+    if peer == t.rank() {
+        for i in group.members {
+            if let (Some(input), out) = group.ios[*i].split_io() {
+                out.copy_from_slice(input);
+            }
+        }
+        return Ok(());
+    }
+    let total = group.input_bytes();
+    let (mine, theirs) = fusion.get(2 * total).split_at_mut(total);
+    act(Some("MEMCPY_IN_FUSION_BUFFER"));
+    group.pack(mine);
+    act(Some("GOSSIP_SENDRECV"));
+    t.sendrecv(mine, peer, theirs, peer)?;
+    act(Some("MEMCPY_OUT_FUSION_BUFFER"));
+    group.unpack(|out, at| {
+        let end = at + out.len();
+        out.copy_from_slice(&mine[at..end]);
+        elementwise::reduce_into(out, &theirs[at..end], dtype, ReduceOp::Sum)?;
+        elementwise::scale(out, dtype, 0.5)
+    })?;
+    act(None);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_ranks_peer_is_its_peers_peer() {
+        for size in 1..=13 {
+            for round in 0..30 {
+                for rank in 0..size {
+                    let p = peer(rank, size, round);
+                    assert!(p < size);
+                    assert_eq!(peer(p, size, round), rank, "size {size} round {round}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_hypercube_walks_each_dimension_in_turn() {
+        let got: Vec<usize> = (0..6).map(|r| peer(5, 8, r)).collect();
+        assert_eq!(got, vec![4, 7, 1, 4, 7, 1]);
+        assert_eq!(peer(0, 2, 7), 1);
+    }
+
+    /// Pairwise averaging under the schedule, in f64, from distinct values.
+    fn simulate(size: usize, rounds: u64) -> Vec<f64> {
+        let mut x: Vec<f64> = (0..size).map(|r| (r * r) as f64).collect();
+        for round in 0..rounds {
+            let prev = x.clone();
+            for (rank, v) in x.iter_mut().enumerate() {
+                *v = (prev[rank] + prev[peer(rank, size, round)]) / 2.0;
+            }
+        }
+        x
+    }
+
+    #[test]
+    fn powers_of_two_reach_the_mean_in_log2_rounds() {
+        for size in [2usize, 4, 8, 16] {
+            let mean = (0..size).map(|r| (r * r) as f64).sum::<f64>() / size as f64;
+            let x = simulate(size, size.trailing_zeros() as u64);
+            assert!(x.iter().all(|v| (v - mean).abs() < 1e-12), "{size}: {x:?}");
+        }
+    }
+
+    #[test]
+    fn other_sizes_meet_everyone_and_converge() {
+        for size in [3usize, 5, 6, 7] {
+            let turns = (size + size % 2 - 1) as u64;
+            // every pair meets within one tournament
+            for a in 0..size {
+                for b in 0..size {
+                    if a != b {
+                        assert!((0..turns).any(|r| peer(a, size, r) == b), "{size}: {a} {b}");
+                    }
+                }
+            }
+            let mean = (0..size).map(|r| (r * r) as f64).sum::<f64>() / size as f64;
+            let spread = |x: &[f64]| x.iter().map(|v| (v - mean).abs()).fold(0.0, f64::max);
+            let start = spread(&simulate(size, 0));
+            let later = spread(&simulate(size, 10 * turns));
+            assert!(later < start * 1e-3, "{size}: {start} -> {later}");
+        }
+    }
+
+    #[test]
+    fn sync_rounds_come_every_m() {
+        let got: Vec<u64> = (0..25).filter(|r| syncs(*r, 10)).collect();
+        assert_eq!(got, vec![9, 19]);
+        assert!(!(0..100).any(|r| syncs(r, 0)));
+    }
+}
