@@ -412,8 +412,9 @@ typedef struct fv_op {
    */
   void *ready_event;
   /*
-   Allreduce: an `fv_compression` value (0: as the job's `FERROVOD_COMPRESSION` says).
-   Every rank must ask for the same; other ops ignore it.
+   Allreduce and gossip: an `fv_compression` value (0: as the job's
+   `FERROVOD_COMPRESSION` says; gossip sends compressed differences against copies kept
+   per peer). Every rank must ask for the same; other ops ignore it.
    */
   int32_t compression;
   /*

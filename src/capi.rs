@@ -100,8 +100,9 @@ pub struct fv_op {
     /// GPU ops: or an already recorded `CUevent` the inputs are ready at (NULL: none; takes
     /// precedence over `stream`). With neither, the inputs must be ready at enqueue.
     pub ready_event: *mut c_void,
-    /// Allreduce: an `fv_compression` value (0: as the job's `FERROVOD_COMPRESSION` says).
-    /// Every rank must ask for the same; other ops ignore it.
+    /// Allreduce and gossip: an `fv_compression` value (0: as the job's
+    /// `FERROVOD_COMPRESSION` says; gossip sends compressed differences against copies kept
+    /// per peer). Every rank must ask for the same; other ops ignore it.
     pub compression: i32,
     /// Allreduce: communicate on every `multistep`-th call of each tensor only (0: as the
     /// job's `FERROVOD_MULTISTEP` says; 1: every call). A call that does not communicate

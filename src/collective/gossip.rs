@@ -3,10 +3,18 @@
 //! before). Every rank's peer is its peer's peer, so each exchange is one `sendrecv` and the
 //! sum over ranks is kept. Every `sync_every`-th round is an exact average (an allreduce)
 //! instead, so that the ranks' copies cannot drift apart for long.
+//!
+//! Compressed gossip (CHOCO-SGD's idea, over one peer per round): the two ranks of a pair keep
+//! the same two public copies of a tensor, each rank's as the other has seen it (`Replicas`).
+//! A rank sends the difference between its tensor and its public copy, compressed (16-bit or
+//! 8-bit), and both ranks add the decoded difference to that copy. The average moves by half
+//! the difference of the two public copies, so the sum over the pair is kept exactly and what
+//! compression loses is sent again at the pair's next meeting rather than lost.
 
 use std::sync::Mutex;
 
 use crate::collective::{ActivitySink, TensorIo};
+use crate::compress::{Codec, quantize};
 use crate::dtype::DataType;
 use crate::elementwise;
 use crate::error::{Error, Result};
@@ -73,10 +81,100 @@ impl Rounds {
     }
 }
 
-/// How a gossip batch runs: its tensors' rounds and the exact-average period.
-pub struct Schedule {
+/// How a gossip batch runs: its tensors' rounds, the exact-average period, and how the values
+/// travel (`Codec::None`, or compressed differences against `replicas`).
+pub struct Schedule<'a> {
     pub rounds: Vec<u64>,
     pub sync_every: u32,
+    pub codec: Codec,
+    pub replicas: &'a Replicas,
+}
+
+/// The public copies of a pair's tensor: this rank's and the peer's, as both have seen them.
+#[derive(Default)]
+struct Pair {
+    mine: Vec<f32>,
+    theirs: Vec<f32>,
+}
+
+/// Compressed gossip's public copies, per tensor name and peer (zeros before the first
+/// meeting, or after the tensor's size changed).
+#[derive(Default)]
+pub struct Replicas(Mutex<HashMap<(String, usize), Pair>>);
+
+/// Values per 8-bit block of a compressed difference.
+const U8_BLOCK: usize = 1024;
+
+/// The bytes on the wire of `values` f32 differences.
+fn diff_len(codec: Codec, values: usize) -> usize {
+    match codec {
+        Codec::Half(w) => values * w.size(),
+        Codec::U8 => values.div_ceil(U8_BLOCK) * quantize::HEADER + values,
+        Codec::None => values * 4,
+    }
+}
+
+/// Encodes the differences `d` into `out`, and what the receiver will decode into `back`.
+fn encode_diff(codec: Codec, d: &[f32], out: &mut [u8], back: &mut [f32]) {
+    match codec {
+        Codec::Half(w) => {
+            for ((v, o), b) in d.iter().zip(out.chunks_exact_mut(2)).zip(back) {
+                let (bytes, value) = half_of(w, *v);
+                o.copy_from_slice(&bytes);
+                *b = value;
+            }
+        }
+        Codec::U8 => {
+            let mut at = 0;
+            for (x, b) in d.chunks(U8_BLOCK).zip(back.chunks_mut(U8_BLOCK)) {
+                let n = quantize::encoded_len(x.len());
+                quantize::encode(x, &mut out[at..at + n], b);
+                // `b` holds what rounding lost: the decoded value is what is left
+                b.iter_mut().zip(x).for_each(|(l, v)| *l = v - *l);
+                at += n;
+            }
+        }
+        Codec::None => {
+            for ((v, o), b) in d.iter().zip(out.chunks_exact_mut(4)).zip(back) {
+                o.copy_from_slice(&v.to_le_bytes());
+                *b = *v;
+            }
+        }
+    }
+}
+
+/// `v` rounded to the 16-bit type `w`: its bytes and its value.
+fn half_of(w: DataType, v: f32) -> ([u8; 2], f32) {
+    match w {
+        DataType::BF16 => {
+            let h = half::bf16::from_f32(v);
+            (h.to_le_bytes(), h.to_f32())
+        }
+        _ => {
+            let h = half::f16::from_f32(v);
+            (h.to_le_bytes(), h.to_f32())
+        }
+    }
+}
+
+/// Adds the differences encoded in `src` to `acc`.
+fn add_diff(codec: Codec, src: &[u8], acc: &mut [f32]) {
+    match codec {
+        Codec::Half(DataType::BF16) => (acc.iter_mut().zip(src.chunks_exact(2)))
+            .for_each(|(a, s)| *a += half::bf16::from_le_bytes([s[0], s[1]]).to_f32()),
+        Codec::Half(_) => (acc.iter_mut().zip(src.chunks_exact(2)))
+            .for_each(|(a, s)| *a += half::f16::from_le_bytes([s[0], s[1]]).to_f32()),
+        Codec::U8 => {
+            let mut at = 0;
+            for a in acc.chunks_mut(U8_BLOCK) {
+                let n = quantize::encoded_len(a.len());
+                quantize::decode(&src[at..at + n], a, true);
+                at += n;
+            }
+        }
+        Codec::None => (acc.iter_mut().zip(src.chunks_exact(4)))
+            .for_each(|(a, s)| *a += f32::from_le_bytes([s[0], s[1], s[2], s[3]])),
+    }
 }
 
 /// Gossip of one batch: tensors of one floating dtype, grouped by round (in rising order, so
@@ -90,6 +188,12 @@ pub fn batch(
     act: ActivitySink,
 ) -> Result<()> {
     let dtype = resps[0].dtype;
+    if schedule.codec != Codec::None && dtype != DataType::F32 {
+        return Err(Error::Internal(format!(
+            "compressed gossip of {}",
+            dtype.name()
+        )));
+    }
     if !dtype.is_float() {
         return Err(Error::Internal(format!("gossip of {}", dtype.name())));
     }
@@ -104,17 +208,20 @@ pub fn batch(
             ios: &mut *ios,
             members: &members,
         };
+        let peer = peer(t.rank(), t.size(), round);
         if syncs(round, schedule.sync_every) {
             average(t, dtype, group, fusion, act)?;
+        } else if schedule.codec == Codec::None || peer == t.rank() {
+            exchange(t, dtype, peer, group, fusion, act)?;
         } else {
-            exchange(
-                t,
-                dtype,
-                peer(t.rank(), t.size(), round),
-                group,
-                fusion,
-                act,
-            )?;
+            let names: Vec<&str> = members.iter().map(|i| resps[*i].name.as_str()).collect();
+            let pairs = Exchange {
+                codec: schedule.codec,
+                peer,
+                replicas: schedule.replicas,
+                names: &names,
+            };
+            exchange_compressed(t, &pairs, group, fusion, act)?;
         }
     }
     Ok(())
@@ -207,6 +314,77 @@ fn exchange(
         elementwise::reduce_into(out, &theirs[at..end], dtype, ReduceOp::Sum)?;
         elementwise::scale(out, dtype, 0.5)
     })?;
+    act(None);
+    Ok(())
+}
+
+/// A compressed exchange with one peer.
+struct Exchange<'a> {
+    codec: Codec,
+    peer: usize,
+    replicas: &'a Replicas,
+    /// The group's tensor names, in member order.
+    names: &'a [&'a str],
+}
+
+/// `x + (theirs - mine) / 2` over the pair's public copies, after both advanced by the
+/// compressed differences exchanged now.
+fn exchange_compressed(
+    t: &dyn Transport,
+    how: &Exchange,
+    group: Group,
+    fusion: &mut FusionBuffer,
+    act: ActivitySink,
+) -> Result<()> {
+    let values: Vec<usize> = (group.members.iter())
+        .map(|i| group.ios[*i].input().len() / 4)
+        .collect();
+    let lens: Vec<usize> = values.iter().map(|v| diff_len(how.codec, *v)).collect();
+    let total: usize = lens.iter().sum();
+    let (send, recv) = fusion.get(2 * total).split_at_mut(total);
+    let mut replicas = how.replicas.0.lock().expect("gossip replicas");
+    let mut pairs: Vec<Pair> = (how.names.iter().zip(&values))
+        .map(|(name, n)| {
+            let p = replicas.remove(&(name.to_string(), how.peer));
+            p.filter(|p| p.mine.len() == *n).unwrap_or_else(|| Pair {
+                mine: vec![0.0; *n],
+                theirs: vec![0.0; *n],
+            })
+        })
+        .collect();
+    act(Some("GOSSIP_COMPRESS"));
+    let (mut at, mut d, mut back) = (0, Vec::new(), Vec::new());
+    for ((i, pair), len) in group.members.iter().zip(&mut pairs).zip(&lens) {
+        let x = group.ios[*i].input().chunks_exact(4);
+        d.clear();
+        d.extend(
+            (x.zip(&pair.mine)).map(|(b, m)| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) - m),
+        );
+        back.resize(d.len(), 0.0);
+        encode_diff(how.codec, &d, &mut send[at..at + len], &mut back);
+        pair.mine.iter_mut().zip(&back).for_each(|(m, b)| *m += b);
+        at += len;
+    }
+    act(Some("GOSSIP_SENDRECV"));
+    // on failure the pair's copies are dropped on this side (the job is ending)
+    t.sendrecv(send, how.peer, recv, how.peer)?;
+    act(Some("GOSSIP_DECOMPRESS"));
+    let mut at = 0;
+    for ((i, pair), len) in group.members.iter().zip(&mut pairs).zip(&lens) {
+        add_diff(how.codec, &recv[at..at + len], &mut pair.theirs);
+        at += len;
+        let (input, out) = group.ios[*i].split_io();
+        let x: Vec<f32> = (input.unwrap_or(out).chunks_exact(4))
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let avg = (x.iter().zip(&pair.mine).zip(&pair.theirs)).map(|((x, m), t)| x + 0.5 * (t - m));
+        for (o, v) in out.chunks_exact_mut(4).zip(avg) {
+            o.copy_from_slice(&v.to_le_bytes());
+        }
+    }
+    for (name, pair) in how.names.iter().zip(pairs) {
+        replicas.insert((name.to_string(), how.peer), pair);
+    }
     act(None);
     Ok(())
 }

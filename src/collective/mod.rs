@@ -191,7 +191,7 @@ pub struct Algorithms<'a> {
     /// Allgather hierarchically over these levels.
     pub allgather: Option<Levels<'a>>,
     /// A gossip batch's rounds.
-    pub gossip: Option<gossip::Schedule>,
+    pub gossip: Option<gossip::Schedule<'a>>,
 }
 
 /// How a batch's values are allreduced (chosen per batch from agreed data).

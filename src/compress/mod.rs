@@ -40,12 +40,16 @@ impl Default for Codecs {
 
 impl Codecs {
     /// The codec of one tensor: a pure function of its agreed response and the agreed settings
-    /// (identical on every rank). Only f32 sums and averages compress: a 16-bit min, max or
-    /// product would change results beyond rounding, and other dtypes gain nothing or lose range.
+    /// (identical on every rank). Only f32 sums, averages and gossip compress: a 16-bit min,
+    /// max or product would change results beyond rounding, and other dtypes gain nothing or
+    /// lose range.
     pub fn of(&self, r: &Response) -> Codec {
-        let compressible = r.kind == OpKind::Allreduce
-            && r.dtype == DataType::F32
-            && matches!(r.reduce_op, ReduceOp::Sum | ReduceOp::Average);
+        let reduces = match r.kind {
+            OpKind::Allreduce => matches!(r.reduce_op, ReduceOp::Sum | ReduceOp::Average),
+            OpKind::Gossip => true,
+            _ => false,
+        };
+        let compressible = reduces && r.dtype == DataType::F32;
         if !compressible {
             return Codec::None;
         }

@@ -170,7 +170,7 @@ pub fn find_mismatch(reqs: &[Request], any_joined: bool) -> Option<String> {
             );
         }
     }
-    if kind == OpKind::Allreduce
+    if matches!(kind, OpKind::Allreduce | OpKind::Gossip)
         && let Some((a, b)) = first_difference(reqs, |r| r.compression)
     {
         let said = |r: &Request| r.compression.map_or("the job's", |c| c.name());

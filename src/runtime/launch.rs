@@ -198,6 +198,8 @@ pub(crate) struct Carried {
     pub feedback: Feedback,
     /// Gossiped tensors' rounds.
     pub rounds: gossip::Rounds,
+    /// Compressed gossip's public copies.
+    pub replicas: gossip::Replicas,
 }
 
 /// Where batches run: a communicator with its host fusion buffer and its NCCL streams (and, for
@@ -297,6 +299,7 @@ impl Executor {
             _ if self.ring_min_bytes > 0 && bytes >= self.ring_min_bytes => Allreduce::Ring,
             _ => Allreduce::Native,
         };
+        let codec = self.codec(head);
         let how = Algorithms {
             allgather: (self.hierarchy.as_ref())
                 .filter(|h| h.allgather)
@@ -305,6 +308,8 @@ impl Executor {
             gossip: (head.kind == OpKind::Gossip).then(|| gossip::Schedule {
                 rounds: self.carried.rounds.advance(resps),
                 sync_every: self.gossip_sync_every,
+                codec,
+                replicas: &self.carried.replicas,
             }),
         };
         let hierarchical = match head.kind {
@@ -316,7 +321,7 @@ impl Executor {
             rt.metrics.add_hierarchical_batch();
         }
         let wire = Wire {
-            codec: self.codec(head),
+            codec,
             feedback: &self.carried.feedback,
         };
         rt.metrics.add_wire(wire.codec, head.dtype, bytes as u64);

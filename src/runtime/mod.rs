@@ -747,7 +747,8 @@ impl Runtime {
         };
         let device = spec.device;
         // only allreduces have codecs and steps: elsewhere the fields cannot make ranks disagree
-        let compression = spec.compression.filter(|_| kind == OpKind::Allreduce);
+        let compression =
+            (spec.compression).filter(|_| matches!(kind, OpKind::Allreduce | OpKind::Gossip));
         let multistep = match kind {
             OpKind::Allreduce => spec.multistep.unwrap_or(Multistep {
                 every: self.job_multistep.get().copied().unwrap_or(1),

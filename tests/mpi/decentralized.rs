@@ -357,3 +357,90 @@ pub(crate) fn multistep() {
     );
     finish_job();
 }
+
+/// Compressed gossip (`FERROVOD_COMPRESSION` fp16 or u8 reaches gossip ops too, and an op's own
+/// compression wins): the sum over the ranks is kept every round, and the ranks reach the mean
+/// far below one rounding step of the compression (the error does not accumulate).
+pub(crate) fn gossip_compressed() {
+    init();
+    let (me, n) = (rank(), size());
+    let len = 3000;
+    let exact_sum: Vec<f64> = (0..len)
+        .map(|i| (0..n).map(|r| start(i, r) as f32 as f64).sum())
+        .collect();
+    let mean: Vec<f64> = exact_sum.iter().map(|s| s / n as f64).collect();
+    let spread = |x: &[f64]| {
+        x.iter()
+            .zip(&mean)
+            .map(|(a, m)| (a - m).abs())
+            .fold(0.0, f64::max)
+    };
+    let job = std::env::var("FERROVOD_COMPRESSION").unwrap();
+    let metrics = || runtime::runtime().unwrap().metrics.snapshot();
+    for (codec, name) in [(None, "c.job"), (Some(Compression::Bf16), "c.bf16")] {
+        let mut x: Vec<f64> = (0..len).map(|i| start(i, me) as f32 as f64).collect();
+        let first = spread(&x);
+        let mut spreads = Vec::new();
+        let rounds = 12 * (n + n % 2 - 1);
+        for round in 0..rounds {
+            let mut spec = gossip_spec(&[name.into()], DataType::F32, &[x.clone()]);
+            spec.compression = codec;
+            let before = metrics();
+            let got = run(spec).unwrap();
+            let after = metrics();
+            let y = output(&got[0], DataType::F32);
+            // the bytes travelled as the codec says
+            let wire = match codec.map_or(job.as_str(), |c| c.name()) {
+                "fp16" => after.wire_fp16 - before.wire_fp16,
+                "bf16" => after.wire_bf16 - before.wire_bf16,
+                "u8" => after.wire_u8 - before.wire_u8,
+                other => panic!("{other}"),
+            };
+            assert!(wire > 0, "rank {me} {name}: nothing travelled compressed");
+            let peer = ferrovod::collective::gossip::peer(me, n, round as u64);
+            let wide = codec.map_or(job.as_str(), |c| c.name());
+            if round == 0 && peer != me && wide != "u8" {
+                // fresh copies: x + (h(x_peer) - h(x)) / 2, h the 16-bit rounding
+                let dtype = if wide == "bf16" {
+                    DataType::BF16
+                } else {
+                    DataType::F16
+                };
+                let h = |v: f64| quantize(dtype, &[v])[0] as f32;
+                for (i, (got, mine)) in y.iter().zip(&x).enumerate() {
+                    let theirs = start(i, peer) as f32 as f64;
+                    let want = *mine as f32 + 0.5 * (h(theirs) - h(*mine));
+                    assert_eq!(*got as f32, want, "rank {me} {name} element {i}");
+                }
+            }
+            x = y;
+            // the sum over the ranks is what it was
+            let got = run(OpSpec::new(
+                OpKind::Allreduce,
+                vec![tensor(
+                    &format!("{name}.sum"),
+                    DataType::F64,
+                    &[len as i64],
+                    &x,
+                    false,
+                )],
+            ))
+            .unwrap();
+            let sum = output(&got[0], DataType::F64);
+            for (i, (s, e)) in sum.iter().zip(&exact_sum).enumerate() {
+                assert!(
+                    (s - e).abs() < 1e-3,
+                    "rank {me} {name} element {i}: sum {s} vs {e}"
+                );
+            }
+            spreads.push(spread(&x));
+        }
+        // one 16-bit rounding of these values is ~1e-2 (bf16) or ~4e-2 (an 8-bit block step)
+        let last = *spreads.last().unwrap();
+        assert!(
+            last < first * 1e-4,
+            "rank {me} {name}: {first} -> {spreads:?}"
+        );
+    }
+    finish_job();
+}

@@ -498,6 +498,24 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         true,
     ),
     ("gossip_stall", 3, STALL_FAST, true),
+    (
+        "gossip_compressed",
+        4,
+        &[
+            ("FERROVOD_COMPRESSION", "fp16"),
+            ("FERROVOD_GOSSIP_SYNC_EVERY", "0"),
+        ],
+        true,
+    ),
+    (
+        "gossip_compressed",
+        3,
+        &[
+            ("FERROVOD_COMPRESSION", "u8"),
+            ("FERROVOD_GOSSIP_SYNC_EVERY", "0"),
+        ],
+        true,
+    ),
     ("multistep", 2, &[("FERROVOD_MULTISTEP", "2")], true),
     ("multistep", 3, &[("FERROVOD_MULTISTEP", "2")], true),
     ("ring", 2, &[], true),
@@ -1088,6 +1106,7 @@ pub(crate) fn run_rank(name: &str) {
         "gossip" => gossip(),
         "gossip_sync" => gossip_sync(),
         "gossip_stall" => gossip_stall(),
+        "gossip_compressed" => gossip_compressed(),
         "multistep" => multistep(),
         "ring" => ring(),
         "gpu_ring" => gpu_ring(),
