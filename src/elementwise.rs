@@ -315,6 +315,50 @@ pub fn reduce_into(acc: &mut [u8], x: &[u8], dtype: DataType, op: ReduceOp) -> R
     Ok(())
 }
 
+/// `out = (a + b) / 2` for floating dtypes in one pass: the sum rounded to the dtype (16-bit
+/// floats added in f32), then halved. The same on both ranks of a gossip pair (addition
+/// commutes).
+pub fn mean_of_two(out: &mut [u8], a: &[u8], b: &[u8], dtype: DataType) -> Result<()> {
+    if out.len() != a.len() || a.len() != b.len() || !out.len().is_multiple_of(dtype.size()) {
+        return Err(Error::Internal(format!(
+            "mean_of_two: {}, {} and {} bytes of {}",
+            out.len(),
+            a.len(),
+            b.len(),
+            dtype.name()
+        )));
+    }
+    macro_rules! mean {
+        ($t:ty, $n:expr, $f:expr) => {
+            for ((o, x), y) in out
+                .chunks_exact_mut($n)
+                .zip(a.chunks_exact($n))
+                .zip(b.chunks_exact($n))
+            {
+                let v: $t = $f(
+                    <$t>::from_le_bytes(x.try_into().expect("element")),
+                    <$t>::from_le_bytes(y.try_into().expect("element")),
+                );
+                o.copy_from_slice(&v.to_le_bytes());
+            }
+        };
+    }
+    match dtype {
+        DataType::F32 => mean!(f32, 4, |x: f32, y: f32| (x + y) * 0.5),
+        DataType::F64 => mean!(f64, 8, |x: f64, y: f64| (x + y) * 0.5),
+        DataType::F16 => mean!(f16, 2, |x: f16, y: f16| {
+            f16::from_f32(f16::from_f32(x.to_f32() + y.to_f32()).to_f32() * 0.5)
+        }),
+        DataType::BF16 => mean!(bf16, 2, |x: bf16, y: bf16| {
+            bf16::from_f32(bf16::from_f32(x.to_f32() + y.to_f32()).to_f32() * 0.5)
+        }),
+        other => {
+            return Err(Error::Internal(format!("mean_of_two of {}", other.name())));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -2,6 +2,12 @@
 package maps `horovod.tensorflow` here)."""
 
 from ferrovod.tensorflow.compression import Compression  # noqa: F401
+from ferrovod.tensorflow.decentralized import (  # noqa: F401
+    GossipAveraging,
+    LocalSGD,
+    gossip,
+    multistep_allreduce,
+)
 from ferrovod.tensorflow import util  # noqa: F401
 from ferrovod.tensorflow.functions import (  # noqa: F401
     allgather_object,

@@ -80,6 +80,7 @@ struct Pending {
   std::vector<fv_tensor> tensors;
   bool splits_output = false;              // alltoall: second output = received splits
   bool join_output = false;                // join: output = last joined rank
+  int communicated_output = -1;            // multistep allreduce: this output says whether it communicated
 };
 
 // The message of a failed operation; if even that cannot be read, says so with both codes.
@@ -121,6 +122,17 @@ void OnDone(void* user, fv_handle h, int32_t code) {
       if (s.ok() && n > 0) std::memcpy(out->flat<int32_t>().data(), got.data(), sizeof(int32_t) * n);
       p->ctx->SetStatus(s);
     }
+  } else if (p->communicated_output >= 0) {
+    int32_t sent = 0;
+    int32_t rc = fv_handle_value(h, &sent);
+    if (rc != FV_STATUS_OK) {
+      p->ctx->SetStatus(ToStatus(rc, "ferrovod: reading whether a multistep allreduce communicated failed: " + LastError()));
+    } else {
+      Tensor* out = nullptr;
+      auto s = p->ctx->allocate_output(p->communicated_output, TensorShape({}), &out);
+      if (s.ok()) out->scalar<bool>()() = sent != 0;
+      p->ctx->SetStatus(s);
+    }
   } else if (p->join_output) {
     int32_t last = -1;
     int32_t rc = fv_handle_value(h, &last);
@@ -159,6 +171,12 @@ class CollectiveOp : public AsyncOpKernel {
     if (c->HasAttr("process_set_id")) OP_REQUIRES_OK(c, c->GetAttr("process_set_id", &process_set_));
     if (c->HasAttr("num_tensors")) OP_REQUIRES_OK(c, c->GetAttr("num_tensors", &num_tensors_));
     if (c->HasAttr("compression")) OP_REQUIRES_OK(c, c->GetAttr("compression", &compression_));
+    multistep_op_ = c->HasAttr("multistep");
+    if (multistep_op_) {
+      OP_REQUIRES_OK(c, c->GetAttr("multistep", &multistep_));
+      OP_REQUIRES_OK(c, c->GetAttr("multistep_mode", &multistep_mode_));
+      OP_REQUIRES_OK(c, c->GetAttr("multistep_warmup", &multistep_warmup_));
+    }
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
@@ -201,6 +219,8 @@ class CollectiveOp : public AsyncOpKernel {
         Tensor* out = nullptr;
         OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(i, in.shape(), &out), done);
         t.output = const_cast<char*>(out->tensor_data().data());
+        // a multistep call that does not communicate leaves the output as it is: the input
+        if (multistep_op_ && in.TotalBytes() > 0) std::memcpy(t.output, t.input, in.TotalBytes());
       }
     }
     if (kind_ == FV_OP_KIND_ALLTOALL) {
@@ -225,6 +245,12 @@ class CollectiveOp : public AsyncOpKernel {
     op.prescale = prescale_;
     op.postscale = postscale_;
     op.compression = compression_;
+    if (multistep_op_) {
+      op.multistep = multistep_;
+      op.multistep_mode = multistep_mode_;
+      op.multistep_warmup = multistep_warmup_;
+      p->communicated_output = n;
+    }
     op.root_rank = root_rank_;
     op.process_set = process_set_;
     op.device = FV_CPU_DEVICE;
@@ -255,6 +281,10 @@ class CollectiveOp : public AsyncOpKernel {
   int process_set_ = 0;
   int num_tensors_ = 1;
   int compression_ = FV_COMPRESSION_DEFAULT;
+  bool multistep_op_ = false;
+  int multistep_ = 0;
+  int multistep_mode_ = FV_MULTISTEP_MODE_ACCUMULATE;
+  int multistep_warmup_ = 0;
 };
 
 template <int32_t Kind>
@@ -367,6 +397,43 @@ REGISTER_OP("HorovodGroupedAllreduce")
     .Output("sum: num_tensors*T")
     .SetShapeFn(SameShapes);
 REGISTER_KERNEL_BUILDER(Name("HorovodGroupedAllreduce").Device(::tensorflow::DEVICE_CPU), KindOp<FV_OP_KIND_ALLREDUCE>);
+
+// ferrovod's own: a multistep allreduce (communicates on every `multistep`-th call of its
+// tensors; `communicated` says whether this one did) and gossip (neighbour average).
+REGISTER_OP("FerrovodMultistepAllreduce")
+    .Attr("T: {float16, bfloat16, float32, float64}")
+    .Attr("reduce_op: int")
+    .Attr("prescale_factor: float = 1.0")
+    .Attr("postscale_factor: float = 1.0")
+    .Attr("compression: int = 0")
+    .Attr("multistep: int")
+    .Attr("multistep_mode: int = 0")
+    .Attr("multistep_warmup: int = 0")
+    .Attr("num_tensors: int")
+    .Attr("ignore_name_scope: bool = False")
+    .Attr("process_set_id: int = 0")
+    .Input("tensors: num_tensors*T")
+    .Output("sum: num_tensors*T")
+    .Output("communicated: bool")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      for (int i = 0; i < c->num_inputs(); ++i) c->set_output(i, c->input(i));
+      c->set_output(c->num_inputs(), c->Scalar());
+      return absl::OkStatus();
+    });
+REGISTER_KERNEL_BUILDER(Name("FerrovodMultistepAllreduce").Device(::tensorflow::DEVICE_CPU), KindOp<FV_OP_KIND_ALLREDUCE>);
+
+REGISTER_OP("FerrovodGossip")
+    .Attr("T: {float16, bfloat16, float32, float64}")
+    .Attr("compression: int = 0")
+    .Attr("num_tensors: int")
+    .Attr("ignore_name_scope: bool = False")
+    .Attr("process_set_id: int = 0")
+    .Input("tensors: num_tensors*T")
+    .Output("average: num_tensors*T")
+    .SetIsStateful()
+    .SetShapeFn(SameShapes);
+REGISTER_KERNEL_BUILDER(Name("FerrovodGossip").Device(::tensorflow::DEVICE_CPU), KindOp<FV_OP_KIND_GOSSIP>);
 
 REGISTER_OP("HorovodAllgather")
     .Attr(FV_ALL_TYPES)

@@ -8,6 +8,7 @@
 #
 #   bash scripts/hosts/up.sh N [RATE] [DELAY]
 #
+# FERROVOD_HOSTS_SLOW=I:RATE: host I's link runs at RATE instead (a straggler).
 # FERROVOD_HOSTS_QUEUE: the switch's queue toward each host, as tbf's latency (default 1ms: a
 # longer queue lets a small message wait behind tens of MB of bulk data, and timings vary with
 # it). Each host's own transmit queue holds 1 MB and each TCP connection keeps at most 256 KB in
@@ -40,10 +41,14 @@ for i in $(seq 0 $((n - 1))); do
   # at most 256 KB of each connection in the host's transmit queue (see above)
   ip netns exec "$ns" sysctl -q -w net.ipv4.tcp_limit_output_bytes=262144
   ip -n "$ns" link set "fvh$i" up
-  if [ -n "$rate" ]; then
+  r=$rate
+  if [ -n "${FERROVOD_HOSTS_SLOW:-}" ] && [ "${FERROVOD_HOSTS_SLOW%%:*}" = "$i" ]; then
+    r=${FERROVOD_HOSTS_SLOW#*:}
+  fi
+  if [ -n "$r" ]; then
     # what host i sends, and what it receives (the bridge's side of its link)
-    ip netns exec "$ns" tc qdisc add dev "fvh$i" root handle 1: tbf rate "$rate" burst 256kb latency "$queue"
-    ip netns exec fvhostsw tc qdisc add dev "fvs$i" root tbf rate "$rate" burst 256kb latency "$queue"
+    ip netns exec "$ns" tc qdisc add dev "fvh$i" root handle 1: tbf rate "$r" burst 256kb latency "$queue"
+    ip netns exec fvhostsw tc qdisc add dev "fvs$i" root tbf rate "$r" burst 256kb latency "$queue"
     if [ -n "$delay" ]; then
       ip netns exec "$ns" tc qdisc add dev "fvh$i" parent 1:1 handle 10: netem delay "$delay"
     else
@@ -51,4 +56,4 @@ for i in $(seq 0 $((n - 1))); do
     fi
   fi
 done
-echo "emulated hosts: $n at ${rate:-unlimited}${delay:+, +$delay}: $(seq -s ' ' -f '10.78.0.%g' 1 "$n")"
+echo "emulated hosts: $n at ${rate:-unlimited}${delay:+, +$delay}${FERROVOD_HOSTS_SLOW:+ (host ${FERROVOD_HOSTS_SLOW%%:*} at ${FERROVOD_HOSTS_SLOW#*:})}: $(seq -s ' ' -f '10.78.0.%g' 1 "$n")"

@@ -14,6 +14,9 @@
 use std::sync::Mutex;
 
 use crate::collective::{ActivitySink, TensorIo};
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+
 use crate::compress::{Codec, quantize};
 use crate::dtype::DataType;
 use crate::elementwise;
@@ -102,37 +105,41 @@ struct Pair {
 #[derive(Default)]
 pub struct Replicas(Mutex<HashMap<(String, usize), Pair>>);
 
-/// Values per 8-bit block of a compressed difference.
-const U8_BLOCK: usize = 1024;
+/// Values per block of a compressed difference (an 8-bit block's scale covers this many).
+const BLOCK: usize = 1024;
 
 /// The bytes on the wire of `values` f32 differences.
 fn diff_len(codec: Codec, values: usize) -> usize {
     match codec {
         Codec::Half(w) => values * w.size(),
-        Codec::U8 => values.div_ceil(U8_BLOCK) * quantize::HEADER + values,
+        Codec::U8 => values.div_ceil(BLOCK) * quantize::HEADER + values,
         Codec::None => values * 4,
     }
 }
 
-/// Encodes the differences `d` into `out`, and what the receiver will decode into `back`.
-fn encode_diff(codec: Codec, d: &[f32], out: &mut [u8], back: &mut [f32]) {
-    match codec {
-        Codec::Half(w) => {
-            for ((v, o), b) in d.iter().zip(out.chunks_exact_mut(2)).zip(back) {
-                let (bytes, value) = half_of(w, *v);
-                o.copy_from_slice(&bytes);
-                *b = value;
-            }
+/// Encodes one block of differences `d` into `out` (`diff_len(d.len())` bytes), and writes
+/// what the receiver will decode into `back`.
+fn encode_block(codec: Codec, d: &[f32], out: &mut [u8], back: &mut [f32]) {
+    fn narrow<H: Copy>(d: &[f32], out: &mut [u8], back: &mut [f32], bytes: fn(H) -> [u8; 2])
+    where
+        [H]: HalfFloatSliceExt,
+        H: Default,
+    {
+        let mut h = [H::default(); BLOCK];
+        let h = &mut h[..d.len()];
+        h.convert_from_f32_slice(d);
+        h.convert_to_f32_slice(back);
+        for (o, v) in out.chunks_exact_mut(2).zip(h.iter()) {
+            o.copy_from_slice(&bytes(*v));
         }
+    }
+    match codec {
+        Codec::Half(DataType::BF16) => narrow::<bf16>(d, out, back, bf16::to_le_bytes),
+        Codec::Half(_) => narrow::<f16>(d, out, back, f16::to_le_bytes),
         Codec::U8 => {
-            let mut at = 0;
-            for (x, b) in d.chunks(U8_BLOCK).zip(back.chunks_mut(U8_BLOCK)) {
-                let n = quantize::encoded_len(x.len());
-                quantize::encode(x, &mut out[at..at + n], b);
-                // `b` holds what rounding lost: the decoded value is what is left
-                b.iter_mut().zip(x).for_each(|(l, v)| *l = v - *l);
-                at += n;
-            }
+            // `back` first holds what rounding lost: the decoded value is what is left
+            quantize::encode(d, out, back);
+            back.iter_mut().zip(d).for_each(|(l, v)| *l = v - *l);
         }
         Codec::None => {
             for ((v, o), b) in d.iter().zip(out.chunks_exact_mut(4)).zip(back) {
@@ -143,37 +150,25 @@ fn encode_diff(codec: Codec, d: &[f32], out: &mut [u8], back: &mut [f32]) {
     }
 }
 
-/// `v` rounded to the 16-bit type `w`: its bytes and its value.
-fn half_of(w: DataType, v: f32) -> ([u8; 2], f32) {
-    match w {
-        DataType::BF16 => {
-            let h = half::bf16::from_f32(v);
-            (h.to_le_bytes(), h.to_f32())
+/// Decodes one block of differences from `src` into `out`.
+fn decode_block(codec: Codec, src: &[u8], out: &mut [f32]) {
+    fn widen<H: Copy + Default>(src: &[u8], out: &mut [f32], from: fn([u8; 2]) -> H)
+    where
+        [H]: HalfFloatSliceExt,
+    {
+        let mut h = [H::default(); BLOCK];
+        let h = &mut h[..out.len()];
+        for (v, s) in h.iter_mut().zip(src.chunks_exact(2)) {
+            *v = from([s[0], s[1]]);
         }
-        _ => {
-            let h = half::f16::from_f32(v);
-            (h.to_le_bytes(), h.to_f32())
-        }
+        h.convert_to_f32_slice(out);
     }
-}
-
-/// Adds the differences encoded in `src` to `acc`.
-fn add_diff(codec: Codec, src: &[u8], acc: &mut [f32]) {
     match codec {
-        Codec::Half(DataType::BF16) => (acc.iter_mut().zip(src.chunks_exact(2)))
-            .for_each(|(a, s)| *a += half::bf16::from_le_bytes([s[0], s[1]]).to_f32()),
-        Codec::Half(_) => (acc.iter_mut().zip(src.chunks_exact(2)))
-            .for_each(|(a, s)| *a += half::f16::from_le_bytes([s[0], s[1]]).to_f32()),
-        Codec::U8 => {
-            let mut at = 0;
-            for a in acc.chunks_mut(U8_BLOCK) {
-                let n = quantize::encoded_len(a.len());
-                quantize::decode(&src[at..at + n], a, true);
-                at += n;
-            }
-        }
-        Codec::None => (acc.iter_mut().zip(src.chunks_exact(4)))
-            .for_each(|(a, s)| *a += f32::from_le_bytes([s[0], s[1], s[2], s[3]])),
+        Codec::Half(DataType::BF16) => widen::<bf16>(src, out, bf16::from_le_bytes),
+        Codec::Half(_) => widen::<f16>(src, out, f16::from_le_bytes),
+        Codec::U8 => quantize::decode(src, out, false),
+        Codec::None => (out.iter_mut().zip(src.chunks_exact(4)))
+            .for_each(|(o, s)| *o = f32::from_le_bytes([s[0], s[1], s[2], s[3]])),
     }
 }
 
@@ -305,14 +300,14 @@ fn exchange(
     let (mine, theirs) = fusion.get(2 * total).split_at_mut(total);
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
     group.pack(mine);
+    // one message each way: over TCP, MPI moves data only inside its calls, so work between
+    // pieces in flight stalls them (BENCHMARKS.md, "issue 20")
     act(Some("GOSSIP_SENDRECV"));
     t.sendrecv(mine, peer, theirs, peer)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
     group.unpack(|out, at| {
         let end = at + out.len();
-        out.copy_from_slice(&mine[at..end]);
-        elementwise::reduce_into(out, &theirs[at..end], dtype, ReduceOp::Sum)?;
-        elementwise::scale(out, dtype, 0.5)
+        elementwise::mean_of_two(out, &mine[at..end], &theirs[at..end], dtype)
     })?;
     act(None);
     Ok(())
@@ -328,7 +323,8 @@ struct Exchange<'a> {
 }
 
 /// `x + (theirs - mine) / 2` over the pair's public copies, after both advanced by the
-/// compressed differences exchanged now.
+/// compressed differences exchanged now. Block by block, so that each value is read and
+/// written once per pass.
 fn exchange_compressed(
     t: &dyn Transport,
     how: &Exchange,
@@ -336,6 +332,7 @@ fn exchange_compressed(
     fusion: &mut FusionBuffer,
     act: ActivitySink,
 ) -> Result<()> {
+    let f32s = |b: &[u8]| f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
     let values: Vec<usize> = (group.members.iter())
         .map(|i| group.ios[*i].input().len() / 4)
         .collect();
@@ -353,33 +350,44 @@ fn exchange_compressed(
         })
         .collect();
     act(Some("GOSSIP_COMPRESS"));
-    let (mut at, mut d, mut back) = (0, Vec::new(), Vec::new());
-    for ((i, pair), len) in group.members.iter().zip(&mut pairs).zip(&lens) {
-        let x = group.ios[*i].input().chunks_exact(4);
-        d.clear();
-        d.extend(
-            (x.zip(&pair.mine)).map(|(b, m)| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) - m),
-        );
-        back.resize(d.len(), 0.0);
-        encode_diff(how.codec, &d, &mut send[at..at + len], &mut back);
-        pair.mine.iter_mut().zip(&back).for_each(|(m, b)| *m += b);
-        at += len;
+    let (mut d, mut back) = ([0f32; BLOCK], [0f32; BLOCK]);
+    let mut at = 0;
+    for (i, pair) in group.members.iter().zip(&mut pairs) {
+        let input = group.ios[*i].input();
+        for (x, mine) in input.chunks(4 * BLOCK).zip(pair.mine.chunks_mut(BLOCK)) {
+            let k = mine.len();
+            for ((d, x), m) in d.iter_mut().zip(x.chunks_exact(4)).zip(mine.iter()) {
+                *d = f32s(x) - m;
+            }
+            let n = diff_len(how.codec, k);
+            encode_block(how.codec, &d[..k], &mut send[at..at + n], &mut back[..k]);
+            mine.iter_mut().zip(&back).for_each(|(m, b)| *m += b);
+            at += n;
+        }
     }
     act(Some("GOSSIP_SENDRECV"));
     // on failure the pair's copies are dropped on this side (the job is ending)
     t.sendrecv(send, how.peer, recv, how.peer)?;
     act(Some("GOSSIP_DECOMPRESS"));
     let mut at = 0;
-    for ((i, pair), len) in group.members.iter().zip(&mut pairs).zip(&lens) {
-        add_diff(how.codec, &recv[at..at + len], &mut pair.theirs);
-        at += len;
+    for (i, pair) in group.members.iter().zip(&mut pairs) {
         let (input, out) = group.ios[*i].split_io();
-        let x: Vec<f32> = (input.unwrap_or(out).chunks_exact(4))
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
-        let avg = (x.iter().zip(&pair.mine).zip(&pair.theirs)).map(|((x, m), t)| x + 0.5 * (t - m));
-        for (o, v) in out.chunks_exact_mut(4).zip(avg) {
-            o.copy_from_slice(&v.to_le_bytes());
+        let blocks = pair.mine.chunks(BLOCK).zip(pair.theirs.chunks_mut(BLOCK));
+        for (b, (mine, theirs)) in blocks.enumerate() {
+            let k = mine.len();
+            let n = diff_len(how.codec, k);
+            decode_block(how.codec, &recv[at..at + n], &mut back[..k]);
+            at += n;
+            theirs.iter_mut().zip(&back).for_each(|(t, v)| *t += v);
+            let place = 4 * BLOCK * b..4 * (BLOCK * b + k);
+            if let Some(input) = input {
+                out[place.clone()].copy_from_slice(&input[place.clone()]);
+            }
+            let parts = mine.iter().zip(theirs.iter());
+            for (o, (m, t)) in out[place].chunks_exact_mut(4).zip(parts) {
+                let v = f32s(o) + 0.5 * (t - m);
+                o.copy_from_slice(&v.to_le_bytes());
+            }
         }
     }
     for (name, pair) in how.names.iter().zip(pairs) {

@@ -63,6 +63,37 @@ pub(crate) fn gossip() {
             assert_eq!(output(res, dtype), want, "rank {me} {dtype:?} tensor {k}");
         }
     }
+    // a batch of several 4 MiB pieces whose edges fall inside tensors (pieces travel while
+    // their neighbours are packed and averaged)
+    let sizes = [1_500_001usize, 700_003, 1_000_000];
+    let names: Vec<String> = (0..3).map(|k| format!("g.big.{k}")).collect();
+    let big = |r: usize, k: usize| -> Vec<f64> {
+        (0..sizes[k])
+            .map(|i| start(i + 3 * k, r) as f32 as f64)
+            .collect()
+    };
+    let got = run(gossip_spec(
+        &names,
+        DataType::F32,
+        &(0..3).map(|k| big(me, k)).collect::<Vec<_>>(),
+    ))
+    .unwrap();
+    let peer = ferrovod::collective::gossip::peer(me, n, 0);
+    for (k, res) in got.iter().enumerate() {
+        let want: Vec<f64> = (big(me, k).iter().zip(big(peer, k)))
+            .map(|(a, b)| {
+                if peer == me {
+                    *a
+                } else {
+                    pair_average(DataType::F32, *a, b)
+                }
+            })
+            .collect();
+        assert!(
+            output(res, DataType::F32) == want,
+            "rank {me} big tensor {k}"
+        );
+    }
     // repeated rounds of one tensor: the global mean
     let mean: Vec<f64> = (0..len)
         .map(|i| (0..n).map(|r| start(i, r)).sum::<f64>() / n as f64)

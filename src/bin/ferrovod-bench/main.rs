@@ -12,6 +12,7 @@
 //! followed by ferrovod (initialised, measured, shut down), so ferrovod's background thread never
 //! disturbs the raw measurement; each side reports its better round.
 
+mod decentralized;
 mod gpu;
 mod negotiation;
 
@@ -39,6 +40,8 @@ struct Args {
     backward_ms: f64,
     scale: usize,
     warmup_given: bool,
+    /// decentralized: the modes to run (comma-separated; all when unset).
+    modes: Option<String>,
 }
 
 fn parse_args() -> Args {
@@ -55,6 +58,7 @@ fn parse_args() -> Args {
         backward_ms: 20.0,
         scale: 64,
         warmup_given: false,
+        modes: None,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -78,9 +82,8 @@ fn parse_args() -> Args {
                 .unwrap_or_else(|| usage(&format!("{arg} needs a value")))
         };
         match arg {
-            "sweep" | "resnet50" | "all" | "negotiation" | "gpu" | "cost-model" => {
-                a.mode = arg.to_string()
-            }
+            "sweep" | "resnet50" | "all" | "negotiation" | "gpu" | "cost-model"
+            | "decentralized" => a.mode = arg.to_string(),
             "--min-bytes" => a.min_bytes = num(&value()),
             "--max-bytes" => a.max_bytes = num(&value()),
             "--iters" => a.iters = Some(num(&value())),
@@ -97,6 +100,7 @@ fn parse_args() -> Args {
             "--scale" => a.scale = num(&value()).max(1),
             "--steps" => a.steps = num(&value()),
             "--data" => a.data = Some(value()),
+            "--modes" => a.modes = Some(value()),
             "--json" => a.json = true,
             "--floors" => a.floors = true,
             "-h" | "--help" => usage(""),
@@ -112,7 +116,7 @@ fn usage(err: &str) -> ! {
         eprintln!("ferrovod-bench: {err}");
     }
     eprintln!(
-        "usage: mpirun -np N ferrovod-bench [all|sweep|resnet50|negotiation|gpu|cost-model] [--min-bytes 1K] [--max-bytes 64M] [--iters N] [--warmup N] [--steps N] [--data resnet50_grads.tsv] [--backward-ms 20] [--scale 64] [--json] [--floors (gpu)]"
+        "usage: mpirun -np N ferrovod-bench [all|sweep|resnet50|negotiation|gpu|cost-model|decentralized] [--min-bytes 1K] [--max-bytes 64M] [--iters N] [--warmup N] [--steps N] [--data resnet50_grads.tsv] [--backward-ms 20] [--scale 64] [--json] [--floors (gpu)] [--modes allreduce,gossip,gossip-fp16,multistep4 (decentralized)]"
     );
     std::process::exit(2)
 }
@@ -528,6 +532,16 @@ fn main() {
             json: a.json,
         };
         negotiation::run(&opts, |file| load_grads(&find_data_file(file)));
+        return;
+    }
+    if a.mode == "decentralized" {
+        let warmup = if a.warmup_given { a.warmup } else { 2 };
+        decentralized::run(
+            &load_grads(&find_data(&a)),
+            warmup,
+            a.steps,
+            a.modes.as_deref(),
+        );
         return;
     }
     if a.mode == "gpu" {
