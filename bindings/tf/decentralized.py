@@ -46,7 +46,7 @@ def gossip(tensors, name, compression=None, process_set=global_process_set):
     name: the same on every rank, one per set of tensors."""
     tensors = list(tensors)
     return MPI_LIB.ferrovod_gossip(
-        tensors, name=name, compression=_codec(compression), ignore_name_scope=True,
+        tensors, tensor_name=name, compression=_codec(compression),
         process_set_id=process_set.process_set_id)
 
 
@@ -62,11 +62,11 @@ def multistep_allreduce(tensors, every, name, mode="accumulate", warmup=0, op=Av
     if every < 1 or warmup < 0:
         raise ValueError("every must be at least 1 and warmup at least 0")
     tensors = list(tensors)
-    *outputs, communicated = MPI_LIB.ferrovod_multistep_allreduce(
-        tensors, name=name, reduce_op=op, multistep=int(every), multistep_mode=_MODES[mode],
-        multistep_warmup=int(warmup), compression=_codec(compression), ignore_name_scope=True,
+    outputs, communicated = MPI_LIB.ferrovod_multistep_allreduce(
+        tensors, reduce_op=op, multistep=int(every), multistep_mode=_MODES[mode],
+        multistep_warmup=int(warmup), compression=_codec(compression), tensor_name=name,
         process_set_id=process_set.process_set_id)
-    return outputs, communicated
+    return list(outputs), communicated
 
 
 class LocalSGD:
@@ -81,7 +81,7 @@ class LocalSGD:
     def __call__(self, variables):
         variables = list(variables)
         values, averaged = multistep_allreduce(
-            [v.value() for v in variables], self.every, self.name, mode="latest",
+            [tf.convert_to_tensor(v) for v in variables], self.every, self.name, mode="latest",
             warmup=self.warmup, op=Average, process_set=self.process_set)
 
         def assign():
@@ -101,6 +101,6 @@ class GossipAveraging:
 
     def __call__(self, variables):
         variables = list(variables)
-        values = gossip([v.value() for v in variables], self.name, self.compression,
+        values = gossip([tf.convert_to_tensor(v) for v in variables], self.name, self.compression,
                         self.process_set)
         return tf.group([v.assign(x) for v, x in zip(variables, values)])

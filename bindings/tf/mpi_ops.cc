@@ -171,6 +171,7 @@ class CollectiveOp : public AsyncOpKernel {
     if (c->HasAttr("process_set_id")) OP_REQUIRES_OK(c, c->GetAttr("process_set_id", &process_set_));
     if (c->HasAttr("num_tensors")) OP_REQUIRES_OK(c, c->GetAttr("num_tensors", &num_tensors_));
     if (c->HasAttr("compression")) OP_REQUIRES_OK(c, c->GetAttr("compression", &compression_));
+    if (c->HasAttr("tensor_name")) OP_REQUIRES_OK(c, c->GetAttr("tensor_name", &tensor_name_));
     multistep_op_ = c->HasAttr("multistep");
     if (multistep_op_) {
       OP_REQUIRES_OK(c, c->GetAttr("multistep", &multistep_));
@@ -194,7 +195,7 @@ class CollectiveOp : public AsyncOpKernel {
                        kind_ == FV_OP_KIND_REDUCESCATTER;
     const bool no_tensors = kind_ == FV_OP_KIND_JOIN || kind_ == FV_OP_KIND_BARRIER;
     const int n = no_tensors ? 0 : num_tensors_;
-    std::string base = TensorName(*this, ignore_name_scope_);
+    std::string base = tensor_name_.empty() ? TensorName(*this, ignore_name_scope_) : tensor_name_;
     p->names.reserve(n);
     p->shapes.reserve(n);
     p->tensors.resize(n);
@@ -281,6 +282,7 @@ class CollectiveOp : public AsyncOpKernel {
   int process_set_ = 0;
   int num_tensors_ = 1;
   int compression_ = FV_COMPRESSION_DEFAULT;
+  std::string tensor_name_;  // the rendezvous name when given (eager kernels ignore node names)
   bool multistep_op_ = false;
   int multistep_ = 0;
   int multistep_mode_ = FV_MULTISTEP_MODE_ACCUMULATE;
@@ -409,6 +411,7 @@ REGISTER_OP("FerrovodMultistepAllreduce")
     .Attr("multistep: int")
     .Attr("multistep_mode: int = 0")
     .Attr("multistep_warmup: int = 0")
+    .Attr("tensor_name: string")
     .Attr("num_tensors: int")
     .Attr("ignore_name_scope: bool = False")
     .Attr("process_set_id: int = 0")
@@ -426,6 +429,7 @@ REGISTER_KERNEL_BUILDER(Name("FerrovodMultistepAllreduce").Device(::tensorflow::
 REGISTER_OP("FerrovodGossip")
     .Attr("T: {float16, bfloat16, float32, float64}")
     .Attr("compression: int = 0")
+    .Attr("tensor_name: string")
     .Attr("num_tensors: int")
     .Attr("ignore_name_scope: bool = False")
     .Attr("process_set_id: int = 0")

@@ -120,10 +120,13 @@ fn diff_len(codec: Codec, values: usize) -> usize {
 /// Encodes one block of differences `d` into `out` (`diff_len(d.len())` bytes), and writes
 /// what the receiver will decode into `back`.
 fn encode_block(codec: Codec, d: &[f32], out: &mut [u8], back: &mut [f32]) {
-    fn narrow<H: Copy>(d: &[f32], out: &mut [u8], back: &mut [f32], bytes: fn(H) -> [u8; 2])
-    where
+    fn narrow<H: Copy + Default>(
+        d: &[f32],
+        out: &mut [u8],
+        back: &mut [f32],
+        bytes: fn(H) -> [u8; 2],
+    ) where
         [H]: HalfFloatSliceExt,
-        H: Default,
     {
         let mut h = [H::default(); BLOCK];
         let h = &mut h[..d.len()];
