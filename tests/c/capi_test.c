@@ -182,6 +182,54 @@ int main(void) {
         }
     }
 
+    /* multistep: every 2nd call communicates the sum of two calls; fv_handle_value says which */
+    {
+        float data[4];
+        int64_t shape[1] = {4};
+        struct fv_tensor t = {"c.multistep", FV_DTYPE_F32, 1, shape, data, data, NULL, 0};
+        struct fv_op op = op_of(FV_OP_KIND_ALLREDUCE, &t, 1);
+        op.multistep = 2;
+        op.multistep_mode = FV_MULTISTEP_MODE_ACCUMULATE;
+        for (int call = 0; call < 4; call++) {
+            for (int i = 0; i < 4; i++) data[i] = (float)(i + call + rank);
+            CHECK(fv_enqueue(&op, &h) == FV_STATUS_OK, "multistep enqueue: %s", last_error());
+            CHECK(fv_wait(h, 60.0) == FV_STATUS_OK, "multistep wait: %s", last_error());
+            int32_t sent = -1;
+            CHECK(fv_handle_value(h, &sent) == FV_STATUS_OK && sent == call % 2, "multistep call %d sent %d", call, sent);
+            CHECK(fv_release(h) == FV_STATUS_OK, "release");
+            for (int i = 0; i < 4; i++) {
+                /* the two calls' inputs summed over the ranks, or this call's input untouched */
+                float want = call % 2 == 0 ? (float)(i + call + rank)
+                                           : (float)(size * (2 * i + 2 * call - 1) + size * (size - 1));
+                CHECK(data[i] == want, "multistep call %d [%d] = %f, want %f", call, i, data[i], want);
+            }
+        }
+        op.multistep_mode = 7;
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_INVALID_ARGUMENT, "unknown multistep mode");
+        op.multistep_mode = 0;
+        op.multistep = -1;
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_INVALID_ARGUMENT, "negative multistep");
+    }
+
+    /* gossip: the neighbour average; the sum over the ranks is kept */
+    {
+        double data[3];
+        for (int i = 0; i < 3; i++) data[i] = (double)(10 * rank + i);
+        int64_t shape[1] = {3};
+        struct fv_tensor t = {"c.gossip", FV_DTYPE_F64, 1, shape, data, data, NULL, 0};
+        struct fv_op op = op_of(FV_OP_KIND_GOSSIP, &t, 1);
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_OK, "gossip enqueue: %s", last_error());
+        CHECK(fv_wait(h, 60.0) == FV_STATUS_OK && fv_release(h) == FV_STATUS_OK, "gossip: %s", last_error());
+        /* on a power of two, round 0 pairs rank 2k with 2k + 1 (the hypercube) */
+        int peer = (size & (size - 1)) == 0 && size > 1 ? (rank ^ 1) : -1;
+        if (peer >= 0) {
+            for (int i = 0; i < 3; i++) {
+                double want = (double)(5 * (rank + peer) + i);
+                CHECK(data[i] == want, "gossip[%d] = %f, want %f", i, data[i], want);
+            }
+        }
+    }
+
     /* average of doubles, out of place, completed by callback, handle auto-released */
     {
         double in[8], out[8];

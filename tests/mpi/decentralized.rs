@@ -212,20 +212,40 @@ pub(crate) fn gossip_sync() {
     finish_job();
 }
 
-/// Rank 0 gossips a tensor the others never submit: the stall error on every rank.
+/// Rank 0 gossips a tensor the others never submit (`STALL_ON=multistep`: calls a multistep
+/// allreduce once more than they do): the stall error on every rank, naming the tensor.
 pub(crate) fn gossip_stall() {
     init();
     let me = rank();
+    let every2 = Multistep {
+        every: 2,
+        warmup: 0,
+        accumulate: true,
+    };
+    let multistep = std::env::var("STALL_ON").as_deref() == Ok("multistep");
+    let call = || {
+        let spec = if multistep {
+            let mut spec = OpSpec::new(
+                OpKind::Allreduce,
+                vec![tensor("ms.alone", DataType::F32, &[4], &[1.0; 4], false)],
+            );
+            spec.multistep = Some(every2);
+            spec
+        } else {
+            gossip_spec(&["g.alone".into()], DataType::F32, &[vec![1.0; 4]])
+        };
+        run(spec)
+    };
+    if multistep {
+        // every rank's first call of an every-2 allreduce completes without communicating
+        call().unwrap();
+    }
     if me == 0 {
-        let err = run(gossip_spec(
-            &["g.alone".into()],
-            DataType::F32,
-            &[vec![1.0; 4]],
-        ))
-        .unwrap_err();
+        let err = call().unwrap_err();
+        let name = if multistep { "ms.alone" } else { "g.alone" };
         assert!(matches!(err, Error::ShutDown(_)), "{err:?}");
         assert!(err.to_string().contains("Missing ranks:"), "{err}");
-        assert!(err.to_string().contains("g.alone"), "{err}");
+        assert!(err.to_string().contains(name), "{err}");
     }
     let deadline = Instant::now() + Duration::from_secs(60);
     let err = loop {

@@ -168,6 +168,13 @@ pub(crate) const HIERARCHICAL_ALLGATHER_LOCAL2: &[(&str, &str)] = &[
 /// f32 sums and averages on the wire as 16-bit floats.
 pub(crate) const FP16: &[(&str, &str)] = &[("FERROVOD_COMPRESSION", "fp16")];
 
+/// The stall scenario's missing tensor is a multistep allreduce's communicating call.
+const STALL_FAST_MULTISTEP: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+    ("STALL_ON", "multistep"),
+];
+
 /// Gossip rounds without the periodic exact average.
 const GOSSIP_ONLY: &[(&str, &str)] = &[("FERROVOD_GOSSIP_SYNC_EVERY", "0")];
 pub(crate) const BF16: &[(&str, &str)] = &[("FERROVOD_COMPRESSION", "bf16")];
@@ -498,6 +505,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         true,
     ),
     ("gossip_stall", 3, STALL_FAST, true),
+    ("gossip_stall", 2, STALL_FAST_MULTISTEP, true),
     (
         "gossip_compressed",
         4,
