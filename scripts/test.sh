@@ -49,4 +49,7 @@ done
 FERROVOD_NEGOTIATION=offline FERROVOD_PLAN_WARMUP_STEPS=2 timeout 600 mpirun -np 2 \
   --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 \
   -x FERROVOD_NEGOTIATION -x FERROVOD_PLAN_WARMUP_STEPS "${py[@]}" tests/python/mpi
+# Horovod's TensorFlow ops communicate on every call whatever the job's FERROVOD_MULTISTEP says
+FERROVOD_MULTISTEP=2 timeout 600 mpirun -np 2 --oversubscribe --bind-to none \
+  --mca mpi_yield_when_idle 1 -x FERROVOD_MULTISTEP "${py[@]}" tests/python/mpi/test_tensorflow_ops.py
 timeout 600 "${py[@]}" tests/python/single

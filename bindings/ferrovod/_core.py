@@ -530,7 +530,8 @@ def enqueue(kind, arrays, names, reduce_op=SUM, prescale=1.0, postscale=1.0, roo
             t.output = a.ctypes.data
             outputs.append(a)
         else:
-            out = np.empty_like(a)
+            # a multistep call that does not communicate leaves the output as it is: the input
+            out = np.empty_like(a) if kind != ALLREDUCE or multistep == 1 else a.copy()
             keep.append(out)
             t.output = out.ctypes.data
             outputs.append(out)

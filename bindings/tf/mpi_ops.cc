@@ -246,6 +246,9 @@ class CollectiveOp : public AsyncOpKernel {
     op.prescale = prescale_;
     op.postscale = postscale_;
     op.compression = compression_;
+    // Horovod's ops cannot say that a call did not communicate: they communicate every call,
+    // whatever FERROVOD_MULTISTEP says
+    op.multistep = 1;
     if (multistep_op_) {
       op.multistep = multistep_;
       op.multistep_mode = multistep_mode_;

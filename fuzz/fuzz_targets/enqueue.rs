@@ -130,7 +130,11 @@ fuzz_target!(|data: &[u8]| {
         .collect();
     let claimed = b.u8() % 8;
     let op = fv_op {
-        kind: b.i32() % 12,
+        // 12: gossip (22), ferrovod's own kind
+        kind: match b.i32() % 13 {
+            12 => 22,
+            k => k,
+        },
         reduce_op: b.i32() % 8,
         prescale: b.f64(),
         postscale: b.f64(),
@@ -151,6 +155,9 @@ fuzz_target!(|data: &[u8]| {
         ready_event: std::ptr::null_mut(),
         // the known codes and some unknown ones
         compression: b.i32() % 8,
+        multistep: b.i32() % 4,
+        multistep_mode: b.i32() % 3,
+        multistep_warmup: b.i32() % 3,
     };
     let mut h = 0u64;
     let out = if b.u8() & 1 == 0 {

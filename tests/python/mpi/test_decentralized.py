@@ -72,6 +72,20 @@ def test_multistep_accumulates_and_says_when_it_communicated():
         np.testing.assert_allclose(out[0].numpy(), exact, rtol=1e-5, atol=1e-5)
 
 
+def test_core_multistep_out_of_place():
+    # the numpy core: a call that does not communicate hands back its input
+    me, n = fv.rank(), fv.size()
+    a = values(me, 0)
+    h = _core.enqueue(_core.ALLREDUCE, [a], ["t.core.ms"], reduce_op=_core.SUM, multistep=2)
+    out = h.wait()[0]
+    assert h.communicated is False
+    np.testing.assert_array_equal(out, a)
+    h = _core.enqueue(_core.ALLREDUCE, [a], ["t.core.ms"], reduce_op=_core.SUM, multistep=2)
+    out = h.wait()[0]
+    assert h.communicated is True
+    np.testing.assert_allclose(out, 2 * sum(values(r, 0) for r in range(n)), rtol=1e-5, atol=1e-5)
+
+
 def test_local_sgd_averages_every_kth_call_after_its_warmup():
     me, n = fv.rank(), fv.size()
     v = tf.Variable(values(me, 0))
