@@ -403,6 +403,17 @@ impl Runtime {
         let multistep = (entries.first())
             .map(|e| e.request.multistep)
             .filter(|m| spec.kind == OpKind::Allreduce && !m.is_every_call());
+        // a call refused for its names must not count as a step nor take the sums
+        let refused = || {
+            let names = entries.iter().map(|e| e.request.name.as_str());
+            self.in_flight
+                .lock()
+                .expect("in flight")
+                .refuses(set, names)
+        };
+        if multistep.is_some() && refused() {
+            return Err(duplicate_name());
+        }
         if let Some(m) = multistep
             && !self.take_steps(set, m, &mut entries)?
         {
@@ -426,7 +437,7 @@ impl Runtime {
         );
         let Some(moved) = claimed else {
             let _ = self.handles.release(handle.id);
-            return Err(Error::InvalidArgument("Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor that is currently being processed.  If you want to request another tensor, use a different tensor name.".into()));
+            return Err(duplicate_name());
         };
         let entries: Vec<TensorEntry> = entries
             .into_iter()
@@ -880,6 +891,11 @@ fn refuse_on_background_thread(what: &str) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// Horovod's error for a name that is in flight already.
+fn duplicate_name() -> Error {
+    Error::InvalidArgument("Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor that is currently being processed.  If you want to request another tensor, use a different tensor name.".into())
 }
 
 fn unknown_set() -> Error {

@@ -394,6 +394,46 @@ pub(crate) fn multistep() {
             .contains("Mismatched multistep: One rank communicates every 2 calls"),
         "{err}"
     );
+    // a call refused because its name is in flight neither counts nor takes the sum: rank 0
+    // holds "ms.busy" in flight (the others submit it only later) and calls it multistep
+    let every2 = Multistep { every: 2, ..every3 };
+    let x = |c: usize| -> Vec<f64> { (0..4).map(|i| grad(i, me, c)).collect() };
+    assert!(!multistep_call("ms.busy", &x(0), Some(every2)).1);
+    let plain = |vals: &[f64]| {
+        let mut spec = OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor("ms.busy", DataType::F32, &[4], vals, false)],
+        );
+        spec.multistep = Some(Multistep::EVERY_CALL);
+        submit(spec).unwrap()
+    };
+    if me == 0 {
+        let held = plain(&[0.0; 4]);
+        let mut spec = OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor("ms.busy", DataType::F32, &[4], &x(1), false)],
+        );
+        spec.multistep = Some(every2);
+        let err = submit(spec).unwrap_err();
+        assert!(
+            err.to_string().contains("currently being processed"),
+            "{err}"
+        );
+        run(OpSpec::new(OpKind::Barrier, vec![])).unwrap();
+        finish(held).unwrap();
+    } else {
+        run(OpSpec::new(OpKind::Barrier, vec![])).unwrap();
+        finish(plain(&[0.0; 4])).unwrap();
+    }
+    let (out, sent) = multistep_call("ms.busy", &x(1), Some(every2));
+    assert!(sent, "rank {me}");
+    for (i, v) in out.iter().enumerate() {
+        let exact: f64 = (0..n).map(|r| grad(i, r, 0) + grad(i, r, 1)).sum();
+        assert!(
+            (v - exact).abs() < 1e-4,
+            "rank {me} element {i}: {v} vs {exact}"
+        );
+    }
     // an op whose tensors are at different calls
     let one = |name: &str| tensor(name, DataType::F32, &[1], &[1.0], false);
     let mut spec = OpSpec::new(OpKind::Allreduce, vec![one("ms.a")]);
