@@ -13,10 +13,10 @@
 
 use std::sync::Mutex;
 
-use crate::collective::{ActivitySink, TensorIo};
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
+use crate::collective::{ActivitySink, TensorIo};
 use crate::compress::{Codec, quantize};
 use crate::dtype::DataType;
 use crate::elementwise;
@@ -342,16 +342,20 @@ fn exchange_compressed(
     let lens: Vec<usize> = values.iter().map(|v| diff_len(how.codec, *v)).collect();
     let total: usize = lens.iter().sum();
     let (send, recv) = fusion.get(2 * total).split_at_mut(total);
-    let mut replicas = how.replicas.0.lock().expect("gossip replicas");
-    let mut pairs: Vec<Pair> = (how.names.iter().zip(&values))
-        .map(|(name, n)| {
-            let p = replicas.remove(&(name.to_string(), how.peer));
-            p.filter(|p| p.mine.len() == *n).unwrap_or_else(|| Pair {
-                mine: vec![0.0; *n],
-                theirs: vec![0.0; *n],
+    // taken out, and the lock let go: another channel's batch (other names) must not wait on
+    // it while this one waits for its peer, whose other channel may wait on this rank's
+    let mut pairs: Vec<Pair> = {
+        let mut replicas = how.replicas.0.lock().expect("gossip replicas");
+        (how.names.iter().zip(&values))
+            .map(|(name, n)| {
+                let p = replicas.remove(&(name.to_string(), how.peer));
+                p.filter(|p| p.mine.len() == *n).unwrap_or_else(|| Pair {
+                    mine: vec![0.0; *n],
+                    theirs: vec![0.0; *n],
+                })
             })
-        })
-        .collect();
+            .collect()
+    };
     act(Some("GOSSIP_COMPRESS"));
     let (mut d, mut back) = ([0f32; BLOCK], [0f32; BLOCK]);
     let mut at = 0;
@@ -393,6 +397,7 @@ fn exchange_compressed(
             }
         }
     }
+    let mut replicas = how.replicas.0.lock().expect("gossip replicas");
     for (name, pair) in how.names.iter().zip(pairs) {
         replicas.insert((name.to_string(), how.peer), pair);
     }

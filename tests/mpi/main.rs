@@ -517,6 +517,16 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     ),
     (
         "gossip_compressed",
+        4,
+        &[
+            ("FERROVOD_COMPRESSION", "fp16"),
+            ("FERROVOD_GOSSIP_SYNC_EVERY", "0"),
+            ("FERROVOD_CHANNELS", "2"),
+        ],
+        true,
+    ),
+    (
+        "gossip_compressed",
         3,
         &[
             ("FERROVOD_COMPRESSION", "u8"),
