@@ -52,9 +52,10 @@ pub enum Call {
     Sum(Vec<u8>),
 }
 
-/// Per tensor: its call count and the inputs summed since its last communication.
+/// Per process set and tensor name: its call count and the inputs summed since its last
+/// communication. Keyed set first, so a steady step looks names up without allocating them.
 #[derive(Default)]
-pub struct Steps(Mutex<HashMap<(i32, String), Slot>>);
+pub struct Steps(Mutex<HashMap<i32, HashMap<String, Slot>>>);
 
 impl Steps {
     /// Records one call of an operation's tensors (`(name, dtype, input)`, in set `set`) and
@@ -67,8 +68,9 @@ impl Steps {
         m: Multistep,
         tensors: impl Iterator<Item = (&'a str, DataType, &'a [u8])> + Clone,
     ) -> Result<Vec<Call>> {
-        let mut map = self.0.lock().expect("multistep");
-        let count = |name: &str| map.get(&(set, name.to_owned())).map_or(0, |s| s.calls);
+        let mut sets = self.0.lock().expect("multistep");
+        let map = sets.entry(set).or_default();
+        let count = |name: &str| map.get(name).map_or(0, |s| s.calls);
         let mut names = tensors.clone().map(|(n, _, _)| n);
         let first = names.next().map_or(0, count);
         if let Some(other) = names.find(|n| count(n) != first) {
@@ -80,7 +82,10 @@ impl Steps {
         let communicates = m.communicates(first);
         let mut calls = Vec::new();
         for (name, dtype, input) in tensors {
-            let slot = map.entry((set, name.to_owned())).or_default();
+            if !map.contains_key(name) {
+                map.insert(name.to_owned(), Slot::default());
+            }
+            let slot = map.get_mut(name).expect("inserted");
             slot.calls += 1;
             if !m.accumulate {
                 calls.push(if communicates {
@@ -94,11 +99,20 @@ impl Steps {
                 calls.push(Call::Input);
                 continue;
             }
-            let x = widen(input, dtype)?;
+            let wide_len = input.len() / dtype.size() * sum_dtype(dtype).size();
             if slot.sum.is_empty() {
-                slot.sum = x;
-            } else if slot.sum.len() == x.len() {
-                elementwise::reduce_into(&mut slot.sum, &x, sum_dtype(dtype), ReduceOp::Sum)?;
+                slot.sum = widen(input, dtype)?;
+            } else if slot.sum.len() == wide_len {
+                // only 16-bit inputs need a widened copy; the others add in place
+                match dtype {
+                    DataType::F16 | DataType::BF16 => elementwise::reduce_into(
+                        &mut slot.sum,
+                        &widen(input, dtype)?,
+                        DataType::F32,
+                        ReduceOp::Sum,
+                    )?,
+                    _ => elementwise::reduce_into(&mut slot.sum, input, dtype, ReduceOp::Sum)?,
+                }
             } else {
                 slot.sum.clear();
                 return Err(Error::InvalidArgument(format!(

@@ -100,16 +100,6 @@ impl InFlight {
         Some(moved)
     }
 
-    /// Whether `claim` would refuse `names` in set `set` (one is in flight or appears twice),
-    /// asked before anything is done for them.
-    pub fn refuses<'a>(&self, set: i32, names: impl Iterator<Item = &'a str>) -> bool {
-        let held = self.sets.get(&set);
-        let mut seen = HashSet::default();
-        names
-            .into_iter()
-            .any(|n| !seen.insert(n) || held.is_some_and(|h| h.last.get(n).is_some_and(busy)))
-    }
-
     /// Names held, over all sets (for tests).
     #[cfg(test)]
     fn held(&self) -> usize {
@@ -174,8 +164,6 @@ mod tests {
         let a = table.create(2, None);
         assert!(f.claim_host(0, ["x", "y"], &a));
         let b = table.create(1, None);
-        assert!(f.refuses(0, ["y"].into_iter()) && !f.refuses(1, ["y"].into_iter()));
-        assert!(f.refuses(1, ["v", "v"].into_iter()) && !f.refuses(0, ["v"].into_iter()));
         assert!(!f.claim_host(0, ["y"], &b), "y is in flight");
         assert!(f.claim_host(1, ["y"], &b), "another process set");
         assert!(!f.claim_host(0, ["z", "z"], &b), "twice in one operation");

@@ -400,36 +400,7 @@ impl Runtime {
             }
         }
         let set = spec.process_set;
-        let multistep = (entries.first())
-            .map(|e| e.request.multistep)
-            .filter(|m| spec.kind == OpKind::Allreduce && !m.is_every_call());
-        // a call refused for its names must not count as a step nor take the sums
-        let refused = || {
-            let names = entries.iter().map(|e| e.request.name.as_str());
-            self.in_flight
-                .lock()
-                .expect("in flight")
-                .refuses(set, names)
-        };
-        if multistep.is_some() && refused() {
-            return Err(duplicate_name());
-        }
-        if let Some(m) = multistep
-            && !self.take_steps(set, m, &mut entries)?
-        {
-            // summed, nothing to send: complete now, reporting that nothing travelled
-            let handle = self.handles.create(entries.len(), spec.callback.take());
-            for (i, mut e) in entries.into_iter().enumerate() {
-                e.index = i;
-                e.handle = Some(handle.clone());
-                e.complete(Ok(()), Some(0));
-            }
-            return Ok(handle);
-        }
         let handle = self.handles.create(entries.len(), spec.callback.take());
-        if spec.kind == OpKind::Allreduce {
-            handle.set_value(1);
-        }
         let claimed = self.in_flight.lock().expect("in flight").claim(
             set,
             entries.iter().map(|e| (e.request.name.as_str(), e.place())),
@@ -439,7 +410,7 @@ impl Runtime {
             let _ = self.handles.release(handle.id);
             return Err(duplicate_name());
         };
-        let entries: Vec<TensorEntry> = entries
+        let mut entries: Vec<TensorEntry> = entries
             .into_iter()
             .enumerate()
             .map(|(i, mut e)| {
@@ -452,6 +423,30 @@ impl Runtime {
                 e
             })
             .collect();
+        // counted only once the names are claimed: a refused call takes no step and no sum
+        let multistep = (entries.first())
+            .map(|e| e.request.multistep)
+            .filter(|m| spec.kind == OpKind::Allreduce && !m.is_every_call());
+        if let Some(m) = multistep {
+            match self.take_steps(set, m, &mut entries) {
+                Err(e) => {
+                    let _ = self.handles.release(handle.id);
+                    return Err(e);
+                }
+                Ok(false) => {
+                    // summed, nothing to send: complete now (which frees the names),
+                    // reporting that nothing travelled
+                    for e in entries {
+                        e.complete(Ok(()), Some(0));
+                    }
+                    return Ok(handle);
+                }
+                Ok(true) => {}
+            }
+        }
+        if spec.kind == OpKind::Allreduce {
+            handle.set_value(1);
+        }
         if self.send(Command::Submit { set, entries }).is_err() {
             // the operation never completes: nobody holds it once the caller has the error
             let _ = self.handles.release(handle.id);
