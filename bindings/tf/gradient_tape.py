@@ -4,7 +4,7 @@ import tensorflow as tf
 
 from ferrovod.tensorflow.compression import Compression
 from ferrovod.tensorflow.mpi_ops import Average, Sum, _normalize_name, size
-from ferrovod.tensorflow.reduction import allreduce, grouped_allreduce
+from ferrovod.tensorflow.reduction import allreduce, grouped_allreduce, multistep_reduce
 from horovod.common.process_sets import global_process_set
 from horovod.common.util import split_list
 
@@ -25,10 +25,35 @@ def gradient_options(what, op, compression, sparse_as_dense, gradient_predivide_
                 device_sparse=device_sparse)
 
 
+class Multistep:
+    """Local gradient aggregation done by the core (Horovod's backward_passes_per_step):
+    `passes` per allreduce, the sums divided by `passes` when `average`; `tag` keeps one
+    aggregator's core sums apart from another's (the same on every rank: aggregators are
+    created in the same order everywhere)."""
+
+    def __init__(self, passes, average, tag):
+        self.passes, self.average, self.tag = passes, average, tag
+
+
+def _parts(work, sources, num_groups, groups):
+    """`work` split into the groups reduced together, or None when every gradient goes alone."""
+    if groups is not None:
+        ids = {id(v): k for k, grp in enumerate(groups) for v in grp}
+        buckets = {}
+        for item in work:
+            buckets.setdefault(ids.get(id(sources[item[0]]), -1 - item[0]), []).append(item)
+        return list(buckets.values())
+    if num_groups > 0:
+        return [p for p in split_list(work, num_groups) if p]
+    return None
+
+
 def _reduce_gradients(grads, sources, op, compression, sparse_as_dense, gradient_predivide_factor,
                       num_groups, groups, process_set, device_dense, device_sparse,
-                      use_generic_names, local_sources=()):
-    """Allreduces `grads` (None entries and local sources are left alone), in groups if asked."""
+                      use_generic_names, local_sources=(), multistep=None):
+    """Allreduces `grads` (None entries and local sources are left alone), in groups if asked.
+    With `multistep`, the core sums them over the passes instead: returns (gradients,
+    communicated or None where no gradient went to the core, indices of those that did)."""
     if op == Average and gradient_predivide_factor != 1.0:
         prescale, postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
     elif gradient_predivide_factor != 1.0:
@@ -36,7 +61,7 @@ def _reduce_gradients(grads, sources, op, compression, sparse_as_dense, gradient
     else:
         prescale = postscale = 1.0
     if process_set.included() is False:
-        return grads
+        return grads if multistep is None else (grads, None, set())
     local_ids = {id(s) for s in local_sources}
     work = []
     for i, (g, s) in enumerate(zip(grads, sources)):
@@ -49,15 +74,23 @@ def _reduce_gradients(grads, sources, op, compression, sparse_as_dense, gradient
         label = "grad_%d" % i if use_generic_names or path is None else "%d_%s" % (i, _normalize_name(path))
         work.append((i, g, "DistributedGradientTape_Allreduce_%s" % label))
     out = list(grads)
-    if groups is not None or num_groups > 0:
-        if groups is not None:
-            ids = {id(v): k for k, grp in enumerate(groups) for v in grp}
-            buckets = {}
-            for item in work:
-                buckets.setdefault(ids.get(id(sources[item[0]]), -1 - item[0]), []).append(item)
-            parts = list(buckets.values())
-        else:
-            parts = [p for p in split_list(work, num_groups) if p]
+    parts = _parts(work, sources, num_groups, groups)
+    if multistep is not None:
+        if multistep.average:
+            postscale /= multistep.passes
+        communicated = None
+        for part in parts if parts is not None else [[item] for item in work]:
+            name = "DistributedOptimizer_Multistep_%d_%s" % (multistep.tag, part[0][2])
+            with tf.device(device_dense):
+                reduced, flag = multistep_reduce(
+                    [x[1] for x in part], multistep.passes,
+                    name + "_group" if len(part) > 1 else name, op=op, prescale_factor=prescale,
+                    postscale_factor=postscale, compression=compression, process_set=process_set)
+            for (i, _, _), r in zip(part, reduced):
+                out[i] = r
+            communicated = flag if communicated is None else communicated
+        return out, communicated, {i for i, _, _ in work}
+    if parts is not None:
         for part in parts:
             dense = [x for x in part if not isinstance(x[1], tf.IndexedSlices)]
             if dense:
@@ -114,17 +147,24 @@ class _DistributedGradientTape(tf.GradientTape):
 
 
 def reduce_gradients(grads, sources, options, local_sources=(), scale_local=True,
-                     use_generic_names=False):
+                     use_generic_names=False, multistep=None):
     """`grads` averaged (or summed) over the process set; the gradients of `local_sources` stay
     this rank's own, divided by the set's size when `scale_local` (Horovod's
-    scale_local_gradients, which applies to either op)."""
+    scale_local_gradients, which applies to either op). With `multistep` (a Multistep), returns
+    (gradients, communicated, indices summed by the core) as `_reduce_gradients` does."""
     grads = list(grads)
-    if size() > 1:
+    summed = None
+    if multistep is not None:  # the core sums the passes, also on one rank
+        grads, communicated, shared = _reduce_gradients(
+            grads, sources, use_generic_names=use_generic_names, local_sources=local_sources,
+            multistep=multistep, **options)
+        summed = (communicated, shared)
+    elif size() > 1:
         grads = _reduce_gradients(grads, sources, use_generic_names=use_generic_names,
                                   local_sources=local_sources, **options)
     if scale_local and local_sources:
         grads = scale_local_gradients(grads, sources, local_sources, options["process_set"].size())
-    return grads
+    return grads if summed is None else (grads, *summed)
 
 
 def scale_local_gradients(grads, sources, local_sources, factor):

@@ -32,9 +32,9 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
         pairs = self._optimizer.compute_gradients(*args, **kwargs)
         grads, variables = zip(*pairs) if pairs else ((), ())
 
-        def allreduce(grads):
+        def allreduce(grads, multistep=None):
             return reduce_gradients(grads, list(variables), self._options, self._local_vars,
-                                    self._scale_local)
+                                    self._scale_local, multistep=multistep)
 
         if self._aggregator is not None:
             reduced = self._aggregator.reduce(list(grads), allreduce)

@@ -2,8 +2,10 @@
 
 import tensorflow as tf
 
+from ferrovod import _core
 from ferrovod.tensorflow.compression import Compression, core_codec
 from ferrovod.tensorflow.mpi_ops import (
+    MPI_LIB,
     Adasum,
     Average,
     Sum,
@@ -89,3 +91,39 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
                                      prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                                      ignore_name_scope=ignore_name_scope, process_set=process_set)
         return [compression.decompress(t, ctx) for t, (_, ctx) in zip(reduced, pairs)]
+
+
+def multistep_reduce(tensors, every, name, op=Average, prescale_factor=1.0, postscale_factor=1.0,
+                     compression=Compression.none, process_set=global_process_set):
+    """Horovod's `backward_passes_per_step` in ferrovod's core: each call's `tensors` are added to
+    sums the core keeps per name, and every `every`-th call reduces the sums (one op per dtype,
+    fused by the core). Returns (outputs, communicated): the reduced sums, or this call's
+    tensors where nothing was communicated. `name`: the same on every rank, once per process."""
+    _check_op(op, process_set)
+    buckets = {}
+    for i, t in enumerate(tensors):
+        buckets.setdefault(tf.as_dtype(t.dtype), []).append(i)
+    out = list(tensors)
+    communicated = None
+    for dtype, idx in buckets.items():
+        if not dtype.is_floating:
+            raise ValueError("backward_passes_per_step > 1 needs floating-point gradients, got %s"
+                             % dtype.name)
+        label = name if len(buckets) == 1 else "%s_%s" % (name, dtype.name)
+        core = core_codec(compression, dtype, op)
+        if core is None:
+            pairs = [compression.compress(tensors[i]) for i in idx]
+            inputs, codec = [p[0] for p in pairs], _core.COMPRESSION_JOB
+        else:
+            pairs, inputs, codec = None, [tensors[i] for i in idx], core
+        sums, flag = MPI_LIB.ferrovod_multistep_allreduce(
+            inputs, reduce_op=op, prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor, compression=codec, multistep=int(every),
+            multistep_mode=_core.MULTISTEP_ACCUMULATE, tensor_name=label,
+            process_set_id=process_set.process_set_id)
+        if pairs is not None:
+            sums = [compression.decompress(t, ctx) for t, (_, ctx) in zip(sums, pairs)]
+        for i, t in zip(idx, sums):
+            out[i] = t
+        communicated = flag if communicated is None else communicated
+    return out, communicated

@@ -49,7 +49,7 @@ pub struct Lane<'a> {
 
 impl Lane<'_> {
     /// The fusion buffer, grown to at least `bytes`.
-    fn fusion(&mut self, bytes: usize) -> Result<DeviceRange> {
+    pub(crate) fn fusion(&mut self, bytes: usize) -> Result<DeviceRange> {
         if self.fusion.as_ref().is_none_or(|f| f.len() < bytes) {
             // both in stream order: the old buffer goes after the work that still uses it,
             // without stalling the device or this thread
@@ -104,7 +104,7 @@ fn between(
 
 /// Enqueues one batch of copies between `(range, bytes)` tensors and consecutive places of the
 /// buffer range `at`, in tensor order: into the buffer (packing), or out of it (unpacking).
-fn copy_consecutive(
+pub(crate) fn copy_consecutive(
     gpu: &Gpu,
     stream: &Stream,
     at: DeviceRange,

@@ -3,7 +3,7 @@
 //! function of the agreed responses only, identical on every rank.
 
 use crate::collective::device::{self, DeviceIo, Lane};
-use crate::collective::{self, ActivitySink, Algorithms, TensorIo};
+use crate::collective::{self, ActivitySink, Algorithms, TensorIo, gossip};
 use crate::compress::{Codec, Wire};
 use crate::error::{Error, Result};
 use crate::fusion::FusionBuffer;
@@ -51,18 +51,25 @@ pub enum DeviceRoute<'a> {
     Hierarchical(device::Levels<'a>),
 }
 
+/// How a GPU batch travels (agreed): its codec and, for gossip, its rounds.
+pub struct DeviceHow<'a> {
+    pub codec: Codec,
+    pub gossip: Option<gossip::Schedule<'a>>,
+}
+
 /// Enqueues one batch of GPU tensors on `lane` over `route`; `host` carries what must be agreed
 /// or staged on the host (dtypes the device transport cannot reduce, alltoall's counts).
 pub fn device(
     route: DeviceRoute,
     host: &dyn Transport,
     lane: &mut Lane,
-    codec: Codec,
+    how: &DeviceHow,
     resps: &[&Response],
     ios: &mut [&mut dyn DeviceIo],
     sink: ActivitySink,
 ) -> Result<()> {
     let head = resps[0];
+    let codec = how.codec;
     match (codec, &route) {
         (Codec::None, _) => {}
         (Codec::Half(wire), DeviceRoute::Flat(t)) if head.kind == OpKind::Allreduce => {
@@ -92,6 +99,10 @@ pub fn device(
         OpKind::Reducescatter => device::reducescatter_batch(t, host, lane, resps, ios, sink),
         OpKind::Broadcast => device::broadcast(t, lane, head, &mut *ios[0], sink),
         OpKind::Alltoall => device::alltoall(t, host, lane, head, &mut *ios[0], sink),
+        OpKind::Gossip => match &how.gossip {
+            Some(s) => gossip::device_batch(t, lane, s, resps, ios, sink),
+            None => Err(Error::Internal("a gossip batch without its rounds".into())),
+        },
         other => Err(Error::Internal(format!(
             "{} is not a GPU batch",
             other.name()

@@ -16,7 +16,8 @@ use std::sync::Mutex;
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
-use crate::collective::{ActivitySink, TensorIo};
+use crate::collective::device::{self, DeviceIo, Lane};
+use crate::collective::{ActivitySink, TensorIo, kernels, layout};
 use crate::compress::{Codec, quantize};
 use crate::dtype::DataType;
 use crate::elementwise;
@@ -24,7 +25,8 @@ use crate::error::{Error, Result};
 use crate::fusion::FusionBuffer;
 use crate::hashing::HashMap;
 use crate::message::{ReduceOp, Response};
-use crate::transport::Transport;
+use crate::transport::cuda;
+use crate::transport::{DeviceTransport, Transport};
 
 /// Rank `rank`'s peer among `size` in round `round` (itself: it sits the round out).
 ///
@@ -195,13 +197,7 @@ pub fn batch(
     if !dtype.is_float() {
         return Err(Error::Internal(format!("gossip of {}", dtype.name())));
     }
-    let mut rounds: Vec<u64> = schedule.rounds.clone();
-    rounds.sort_unstable();
-    rounds.dedup();
-    for round in rounds {
-        let members: Vec<usize> = (0..ios.len())
-            .filter(|i| schedule.rounds[*i] == round)
-            .collect();
+    for (round, members) in by_round(&schedule.rounds) {
         let group = Group {
             ios: &mut *ios,
             members: &members,
@@ -222,6 +218,81 @@ pub fn batch(
             exchange_compressed(t, &pairs, group, fusion, act)?;
         }
     }
+    Ok(())
+}
+
+/// A batch's members grouped by round, rounds rising (the order every rank meets its peers in).
+fn by_round(rounds: &[u64]) -> Vec<(u64, Vec<usize>)> {
+    let mut distinct = rounds.to_vec();
+    distinct.sort_unstable();
+    distinct.dedup();
+    (distinct.into_iter())
+        .map(|round| {
+            let members = (0..rounds.len()).filter(|i| rounds[*i] == round);
+            (round, members.collect())
+        })
+        .collect()
+}
+
+/// Gossip of one batch of GPU tensors: the host batch's rounds and peers. Each round's group
+/// is packed into the lane's fusion buffer and sent whole while the peer's arrives beside it
+/// (one NCCL send/recv: many small ones in a group are far slower); one batched kernel then
+/// averages into the outputs, which hold this rank's values, as `mean_of_two` does on the host.
+/// The values travel uncompressed (the job's codec does not apply to GPU gossip).
+pub fn device_batch(
+    t: &dyn DeviceTransport,
+    lane: &mut Lane,
+    schedule: &Schedule,
+    resps: &[&Response],
+    ios: &mut [&mut dyn DeviceIo],
+    act: ActivitySink,
+) -> Result<()> {
+    let dtype = resps[0].dtype;
+    if !dtype.is_float() {
+        return Err(Error::Internal(format!("gossip of {}", dtype.name())));
+    }
+    let (gpu, stream) = (lane.gpu, lane.stream);
+    for (round, members) in by_round(&schedule.rounds) {
+        let io = |i: &usize| (ios[*i].input(), ios[*i].output(), ios[*i].input().len());
+        let tensors: Vec<_> = members.iter().map(io).collect();
+        let total: usize = tensors.iter().map(|(_, _, len)| len).sum();
+        let buf = lane.fusion(2 * total)?;
+        let (mine, theirs) = (buf.first(total)?, buf.sub(total, total)?);
+        act(Some("MEMCPY_IN_FUSION_BUFFER"));
+        let inputs: Vec<_> = tensors.iter().map(|(i, _, len)| (*i, *len)).collect();
+        device::copy_consecutive(gpu, stream, mine, &inputs, true)?;
+        let peer = peer(t.rank(), t.size(), round);
+        let n = total / dtype.size();
+        if syncs(round, schedule.sync_every) {
+            act(Some("NCCL_ALLREDUCE"));
+            t.allreduce(mine, mine, n, dtype, ReduceOp::Sum, stream)?;
+            kernels::scale(gpu, stream, mine, mine, n, dtype, 1.0 / t.size() as f64)?;
+            act(Some("MEMCPY_OUT_FUSION_BUFFER"));
+            let outputs: Vec<_> = tensors.iter().map(|(_, o, len)| (*o, *len)).collect();
+            device::copy_consecutive(gpu, stream, mine, &outputs, false)?;
+            continue;
+        }
+        // this rank's values into the outputs (the average is taken in place there)
+        let copies = (tensors.iter())
+            .filter(|(input, output, _)| input.ptr() != output.ptr())
+            .map(|(input, output, len)| cuda::Copy::new(*input, *output, *len))
+            .collect::<Result<Vec<_>>>()?;
+        gpu.copy_batch(stream, &copies)?;
+        if peer == t.rank() {
+            continue;
+        }
+        act(Some("GOSSIP_SENDRECV"));
+        t.sendrecv(mine, peer, theirs, peer, stream)?;
+        act(Some("GOSSIP_AVERAGE"));
+        let places = layout::consecutive(tensors.iter().map(|(_, _, len)| *len));
+        let means = (places.iter().zip(&tensors))
+            .map(|(p, (_, output, len))| {
+                Ok((theirs.sub(p.place, p.len)?, *output, len / dtype.size()))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        kernels::mean_batch(gpu, stream, &means, dtype)?;
+    }
+    act(None);
     Ok(())
 }
 

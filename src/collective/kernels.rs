@@ -1,5 +1,5 @@
 //! The GPU compute kernels of the collectives — scaling (pre/postscale, averaging), elementwise
-//! reduction (the ring) — and f32↔f16/bf16 casts, one tensor at a time or batched over a fusion
+//! reduction (the ring), gossip's neighbour average — and f32↔f16/bf16 casts, one tensor at a time or batched over a fusion
 //! buffer's tensors (the 16-bit codecs): CUDA C compiled once per process by NVRTC, loaded and
 //! launched by `transport::cuda`. Each computes
 //! as the host's `elementwise` does, so host and GPU results agree bit for bit.
@@ -33,6 +33,10 @@ pub static LIBRARY: KernelLibrary = KernelLibrary {
         "fv_unpack_f16_f32",
         "fv_pack_f32_bf16",
         "fv_unpack_bf16_f32",
+        "fv_mean_f16",
+        "fv_mean_bf16",
+        "fv_mean_f32",
+        "fv_mean_f64",
         "fv_reduce_u8",
         "fv_reduce_i8",
         "fv_reduce_u16",
@@ -175,6 +179,40 @@ pub fn cast_batch(
     gpu.launch_batched(stream, kernel, &spans, factor as f32)
 }
 
+/// `dst[i] = (dst[i] + src[i]) / 2` for every `(src, dst, elements)` of a floating `dtype`, in
+/// one batched launch per 128, as the host's `mean_of_two` computes it (16-bit values summed
+/// in f32, the sum rounded to the dtype, then halved): gossip's neighbour average.
+pub fn mean_batch(
+    gpu: &Gpu,
+    stream: &Stream,
+    items: &[(DeviceRange, DeviceRange, usize)],
+    dtype: DataType,
+) -> Result<()> {
+    let name = match dtype {
+        DataType::F16 => "fv_mean_f16",
+        DataType::BF16 => "fv_mean_bf16",
+        DataType::F32 => "fv_mean_f32",
+        DataType::F64 => "fv_mean_f64",
+        other => {
+            return Err(Error::InvalidArgument(format!(
+                "{} has no mean kernel",
+                other.name()
+            )));
+        }
+    };
+    let kernel = Elementwise {
+        library: &LIBRARY,
+        name,
+        src_size: dtype.size(),
+        dst_size: dtype.size(),
+    };
+    let spans = items
+        .iter()
+        .map(|(s, d, n)| Span::new(*s, *d, *n, &kernel))
+        .collect::<Result<Vec<_>>>()?;
+    gpu.launch_batched(stream, kernel, &spans, 1.0)
+}
+
 /// `acc[i] = op(acc[i], x[i])` for `n` elements of any dtype (Sum, Min, Max or Product),
 /// computed as the host's `reduce_into` computes it.
 pub fn reduce_into(
@@ -265,6 +303,15 @@ extern "C" __global__ void fv_pack_f32_bf16(const SpanBatch b) {
   FV_SPAN(float, unsigned short, d[i] = f2b(s[i] * g)) }
 extern "C" __global__ void fv_unpack_bf16_f32(const SpanBatch b) {
   FV_SPAN(unsigned short, float, d[i] = b2f(s[i]) * g) }
+// gossip's neighbour average, in place over this rank's values
+extern "C" __global__ void fv_mean_f16(const SpanBatch b) {
+  FV_SPAN(unsigned short, unsigned short, d[i] = f2h(h2f(f2h(h2f(d[i]) + h2f(s[i]))) * 0.5f)) }
+extern "C" __global__ void fv_mean_bf16(const SpanBatch b) {
+  FV_SPAN(unsigned short, unsigned short, d[i] = f2b(b2f(f2b(b2f(d[i]) + b2f(s[i]))) * 0.5f)) }
+extern "C" __global__ void fv_mean_f32(const SpanBatch b) {
+  FV_SPAN(float, float, d[i] = (d[i] + s[i]) * 0.5f) }
+extern "C" __global__ void fv_mean_f64(const SpanBatch b) {
+  FV_SPAN(double, double, d[i] = (d[i] + s[i]) * 0.5) }
 
 // d[i] = op(d[i], s[i]); op: 0 sum, 1 min, 2 max, 3 product. Integers wrap (computed unsigned),
 // 16-bit floats in f32, bool's sum and max are OR, its min and product AND: as the host does.

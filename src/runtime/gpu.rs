@@ -14,9 +14,8 @@ use crossbeam::channel::{Receiver, Sender, unbounded};
 
 use crate::collective::ActivitySink;
 use crate::collective::device::{self, DeviceIo, Lane};
-use crate::collective::execute::{self, DeviceRoute};
+use crate::collective::execute::{self, DeviceHow, DeviceRoute};
 use crate::collective::replay::{LaunchGraphs, ReplayKey};
-use crate::compress::Codec;
 use crate::error::{Error, Result};
 use crate::message::{OpKind, Response};
 use crate::runtime::Runtime;
@@ -275,6 +274,7 @@ pub(crate) fn on_device(head: &Response) -> bool {
                 | OpKind::Reducescatter
                 | OpKind::Broadcast
                 | OpKind::Alltoall
+                | OpKind::Gossip
         )
 }
 
@@ -288,13 +288,13 @@ pub(crate) struct NodeLevels<'a> {
 /// Enqueues one GPU batch on the NCCL streams (opening them first if needed) over the set's
 /// communicator `data`, or hierarchically over `levels`: waits on the inputs' ready events on
 /// the device, runs the collective, records the completion event.
-#[allow(clippy::too_many_arguments)] // the batch, where it runs, and how (codec, replay)
+#[allow(clippy::too_many_arguments)] // the batch, where it runs, and how (codec, gossip, replay)
 pub(crate) fn run_device_batch(
     rt: &Runtime,
     streams: &mut Option<NcclStreams>,
     data: &MpiComm,
     levels: Option<NodeLevels>,
-    codec: Codec,
+    how: &DeviceHow,
     resps: &[&Response],
     entries: &mut [TensorEntry],
     replay: Option<ReplayKey>,
@@ -332,7 +332,7 @@ pub(crate) fn run_device_batch(
         None => l.connect(Level::Flat, data)?,
     }
     let (recorded, replayed) =
-        enqueue_on_streams(l, data, levels, codec, resps, entries, replay, sink)
+        enqueue_on_streams(l, data, levels, how, resps, entries, replay, sink)
         .map_err(|e| {
         // the other ranks' NCCL calls for this batch wait for this rank's forever: stop this
         // rank's communicators and have the job shut down (the vote tells every rank)
@@ -362,7 +362,7 @@ fn enqueue_on_streams(
     l: &mut NcclStreams,
     data: &MpiComm,
     levels: Option<NodeLevels>,
-    codec: Codec,
+    how: &DeviceHow,
     resps: &[&Response],
     entries: &mut [TensorEntry],
     replay: Option<ReplayKey>,
@@ -427,7 +427,7 @@ fn enqueue_on_streams(
             ));
         }
     };
-    execute::device(route, data, &mut lane_ref, codec, resps, &mut ios, sink)?;
+    execute::device(route, data, &mut lane_ref, how, resps, &mut ios, sink)?;
     let replayed = lane_ref.replayed;
     super::probe::mark("collective enqueued", n);
     let event = Arc::new(gpu.new_event()?);

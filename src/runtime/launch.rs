@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::collective::cost::{Algorithm, CostModel, Link, Policy};
+use crate::collective::execute::DeviceHow;
 use crate::collective::hierarchical::{Levels, node_members};
 use crate::collective::replay::{ReplayKey, batch_fingerprint};
 use crate::collective::{self, ActivitySink, Algorithms, Allreduce, TensorIo, gossip};
@@ -276,17 +277,30 @@ impl Executor {
             }
             // the 16-bit codecs on flat routes; u8 and hierarchical batches travel uncompressed
             // on GPUs for now (agreed: from the codec and the route, both agreed)
+            // on GPUs for now (agreed: from the codec and the route, both agreed); GPU gossip
+            // travels uncompressed
             let codec = match self.codec(head) {
-                Codec::Half(w) if levels.is_none() => Codec::Half(w),
+                Codec::Half(w) if levels.is_none() && head.kind == OpKind::Allreduce => {
+                    Codec::Half(w)
+                }
                 _ => Codec::None,
             };
             rt.metrics.add_wire(codec, head.dtype, bytes as u64);
+            let how = DeviceHow {
+                codec,
+                gossip: (head.kind == OpKind::Gossip).then(|| gossip::Schedule {
+                    rounds: self.carried.rounds.advance(resps),
+                    sync_every: self.gossip_sync_every,
+                    codec: Codec::None,
+                    replicas: &self.carried.replicas,
+                }),
+            };
             return gpu::run_device_batch(
                 rt,
                 &mut self.gpu,
                 &self.data,
                 levels,
-                codec,
+                &how,
                 resps,
                 entries,
                 replay,

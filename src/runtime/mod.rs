@@ -636,9 +636,13 @@ impl Runtime {
             0
         };
         let reduces = matches!(kind, OpKind::Allreduce | OpKind::Reducescatter);
-        if kind == OpKind::Gossip && spec.device != CPU_DEVICE {
+        // GPU gossip travels uncompressed: a codec asked for by the op itself is refused
+        if kind == OpKind::Gossip
+            && spec.device != CPU_DEVICE
+            && spec.compression.is_some_and(|c| c != Compression::None)
+        {
             return Err(Error::InvalidArgument(format!(
-                "{what}: gossip of GPU tensors is not supported yet"
+                "{what}: compressed gossip of GPU tensors is not supported (GPU gossip exchanges uncompressed values; ask for no compression)"
             )));
         }
         for t in &spec.tensors {

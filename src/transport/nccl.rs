@@ -112,6 +112,46 @@ impl NcclComm {
         Ok(self.comm)
     }
 
+    /// Enqueues a send of `data` to `to` (nothing for an empty range); inside a group.
+    fn send(&self, data: DeviceRange, to: usize, stream: &Stream) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: the pointer covers the range's length, as DeviceRange guarantees.
+        unsafe {
+            result::send(
+                ptr(data.ptr()),
+                data.len(),
+                bytes_type(),
+                to as i32,
+                self.live()?,
+                stream.raw().cast(),
+            )
+        }
+        .map(|_| ())
+        .map_err(|e| nccl("send", e))
+    }
+
+    /// Enqueues a receive into `data` from `from` (nothing for an empty range); inside a group.
+    fn recv(&self, data: DeviceRange, from: usize, stream: &Stream) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: the pointer covers the range's length, as DeviceRange guarantees.
+        unsafe {
+            result::recv(
+                ptr(data.ptr()),
+                data.len(),
+                bytes_type(),
+                from as i32,
+                self.live()?,
+                stream.raw().cast(),
+            )
+        }
+        .map(|_| ())
+        .map_err(|e| nccl("recv", e))
+    }
+
     fn group(&self, f: impl FnOnce() -> Result<()>) -> Result<()> {
         result::group_start().map_err(|e| nccl("group start", e))?;
         let r = f();
@@ -325,34 +365,9 @@ impl DeviceTransport for NcclComm {
                 self.size
             )));
         }
-        let s = stream.raw().cast();
         self.group(|| {
-            // SAFETY: each pointer covers its range's length, as DeviceRange guarantees.
-            unsafe {
-                if !send.is_empty() {
-                    result::send(
-                        ptr(send.ptr()),
-                        send.len(),
-                        bytes_type(),
-                        to as i32,
-                        self.live()?,
-                        s,
-                    )
-                    .map_err(|e| nccl("send", e))?;
-                }
-                if !recv.is_empty() {
-                    result::recv(
-                        ptr(recv.ptr()),
-                        recv.len(),
-                        bytes_type(),
-                        from as i32,
-                        self.live()?,
-                        s,
-                    )
-                    .map_err(|e| nccl("recv", e))?;
-                }
-            }
-            Ok(())
+            self.send(send, to, stream)?;
+            self.recv(recv, from, stream)
         })
     }
 
@@ -368,38 +383,13 @@ impl DeviceTransport for NcclComm {
         counts_fit(recv_counts, self.size)?;
         send.holds(send_counts.iter().sum(), "alltoall input")?;
         recv.holds(recv_counts.iter().sum(), "alltoall output")?;
-        let (send, recv) = (send.ptr(), recv.ptr());
-        let s = stream.raw().cast();
         self.group(|| {
-            let (mut so, mut ro) = (0u64, 0u64);
+            let (mut so, mut ro) = (0usize, 0usize);
             for r in 0..self.size {
-                // SAFETY: the segments lie inside `send`/`recv` per the counts.
-                unsafe {
-                    if send_counts[r] > 0 {
-                        result::send(
-                            ptr(send + so),
-                            send_counts[r],
-                            bytes_type(),
-                            r as i32,
-                            self.live()?,
-                            s,
-                        )
-                        .map_err(|e| nccl("send", e))?;
-                    }
-                    if recv_counts[r] > 0 {
-                        result::recv(
-                            ptr(recv + ro),
-                            recv_counts[r],
-                            bytes_type(),
-                            r as i32,
-                            self.live()?,
-                            s,
-                        )
-                        .map_err(|e| nccl("recv", e))?;
-                    }
-                }
-                so += send_counts[r] as u64;
-                ro += recv_counts[r] as u64;
+                self.send(send.sub(so, send_counts[r])?, r, stream)?;
+                self.recv(recv.sub(ro, recv_counts[r])?, r, stream)?;
+                so += send_counts[r];
+                ro += recv_counts[r];
             }
             Ok(())
         })

@@ -28,7 +28,7 @@ fn pair_average(dtype: DataType, a: f64, b: f64) -> f64 {
 }
 
 /// `FERROVOD_GOSSIP_SYNC_EVERY=0`: neighbour averages bit for bit in every float dtype, fused
-/// and in several ops; on powers of two the mean after log2 n rounds, otherwise a geometric
+/// (in place and out of place) and in several ops; on powers of two the mean after log2 n rounds, otherwise a geometric
 /// decay; tensors at different rounds in one batch; then the errors.
 pub(crate) fn gossip() {
     init();
@@ -44,7 +44,11 @@ pub(crate) fn gossip() {
             )
         };
         let vals: Vec<Vec<f64>> = (0..2).map(|k| mine(me, k)).collect();
-        let got = run(gossip_spec(&names, dtype, &vals)).unwrap();
+        let mut spec = gossip_spec(&names, dtype, &vals);
+        // the second tensor out of place
+        let bytes = vals[1].len() * dtype.size();
+        spec.tensors[1].output = OutputMem::Owned(vec![0u8; bytes]);
+        let got = run(spec).unwrap();
         // round 0: the hypercube's first dimension, or the tournament's first pairing
         let peer = ferrovod::collective::gossip::peer(me, n, 0);
         if n.is_power_of_two() {
@@ -173,6 +177,17 @@ pub(crate) fn gossip() {
     ))
     .unwrap_err();
     assert!(err.to_string().contains("Mismatched operations"), "{err}");
+    if gpu_mode() {
+        // GPU gossip travels uncompressed: a codec the op asks for is refused
+        let mut spec = gossip_spec(&["g.fp16".into()], DataType::F32, &[vec![1.0; 4]]);
+        spec.compression = Some(ferrovod::message::Compression::Fp16);
+        let err = run(spec).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+        assert!(
+            err.to_string().contains("compressed gossip of GPU tensors"),
+            "{err}"
+        );
+    }
     finish_job();
 }
 

@@ -708,6 +708,15 @@ pub(crate) const GPU_SCENARIOS: &[Scenario] = &[
     ("process_sets", 4, &[], true),
     ("gpu_kernels", 1, &[], true),
     ("gpu_ring", 2, &[], true),
+    // gossip over NCCL send/recv: the host scenarios on GPU tensors
+    ("gossip", 2, GOSSIP_ONLY, true),
+    (
+        "gossip_sync",
+        2,
+        &[("FERROVOD_GOSSIP_SYNC_EVERY", "3")],
+        true,
+    ),
+    ("gossip_stall", 2, STALL_FAST, true),
     ("gpu_compressed", 2, &[], true),
     (
         "hierarchical_allreduces",

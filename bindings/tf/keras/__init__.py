@@ -80,10 +80,12 @@ def _wrap_optimizer_class(base, options, scale_local, aggregation):
     still trains data-parallel. Gradients returned reduced are not reduced again when applied."""
 
     def reduced_grads(self, grads, variables):
-        """Allreduced gradients, or with local aggregation the running sums until the last pass."""
+        """Allreduced gradients; with local aggregation, those of the last pass only (the core sums
+        the passes)."""
 
-        def reduce(gs):
-            return reduce_gradients(gs, variables, options, self._ferrovod.local_vars, scale_local)
+        def reduce(gs, multistep=None):
+            return reduce_gradients(gs, variables, options, self._ferrovod.local_vars, scale_local,
+                                    multistep=multistep)
 
         aggregator = self._agg_helper
         grads = list(grads)

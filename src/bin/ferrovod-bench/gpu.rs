@@ -37,8 +37,19 @@ fn iters_for(bytes: usize) -> usize {
 }
 
 fn submit(gpu: &Gpu, name: &str, mem: &DeviceMem, len: usize, op: ReduceOp) -> Arc<Handle> {
+    submit_kind(gpu, OpKind::Allreduce, name, mem, len, op)
+}
+
+fn submit_kind(
+    gpu: &Gpu,
+    kind: OpKind,
+    name: &str,
+    mem: &DeviceMem,
+    len: usize,
+    op: ReduceOp,
+) -> Arc<Handle> {
     let mut spec = OpSpec::new(
-        OpKind::Allreduce,
+        kind,
         vec![TensorSpec {
             name: name.to_string(),
             dtype: DataType::F32,
@@ -297,6 +308,7 @@ fn resnet(
             done * 1e6
         ));
     }
+    let gossip = gossip_steps(gpu, host, comm, stream, &mems, &flat, reps, me, size);
     let per_step = |a: u64, b: u64| (a - b) as f64 / reps as f64;
     if o.floors && me == 0 {
         submit_anatomy(gpu, &mems);
@@ -353,7 +365,73 @@ fn resnet(
             "JSON {{\"kind\":\"resnet50\",\"np\":{size},\"tensors\":{},\"bytes\":{total},\"ferrovod_s\":{fv},\"nccl_s\":{one}}}",
             mems.len()
         );
+        if let Some((g, raw)) = gossip {
+            println!(
+                "# resnet50 gossip: ferrovod {:.1} us, one NCCL send/recv of the flat set with the peer {:.1} us, ratio {:.3}; gossip/allreduce (ferrovod) {:.3}",
+                g * 1e6,
+                raw * 1e6,
+                g / raw,
+                g / fv
+            );
+            println!(
+                "JSON {{\"kind\":\"resnet50_gossip\",\"np\":{size},\"ferrovod_s\":{g},\"nccl_sendrecv_s\":{raw},\"ferrovod_allreduce_s\":{fv}}}"
+            );
+        }
     }
+}
+
+/// The gradient set gossiped (every tensor an `OpKind::Gossip`, in backward order) against
+/// one NCCL send/recv of the same bytes with the round-0 peer: median seconds per step of
+/// each. Rounds that are exact averages (`FERROVOD_GOSSIP_SYNC_EVERY`) fall in the median only
+/// if most are. None where a rank has no peer (one rank).
+#[allow(clippy::too_many_arguments)]
+fn gossip_steps(
+    gpu: &Gpu,
+    host: &MpiComm,
+    comm: &NcclComm,
+    stream: &Stream,
+    mems: &[(String, DeviceMem, usize)],
+    flat: &DeviceMem,
+    reps: usize,
+    me: usize,
+    size: usize,
+) -> Option<(f64, f64)> {
+    let peer = ferrovod::collective::gossip::peer(me, size, 0);
+    if peer == me {
+        return None;
+    }
+    let total: usize = mems.iter().map(|(_, _, b)| b).sum();
+    let theirs = gpu.alloc(total).unwrap();
+    let step = || {
+        host.barrier().unwrap();
+        let t = Instant::now();
+        let hs: Vec<_> = (mems.iter().rev())
+            .map(|(n, m, b)| {
+                let name = format!("gossip.{n}");
+                submit_kind(gpu, OpKind::Gossip, &name, m, *b, ReduceOp::Sum)
+            })
+            .collect();
+        wait_all(hs);
+        t.elapsed().as_secs_f64()
+    };
+    let raw = || {
+        host.barrier().unwrap();
+        let t = Instant::now();
+        let (mine, recv) = (flat.range().first(total).unwrap(), theirs.range());
+        comm.sendrecv(mine, peer, recv, peer, stream).unwrap();
+        stream.synchronize().unwrap();
+        t.elapsed().as_secs_f64()
+    };
+    for _ in 0..5 {
+        step();
+        raw();
+    }
+    let (mut g, mut r) = (Vec::new(), Vec::new());
+    for _ in 0..reps {
+        g.push(step());
+        r.push(raw());
+    }
+    Some((median(g), median(r)))
 }
 
 /// The same gradients through NCCL alone, no ferrovod: how close any engine can come to one

@@ -105,6 +105,44 @@ def test_backward_passes_per_step_in_a_v1_graph():
     assert [s for _, s in seen] == [s for _, s in want]
 
 
+def test_backward_passes_per_step_is_summed_by_the_core():
+    """The passes are summed by ferrovod's core (a multistep allreduce): tensors reach the
+    collectives on every `passes`-th pass only, the result is the average of the summed
+    gradients of every rank, and the passes between return this pass's own gradient."""
+    r, n = hvd.rank(), hvd.size()
+    passes = 3
+    w = tf.Variable(np.zeros(4, np.float32))
+    opt = hvd_keras.DistributedOptimizer(keras.optimizers.SGD(1.0), backward_passes_per_step=passes)
+    before = hvd.metrics()["tensors"]
+    got = []
+    for k in range(2 * passes):
+        grad = tf.constant(np.arange(4, dtype=np.float32) * (r + 1) + k)
+        got.append(opt._compute_gradients(lambda: tf.reduce_sum(w * grad), [w])[0][0].numpy())
+        sent = hvd.metrics()["tensors"] - before
+        assert sent == (k + 1) // passes, "pass %d: %d tensors reduced" % (k, sent)
+    for k in range(2 * passes):
+        if (k + 1) % passes:
+            want = np.arange(4) * (r + 1) + k
+        else:  # the mean over ranks of each rank's sum over the cycle's passes
+            ks = range(k + 1 - passes, k + 1)
+            want = np.mean([sum(np.arange(4) * (q + 1) + j for j in ks) for q in range(n)], axis=0)
+        np.testing.assert_allclose(got[k], want, rtol=1e-6, err_msg="pass %d" % k)
+
+
+def test_mismatched_backward_passes_per_step_fails_on_every_rank():
+    """Rank 0 aggregates 2 passes, the others 3: the allreduce of rank 0's 2nd pass meets the
+    others' 3rd, and every rank gets the error Horovod's TF ops raise for mismatches
+    (FailedPreconditionError) naming it, instead of a wrong sum or a hang."""
+    r = hvd.rank()
+    w = tf.Variable(np.zeros(2, np.float32))
+    opt = hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                         backward_passes_per_step=2 if r == 0 else 3)
+    with pytest.raises(tf.errors.FailedPreconditionError, match="Mismatched multistep"):
+        for _ in range(2 if r == 0 else 3):
+            opt._compute_gradients(lambda: tf.reduce_sum(w * w), [w])
+    hvd.barrier()
+
+
 def test_backward_passes_per_step_rejects_sparse_without_dense():
     with pytest.raises(ValueError, match="sparse_as_dense"):
         from ferrovod.tensorflow.gradient_aggregation import LocalGradientAggregator
