@@ -51,10 +51,12 @@ pub enum DeviceRoute<'a> {
     Hierarchical(device::Levels<'a>),
 }
 
-/// How a GPU batch travels (agreed): its codec and, for gossip, its rounds.
+/// How a GPU batch travels (agreed): its codec, for gossip its rounds, and whether its results
+/// are checked for NaN and infinite values (`PERSEUS_ALLREDUCE_NANCHECK`, allreduces).
 pub struct DeviceHow<'a> {
     pub codec: Codec,
     pub gossip: Option<gossip::Schedule<'a>>,
+    pub nan_check: bool,
 }
 
 /// Enqueues one batch of GPU tensors on `lane` over `route`; `host` carries what must be agreed

@@ -37,6 +37,10 @@ pub static LIBRARY: KernelLibrary = KernelLibrary {
         "fv_mean_bf16",
         "fv_mean_f32",
         "fv_mean_f64",
+        "fv_count_non_finite_16",
+        "fv_count_non_finite_bf16",
+        "fv_count_non_finite_f32",
+        "fv_count_non_finite_f64",
         "fv_reduce_u8",
         "fv_reduce_i8",
         "fv_reduce_u16",
@@ -213,6 +217,44 @@ pub fn mean_batch(
     gpu.launch_batched(stream, kernel, &spans, 1.0)
 }
 
+/// Adds to the u32 counter at each `(values, counter, elements)` how many of the values are NaN
+/// or infinite (floating `dtype`s), in one batched launch per 128: the NaN check of GPU
+/// batches, which reads the counters once the batch is done.
+pub fn count_non_finite_batch(
+    gpu: &Gpu,
+    stream: &Stream,
+    items: &[(DeviceRange, DeviceRange, usize)],
+    dtype: DataType,
+) -> Result<()> {
+    let name = match dtype {
+        DataType::F16 => "fv_count_non_finite_16",
+        DataType::BF16 => "fv_count_non_finite_bf16",
+        DataType::F32 => "fv_count_non_finite_f32",
+        DataType::F64 => "fv_count_non_finite_f64",
+        other => {
+            return Err(Error::InvalidArgument(format!(
+                "{} holds no NaN or infinite values",
+                other.name()
+            )));
+        }
+    };
+    // the destination is one counter, whatever the count of values
+    let kernel = Elementwise {
+        library: &LIBRARY,
+        name,
+        src_size: dtype.size(),
+        dst_size: 0,
+    };
+    let spans = items
+        .iter()
+        .map(|(values, counter, n)| {
+            counter.holds(4, "NaN counter")?;
+            Span::new(*values, *counter, *n, &kernel)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    gpu.launch_batched(stream, kernel, &spans, 1.0)
+}
+
 /// `acc[i] = op(acc[i], x[i])` for `n` elements of any dtype (Sum, Min, Max or Product),
 /// computed as the host's `reduce_into` computes it.
 pub fn reduce_into(
@@ -303,6 +345,15 @@ extern "C" __global__ void fv_pack_f32_bf16(const SpanBatch b) {
   FV_SPAN(float, unsigned short, d[i] = f2b(s[i] * g)) }
 extern "C" __global__ void fv_unpack_bf16_f32(const SpanBatch b) {
   FV_SPAN(unsigned short, float, d[i] = b2f(s[i]) * g) }
+// the NaN check: a value is NaN or infinite when its exponent bits are all set
+extern "C" __global__ void fv_count_non_finite_16(const SpanBatch b) {
+  FV_SPAN(unsigned short, unsigned, if ((s[i] & 0x7c00u) == 0x7c00u) atomicAdd(d, 1u)) }
+extern "C" __global__ void fv_count_non_finite_bf16(const SpanBatch b) {
+  FV_SPAN(unsigned short, unsigned, if ((s[i] & 0x7f80u) == 0x7f80u) atomicAdd(d, 1u)) }
+extern "C" __global__ void fv_count_non_finite_f32(const SpanBatch b) {
+  FV_SPAN(unsigned, unsigned, if ((s[i] & 0x7f800000u) == 0x7f800000u) atomicAdd(d, 1u)) }
+extern "C" __global__ void fv_count_non_finite_f64(const SpanBatch b) {
+  FV_SPAN(u64, unsigned, if ((s[i] & 0x7ff0000000000000ull) == 0x7ff0000000000000ull) atomicAdd(d, 1u)) }
 // gossip's neighbour average, in place over this rank's values
 extern "C" __global__ void fv_mean_f16(const SpanBatch b) {
   FV_SPAN(unsigned short, unsigned short, d[i] = f2h(h2f(f2h(h2f(d[i]) + h2f(s[i]))) * 0.5f)) }

@@ -72,11 +72,17 @@ pub fn check_finite<'a>(
     dtype: DataType,
     outputs: impl Iterator<Item = (&'a str, &'a [u8])>,
 ) -> Result<()> {
-    let bad: Vec<String> = outputs
-        .filter_map(|(name, bytes)| {
-            let n = crate::elementwise::non_finite(bytes, dtype);
-            (n > 0).then(|| format!("'{name}' ({n} values)"))
-        })
+    non_finite_error(
+        outputs.map(|(name, bytes)| (name, crate::elementwise::non_finite(bytes, dtype))),
+    )
+}
+
+/// The NaN check's error for tensors with these counts of non-finite values (Ok if none has
+/// any): for host batches counted by `check_finite`, for GPU batches by a kernel.
+pub fn non_finite_error<'a>(counts: impl Iterator<Item = (&'a str, usize)>) -> Result<()> {
+    let bad: Vec<String> = counts
+        .filter(|(_, n)| *n > 0)
+        .map(|(name, n)| format!("'{name}' ({n} values)"))
         .collect();
     if bad.is_empty() {
         return Ok(());

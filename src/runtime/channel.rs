@@ -37,7 +37,7 @@ pub(crate) struct Done {
     pub entries: Vec<TensorEntry>,
     pub outcome: Result<()>,
     /// A GPU batch: enqueued, with the event its tensors complete at.
-    pub recorded: Option<super::gpu::Recorded>,
+    pub recorded: Option<Box<super::gpu::Recorded>>,
 }
 
 pub(crate) struct Channel {
@@ -146,7 +146,7 @@ fn run(
         .unwrap_or_else(|_| Err(Error::Internal("a ferrovod channel thread panicked".into())));
         turn.done(job.seq);
         let (outcome, recorded) = match result {
-            Ok(r) => (Ok(()), r),
+            Ok(r) => (Ok(()), r.map(Box::new)),
             Err(e) => (Err(e), None),
         };
         let _ = done.send(Command::BatchDone(Done {

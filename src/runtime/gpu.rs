@@ -12,10 +12,10 @@ use std::time::{Duration, Instant};
 
 use crossbeam::channel::{Receiver, Sender, unbounded};
 
-use crate::collective::ActivitySink;
 use crate::collective::device::{self, DeviceIo, Lane};
 use crate::collective::execute::{self, DeviceHow, DeviceRoute};
 use crate::collective::replay::{LaunchGraphs, ReplayKey};
+use crate::collective::{ActivitySink, kernels};
 use crate::error::{Error, Result};
 use crate::message::{OpKind, Response};
 use crate::runtime::Runtime;
@@ -250,17 +250,68 @@ pub(crate) struct Recorded {
     pub event: Arc<Event>,
     /// The streams' abort flag: a batch whose event is seen after an abort failed.
     pub aborted: Arc<AtomicBool>,
+    /// `PERSEUS_ALLREDUCE_NANCHECK`: the batch's counts of non-finite results.
+    pub nan: Option<NanCounts>,
 }
 
 impl Recorded {
     /// The batch's outcome once its event has fired.
-    fn outcome(&self) -> Result<()> {
-        match self.aborted.load(Ordering::SeqCst) {
-            true => Err(Error::Aborted(
+    pub(crate) fn outcome(&mut self) -> Result<()> {
+        if self.aborted.load(Ordering::SeqCst) {
+            return Err(Error::Aborted(
                 "the GPU collective was aborted: another rank failed or left before its part, or this rank's NCCL communicators were aborted after a failure".into(),
-            )),
-            false => Ok(()),
+            ));
         }
+        match self.nan.take() {
+            Some(nan) => nan.check(&self.gpu),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The NaN check of a GPU allreduce: one u32 counter per tensor, filled by a kernel after the
+/// collective and read once the batch is done. The results are the same on every rank, so
+/// every rank fails the same tensors.
+pub(crate) struct NanCounts {
+    counts: DeviceMem,
+    names: Vec<String>,
+}
+
+impl NanCounts {
+    /// Counts the non-finite values of each of `resps`' outputs, on `stream` after the batch.
+    fn launch(
+        gpu: &Gpu,
+        stream: &Stream,
+        resps: &[&Response],
+        ios: &[&mut dyn DeviceIo],
+    ) -> Result<NanCounts> {
+        let dtype = resps[0].dtype;
+        let counts = gpu.alloc_on(stream, 4 * ios.len())?;
+        gpu.memset_zero(stream, counts.range())?;
+        let items = (ios.iter().enumerate())
+            .map(|(k, io)| {
+                let counter = counts.range().sub(4 * k, 4)?;
+                Ok((io.output(), counter, io.input().len() / dtype.size()))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        kernels::count_non_finite_batch(gpu, stream, &items, dtype)?;
+        Ok(NanCounts {
+            counts,
+            names: resps.iter().map(|r| r.name.clone()).collect(),
+        })
+    }
+
+    /// The check's outcome; the batch's work must be done.
+    fn check(self, gpu: &Gpu) -> Result<()> {
+        let stream = gpu.new_stream()?;
+        let mut host = vec![0u8; self.counts.len()];
+        gpu.download(&stream, self.counts.range(), &mut host)?;
+        // in stream order: no wait for the whole device, as dropping it would
+        self.counts.free_on(&stream)?;
+        let counts = host
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize);
+        crate::compress::non_finite_error(self.names.iter().map(String::as_str).zip(counts))
     }
 }
 
@@ -429,6 +480,10 @@ fn enqueue_on_streams(
     };
     execute::device(route, data, &mut lane_ref, how, resps, &mut ios, sink)?;
     let replayed = lane_ref.replayed;
+    let nan = match how.nan_check && head.dtype.is_float() {
+        true => Some(NanCounts::launch(&gpu, &w.stream, resps, &ios)?),
+        false => None,
+    };
     super::probe::mark("collective enqueued", n);
     let event = Arc::new(gpu.new_event()?);
     event.record(&w.stream)?;
@@ -438,6 +493,7 @@ fn enqueue_on_streams(
         gpu,
         event,
         aborted: l.aborted.clone(),
+        nan,
     };
     Ok((recorded, replayed))
 }
@@ -621,7 +677,10 @@ fn finish_loop(rt: Arc<Runtime>, rx: Receiver<Finish>) {
             fired = Err(e.clone());
         }
         match f {
-            Finish::Complete { recorded, entries } => {
+            Finish::Complete {
+                mut recorded,
+                entries,
+            } => {
                 let outcome = fired.and_then(|()| recorded.outcome());
                 super::probe::mark("fired", entries.len());
                 let n = entries.len();

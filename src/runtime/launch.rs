@@ -287,6 +287,7 @@ impl Executor {
             };
             rt.metrics.add_wire(codec, head.dtype, bytes as u64);
             let how = DeviceHow {
+                nan_check: self.nan_check && head.kind == OpKind::Allreduce,
                 codec,
                 gossip: (head.kind == OpKind::Gossip).then(|| gossip::Schedule {
                     rounds: self.carried.rounds.advance(resps),
@@ -556,14 +557,19 @@ impl Launcher {
                 Ok(f) => self.finisher = Some(f),
                 Err(e) => {
                     tracing::error!("{e}; waiting for the GPU on the background thread");
-                    let outcome = recorded.event.synchronize();
+                    let mut recorded = recorded;
+                    let outcome = recorded
+                        .event
+                        .synchronize()
+                        .and_then(|()| recorded.outcome());
                     gpu::complete(entries, outcome, Some(&recorded));
                     return;
                 }
             }
         }
         let Some(f) = &self.finisher else { return };
-        if rt.config.async_completion {
+        // a checked batch's outcome is known only once it is done
+        if rt.config.async_completion && recorded.nan.is_none() {
             let memory: Vec<_> = entries
                 .iter_mut()
                 .flat_map(|e| e.take_device_memory())
@@ -604,7 +610,7 @@ impl Launcher {
             }
         }
         if let (Ok(()), Some(recorded)) = (&done.outcome, done.recorded) {
-            self.finish_device(rt, done.entries, recorded);
+            self.finish_device(rt, done.entries, *recorded);
             return;
         }
         for e in done.entries {

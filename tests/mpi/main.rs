@@ -708,6 +708,18 @@ pub(crate) const GPU_SCENARIOS: &[Scenario] = &[
     ("process_sets", 4, &[], true),
     ("gpu_kernels", 1, &[], true),
     ("gpu_ring", 2, &[], true),
+    // PERSEUS_ALLREDUCE_NANCHECK on GPU batches (counted by a kernel), also when handles would
+    // complete at enqueue
+    ("nan_check", 2, &[("PERSEUS_ALLREDUCE_NANCHECK", "1")], true),
+    (
+        "nan_check",
+        2,
+        &[
+            ("PERSEUS_ALLREDUCE_NANCHECK", "1"),
+            ("HOROVOD_ENABLE_ASYNC_COMPLETION", "1"),
+        ],
+        true,
+    ),
     // gossip over NCCL send/recv: the host scenarios on GPU tensors
     ("gossip", 2, GOSSIP_ONLY, true),
     (
