@@ -1,5 +1,5 @@
-"""Build hook: ships the C header beside the TensorFlow op source, which ferrovod.tensorflow
-compiles against the installed TensorFlow on first import. Everything else is in
+"""Build hook: ships the C header in the ferrovod package, which the TensorFlow and MXNet
+bindings compile their op libraries against on first import (ferrovod/_build.py). Everything else is in
 pyproject.toml (setuptools + setuptools-rust)."""
 
 import os
@@ -13,7 +13,7 @@ class BuildPyWithHeader(build_py):
     def run(self):
         super().run()
         here = os.path.dirname(os.path.abspath(__file__))
-        target = os.path.join(self.build_lib, "ferrovod", "tensorflow")
+        target = os.path.join(self.build_lib, "ferrovod")
         os.makedirs(target, exist_ok=True)
         shutil.copy(os.path.join(here, "include", "ferrovod.h"), target)
 

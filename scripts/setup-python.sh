@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Creates the virtual environment .venv and installs what the Python tests and the example use:
-# TensorFlow and tf_keras (pinned), scikit-learn (the example's dataset), pytest, then
-# ferrovod's own packages (`pip install .` builds the Rust library through setuptools-rust),
-# and compiles the TensorFlow op library once.
+# Creates the virtual environments the Python tests and the example use, and installs into them:
+#   .venv        TensorFlow and tf_keras (pinned), scikit-learn (the example's dataset), pytest;
+#   .venv-mxnet  MXNet 1.9.1 with NumPy 1.23.5 (MXNet imports only with NumPy < 1.24, which
+#                TensorFlow 2.21 does not accept: hence its own environment), pytest;
+# then ferrovod's own packages into both (one wheel: setuptools-rust builds the Rust library
+# once), and compiles each framework's op library once.
 #
 #   bash scripts/setup-python.sh           install what is missing, then check again
 #   bash scripts/setup-python.sh --check   print one line per missing requirement and exit 1
 #
 # Each requirement is checked by its installed distribution's exact version (importlib.metadata)
-# in the venv's own interpreter, not by a file that looks alike. FERROVOD_VENV (tests only)
-# replaces .venv.
+# in the venv's own interpreter, not by a file that looks alike. FERROVOD_VENV and
+# FERROVOD_MXNET_VENV (tests only) replace .venv and .venv-mxnet.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,19 +22,28 @@ case "${1:-}" in
   *) echo "usage: $0 [--check]" >&2; exit 2 ;;
 esac
 
-venv=${FERROVOD_VENV:-.venv}
+tf_venv=${FERROVOD_VENV:-.venv}
+mx_venv=${FERROVOD_MXNET_VENV:-.venv-mxnet}
 # distribution, pinned version ("" = any)
-reqs=(
+tf_reqs=(
   "pytest|"
   "tensorflow-cpu|2.21.0"
   "tf_keras|2.21.0"
   "scikit-learn|"
 )
+mx_reqs=(
+  "pytest|"
+  "mxnet|1.9.1"
+  "numpy|1.23.5"
+)
 
 # prints "name|wanted|found" for each requirement not satisfied, and "ferrovod||" and
 # "horovod-dropin||" when ferrovod's own packages do not import
+# (in venv $1, for the requirements after it)
 missing_python() {
-  "$venv/bin/python" - "${reqs[@]}" <<'EOF'
+  local venv=$1
+  shift
+  "$venv/bin/python" - "$@" <<'EOF'
 import importlib.metadata as md, importlib.util, sys
 for spec in sys.argv[1:]:
     name, want = spec.split("|")
@@ -48,13 +59,16 @@ for mod in ("ferrovod", "horovod"):
 EOF
 }
 
+# (venv $1, requirements after it)
 check() {
+  local venv=$1
+  shift
   if [ ! -x "$venv/bin/python" ]; then
     echo "setup-python: missing: virtual environment $venv (python3 -m venv $venv)" >&2
     return 1
   fi
   local out
-  out=$(missing_python)
+  out=$(missing_python "$venv" "$@")
   [ -z "$out" ] && return 0
   local line name want have
   while IFS= read -r line; do
@@ -71,30 +85,49 @@ check() {
 if [ "$mode" = check ]; then
   rc=0
   bash scripts/setup.sh --check || rc=1
-  check || rc=1
+  check "$tf_venv" "${tf_reqs[@]}" || rc=1
+  check "$mx_venv" "${mx_reqs[@]}" || rc=1
   exit $rc
 fi
 
+# installs what venv $1 misses of the requirements after it (not ferrovod's own packages)
+install_missing() {
+  local venv=$1
+  shift
+  if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv"
+  fi
+  local wanted=() line name want
+  while IFS= read -r line; do
+    [ -z "$line" ] && continue
+    IFS='|' read -r name want _ <<<"$line"
+    case "$name" in
+      ferrovod|horovod) ;;
+      *) wanted+=("$name${want:+==$want}") ;;
+    esac
+  done <<<"$(missing_python "$venv" "$@")"
+  if [ ${#wanted[@]} -gt 0 ]; then
+    echo "setup-python: installing ${wanted[*]} into $venv" >&2
+    "$venv/bin/python" -m pip install -q --upgrade pip
+    "$venv/bin/python" -m pip install -q "${wanted[@]}"
+  fi
+}
+
 bash scripts/setup.sh
-if [ ! -x "$venv/bin/python" ]; then
-  python3 -m venv "$venv"
-fi
-wanted=()
-while IFS= read -r line; do
-  [ -z "$line" ] && continue
-  IFS='|' read -r name want _ <<<"$line"
-  case "$name" in
-    ferrovod|horovod) ;;
-    *) wanted+=("$name${want:+==$want}") ;;
-  esac
-done <<<"$(missing_python)"
-if [ ${#wanted[@]} -gt 0 ]; then
-  echo "setup-python: installing ${wanted[*]}" >&2
-  "$venv/bin/python" -m pip install -q --upgrade pip
-  "$venv/bin/python" -m pip install -q "${wanted[@]}"
-fi
-# always: the Rust library is rebuilt from the source tree as it is now
-"$venv/bin/python" -m pip install -q .
-check || { echo "setup-python: still missing after installing; see the lines above" >&2; exit 1; }
-# compile the TensorFlow op library now (it is cached per TensorFlow version), not in every rank
-"$venv/bin/python" -c "import ferrovod.tensorflow"
+install_missing "$tf_venv" "${tf_reqs[@]}"
+install_missing "$mx_venv" "${mx_reqs[@]}"
+# always: the Rust library is rebuilt from the source tree as it is now, once, as one wheel
+wheels=$(mktemp -d)
+trap 'rm -rf "$wheels"' EXIT
+"$tf_venv/bin/python" -m pip wheel -q --no-deps -w "$wheels" .
+for venv in "$tf_venv" "$mx_venv"; do
+  "$venv/bin/python" -m pip install -q --force-reinstall --no-deps "$wheels"/ferrovod-*.whl
+  # its dependencies, where the environment lacks them (MXNet's NumPy stays as pinned)
+  "$venv/bin/python" -m pip install -q cloudpickle packaging
+done
+check "$tf_venv" "${tf_reqs[@]}" &&
+  check "$mx_venv" "${mx_reqs[@]}" ||
+  { echo "setup-python: still missing after installing; see the lines above" >&2; exit 1; }
+# compile the op libraries now (cached per framework version), not in every rank
+"$tf_venv/bin/python" -c "import ferrovod.tensorflow"
+"$mx_venv/bin/python" -c "import ferrovod.mxnet"

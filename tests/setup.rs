@@ -132,42 +132,58 @@ fn setup_check_is_not_fooled_by_libclang_cpp() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A virtual environment without the Python requirements: each is named with its pinned
-/// version, and ferrovod's own packages too.
+/// Virtual environments without the Python requirements (TensorFlow's and MXNet's): each is
+/// named with its pinned version and its environment, and ferrovod's own packages too.
 #[test]
 fn setup_python_check_names_missing_packages() {
     let dir = scratch("venv");
-    let venv = dir.join("venv");
-    let made = Command::new(real_python())
-        .args(["-m", "venv", "--without-pip"])
-        .arg(&venv)
-        .status()
-        .unwrap();
-    assert!(made.success());
+    let (venv, mx_venv) = (dir.join("venv"), dir.join("venv-mxnet"));
+    for v in [&venv, &mx_venv] {
+        let made = Command::new(real_python())
+            .args(["-m", "venv", "--without-pip"])
+            .arg(v)
+            .status()
+            .unwrap();
+        assert!(made.success());
+    }
     let out = check(
         "setup-python.sh",
-        &[("FERROVOD_VENV", venv.as_path())],
+        &[
+            ("FERROVOD_VENV", venv.as_path()),
+            ("FERROVOD_MXNET_VENV", mx_venv.as_path()),
+        ],
         None,
     );
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(1), "{err}");
+    let (tf, mx) = (venv.display(), mx_venv.display());
     for want in [
-        "pytest in",
-        "tensorflow-cpu==2.21.0 in",
-        "tf_keras==2.21.0 in",
-        "scikit-learn in",
-        "ferrovod in",
-        "horovod in",
+        format!("pytest in {tf} "),
+        format!("tensorflow-cpu==2.21.0 in {tf} "),
+        format!("tf_keras==2.21.0 in {tf} "),
+        format!("scikit-learn in {tf} "),
+        format!("ferrovod in {tf} "),
+        format!("horovod in {tf} "),
+        format!("pytest in {mx} "),
+        format!("mxnet==1.9.1 in {mx} "),
+        format!("numpy==1.23.5 in {mx} "),
+        format!("ferrovod in {mx} "),
+        format!("horovod in {mx} "),
     ] {
         assert!(err.contains(&format!("missing: {want}")), "{want}: {err}");
     }
-    assert_eq!(err.lines().count(), 6, "{err}");
-    // no environment at all
+    assert_eq!(err.lines().count(), 11, "{err}");
+    // no environments at all
     let out = check(
         "setup-python.sh",
-        &[("FERROVOD_VENV", dir.join("absent").as_path())],
+        &[
+            ("FERROVOD_VENV", dir.join("absent").as_path()),
+            ("FERROVOD_MXNET_VENV", dir.join("absent-mxnet").as_path()),
+        ],
         None,
     );
-    assert!(stderr(&out).contains("missing: virtual environment"));
+    let err = stderr(&out);
+    assert!(err.contains("missing: virtual environment"), "{err}");
+    assert!(err.contains("absent-mxnet"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,0 +1,231 @@
+// ferrovod's MXNet operations: collectives pushed onto MXNet's dependency engine as
+// asynchronous functions, so that they run once their inputs are written, overlap other work,
+// and `wait_to_read()`, `asnumpy()` and `mx.nd.waitall()` wait for them.
+//
+// Built by ferrovod/mxnet/build.py against the installed MXNet's headers, with MXNet's own C++
+// ABI (its wheels use the pre-C++11 one). Only MXNet's C API is called; the two engine types a
+// C caller must see (the completion callback and the error it takes) are declared below as
+// MXNet's engine.h and dmlc/logging.h define them. The fv_* symbols come from libferrovod,
+// which ferrovod/_core.py loads first with RTLD_GLOBAL.
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <mxnet/c_api.h>
+
+#include "ferrovod.h"
+
+namespace dmlc {
+// as dmlc/logging.h defines it: what MXNet's engine rethrows when the variable is waited for
+struct Error : public std::runtime_error {
+  explicit Error(const std::string& s) : std::runtime_error(s) {}
+};
+}  // namespace dmlc
+
+namespace {
+
+// mxnet::engine::CallbackOnComplete's layout: the callback, the engine, its parameter.
+struct OnComplete {
+  void (*callback)(void* engine, void* param, const dmlc::Error* error);
+  void* engine;
+  void* param;
+
+  void operator()(const dmlc::Error* error = nullptr) const { callback(engine, param, error); }
+};
+
+// mxnet::Context (device type, device id) and mxnet::FnProperty, as the C API reads them.
+struct MxContext {
+  int32_t dev_type;
+  int32_t dev_id;
+};
+const MxContext kCpu = {1, 0};
+const int32_t kCpuPrioritized = 3;
+
+// MXNet's dtype codes (mshadow) → fv_dtype.
+int32_t DtypeCode(int mx) {
+  switch (mx) {
+    case 0: return FV_DTYPE_F32;
+    case 1: return FV_DTYPE_F64;
+    case 2: return FV_DTYPE_F16;
+    case 3: return FV_DTYPE_U8;
+    case 4: return FV_DTYPE_I32;
+    case 5: return FV_DTYPE_I8;
+    case 6: return FV_DTYPE_I64;
+    case 7: return FV_DTYPE_BOOL;
+    case 12: return FV_DTYPE_BF16;
+    default: return -1;
+  }
+}
+
+std::string LastError() {
+  char buf[4096];
+  fv_last_error(buf, sizeof buf, nullptr);
+  return buf;
+}
+
+std::string HandleError(fv_handle h, int32_t code) {
+  size_t needed = 0;
+  int32_t rc = fv_handle_error(h, nullptr, 0, &needed);
+  std::string msg(needed, '\0');
+  if (rc == FV_STATUS_OK && needed > 0) rc = fv_handle_error(h, msg.data(), needed, nullptr);
+  if (rc != FV_STATUS_OK) {
+    return "ferrovod: the operation failed with status " + std::to_string(code) +
+           ", and its message could not be read (status " + std::to_string(rc) + ": " +
+           LastError() + ")";
+  }
+  msg.resize(needed > 0 ? needed - 1 : 0);
+  return msg;
+}
+
+// One pushed operation, from the push until MXNet's engine frees it (after completion).
+struct Param {
+  int32_t kind;
+  int32_t reduce_op;
+  double prescale;
+  double postscale;
+  int32_t root_rank;
+  int32_t process_set;
+  std::string name;
+  NDArrayHandle input;
+  NDArrayHandle output;
+  OnComplete on_complete;
+  // what fv_enqueue reads, kept until completion
+  std::vector<int64_t> shape;
+  fv_tensor tensor;
+};
+
+void Fail(Param* p, const std::string& msg) {
+  dmlc::Error error(msg);
+  p->on_complete(&error);
+}
+
+// ferrovod's completion callback (on a ferrovod thread): tells MXNet's engine.
+void OnDone(void* user, fv_handle h, int32_t code) {
+  auto* p = static_cast<Param*>(user);
+  if (code != FV_STATUS_OK) {
+    // as Horovod's MXNet ops: MXNetError with the reason, raised where the output is waited for
+    std::string msg = HandleError(h, code);
+    fv_release(h);
+    Fail(p, msg);
+    return;
+  }
+  fv_release(h);
+  p->on_complete();
+}
+
+// The engine runs this once the input is written and nothing else reads or writes the output.
+void Run(void* /*run_ctx*/, void* on_complete, void* param) {
+  auto* p = static_cast<Param*>(param);
+  std::memcpy(&p->on_complete, on_complete, sizeof(OnComplete));
+  void* in = nullptr;
+  void* out = nullptr;
+  int ndim = 0;
+  const int* dims = nullptr;
+  int mx_dtype = 0;
+  if (MXNDArrayGetData(p->input, &in) != 0 || MXNDArrayGetData(p->output, &out) != 0 ||
+      MXNDArrayGetShapeEx(p->input, &ndim, &dims) != 0 ||
+      MXNDArrayGetDType(p->input, &mx_dtype) != 0) {
+    Fail(p, std::string("ferrovod: reading the NDArray failed: ") + MXGetLastError());
+    return;
+  }
+  int32_t dtype = DtypeCode(mx_dtype);
+  if (dtype < 0) {
+    Fail(p, "ferrovod does not support MXNet dtype code " + std::to_string(mx_dtype));
+    return;
+  }
+  p->shape.assign(dims, dims + (ndim > 0 ? ndim : 0));
+  fv_tensor& t = p->tensor;
+  std::memset(&t, 0, sizeof t);
+  t.name = p->name.c_str();
+  t.dtype = dtype;
+  t.ndim = static_cast<int32_t>(p->shape.size());
+  t.shape = p->shape.data();
+  t.input = in;
+  t.output = out;
+  fv_op op;
+  std::memset(&op, 0, sizeof op);
+  op.kind = p->kind;
+  op.reduce_op = p->reduce_op;
+  op.prescale = p->prescale;
+  op.postscale = p->postscale;
+  op.root_rank = p->root_rank;
+  op.process_set = p->process_set;
+  op.device = -1;
+  op.tensors = &t;
+  op.num_tensors = 1;
+  op.done = OnDone;
+  op.done_user_data = p;
+  // MXNet ops always communicate: they cannot report a skipped multistep call
+  op.multistep = 1;
+  fv_handle h = 0;
+  int32_t rc = fv_enqueue(&op, &h);
+  if (rc != FV_STATUS_OK) {
+    Fail(p, LastError());
+  }
+}
+
+// The engine frees the operation after it completed: our views of the NDArrays with it.
+void Delete(void* param) {
+  auto* p = static_cast<Param*>(param);
+  if (p->output != p->input) MXNDArrayFree(p->output);
+  MXNDArrayFree(p->input);
+  delete p;
+}
+
+// A view of `h` (the same storage and engine variable) that this library owns, so that the
+// caller may drop its NDArray before the operation runs.
+int View(NDArrayHandle h, NDArrayHandle* out) {
+  int ndim = 0;
+  const int* dims = nullptr;
+  if (MXNDArrayGetShapeEx(h, &ndim, &dims) != 0) return -1;
+  std::vector<dim_t> d(dims, dims + (ndim > 0 ? ndim : 0));
+  return MXNDArrayReshape64(h, ndim, d.data(), false, out);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Pushes one collective over `input` into `output` (the same NDArray for in place) onto MXNet's
+// engine. Returns 0, or -1 with the reason in `err` (nothing was pushed).
+int fvmx_push(int32_t kind, int32_t reduce_op, double prescale, double postscale,
+              int32_t root_rank, int32_t process_set, const char* name, NDArrayHandle input,
+              NDArrayHandle output, int32_t priority, char* err, size_t err_len) {
+  auto p = std::make_unique<Param>();
+  p->kind = kind;
+  p->reduce_op = reduce_op;
+  p->prescale = prescale;
+  p->postscale = postscale;
+  p->root_rank = root_rank;
+  p->process_set = process_set;
+  p->name = name;
+  if (View(input, &p->input) != 0) {
+    std::snprintf(err, err_len, "ferrovod: viewing the input NDArray failed: %s", MXGetLastError());
+    return -1;
+  }
+  p->output = p->input;
+  if (output != input && View(output, &p->output) != 0) {
+    MXNDArrayFree(p->input);
+    std::snprintf(err, err_len, "ferrovod: viewing the output NDArray failed: %s", MXGetLastError());
+    return -1;
+  }
+  NDArrayHandle reads[1] = {p->input};
+  NDArrayHandle writes[1] = {p->output};
+  const int num_reads = input == output ? 0 : 1;
+  const std::string opr = "Ferrovod_" + p->name;
+  Param* raw = p.release();
+  if (MXEnginePushAsyncND(Run, raw, Delete, &kCpu, reads, num_reads, writes, 1, &kCpuPrioritized,
+                          priority, opr.c_str(), false) != 0) {
+    std::snprintf(err, err_len, "MXEnginePushAsyncND failed: %s", MXGetLastError());
+    Delete(raw);
+    return -1;
+  }
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,188 @@
+"""ferrovod.mxnet (and the horovod.mxnet drop-in) under mpirun: the collectives pushed onto
+MXNet's engine, checked against references every rank computes itself, for every dtype and
+reduction; in place and out of place; ordered by the engine after the ops that write their
+inputs and before those that read their outputs; and the errors, raised as MXNetError where the
+result is waited for, on every rank."""
+
+import time
+
+import mxnet as mx
+import numpy as np
+import pytest
+
+import horovod.mxnet as hvd
+
+DTYPES = ["float32", "float64", "float16", "int32", "int64", "uint8", "int8"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def initialized():
+    hvd.init()
+    yield
+    mx.nd.waitall()
+
+
+def rank_values(dtype, r, shape):
+    """Rank r's tensor: small integers, exact in every dtype whatever the reduction order."""
+    n = int(np.prod(shape))
+    vals = (np.arange(n) * 7 + r * 3) % 5 + (1 if dtype in ("uint8",) else 0)
+    return vals.reshape(shape).astype(dtype)
+
+
+def reference(dtype, op, shape):
+    n = hvd.size()
+    stack = np.stack([rank_values(dtype, r, shape).astype(np.float64) for r in range(n)])
+    if op == hvd.Sum:
+        out = stack.sum(0)
+    elif op == hvd.Average:
+        out = stack.mean(0)
+    elif op == hvd.Min:
+        out = stack.min(0)
+    elif op == hvd.Max:
+        out = stack.max(0)
+    else:
+        out = stack.prod(0)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(17,), (3, 4, 5), (1,)])
+def test_allreduce_every_op(dtype, shape):
+    r = hvd.rank()
+    x = mx.nd.array(rank_values(dtype, r, shape), dtype=dtype)
+    before = x.asnumpy().copy()
+    for op in (hvd.Sum, hvd.Min, hvd.Max, hvd.Product) + ((hvd.Average,) if "float" in dtype else ()):
+        name = "every.%s.%s.%d" % (dtype, "x".join(map(str, shape)), op)
+        got = hvd.allreduce(x, op=op, name=name)
+        assert got.dtype == np.dtype(dtype) and got.shape == x.shape
+        want = reference(dtype, op, shape)
+        np.testing.assert_allclose(got.asnumpy().astype(np.float64), want,
+                                   rtol=1e-3 if dtype == "float16" else 1e-7,
+                                   err_msg="%s %s op %d" % (dtype, shape, op))
+    np.testing.assert_array_equal(x.asnumpy(), before)  # out of place: the input is kept
+
+
+def test_allreduce_in_place_and_scales():
+    r, n = hvd.rank(), hvd.size()
+    x = mx.nd.array(rank_values("float32", r, (10,)))
+    same = hvd.allreduce_(x, op=hvd.Sum, name="inplace", prescale_factor=0.5, postscale_factor=3.0)
+    assert same is x
+    np.testing.assert_allclose(x.asnumpy(), reference("float32", hvd.Sum, (10,)) * 1.5, rtol=1e-6)
+    # the deprecated `average` flag, and the default Average
+    y = mx.nd.array(rank_values("float32", r, (10,)))
+    np.testing.assert_allclose(hvd.allreduce(y, average=False, name="avgflag").asnumpy(),
+                               reference("float32", hvd.Sum, (10,)), rtol=1e-6)
+    np.testing.assert_allclose(hvd.allreduce(y, name="default").asnumpy(),
+                               reference("float32", hvd.Sum, (10,)) / n, rtol=1e-6)
+
+
+def test_unnamed_ops_agree_by_call_order():
+    r = hvd.rank()
+    outs = [hvd.allreduce(mx.nd.ones((4,)) * (r + k), op=hvd.Sum) for k in range(5)]
+    n = hvd.size()
+    for k, o in enumerate(outs):
+        np.testing.assert_allclose(o.asnumpy(), np.full(4, sum(q + k for q in range(n))))
+
+
+class _Slow(mx.operator.CustomOp):
+    """Copies its input after a pause, on the engine: a producer still running when the
+    collective that reads its output is pushed."""
+
+    def forward(self, is_train, req, in_data, out_data, aux):
+        time.sleep(0.3)
+        self.assign(out_data[0], req[0], in_data[0])
+
+    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
+        self.assign(in_grad[0], req[0], out_grad[0])
+
+
+@mx.operator.register("ferrovod_test_slow")
+class _SlowProp(mx.operator.CustomOpProp):
+    def list_arguments(self):
+        return ["data"]
+
+    def infer_shape(self, in_shape):
+        return in_shape, [in_shape[0]], []
+
+    def create_operator(self, ctx, shapes, dtypes):
+        return _Slow()
+
+
+def test_engine_orders_the_collective_between_its_producer_and_consumer():
+    """The input comes from an engine op still running (0.3 s) and the output feeds another:
+    no waiting in Python, the call returns before the producer is done, and the values are
+    right (the collective read the produced values, the consumer the reduced ones)."""
+    r, n = hvd.rank(), hvd.size()
+    produced = mx.nd.Custom(mx.nd.ones((1000, 10)) * (r + 1), op_type="ferrovod_test_slow")
+    start = time.monotonic()
+    reduced = hvd.allreduce(produced, op=hvd.Sum, name="ordered")
+    consumed = reduced * 2 + 1
+    assert time.monotonic() - start < 0.2, "the push waited for the producer"
+    want = 2 * sum(q + 1 for q in range(n)) + 1
+    np.testing.assert_allclose(consumed.asnumpy(), np.full((1000, 10), want), rtol=1e-6)
+    # in place, chained twice: each waits for the one before
+    z = mx.nd.ones((8,)) * (r + 1)
+    hvd.allreduce_(z, op=hvd.Sum, name="chain.1")
+    hvd.allreduce_(z, op=hvd.Sum, name="chain.2")
+    np.testing.assert_allclose(z.asnumpy(), np.full(8, n * sum(q + 1 for q in range(n))))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int64", "uint8"])
+def test_broadcast_from_every_root(dtype):
+    r, n = hvd.rank(), hvd.size()
+    for root in range(n):
+        x = mx.nd.array(rank_values(dtype, r, (2, 7)), dtype=dtype)
+        got = hvd.broadcast(x, root, name="bcast.%s.%d" % (dtype, root))
+        np.testing.assert_array_equal(got.asnumpy(), rank_values(dtype, root, (2, 7)))
+        np.testing.assert_array_equal(x.asnumpy(), rank_values(dtype, r, (2, 7)))
+        y = mx.nd.array(rank_values(dtype, r, (5,)), dtype=dtype)
+        assert hvd.broadcast_(y, root, name="bcast_.%s.%d" % (dtype, root)) is y
+        np.testing.assert_array_equal(y.asnumpy(), rank_values(dtype, root, (5,)))
+
+
+def test_mismatches_fail_on_every_rank_where_waited_for():
+    r, n = hvd.rank(), hvd.size()
+    last = r == n - 1
+    cases = [
+        (mx.nd.ones((3 + int(last),)), "Mismatched ALLREDUCE tensor shapes"),
+        (mx.nd.ones((3,), dtype="float64" if last else "float32"), "Mismatched data types"),
+    ]
+    for k, (x, what) in enumerate(cases):
+        out = hvd.allreduce(x, name="mismatch.%d" % k)
+        with pytest.raises(mx.base.MXNetError, match=what):
+            out.asnumpy()
+    # a broadcast root outside the set fails at once, on every rank
+    with pytest.raises(mx.base.MXNetError, match="root rank"):
+        hvd.broadcast(mx.nd.ones((2,)), n, name="badroot").asnumpy()
+    # after the errors the engine and ferrovod go on
+    np.testing.assert_allclose(hvd.allreduce(mx.nd.ones((2,)), op=hvd.Sum, name="after").asnumpy(),
+                               np.full(2, n))
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError):
+        hvd.allreduce(np.ones(3), name="numpy")
+    with pytest.raises(NotImplementedError):
+        hvd.allreduce(mx.nd.ones((2,)), op=hvd.Adasum, name="adasum")
+
+
+def test_process_sets_side_by_side():
+    """Two process sets alive and used at once (even and odd ranks), plus the global set: each
+    rank's results come from its own set's members only."""
+    r, n = hvd.rank(), hvd.size()
+    evens = hvd.add_process_set(list(range(0, n, 2)))
+    odds = hvd.add_process_set(list(range(1, n, 2)))
+    try:
+        mine = evens if r % 2 == 0 else odds
+        x = mx.nd.ones((6,)) * (r + 1)
+        in_set = hvd.allreduce(x, op=hvd.Sum, name="set.sum", process_set=mine)
+        everyone = hvd.allreduce(x, op=hvd.Sum, name="all.sum")
+        root = mine.ranks[-1]
+        from_root = hvd.broadcast(x, root, name="set.bcast", process_set=mine)
+        np.testing.assert_allclose(in_set.asnumpy(), np.full(6, sum(q + 1 for q in mine.ranks)))
+        np.testing.assert_allclose(everyone.asnumpy(), np.full(6, sum(q + 1 for q in range(n))))
+        np.testing.assert_allclose(from_root.asnumpy(), np.full(6, root + 1))
+    finally:
+        mx.nd.waitall()
+        hvd.remove_process_set(odds)
+        hvd.remove_process_set(evens)
