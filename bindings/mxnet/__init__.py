@@ -2,12 +2,15 @@
 `horovod.mxnet` here). The collectives are pushed onto MXNet's dependency engine
 (mpi_ops.cc): they run once their inputs are written, overlap other work, and
 `wait_to_read()`, `asnumpy()` and `mx.nd.waitall()` wait for them; a failure is raised there
-as MXNetError with ferrovod's message."""
+as MXNetError with ferrovod's message. `allgather` agrees the first dimensions synchronously
+before it pushes; `barrier`, `broadcast_parameters` and `broadcast_object` wait."""
 
 import ctypes
 import itertools
 
+import cloudpickle
 import mxnet as mx
+import numpy as np
 
 from ferrovod import _core  # loads libferrovod (RTLD_GLOBAL) before the op library needs it
 from ferrovod.mxnet.build import op_library_path
@@ -24,7 +27,8 @@ _LIB = ctypes.CDLL(op_library_path())
 _LIB.fvmx_push.restype = ctypes.c_int
 _LIB.fvmx_push.argtypes = [
     ctypes.c_int32, ctypes.c_int32, ctypes.c_double, ctypes.c_double, ctypes.c_int32,
-    ctypes.c_int32, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
+    ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_char_p),
+    ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p), ctypes.c_int32,
     ctypes.c_char_p, ctypes.c_size_t,
 ]
 
@@ -92,50 +96,160 @@ def _like(tensor):
     return mx.nd.zeros(shape=tensor.shape, ctx=tensor.context, dtype=tensor.dtype)
 
 
-def _push(kind, tensor, output, name, reduce_op=Sum, prescale=1.0, postscale=1.0, root_rank=0,
-          priority=0, process_set=global_process_set):
-    _checked(tensor)
+def _push(kind, tensors, outputs, names, reduce_op=Sum, prescale=1.0, postscale=1.0,
+          root_rank=0, priority=0, process_set=global_process_set):
+    """Pushes one engine operation (and one ferrovod operation) over `tensors` into
+    `outputs`; returns `outputs`."""
+    for t in tensors:
+        _checked(t)
     if process_set.process_set_id != 0:
         process_set.size()  # as Horovod: ValueError for a set that was never registered
+    n = len(tensors)
+    c_names = (ctypes.c_char_p * n)(*[name.encode() for name in names])
+    c_in = (ctypes.c_void_p * n)(*[t.handle.value for t in tensors])
+    c_out = (ctypes.c_void_p * n)(*[o.handle.value for o in outputs])
     err = ctypes.create_string_buffer(1024)
     rc = _LIB.fvmx_push(kind, reduce_op, prescale, postscale, root_rank,
-                        process_set.process_set_id, name.encode(), tensor.handle, output.handle,
-                        priority, err, len(err))
+                        process_set.process_set_id, n, c_names, c_in, c_out, priority, err,
+                        len(err))
     if rc != 0:
         raise RuntimeError(err.value.decode())
-    return output
+    return outputs
+
+
+def _group_names(prefix, name, n):
+    base = _name(prefix, name)
+    return [base if n == 1 else "%s_%dof%d" % (base, i + 1, n) for i in range(n)]
+
+
+def _reduce_op(op, average):
+    op = _op_from(op, average)
+    if op == Adasum:
+        raise NotImplementedError("Adasum is not supported by ferrovod.")
+    return op
 
 
 def allreduce(tensor, average=None, name=None, priority=0, prescale_factor=1.0,
               postscale_factor=1.0, process_set=global_process_set, op=None):
     """The reduction (Average by default) of `tensor` over the process set, as a new NDArray;
     `tensor` is left alone."""
-    op = _op_from(op, average)
-    if op == Adasum:
-        raise NotImplementedError("Adasum is not supported by ferrovod.")
-    output = _like(tensor)
-    return _push(_core.ALLREDUCE, tensor, output, _name("horovod_allreduce", name), op,
-                 prescale_factor, postscale_factor, priority=priority, process_set=process_set)
+    op = _reduce_op(op, average)
+    return _push(_core.ALLREDUCE, [tensor], [_like(tensor)], [_name("horovod_allreduce", name)],
+                 op, prescale_factor, postscale_factor, priority=priority,
+                 process_set=process_set)[0]
 
 
 def allreduce_(tensor, average=None, name=None, priority=0, prescale_factor=1.0,
                postscale_factor=1.0, process_set=global_process_set, op=None):
     """In-place allreduce: `tensor` holds the reduction once the engine has run it."""
-    op = _op_from(op, average)
-    if op == Adasum:
-        raise NotImplementedError("Adasum is not supported by ferrovod.")
-    return _push(_core.ALLREDUCE, tensor, tensor, _name("horovod_allreduce", name), op,
+    op = _reduce_op(op, average)
+    return _push(_core.ALLREDUCE, [tensor], [tensor], [_name("horovod_allreduce", name)], op,
+                 prescale_factor, postscale_factor, priority=priority,
+                 process_set=process_set)[0]
+
+
+def grouped_allreduce(tensors, average=None, name=None, priority=0, prescale_factor=1.0,
+                      postscale_factor=1.0, process_set=global_process_set, op=None):
+    """Allreduce of several tensors, negotiated and completed together (one engine op)."""
+    op = _reduce_op(op, average)
+    tensors = list(tensors)
+    if not tensors:
+        return []
+    return _push(_core.ALLREDUCE, tensors, [_like(t) for t in tensors],
+                 _group_names("horovod_grouped_allreduce", name, len(tensors)), op,
+                 prescale_factor, postscale_factor, priority=priority, process_set=process_set)
+
+
+def grouped_allreduce_(tensors, average=None, name=None, priority=0, prescale_factor=1.0,
+                       postscale_factor=1.0, process_set=global_process_set, op=None):
+    """In-place grouped allreduce."""
+    op = _reduce_op(op, average)
+    tensors = list(tensors)
+    if not tensors:
+        return []
+    return _push(_core.ALLREDUCE, tensors, tensors,
+                 _group_names("horovod_grouped_allreduce", name, len(tensors)), op,
                  prescale_factor, postscale_factor, priority=priority, process_set=process_set)
 
 
 def broadcast(tensor, root_rank, name=None, priority=0, process_set=global_process_set):
     """`root_rank`'s `tensor` on every rank of the process set, as a new NDArray."""
-    output = _like(tensor)
-    return _push(_core.BROADCAST, tensor, output, _name("horovod_broadcast", name),
-                 root_rank=root_rank, priority=priority, process_set=process_set)
+    return _push(_core.BROADCAST, [tensor], [_like(tensor)], [_name("horovod_broadcast", name)],
+                 root_rank=root_rank, priority=priority, process_set=process_set)[0]
 
 
 def broadcast_(tensor, root_rank, name=None, priority=0, process_set=global_process_set):
     """In-place broadcast."""
-    return _push(_core.BROADCAST, tensor, tensor, _name("horovod_broadcast", name),
-                 root_rank=root_rank, priority=priority, process_set=process_set)
+    return _push(_core.BROADCAST, [tensor], [tensor], [_name("horovod_broadcast", name)],
+                 root_rank=root_rank, priority=priority, process_set=process_set)[0]
+
+
+def allgather(tensor, name=None, priority=0, process_set=global_process_set):
+    """Every rank's `tensor` concatenated along the first dimension, in rank order. The first
+    dimensions are agreed first, synchronously (a small allgather), so that the output exists
+    before the engine operation is pushed; the data then moves asynchronously."""
+    _checked(tensor)
+    if len(tensor.shape) == 0:
+        raise ValueError("allgather needs a tensor of at least one dimension")
+    label = _name("horovod_allgather", name)
+    (firsts,) = _core.enqueue(_core.ALLGATHER, [np.array([tensor.shape[0]], np.int64)],
+                              [label + ".sizes"], process_set=process_set.process_set_id).wait()
+    shape = (int(np.sum(firsts)),) + tuple(tensor.shape[1:])
+    output = mx.nd.zeros(shape=shape, ctx=tensor.context, dtype=tensor.dtype)
+    return _push(_core.ALLGATHER, [tensor], [output], [label], priority=priority,
+                 process_set=process_set)[0]
+
+
+def reducescatter(tensor, op=Average, name=None, priority=0, process_set=global_process_set,
+                  prescale_factor=1.0, postscale_factor=1.0):
+    """The reduction of `tensor` over the process set, of which each rank keeps its slice of
+    rows (the remainder to the lowest ranks)."""
+    op = _reduce_op(op, None)
+    _checked(tensor)
+    if len(tensor.shape) == 0:
+        raise ValueError("reducescatter needs a tensor of at least one dimension")
+    n, r = process_set.size(), process_set.rank()
+    if tensor.shape[0] < n:
+        # every rank decides alike from the shape all must share: none communicates
+        raise ValueError("reducescatter of %d rows over %d ranks would leave a rank none, and "
+                         "MXNet's NDArrays cannot be empty" % (tensor.shape[0], n))
+    rows = tensor.shape[0] // n + (1 if r < tensor.shape[0] % n else 0)
+    output = mx.nd.zeros(shape=(rows,) + tuple(tensor.shape[1:]), ctx=tensor.context,
+                         dtype=tensor.dtype)
+    return _push(_core.REDUCESCATTER, [tensor], [output], [_name("horovod_reducescatter", name)],
+                 op, prescale_factor, postscale_factor, priority=priority,
+                 process_set=process_set)[0]
+
+
+def barrier(process_set=global_process_set):
+    """Returns once every rank of the process set has called it (synchronous)."""
+    _core.enqueue(_core.BARRIER, [], [], process_set=process_set.process_set_id).wait()
+
+
+def broadcast_parameters(params, root_rank=0, prefix=None):
+    """Assigns `root_rank`'s values to `params` (a dict of NDArrays, or a Gluon ParameterDict /
+    dict of Parameters), in place, in name order."""
+    if hasattr(params, "items"):
+        items = sorted(params.items())
+    else:
+        raise ValueError("invalid params of type: %s" % type(params))
+    prefix = prefix or ""
+    for key, value in items:
+        tensors = value.list_data() if isinstance(value, mx.gluon.Parameter) else [value]
+        for i, t in enumerate(tensors):
+            label = "%s%s" % (prefix, key) if len(tensors) == 1 else "%s%s.%d" % (prefix, key, i)
+            broadcast_(t, root_rank, name=label)
+    mx.nd.waitall()
+
+
+def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
+    """`root_rank`'s `obj` (pickled) on every rank of the process set (synchronous)."""
+    label = name or type(obj).__name__
+    payload = np.frombuffer(cloudpickle.dumps(obj), np.uint8) if rank() == root_rank else None
+    size = np.array([0 if payload is None else len(payload)], np.int64)
+    (size,) = _core.enqueue(_core.BROADCAST, [size], ["bcast_object.%s.sz" % label],
+                            root_rank=root_rank, process_set=process_set.process_set_id).wait()
+    data = payload if payload is not None else np.zeros(int(size[0]), np.uint8)
+    (data,) = _core.enqueue(_core.BROADCAST, [data], ["bcast_object.%s.t" % label],
+                            root_rank=root_rank, process_set=process_set.process_set_id).wait()
+    return cloudpickle.loads(np.asarray(data).tobytes())

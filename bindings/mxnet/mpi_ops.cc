@@ -90,13 +90,16 @@ struct Param {
   double postscale;
   int32_t root_rank;
   int32_t process_set;
-  std::string name;
-  NDArrayHandle input;
-  NDArrayHandle output;
+  std::vector<std::string> names;
+  // this library's views of the NDArrays (outputs[i] == inputs[i] in place)
+  std::vector<NDArrayHandle> inputs;
+  std::vector<NDArrayHandle> outputs;
   OnComplete on_complete;
   // what fv_enqueue reads, kept until completion
-  std::vector<int64_t> shape;
-  fv_tensor tensor;
+  std::vector<std::vector<int64_t>> shapes;
+  std::vector<fv_tensor> tensors;
+  std::vector<void*> out_data;
+  std::vector<size_t> out_bytes;
 };
 
 void Fail(Param* p, const std::string& msg) {
@@ -118,35 +121,72 @@ void OnDone(void* user, fv_handle h, int32_t code) {
   p->on_complete();
 }
 
-// The engine runs this once the input is written and nothing else reads or writes the output.
+// Allgather/reducescatter: the output NDArray, sized by the caller from agreed shapes; a size
+// that differs from what ferrovod needs fails the operation rather than overrun it.
+void* Alloc(void* user, int32_t index, int32_t, const int64_t*, uint64_t bytes) {
+  auto* p = static_cast<Param*>(user);
+  if (index < 0 || static_cast<size_t>(index) >= p->out_data.size() ||
+      p->out_bytes[index] != bytes) {
+    return nullptr;
+  }
+  return p->out_data[index];
+}
+
+size_t DtypeSize(int32_t fv) {
+  switch (fv) {
+    case FV_DTYPE_F64: case FV_DTYPE_I64: return 8;
+    case FV_DTYPE_F32: case FV_DTYPE_I32: return 4;
+    case FV_DTYPE_F16: case FV_DTYPE_BF16: return 2;
+    default: return 1;
+  }
+}
+
+// The engine runs this once the inputs are written and nothing else reads or writes the outputs.
 void Run(void* /*run_ctx*/, void* on_complete, void* param) {
   auto* p = static_cast<Param*>(param);
   std::memcpy(&p->on_complete, on_complete, sizeof(OnComplete));
-  void* in = nullptr;
-  void* out = nullptr;
-  int ndim = 0;
-  const int* dims = nullptr;
-  int mx_dtype = 0;
-  if (MXNDArrayGetData(p->input, &in) != 0 || MXNDArrayGetData(p->output, &out) != 0 ||
-      MXNDArrayGetShapeEx(p->input, &ndim, &dims) != 0 ||
-      MXNDArrayGetDType(p->input, &mx_dtype) != 0) {
-    Fail(p, std::string("ferrovod: reading the NDArray failed: ") + MXGetLastError());
-    return;
+  const size_t n = p->inputs.size();
+  const bool allocated = p->kind == FV_OP_KIND_ALLGATHER || p->kind == FV_OP_KIND_REDUCESCATTER;
+  p->shapes.resize(n);
+  p->tensors.resize(n);
+  p->out_data.resize(n);
+  p->out_bytes.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    void* in = nullptr;
+    void* out = nullptr;
+    int ndim = 0, out_ndim = 0;
+    const int* dims = nullptr;
+    const int* out_dims = nullptr;
+    int mx_dtype = 0;
+    if (MXNDArrayGetData(p->inputs[i], &in) != 0 || MXNDArrayGetData(p->outputs[i], &out) != 0 ||
+        MXNDArrayGetShapeEx(p->inputs[i], &ndim, &dims) != 0 ||
+        MXNDArrayGetDType(p->inputs[i], &mx_dtype) != 0) {
+      Fail(p, std::string("ferrovod: reading the NDArray failed: ") + MXGetLastError());
+      return;
+    }
+    int32_t dtype = DtypeCode(mx_dtype);
+    if (dtype < 0) {
+      Fail(p, "ferrovod does not support MXNet dtype code " + std::to_string(mx_dtype));
+      return;
+    }
+    p->shapes[i].assign(dims, dims + (ndim > 0 ? ndim : 0));
+    size_t out_elems = 1;
+    if (MXNDArrayGetShapeEx(p->outputs[i], &out_ndim, &out_dims) != 0) {
+      Fail(p, std::string("ferrovod: reading the NDArray failed: ") + MXGetLastError());
+      return;
+    }
+    for (int d = 0; d < out_ndim; ++d) out_elems *= static_cast<size_t>(out_dims[d]);
+    p->out_data[i] = out;
+    p->out_bytes[i] = out_elems * DtypeSize(dtype);
+    fv_tensor& t = p->tensors[i];
+    std::memset(&t, 0, sizeof t);
+    t.name = p->names[i].c_str();
+    t.dtype = dtype;
+    t.ndim = static_cast<int32_t>(p->shapes[i].size());
+    t.shape = p->shapes[i].data();
+    t.input = in;
+    t.output = allocated ? nullptr : out;
   }
-  int32_t dtype = DtypeCode(mx_dtype);
-  if (dtype < 0) {
-    Fail(p, "ferrovod does not support MXNet dtype code " + std::to_string(mx_dtype));
-    return;
-  }
-  p->shape.assign(dims, dims + (ndim > 0 ? ndim : 0));
-  fv_tensor& t = p->tensor;
-  std::memset(&t, 0, sizeof t);
-  t.name = p->name.c_str();
-  t.dtype = dtype;
-  t.ndim = static_cast<int32_t>(p->shape.size());
-  t.shape = p->shape.data();
-  t.input = in;
-  t.output = out;
   fv_op op;
   std::memset(&op, 0, sizeof op);
   op.kind = p->kind;
@@ -156,10 +196,14 @@ void Run(void* /*run_ctx*/, void* on_complete, void* param) {
   op.root_rank = p->root_rank;
   op.process_set = p->process_set;
   op.device = -1;
-  op.tensors = &t;
-  op.num_tensors = 1;
+  op.tensors = p->tensors.data();
+  op.num_tensors = static_cast<int32_t>(n);
   op.done = OnDone;
   op.done_user_data = p;
+  if (allocated) {
+    op.alloc = Alloc;
+    op.alloc_user_data = p;
+  }
   // MXNet ops always communicate: they cannot report a skipped multistep call
   op.multistep = 1;
   fv_handle h = 0;
@@ -172,8 +216,10 @@ void Run(void* /*run_ctx*/, void* on_complete, void* param) {
 // The engine frees the operation after it completed: our views of the NDArrays with it.
 void Delete(void* param) {
   auto* p = static_cast<Param*>(param);
-  if (p->output != p->input) MXNDArrayFree(p->output);
-  MXNDArrayFree(p->input);
+  for (size_t i = 0; i < p->inputs.size(); ++i) {
+    if (p->outputs[i] != p->inputs[i]) MXNDArrayFree(p->outputs[i]);
+    MXNDArrayFree(p->inputs[i]);
+  }
   delete p;
 }
 
@@ -191,11 +237,14 @@ int View(NDArrayHandle h, NDArrayHandle* out) {
 
 extern "C" {
 
-// Pushes one collective over `input` into `output` (the same NDArray for in place) onto MXNet's
-// engine. Returns 0, or -1 with the reason in `err` (nothing was pushed).
+// Pushes one collective over `n` tensors, `inputs[i]` into `outputs[i]` (the same NDArray for
+// in place), as one engine operation and one ferrovod operation (negotiated and completed
+// together). Allgather/reducescatter outputs must have the agreed result's size. Returns 0, or
+// -1 with the reason in `err` (nothing was pushed).
 int fvmx_push(int32_t kind, int32_t reduce_op, double prescale, double postscale,
-              int32_t root_rank, int32_t process_set, const char* name, NDArrayHandle input,
-              NDArrayHandle output, int32_t priority, char* err, size_t err_len) {
+              int32_t root_rank, int32_t process_set, int32_t n, const char** names,
+              NDArrayHandle* inputs, NDArrayHandle* outputs, int32_t priority, char* err,
+              size_t err_len) {
   auto p = std::make_unique<Param>();
   p->kind = kind;
   p->reduce_op = reduce_op;
@@ -203,23 +252,31 @@ int fvmx_push(int32_t kind, int32_t reduce_op, double prescale, double postscale
   p->postscale = postscale;
   p->root_rank = root_rank;
   p->process_set = process_set;
-  p->name = name;
-  if (View(input, &p->input) != 0) {
-    std::snprintf(err, err_len, "ferrovod: viewing the input NDArray failed: %s", MXGetLastError());
-    return -1;
+  std::vector<NDArrayHandle> reads, writes;
+  for (int32_t i = 0; i < n; ++i) {
+    NDArrayHandle in = nullptr, out = nullptr;
+    if (View(inputs[i], &in) != 0) {
+      std::snprintf(err, err_len, "ferrovod: viewing an input NDArray failed: %s", MXGetLastError());
+      Delete(p.release());
+      return -1;
+    }
+    out = in;
+    if (outputs[i] != inputs[i] && View(outputs[i], &out) != 0) {
+      MXNDArrayFree(in);
+      std::snprintf(err, err_len, "ferrovod: viewing an output NDArray failed: %s", MXGetLastError());
+      Delete(p.release());
+      return -1;
+    }
+    p->names.emplace_back(names[i]);
+    p->inputs.push_back(in);
+    p->outputs.push_back(out);
+    if (out != in) reads.push_back(in);
+    writes.push_back(out);
   }
-  p->output = p->input;
-  if (output != input && View(output, &p->output) != 0) {
-    MXNDArrayFree(p->input);
-    std::snprintf(err, err_len, "ferrovod: viewing the output NDArray failed: %s", MXGetLastError());
-    return -1;
-  }
-  NDArrayHandle reads[1] = {p->input};
-  NDArrayHandle writes[1] = {p->output};
-  const int num_reads = input == output ? 0 : 1;
-  const std::string opr = "Ferrovod_" + p->name;
+  const std::string opr = "Ferrovod_" + (n > 0 ? p->names[0] : std::string("op"));
   Param* raw = p.release();
-  if (MXEnginePushAsyncND(Run, raw, Delete, &kCpu, reads, num_reads, writes, 1, &kCpuPrioritized,
+  if (MXEnginePushAsyncND(Run, raw, Delete, &kCpu, reads.data(), static_cast<int>(reads.size()),
+                          writes.data(), static_cast<int>(writes.size()), &kCpuPrioritized,
                           priority, opr.c_str(), false) != 0) {
     std::snprintf(err, err_len, "MXEnginePushAsyncND failed: %s", MXGetLastError());
     Delete(raw);

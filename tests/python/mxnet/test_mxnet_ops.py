@@ -186,3 +186,66 @@ def test_process_sets_side_by_side():
         mx.nd.waitall()
         hvd.remove_process_set(odds)
         hvd.remove_process_set(evens)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_grouped_allreduce(inplace):
+    r, n = hvd.rank(), hvd.size()
+    xs = [mx.nd.ones((k + 2,), dtype=d) * (r + k) for k, d in enumerate(["float32", "float64", "int32"])]
+    fn = hvd.grouped_allreduce_ if inplace else hvd.grouped_allreduce
+    outs = fn(xs, op=hvd.Sum, name="grouped.%s" % inplace)
+    if inplace:
+        assert all(o is x for o, x in zip(outs, xs))
+    for k, o in enumerate(outs):
+        assert o.dtype == xs[k].dtype
+        np.testing.assert_allclose(o.asnumpy(), np.full(k + 2, sum(q + k for q in range(n))))
+    assert hvd.grouped_allreduce([], name="empty") == []
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int64", "uint8"])
+def test_allgather_uneven_first_dimensions(dtype):
+    r, n = hvd.rank(), hvd.size()
+    x = mx.nd.array(np.full((r + 1, 3), r, np.float64), dtype=dtype)
+    got = hvd.allgather(x, name="gather.%s" % dtype)
+    want = np.concatenate([np.full((q + 1, 3), q) for q in range(n)]).astype(dtype)
+    assert got.shape == want.shape and got.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(got.asnumpy(), want)
+
+
+def test_allgather_mismatched_trailing_dimensions_fail_everywhere():
+    r, n = hvd.rank(), hvd.size()
+    x = mx.nd.ones((2, 3 + int(r == n - 1)))
+    with pytest.raises(mx.base.MXNetError, match="Mismatched ALLGATHER tensor shapes"):
+        hvd.allgather(x, name="gather.bad").asnumpy()
+
+
+@pytest.mark.parametrize("rows", [8, 7, 1])
+def test_reducescatter_rows(rows):
+    r, n = hvd.rank(), hvd.size()
+    x = mx.nd.array(np.arange(rows * 2, dtype=np.float32).reshape(rows, 2) * (r + 1))
+    if rows < n:
+        with pytest.raises(ValueError, match="cannot be empty"):
+            hvd.reducescatter(x, op=hvd.Sum, name="rs.%d" % rows)
+        return
+    got = hvd.reducescatter(x, op=hvd.Sum, name="rs.%d" % rows)
+    total = np.arange(rows * 2, dtype=np.float64).reshape(rows, 2) * sum(q + 1 for q in range(n))
+    counts = [rows // n + (1 if q < rows % n else 0) for q in range(n)]
+    start = sum(counts[:r])
+    np.testing.assert_allclose(got.asnumpy(), total[start:start + counts[r]])
+
+
+def test_barrier_broadcast_parameters_and_objects():
+    r = hvd.rank()
+    hvd.barrier()
+    params = {"w": mx.nd.ones((2, 2)) * r, "b": mx.nd.arange(3) + r}
+    hvd.broadcast_parameters(params, root_rank=0)
+    np.testing.assert_array_equal(params["w"].asnumpy(), np.zeros((2, 2)))
+    np.testing.assert_array_equal(params["b"].asnumpy(), np.arange(3))
+    # a Gluon block's parameters, initialised differently on each rank
+    net = mx.gluon.nn.Dense(3, in_units=4)
+    net.initialize(mx.init.Constant(r + 1))
+    hvd.broadcast_parameters(net.collect_params(), root_rank=hvd.size() - 1)
+    np.testing.assert_array_equal(net.weight.data().asnumpy(), np.full((3, 4), hvd.size()))
+    obj = {"rank": r, "list": [1, 2, r]}
+    got = hvd.broadcast_object(obj, root_rank=hvd.size() - 1)
+    assert got == {"rank": hvd.size() - 1, "list": [1, 2, hvd.size() - 1]}
