@@ -5,8 +5,10 @@
 as MXNetError with ferrovod's message. `allgather` agrees the first dimensions synchronously
 before it pushes; `barrier`, `broadcast_parameters` and `broadcast_object` wait."""
 
+import collections
 import ctypes
 import itertools
+import warnings
 
 import cloudpickle
 import mxnet as mx
@@ -26,8 +28,9 @@ from horovod.common.util import get_average_backwards_compatibility_fun
 _LIB = ctypes.CDLL(op_library_path())
 _LIB.fvmx_push.restype = ctypes.c_int
 _LIB.fvmx_push.argtypes = [
+    # kind, reduce_op, prescale, postscale, root_rank, process_set, compression, n, names
     ctypes.c_int32, ctypes.c_int32, ctypes.c_double, ctypes.c_double, ctypes.c_int32,
-    ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_char_p),
+    ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_char_p),
     ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p), ctypes.c_int32,
     ctypes.c_char_p, ctypes.c_size_t,
 ]
@@ -97,7 +100,8 @@ def _like(tensor):
 
 
 def _push(kind, tensors, outputs, names, reduce_op=Sum, prescale=1.0, postscale=1.0,
-          root_rank=0, priority=0, process_set=global_process_set):
+          root_rank=0, priority=0, process_set=global_process_set,
+          compression=_core.COMPRESSION_JOB):
     """Pushes one engine operation (and one ferrovod operation) over `tensors` into
     `outputs`; returns `outputs`."""
     for t in tensors:
@@ -110,8 +114,8 @@ def _push(kind, tensors, outputs, names, reduce_op=Sum, prescale=1.0, postscale=
     c_out = (ctypes.c_void_p * n)(*[o.handle.value for o in outputs])
     err = ctypes.create_string_buffer(1024)
     rc = _LIB.fvmx_push(kind, reduce_op, prescale, postscale, root_rank,
-                        process_set.process_set_id, n, c_names, c_in, c_out, priority, err,
-                        len(err))
+                        process_set.process_set_id, compression, n, c_names, c_in, c_out,
+                        priority, err, len(err))
     if rc != 0:
         raise RuntimeError(err.value.decode())
     return outputs
@@ -253,3 +257,111 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     (data,) = _core.enqueue(_core.BROADCAST, [data], ["bcast_object.%s.t" % label],
                             root_rank=root_rank, process_set=process_set.process_set_id).wait()
     return cloudpickle.loads(np.asarray(data).tobytes())
+
+
+class Compression:
+    """How gradients travel. `fp16`/`bf16`: float32 sums and averages are cast while packed
+    into ferrovod's fusion buffer and back while unpacked (the core's codecs, as in the
+    TensorFlow binding); other dtypes travel as they are. `none`: as the job's
+    FERROVOD_COMPRESSION says."""
+
+    none = _core.COMPRESSION_JOB
+    fp16 = _core.COMPRESSION_FP16
+    bf16 = _core.COMPRESSION_BF16
+    mixed = _core.COMPRESSION_MIXED
+    u8 = _core.COMPRESSION_U8
+
+
+def _reduce_grads(grads, names, predivide, num_groups, process_set, compression):
+    """Averages `grads` over the process set, in place: one engine op per gradient, or
+    `num_groups` grouped ones. The average is divided into 1/predivide before the sum and
+    predivide/size after it."""
+    if process_set.size() == 1 or not process_set.included():
+        return
+    if num_groups > 0:
+        from horovod.common.util import split_list
+
+        parts = [(gs, _group_names("horovod_grouped_allreduce", "%s:%s" % (ns[0], ns[-1]), len(gs)))
+                 for gs, ns in zip(split_list(grads, num_groups), split_list(names, num_groups))]
+    else:
+        parts = [([g], [_name("horovod_allreduce", n)]) for g, n in zip(grads, names)]
+    for i, (gs, labels) in enumerate(parts):
+        _push(_core.ALLREDUCE, gs, gs, labels, Average, 1.0 / predivide, predivide, priority=-i,
+              process_set=process_set, compression=compression)
+
+
+class DistributedOptimizer(mx.optimizer.Optimizer):
+    """Wraps an MXNet optimizer: each `update` first averages the gradient over the process
+    set (in place, on the engine), then lets the wrapped optimizer update the weight."""
+
+    def __init__(self, optimizer, gradient_predivide_factor=1.0, num_groups=0,
+                 process_set=global_process_set):
+        self._optimizer = optimizer
+        self._predivide = gradient_predivide_factor
+        self._num_groups = num_groups
+        self._process_set = process_set
+
+    def __getattr__(self, item):
+        return getattr(self._optimizer, item)
+
+    def create_state(self, index, weight):
+        return self._optimizer.create_state(index, weight)
+
+    def create_state_multi_precision(self, index, weight):
+        return self._optimizer.create_state_multi_precision(index, weight)
+
+    def _reduce(self, index, grad):
+        if isinstance(index, (tuple, list)):
+            _reduce_grads(list(grad), [str(i) for i in index], self._predivide,
+                          self._num_groups, self._process_set, Compression.none)
+        else:
+            _reduce_grads([grad], [str(index)], self._predivide, 0, self._process_set,
+                          Compression.none)
+
+    def update(self, index, weight, grad, state):
+        self._reduce(index, grad)
+        self._optimizer.update(index, weight, grad, state)
+
+    def update_multi_precision(self, index, weight, grad, state):
+        self._reduce(index, grad)
+        self._optimizer.update_multi_precision(index, weight, grad, state)
+
+    def set_learning_rate(self, lr):
+        self._optimizer.set_learning_rate(lr)
+
+    def set_lr_mult(self, args_lr_mult):
+        self._optimizer.set_lr_mult(args_lr_mult)
+
+    def set_wd_mult(self, args_wd_mult):
+        self._optimizer.set_wd_mult(args_wd_mult)
+
+
+class DistributedTrainer(mx.gluon.Trainer):
+    """A Gluon Trainer whose gradients are averaged over the process set by ferrovod (no
+    kvstore): `step(batch_size)` then scales by 1/batch_size as Trainer does, so each rank
+    passes its own batch size. `prefix` keeps the tensor names of several trainers apart."""
+
+    def __init__(self, params, optimizer, optimizer_params=None, compression=Compression.none,
+                 gradient_predivide_factor=1.0, prefix=None, num_groups=0,
+                 process_set=global_process_set):
+        if isinstance(optimizer, DistributedOptimizer):
+            optimizer = optimizer._optimizer
+            warnings.warn("DistributedTrainer does not take DistributedOptimizer as its "
+                          "optimizer; it was unwrapped.")
+        # the same parameter order on every rank
+        if isinstance(params, dict):
+            params = collections.OrderedDict(params)
+        elif isinstance(params, (list, tuple)):
+            params = sorted(params)
+        super().__init__(params, optimizer, optimizer_params=optimizer_params, kvstore=None)
+        self._compression = compression
+        self._predivide = gradient_predivide_factor
+        self._prefix = prefix or ""
+        self._num_groups = num_groups
+        self._process_set = process_set
+
+    def _allreduce_grads(self):
+        live = [(i, p) for i, p in enumerate(self._params) if p.grad_req != "null"]
+        _reduce_grads([p.list_grad()[0] for _, p in live],
+                      ["%s%d" % (self._prefix, i) for i, _ in live], self._predivide,
+                      self._num_groups, self._process_set, self._compression)

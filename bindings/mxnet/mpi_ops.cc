@@ -90,6 +90,7 @@ struct Param {
   double postscale;
   int32_t root_rank;
   int32_t process_set;
+  int32_t compression;
   std::vector<std::string> names;
   // this library's views of the NDArrays (outputs[i] == inputs[i] in place)
   std::vector<NDArrayHandle> inputs;
@@ -204,6 +205,7 @@ void Run(void* /*run_ctx*/, void* on_complete, void* param) {
     op.alloc = Alloc;
     op.alloc_user_data = p;
   }
+  op.compression = p->compression;
   // MXNet ops always communicate: they cannot report a skipped multistep call
   op.multistep = 1;
   fv_handle h = 0;
@@ -239,10 +241,12 @@ extern "C" {
 
 // Pushes one collective over `n` tensors, `inputs[i]` into `outputs[i]` (the same NDArray for
 // in place), as one engine operation and one ferrovod operation (negotiated and completed
-// together). Allgather/reducescatter outputs must have the agreed result's size. Returns 0, or
-// -1 with the reason in `err` (nothing was pushed).
+// together). Allgather/reducescatter outputs must have the agreed result's size; `compression`
+// is an fv_compression value (allreduce). Returns 0, or -1 with the reason in `err` (nothing
+// was pushed).
 int fvmx_push(int32_t kind, int32_t reduce_op, double prescale, double postscale,
-              int32_t root_rank, int32_t process_set, int32_t n, const char** names,
+              int32_t root_rank, int32_t process_set, int32_t compression, int32_t n,
+              const char** names,
               NDArrayHandle* inputs, NDArrayHandle* outputs, int32_t priority, char* err,
               size_t err_len) {
   auto p = std::make_unique<Param>();
@@ -252,6 +256,7 @@ int fvmx_push(int32_t kind, int32_t reduce_op, double prescale, double postscale
   p->postscale = postscale;
   p->root_rank = root_rank;
   p->process_set = process_set;
+  p->compression = compression;
   std::vector<NDArrayHandle> reads, writes;
   for (int32_t i = 0; i < n; ++i) {
     NDArrayHandle in = nullptr, out = nullptr;

@@ -2,6 +2,7 @@
 `horovod.common.util`."""
 
 import functools
+import importlib.util
 import os
 import warnings
 
@@ -16,8 +17,14 @@ def check_extension(ext_name, ext_env_var, pkg_path, *args):
 
 
 def extension_available(ext_base_name, verbose=False):
-    """Whether `horovod.<framework>` can be used: the framework itself must import."""
+    """Whether `horovod.<framework>` can be used: ferrovod must have a binding for it and the
+    framework itself must import."""
     module = _FRAMEWORKS.get(ext_base_name, ext_base_name)
+    binding = "ferrovod.%s" % module
+    if importlib.util.find_spec(binding) is None:
+        if verbose:
+            warnings.warn("ferrovod has no %s binding yet" % module)
+        return False
     try:
         __import__(module)
         return True
