@@ -188,17 +188,35 @@ def broadcast_(tensor, root_rank, name=None, priority=0, process_set=global_proc
                  root_rank=root_rank, priority=priority, process_set=process_set)[0]
 
 
+# the most dimensions allgather agrees on before it pushes
+_MAX_DIMS = 8
+
+
 def allgather(tensor, name=None, priority=0, process_set=global_process_set):
-    """Every rank's `tensor` concatenated along the first dimension, in rank order. The first
-    dimensions are agreed first, synchronously (a small allgather), so that the output exists
-    before the engine operation is pushed; the data then moves asynchronously."""
+    """Every rank's `tensor` concatenated along the first dimension, in rank order. The shapes
+    and dtypes are agreed first, synchronously (a small allgather), so that the output exists
+    before the engine operation is pushed and a mismatch fails at the call on every rank, as
+    in Horovod; the data then moves asynchronously."""
     _checked(tensor)
     if len(tensor.shape) == 0:
         raise ValueError("allgather needs a tensor of at least one dimension")
     label = _name("horovod_allgather", name)
-    (firsts,) = _core.enqueue(_core.ALLGATHER, [np.array([tensor.shape[0]], np.int64)],
-                              [label + ".sizes"], process_set=process_set.process_set_id).wait()
-    shape = (int(np.sum(firsts)),) + tuple(tensor.shape[1:])
+    # every rank's dtype and shape (padded), so that a mismatch fails here, alike on every rank
+    if len(tensor.shape) > _MAX_DIMS:
+        raise ValueError("allgather takes at most %d dimensions" % _MAX_DIMS)
+    mine = np.full(_MAX_DIMS + 2, -1, np.int64)
+    mine[0], mine[1] = np.dtype(tensor.dtype).num, len(tensor.shape)
+    mine[2:2 + len(tensor.shape)] = tensor.shape
+    (table,) = _core.enqueue(_core.ALLGATHER, [mine], [label + ".shapes"],
+                             process_set=process_set.process_set_id).wait()
+    table = table.reshape(-1, _MAX_DIMS + 2)
+    if (table[:, 0] != mine[0]).any():
+        raise mx.base.MXNetError("Mismatched ALLGATHER data types (tensor '%s')" % label)
+    if (table[:, 1] != mine[1]).any() or (table[:, 3:] != mine[3:]).any():
+        raise mx.base.MXNetError(
+            "Mismatched ALLGATHER tensor shapes: every dimension but the first must agree, got %s "
+            "(tensor '%s')" % ([tuple(int(d) for d in row[2:2 + row[1]]) for row in table], label))
+    shape = (int(table[:, 2].sum()),) + tuple(tensor.shape[1:])
     output = mx.nd.zeros(shape=shape, ctx=tensor.context, dtype=tensor.dtype)
     return _push(_core.ALLGATHER, [tensor], [output], [label], priority=priority,
                  process_set=process_set)[0]
@@ -259,17 +277,60 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     return cloudpickle.loads(np.asarray(data).tobytes())
 
 
-class Compression:
-    """How gradients travel. `fp16`/`bf16`: float32 sums and averages are cast while packed
-    into ferrovod's fusion buffer and back while unpacked (the core's codecs, as in the
-    TensorFlow binding); other dtypes travel as they are. `none`: as the job's
-    FERROVOD_COMPRESSION says."""
+class _Compressor:
+    """Horovod's compressor interface, `compress(tensor) -> (tensor, ctx)` and
+    `decompress(tensor, ctx)`, plus `core`: the fv_compression code ferrovod's core applies to
+    float32 sums and averages (cast while packed into the fusion buffer), where the Python
+    casts are skipped."""
 
-    none = _core.COMPRESSION_JOB
-    fp16 = _core.COMPRESSION_FP16
-    bf16 = _core.COMPRESSION_BF16
-    mixed = _core.COMPRESSION_MIXED
-    u8 = _core.COMPRESSION_U8
+    core = _core.COMPRESSION_JOB
+    wire = None  # the dtype compress() casts floating tensors to (None: none)
+
+    @classmethod
+    def compress(cls, tensor):
+        if cls.wire is None or not np.issubdtype(tensor.dtype, np.floating) or tensor.dtype == cls.wire:
+            return tensor, None
+        return tensor.astype(cls.wire), tensor.dtype
+
+    @classmethod
+    def decompress(cls, tensor, ctx):
+        return tensor if ctx is None else tensor.astype(ctx)
+
+
+class _NoneCompressor(_Compressor):
+    """Nothing compressed here (the job's FERROVOD_COMPRESSION still applies in the core)."""
+
+
+class _FP16Compressor(_Compressor):
+    core = _core.COMPRESSION_FP16
+    wire = np.float16
+
+
+class _CoreOnly(_Compressor):
+    """Compressed by the core only; what it does not compress travels as it is."""
+
+
+class _BF16Compressor(_CoreOnly):
+    core = _core.COMPRESSION_BF16
+
+
+class _MixedCompressor(_CoreOnly):
+    core = _core.COMPRESSION_MIXED
+
+
+class _U8Compressor(_CoreOnly):
+    core = _core.COMPRESSION_U8
+
+
+class Compression:
+    """How gradients travel: `none`, `fp16` (Horovod's; float32 in the core's codec, other
+    floating dtypes cast here), and ferrovod's `bf16`, `mixed`, `u8` (core only)."""
+
+    none = _NoneCompressor
+    fp16 = _FP16Compressor
+    bf16 = _BF16Compressor
+    mixed = _MixedCompressor
+    u8 = _U8Compressor
 
 
 def _reduce_grads(grads, names, predivide, num_groups, process_set, compression):
@@ -286,8 +347,18 @@ def _reduce_grads(grads, names, predivide, num_groups, process_set, compression)
     else:
         parts = [([g], [_name("horovod_allreduce", n)]) for g, n in zip(grads, names)]
     for i, (gs, labels) in enumerate(parts):
-        _push(_core.ALLREDUCE, gs, gs, labels, Average, 1.0 / predivide, predivide, priority=-i,
-              process_set=process_set, compression=compression)
+        if all(g.dtype == np.float32 for g in gs):
+            _push(_core.ALLREDUCE, gs, gs, labels, Average, 1.0 / predivide, predivide,
+                  priority=-i, process_set=process_set, compression=compression.core)
+            continue
+        # the Python casts where the core's codec does not apply
+        pairs = [compression.compress(g) for g in gs]
+        sent = [c for c, _ in pairs]
+        _push(_core.ALLREDUCE, sent, sent, labels, Average, 1.0 / predivide, predivide,
+              priority=-i, process_set=process_set)
+        for g, c, (_, ctx) in zip(gs, sent, pairs):
+            if c is not g:
+                compression.decompress(c, ctx).copyto(g)
 
 
 class DistributedOptimizer(mx.optimizer.Optimizer):

@@ -212,11 +212,18 @@ def test_allgather_uneven_first_dimensions(dtype):
     np.testing.assert_array_equal(got.asnumpy(), want)
 
 
-def test_allgather_mismatched_trailing_dimensions_fail_everywhere():
+def test_allgather_mismatches_fail_at_the_call_everywhere():
     r, n = hvd.rank(), hvd.size()
-    x = mx.nd.ones((2, 3 + int(r == n - 1)))
+    last = r == n - 1
     with pytest.raises(mx.base.MXNetError, match="Mismatched ALLGATHER tensor shapes"):
-        hvd.allgather(x, name="gather.bad").asnumpy()
+        hvd.allgather(mx.nd.ones((2, 3 + int(last))), name="gather.bad")
+    with pytest.raises(mx.base.MXNetError, match="Mismatched ALLGATHER tensor shapes"):
+        hvd.allgather(mx.nd.ones((2, 3, 1) if last else (2, 3)), name="gather.rank")
+    with pytest.raises(mx.base.MXNetError, match="Mismatched ALLGATHER data types"):
+        hvd.allgather(mx.nd.ones((2,), dtype="int32" if last else "float32"), name="gather.type")
+    # the job goes on
+    np.testing.assert_array_equal(hvd.allgather(mx.nd.ones((1, 2)) * r, name="gather.ok").asnumpy(),
+                                  np.repeat(np.arange(n), 2).reshape(n, 2))
 
 
 @pytest.mark.parametrize("rows", [8, 7, 1])
@@ -307,3 +314,20 @@ def test_distributed_trainer_matches_one_process_on_the_whole_batch(compression)
     for name in ("weight", "bias"):
         np.testing.assert_allclose(getattr(dist, name).data().asnumpy(),
                                    getattr(ref, name).data().asnumpy(), rtol=tol, atol=tol)
+
+
+def test_compression_classes():
+    for dtype in ("float16", "float32", "float64"):
+        x = mx.nd.ones((3, 2), dtype=dtype) * 1.5
+        c, ctx = hvd.Compression.fp16.compress(x)
+        assert c.dtype == np.float16
+        back = hvd.Compression.fp16.decompress(c, ctx)
+        assert back.dtype == x.dtype
+        np.testing.assert_array_equal(back.asnumpy(), x.asnumpy())
+    for dtype in ("int32", "uint8"):
+        x = mx.nd.ones((3,), dtype=dtype)
+        c, ctx = hvd.Compression.fp16.compress(x)
+        assert c.dtype == x.dtype and hvd.Compression.fp16.decompress(c, ctx).dtype == x.dtype
+    # the core's codecs: compress() leaves tensors alone
+    c, ctx = hvd.Compression.bf16.compress(mx.nd.ones((2,)))
+    assert c.dtype == np.float32 and ctx is None
