@@ -28,9 +28,11 @@ from horovod.common.util import get_average_backwards_compatibility_fun
 _LIB = ctypes.CDLL(op_library_path())
 _LIB.fvmx_push.restype = ctypes.c_int
 _LIB.fvmx_push.argtypes = [
-    # kind, reduce_op, prescale, postscale, root_rank, process_set, compression, n, names
+    # kind, reduce_op, prescale, postscale, root_rank, process_set, compression, splits,
+    # nsplits, n, names
     ctypes.c_int32, ctypes.c_int32, ctypes.c_double, ctypes.c_double, ctypes.c_int32,
-    ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_char_p),
+    ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32,
+    ctypes.c_int32, ctypes.POINTER(ctypes.c_char_p),
     ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p), ctypes.c_int32,
     ctypes.c_char_p, ctypes.c_size_t,
 ]
@@ -101,7 +103,7 @@ def _like(tensor):
 
 def _push(kind, tensors, outputs, names, reduce_op=Sum, prescale=1.0, postscale=1.0,
           root_rank=0, priority=0, process_set=global_process_set,
-          compression=_core.COMPRESSION_JOB):
+          compression=_core.COMPRESSION_JOB, splits=None):
     """Pushes one engine operation (and one ferrovod operation) over `tensors` into
     `outputs`; returns `outputs`."""
     for t in tensors:
@@ -112,9 +114,11 @@ def _push(kind, tensors, outputs, names, reduce_op=Sum, prescale=1.0, postscale=
     c_names = (ctypes.c_char_p * n)(*[name.encode() for name in names])
     c_in = (ctypes.c_void_p * n)(*[t.handle.value for t in tensors])
     c_out = (ctypes.c_void_p * n)(*[o.handle.value for o in outputs])
+    c_splits = None if splits is None else (ctypes.c_int32 * len(splits))(*splits)
     err = ctypes.create_string_buffer(1024)
     rc = _LIB.fvmx_push(kind, reduce_op, prescale, postscale, root_rank,
-                        process_set.process_set_id, compression, n, c_names, c_in, c_out,
+                        process_set.process_set_id, compression, c_splits,
+                        0 if splits is None else len(splits), n, c_names, c_in, c_out,
                         priority, err, len(err))
     if rc != 0:
         raise RuntimeError(err.value.decode())
@@ -188,8 +192,41 @@ def broadcast_(tensor, root_rank, name=None, priority=0, process_set=global_proc
                  root_rank=root_rank, priority=priority, process_set=process_set)[0]
 
 
-# the most dimensions allgather agrees on before it pushes
+# the most dimensions an allgather or alltoall agrees on before it pushes
 _MAX_DIMS = 8
+
+
+def _agree(kind_name, tensor, label, process_set, counts=None, bad=None):
+    """Every rank's dtype, shape, argument error (`bad`, a message or None) and `counts`
+    (alltoall: rows to each rank), gathered synchronously, so that a mismatch or a bad argument
+    on any rank fails the call on every rank alike, before anything is pushed. Returns the
+    table: one row per rank, [dtype, ndim, dims (padded), bad, counts...]."""
+    _checked(tensor)
+    if len(tensor.shape) == 0 or len(tensor.shape) > _MAX_DIMS:
+        bad = bad or "%s takes tensors of 1 to %d dimensions" % (kind_name, _MAX_DIMS)
+    counts = list(counts or [])
+    mine = np.full(_MAX_DIMS + 3 + len(counts), -1, np.int64)
+    mine[0], mine[1] = np.dtype(tensor.dtype).num, min(len(tensor.shape), _MAX_DIMS)
+    mine[2:2 + mine[1]] = tensor.shape[:_MAX_DIMS]
+    mine[_MAX_DIMS + 2] = int(bad is not None)
+    mine[_MAX_DIMS + 3:] = counts
+    (table,) = _core.enqueue(_core.ALLGATHER, [mine], [label + ".agree"],
+                             process_set=process_set.process_set_id).wait()
+    table = table.reshape(-1, len(mine))
+    # MXNetError (a RuntimeError), as Horovod's MXNet ops raise for bad arguments
+    if bad is not None:
+        raise mx.base.MXNetError("%s (tensor '%s')" % (bad, label))
+    if (table[:, _MAX_DIMS + 2] != 0).any():
+        raise mx.base.MXNetError("%s: another rank's arguments were refused (tensor '%s')"
+                                 % (kind_name, label))
+    if (table[:, 0] != mine[0]).any():
+        raise mx.base.MXNetError("Mismatched %s data types (tensor '%s')" % (kind_name, label))
+    if (table[:, 1] != mine[1]).any() or (table[:, 3:_MAX_DIMS + 2] != mine[3:_MAX_DIMS + 2]).any():
+        raise mx.base.MXNetError(
+            "Mismatched %s tensor shapes: every dimension but the first must agree, got %s "
+            "(tensor '%s')" % (kind_name, [tuple(int(d) for d in row[2:2 + row[1]]) for row in table],
+                              label))
+    return table
 
 
 def allgather(tensor, name=None, priority=0, process_set=global_process_set):
@@ -197,29 +234,44 @@ def allgather(tensor, name=None, priority=0, process_set=global_process_set):
     and dtypes are agreed first, synchronously (a small allgather), so that the output exists
     before the engine operation is pushed and a mismatch fails at the call on every rank, as
     in Horovod; the data then moves asynchronously."""
-    _checked(tensor)
-    if len(tensor.shape) == 0:
-        raise ValueError("allgather needs a tensor of at least one dimension")
     label = _name("horovod_allgather", name)
-    # every rank's dtype and shape (padded), so that a mismatch fails here, alike on every rank
-    if len(tensor.shape) > _MAX_DIMS:
-        raise ValueError("allgather takes at most %d dimensions" % _MAX_DIMS)
-    mine = np.full(_MAX_DIMS + 2, -1, np.int64)
-    mine[0], mine[1] = np.dtype(tensor.dtype).num, len(tensor.shape)
-    mine[2:2 + len(tensor.shape)] = tensor.shape
-    (table,) = _core.enqueue(_core.ALLGATHER, [mine], [label + ".shapes"],
-                             process_set=process_set.process_set_id).wait()
-    table = table.reshape(-1, _MAX_DIMS + 2)
-    if (table[:, 0] != mine[0]).any():
-        raise mx.base.MXNetError("Mismatched ALLGATHER data types (tensor '%s')" % label)
-    if (table[:, 1] != mine[1]).any() or (table[:, 3:] != mine[3:]).any():
-        raise mx.base.MXNetError(
-            "Mismatched ALLGATHER tensor shapes: every dimension but the first must agree, got %s "
-            "(tensor '%s')" % ([tuple(int(d) for d in row[2:2 + row[1]]) for row in table], label))
+    table = _agree("ALLGATHER", tensor, label, process_set)
     shape = (int(table[:, 2].sum()),) + tuple(tensor.shape[1:])
     output = mx.nd.zeros(shape=shape, ctx=tensor.context, dtype=tensor.dtype)
     return _push(_core.ALLGATHER, [tensor], [output], [label], priority=priority,
                  process_set=process_set)[0]
+
+
+def alltoall(tensor, splits=None, name=None, priority=0, process_set=global_process_set):
+    """Rows of `tensor` scattered to the ranks (`splits[j]` rows to rank j, in order; None:
+    equal parts) and what every rank sent this one, concatenated in rank order. Returns the
+    output, and with `splits` also the rows received from each rank. The counts, dtypes and
+    shapes are agreed synchronously first; the data moves on the engine."""
+    label = _name("horovod_alltoall", name)
+    n, me = process_set.size(), process_set.rank()
+    rows = tensor.shape[0] if len(tensor.shape) else 0
+    bad = None
+    if splits is None:
+        counts = [rows // n] * n
+        if rows % n:
+            bad = "alltoall: %d rows cannot be split equally among %d ranks" % (rows, n)
+    else:
+        counts = [int(c) for c in (splits.asnumpy() if isinstance(splits, mx.nd.NDArray)
+                                   else np.asarray(splits)).reshape(-1)]
+        if isinstance(splits, mx.nd.NDArray) and not np.issubdtype(splits.dtype, np.integer):
+            bad = "alltoall: splits must be integers, not %s" % np.dtype(splits.dtype).name
+        elif len(counts) != n or any(c < 0 for c in counts) or sum(counts) != rows:
+            bad = "alltoall: splits %s do not split %d rows among %d ranks" % (counts, rows, n)
+        counts = (counts + [0] * n)[:n]
+    table = _agree("ALLTOALL", tensor, label, process_set, counts, bad)
+    received = [int(c) for c in table[:, _MAX_DIMS + 3 + me]]
+    output = mx.nd.zeros(shape=(sum(received),) + tuple(tensor.shape[1:]), ctx=tensor.context,
+                         dtype=tensor.dtype)
+    _push(_core.ALLTOALL, [tensor], [output], [label], priority=priority,
+          process_set=process_set, splits=counts)
+    if splits is None:
+        return output
+    return output, mx.nd.array(received, dtype="int32")
 
 
 def reducescatter(tensor, op=Average, name=None, priority=0, process_set=global_process_set,

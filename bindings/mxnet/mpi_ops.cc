@@ -91,6 +91,7 @@ struct Param {
   int32_t root_rank;
   int32_t process_set;
   int32_t compression;
+  std::vector<int32_t> splits;  // alltoall: rows sent to each rank
   std::vector<std::string> names;
   // this library's views of the NDArrays (outputs[i] == inputs[i] in place)
   std::vector<NDArrayHandle> inputs;
@@ -147,7 +148,8 @@ void Run(void* /*run_ctx*/, void* on_complete, void* param) {
   auto* p = static_cast<Param*>(param);
   std::memcpy(&p->on_complete, on_complete, sizeof(OnComplete));
   const size_t n = p->inputs.size();
-  const bool allocated = p->kind == FV_OP_KIND_ALLGATHER || p->kind == FV_OP_KIND_REDUCESCATTER;
+  const bool allocated = p->kind == FV_OP_KIND_ALLGATHER || p->kind == FV_OP_KIND_REDUCESCATTER ||
+                         p->kind == FV_OP_KIND_ALLTOALL;
   p->shapes.resize(n);
   p->tensors.resize(n);
   p->out_data.resize(n);
@@ -187,6 +189,10 @@ void Run(void* /*run_ctx*/, void* on_complete, void* param) {
     t.shape = p->shapes[i].data();
     t.input = in;
     t.output = allocated ? nullptr : out;
+    if (i == 0 && !p->splits.empty()) {
+      t.splits = p->splits.data();
+      t.nsplits = static_cast<int32_t>(p->splits.size());
+    }
   }
   fv_op op;
   std::memset(&op, 0, sizeof op);
@@ -241,12 +247,13 @@ extern "C" {
 
 // Pushes one collective over `n` tensors, `inputs[i]` into `outputs[i]` (the same NDArray for
 // in place), as one engine operation and one ferrovod operation (negotiated and completed
-// together). Allgather/reducescatter outputs must have the agreed result's size; `compression`
-// is an fv_compression value (allreduce). Returns 0, or -1 with the reason in `err` (nothing
+// together). Allgather/reducescatter/alltoall outputs must have the agreed result's size;
+// `compression` is an fv_compression value (allreduce); `splits` (`nsplits` values, or none)
+// the rows alltoall sends to each rank. Returns 0, or -1 with the reason in `err` (nothing
 // was pushed).
 int fvmx_push(int32_t kind, int32_t reduce_op, double prescale, double postscale,
-              int32_t root_rank, int32_t process_set, int32_t compression, int32_t n,
-              const char** names,
+              int32_t root_rank, int32_t process_set, int32_t compression,
+              const int32_t* splits, int32_t nsplits, int32_t n, const char** names,
               NDArrayHandle* inputs, NDArrayHandle* outputs, int32_t priority, char* err,
               size_t err_len) {
   auto p = std::make_unique<Param>();
@@ -257,6 +264,7 @@ int fvmx_push(int32_t kind, int32_t reduce_op, double prescale, double postscale
   p->root_rank = root_rank;
   p->process_set = process_set;
   p->compression = compression;
+  if (splits != nullptr && nsplits > 0) p->splits.assign(splits, splits + nsplits);
   std::vector<NDArrayHandle> reads, writes;
   for (int32_t i = 0; i < n; ++i) {
     NDArrayHandle in = nullptr, out = nullptr;

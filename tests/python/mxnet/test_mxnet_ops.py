@@ -331,3 +331,39 @@ def test_compression_classes():
     # the core's codecs: compress() leaves tensors alone
     c, ctx = hvd.Compression.bf16.compress(mx.nd.ones((2,)))
     assert c.dtype == np.float32 and ctx is None
+
+
+def test_alltoall_with_and_without_splits():
+    r, n = hvd.rank(), hvd.size()
+    # equal parts: row j of every rank goes to rank j
+    x = mx.nd.array(np.arange(2 * n * 3).reshape(2 * n, 3) + 100 * r)
+    got = hvd.alltoall(x, name="a2a.equal")
+    want = np.concatenate([(np.arange(2 * n * 3).reshape(2 * n, 3) + 100 * q)[2 * r:2 * r + 2]
+                           for q in range(n)])
+    np.testing.assert_array_equal(got.asnumpy(), want)
+    # uneven: rank q sends q + j + 1 rows to rank j
+    def sends(q):
+        return [q + j + 1 for j in range(n)]
+
+    rows = sum(sends(r))
+    x = mx.nd.array(np.full((rows, 2), r, np.int64), dtype="int64")
+    out, received = hvd.alltoall(x, splits=sends(r), name="a2a.uneven")
+    assert received.asnumpy().tolist() == [sends(q)[r] for q in range(n)]
+    want = np.concatenate([np.full((sends(q)[r], 2), q) for q in range(n)])
+    np.testing.assert_array_equal(out.asnumpy(), want)
+
+
+def test_alltoall_bad_arguments_fail_on_every_rank():
+    r, n = hvd.rank(), hvd.size()
+    x = mx.nd.ones((n, 2))
+    # only the last rank's splits are wrong: every rank fails at the call
+    splits = [1] * n if r != n - 1 else [2] + [1] * (n - 1)
+    with pytest.raises(mx.base.MXNetError, match="alltoall"):
+        hvd.alltoall(x, splits=splits, name="a2a.bad")
+    if n > 1:
+        with pytest.raises(mx.base.MXNetError, match="split equally"):
+            hvd.alltoall(mx.nd.ones((n + 1, 2)), name="a2a.uneven_equal")
+    with pytest.raises(mx.base.MXNetError, match="Mismatched ALLTOALL data types"):
+        hvd.alltoall(mx.nd.ones((n,), dtype="int32" if r == n - 1 else "float32"), name="a2a.type")
+    np.testing.assert_array_equal(hvd.alltoall(mx.nd.ones((n,)) * r, name="a2a.ok").asnumpy(),
+                                  np.arange(n))
