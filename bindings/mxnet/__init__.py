@@ -242,6 +242,21 @@ def allgather(tensor, name=None, priority=0, process_set=global_process_set):
                  process_set=process_set)[0]
 
 
+def grouped_allgather(tensors, name=None, priority=0, process_set=global_process_set):
+    """Allgather of several tensors, negotiated and completed together (one engine op)."""
+    tensors = list(tensors)
+    if not tensors:
+        return []
+    labels = _group_names("horovod_grouped_allgather", name, len(tensors))
+    outputs = []
+    for t, label in zip(tensors, labels):
+        table = _agree("ALLGATHER", t, label, process_set)
+        outputs.append(mx.nd.zeros(shape=(int(table[:, 2].sum()),) + tuple(t.shape[1:]),
+                                   ctx=t.context, dtype=t.dtype))
+    return _push(_core.ALLGATHER, tensors, outputs, labels, priority=priority,
+                 process_set=process_set)
+
+
 def alltoall(tensor, splits=None, name=None, priority=0, process_set=global_process_set):
     """Rows of `tensor` scattered to the ranks (`splits[j]` rows to rank j, in order; None:
     equal parts) and what every rank sent this one, concatenated in rank order. Returns the
@@ -274,25 +289,42 @@ def alltoall(tensor, splits=None, name=None, priority=0, process_set=global_proc
     return output, mx.nd.array(received, dtype="int32")
 
 
-def reducescatter(tensor, op=Average, name=None, priority=0, process_set=global_process_set,
-                  prescale_factor=1.0, postscale_factor=1.0):
-    """The reduction of `tensor` over the process set, of which each rank keeps its slice of
-    rows (the remainder to the lowest ranks)."""
-    op = _reduce_op(op, None)
+def _scattered(tensor, process_set):
+    """The output of a reducescatter of `tensor`: this rank's slice of rows (the remainder to
+    the lowest ranks), decided alike on every rank from the shape all must share."""
     _checked(tensor)
     if len(tensor.shape) == 0:
         raise ValueError("reducescatter needs a tensor of at least one dimension")
     n, r = process_set.size(), process_set.rank()
     if tensor.shape[0] < n:
-        # every rank decides alike from the shape all must share: none communicates
         raise ValueError("reducescatter of %d rows over %d ranks would leave a rank none, and "
                          "MXNet's NDArrays cannot be empty" % (tensor.shape[0], n))
     rows = tensor.shape[0] // n + (1 if r < tensor.shape[0] % n else 0)
-    output = mx.nd.zeros(shape=(rows,) + tuple(tensor.shape[1:]), ctx=tensor.context,
-                         dtype=tensor.dtype)
-    return _push(_core.REDUCESCATTER, [tensor], [output], [_name("horovod_reducescatter", name)],
-                 op, prescale_factor, postscale_factor, priority=priority,
-                 process_set=process_set)[0]
+    return mx.nd.zeros(shape=(rows,) + tuple(tensor.shape[1:]), ctx=tensor.context,
+                       dtype=tensor.dtype)
+
+
+def reducescatter(tensor, op=Average, name=None, priority=0, process_set=global_process_set,
+                  prescale_factor=1.0, postscale_factor=1.0):
+    """The reduction of `tensor` over the process set, of which each rank keeps its slice of
+    rows (the remainder to the lowest ranks)."""
+    op = _reduce_op(op, None)
+    return _push(_core.REDUCESCATTER, [tensor], [_scattered(tensor, process_set)],
+                 [_name("horovod_reducescatter", name)], op, prescale_factor, postscale_factor,
+                 priority=priority, process_set=process_set)[0]
+
+
+def grouped_reducescatter(tensors, op=Average, name=None, priority=0,
+                          process_set=global_process_set, prescale_factor=1.0,
+                          postscale_factor=1.0):
+    """Reducescatter of several tensors, negotiated and completed together (one engine op)."""
+    op = _reduce_op(op, None)
+    tensors = list(tensors)
+    if not tensors:
+        return []
+    return _push(_core.REDUCESCATTER, tensors, [_scattered(t, process_set) for t in tensors],
+                 _group_names("horovod_grouped_reducescatter", name, len(tensors)), op,
+                 prescale_factor, postscale_factor, priority=priority, process_set=process_set)
 
 
 def barrier(process_set=global_process_set):
@@ -302,18 +334,58 @@ def barrier(process_set=global_process_set):
 
 def broadcast_parameters(params, root_rank=0, prefix=None):
     """Assigns `root_rank`'s values to `params` (a dict of NDArrays, or a Gluon ParameterDict /
-    dict of Parameters), in place, in name order."""
-    if hasattr(params, "items"):
-        items = sorted(params.items())
-    else:
+    dict of Parameters), in place, in name order. A Gluon parameter whose initialisation is
+    deferred (shapes known only at the first forward pass) is broadcast right after it is
+    initialised."""
+    if not hasattr(params, "items"):
         raise ValueError("invalid params of type: %s" % type(params))
     prefix = prefix or ""
-    for key, value in items:
-        tensors = value.list_data() if isinstance(value, mx.gluon.Parameter) else [value]
+    for key, value in sorted(params.items()):
+        label = "%s%s" % (prefix, key)
+        if not isinstance(value, mx.gluon.Parameter):
+            broadcast_(value, root_rank, name=label)
+            continue
+        try:
+            tensors = value.list_data()
+        except mx.gluon.parameter.DeferredInitializationError:
+            _broadcast_when_initialised(value, root_rank, label)
+            continue
         for i, t in enumerate(tensors):
-            label = "%s%s" % (prefix, key) if len(tensors) == 1 else "%s%s.%d" % (prefix, key, i)
-            broadcast_(t, root_rank, name=label)
+            broadcast_(t, root_rank, name=label if len(tensors) == 1 else "%s.%d" % (label, i))
     mx.nd.waitall()
+
+
+def _broadcast_when_initialised(param, root_rank, label):
+    """Wraps `param`'s deferred initialisation so that its values are broadcast once set (every
+    rank initialises at its first forward pass, in the same order)."""
+    init = param._init_impl
+
+    def init_then_broadcast(*args, **kwargs):
+        init(*args, **kwargs)
+        param._init_impl = init
+        tensors = param.list_data()
+        for i, t in enumerate(tensors):
+            broadcast_(t, root_rank, name=label if len(tensors) == 1 else "%s.%d" % (label, i))
+        mx.nd.waitall()
+
+    param._init_impl = init_then_broadcast
+
+
+def allgather_object(obj, name=None, process_set=global_process_set):
+    """Every rank's `obj` (pickled), in rank order, on every rank of the process set
+    (synchronous)."""
+    label = name or type(obj).__name__
+    payload = np.frombuffer(cloudpickle.dumps(obj), np.uint8)
+    (sizes,) = _core.enqueue(_core.ALLGATHER, [np.array([len(payload)], np.int64)],
+                             ["allgather_object.%s.sz" % label],
+                             process_set=process_set.process_set_id).wait()
+    (data,) = _core.enqueue(_core.ALLGATHER, [payload], ["allgather_object.%s.t" % label],
+                            process_set=process_set.process_set_id).wait()
+    out, at = [], 0
+    for size in np.asarray(sizes):
+        out.append(cloudpickle.loads(np.asarray(data)[at:at + int(size)].tobytes()))
+        at += int(size)
+    return out
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):

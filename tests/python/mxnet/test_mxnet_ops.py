@@ -253,6 +253,14 @@ def test_barrier_broadcast_parameters_and_objects():
     net.initialize(mx.init.Constant(r + 1))
     hvd.broadcast_parameters(net.collect_params(), root_rank=hvd.size() - 1)
     np.testing.assert_array_equal(net.weight.data().asnumpy(), np.full((3, 4), hvd.size()))
+    # deferred initialisation: broadcast once the first forward pass sets the shapes
+    mx.random.seed(r)
+    conv = mx.gluon.nn.Conv2D(4, 2)
+    conv.initialize()
+    hvd.broadcast_parameters(conv.collect_params(), root_rank=0, prefix="deferred.")
+    conv(mx.nd.ones((1, 3, 5, 5)))
+    w = conv.weight.data()
+    np.testing.assert_array_equal(w.asnumpy(), hvd.broadcast(w, 0, name="deferred.check").asnumpy())
     obj = {"rank": r, "list": [1, 2, r]}
     got = hvd.broadcast_object(obj, root_rank=hvd.size() - 1)
     assert got == {"rank": hvd.size() - 1, "list": [1, 2, hvd.size() - 1]}
@@ -367,3 +375,17 @@ def test_alltoall_bad_arguments_fail_on_every_rank():
         hvd.alltoall(mx.nd.ones((n,), dtype="int32" if r == n - 1 else "float32"), name="a2a.type")
     np.testing.assert_array_equal(hvd.alltoall(mx.nd.ones((n,)) * r, name="a2a.ok").asnumpy(),
                                   np.arange(n))
+
+
+def test_grouped_allgather_and_reducescatter_and_objects():
+    r, n = hvd.rank(), hvd.size()
+    xs = [mx.nd.ones((r + 1, 2)) * r, mx.nd.ones((1, 3), dtype="int32") * (r + 5)]
+    a, b = hvd.grouped_allgather(xs, name="gag")
+    np.testing.assert_array_equal(a.asnumpy(), np.concatenate([np.full((q + 1, 2), q) for q in range(n)]))
+    np.testing.assert_array_equal(b.asnumpy(), np.stack([np.full(3, q + 5) for q in range(n)]))
+    ys = [mx.nd.ones((2 * n, 2)) * (r + 1), mx.nd.ones((n + 1,)) * 2]
+    c, d = hvd.grouped_reducescatter(ys, op=hvd.Sum, name="grs")
+    total = sum(q + 1 for q in range(n))
+    np.testing.assert_array_equal(c.asnumpy(), np.full((2, 2), total))
+    np.testing.assert_array_equal(d.asnumpy(), np.full(2 if r == 0 else 1, 2 * n))
+    assert hvd.allgather_object({"r": r}) == [{"r": q} for q in range(n)]
