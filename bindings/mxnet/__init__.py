@@ -560,3 +560,7 @@ class DistributedTrainer(mx.gluon.Trainer):
         _reduce_grads([p.list_grad()[0] for _, p in live],
                       ["%s%d" % (self._prefix, i) for i, _ in live], self._predivide,
                       self._num_groups, self._process_set, self._compression)
+
+
+
+from ferrovod.mxnet.sync_batch_norm import SyncBatchNorm  # noqa: E402,F401

@@ -389,3 +389,48 @@ def test_grouped_allgather_and_reducescatter_and_objects():
     np.testing.assert_array_equal(c.asnumpy(), np.full((2, 2), total))
     np.testing.assert_array_equal(d.asnumpy(), np.full(2 if r == 0 else 1, 2 * n))
     assert hvd.allgather_object({"r": r}) == [{"r": q} for q in range(n)]
+
+
+@pytest.mark.parametrize("axis", [1, -1])
+def test_sync_batch_norm_equals_batch_norm_on_the_whole_batch(axis):
+    """Rank r holds r + 1 samples (different batch sizes); SyncBatchNorm over the ranks equals
+    BatchNorm over the concatenated batch in one process: outputs and input gradients (each
+    rank's rows), parameter gradients (summed over ranks), moving mean and variance."""
+    r, n = hvd.rank(), hvd.size()
+    rng = np.random.RandomState(7)
+    sizes = [q + 1 for q in range(n)]
+    shape = (sum(sizes), 3, 2, 2) if axis == 1 else (sum(sizes), 2, 2, 3)
+    x_all = rng.randn(*shape).astype(np.float32) * 2 + 0.5
+    w_all = rng.randn(*shape).astype(np.float32)  # the loss: sum(y * w)
+    start = sum(sizes[:r])
+    rows = slice(start, start + sizes[r])
+
+    def run(block, x, w):
+        block.initialize()
+        block.gamma.set_data(mx.nd.array([1.5, 0.5, 2.0]))
+        block.beta.set_data(mx.nd.array([0.1, -0.2, 0.3]))
+        x = mx.nd.array(x)
+        x.attach_grad()
+        with mx.autograd.record():
+            y = block(x)
+            loss = (y * mx.nd.array(w)).sum()
+        loss.backward()
+        return (y.asnumpy(), x.grad.asnumpy(), block.gamma.grad().asnumpy(),
+                block.beta.grad().asnumpy(), block.running_mean.data().asnumpy(),
+                block.running_var.data().asnumpy())
+
+    sync = run(hvd.SyncBatchNorm(axis=axis, in_channels=3), x_all[rows], w_all[rows])
+    ref = run(mx.gluon.nn.BatchNorm(axis=axis, in_channels=3), x_all, w_all)
+    np.testing.assert_allclose(sync[0], ref[0][rows], rtol=1e-4, atol=1e-5, err_msg="output")
+    np.testing.assert_allclose(sync[1], ref[1][rows], rtol=1e-4, atol=1e-5, err_msg="dx")
+    for k, what in ((2, "dgamma"), (3, "dbeta")):
+        summed = hvd.allreduce(mx.nd.array(sync[k]), op=hvd.Sum, name="bn.%s.%d" % (what, axis))
+        np.testing.assert_allclose(summed.asnumpy(), ref[k], rtol=1e-4, atol=1e-4, err_msg=what)
+    np.testing.assert_allclose(sync[4], ref[4], rtol=1e-5, atol=1e-6, err_msg="moving mean")
+    np.testing.assert_allclose(sync[5], ref[5], rtol=1e-5, atol=1e-6, err_msg="moving var")
+    # inference: the moving statistics, no communication
+    block = hvd.SyncBatchNorm(axis=axis, in_channels=3)
+    block.initialize()
+    before = hvd.metrics()["tensors"]
+    block(mx.nd.array(x_all[rows])).asnumpy()
+    assert hvd.metrics()["tensors"] == before
