@@ -434,3 +434,31 @@ def test_sync_batch_norm_equals_batch_norm_on_the_whole_batch(axis):
     before = hvd.metrics()["tensors"]
     block(mx.nd.array(x_all[rows])).asnumpy()
     assert hvd.metrics()["tensors"] == before
+
+
+@pytest.mark.parametrize("model_size", [1, 2])
+def test_group_comm_grid_runs_model_and_data_groups_at_once(model_size):
+    """Model-parallel groups of consecutive ranks and data-parallel groups across them, alive
+    together; each rank's operations in both are pushed before any result is read."""
+    r, n = hvd.rank(), hvd.size()
+    if n % model_size:
+        pytest.skip("model_size must divide the ranks")
+    model, data = hvd.GroupComm.grid(model_size)
+    try:
+        assert model.ranks == list(range(r // model_size * model_size, (r // model_size + 1) * model_size))
+        assert data.ranks == list(range(r % model_size, n, model_size))
+        assert model.rank() == r % model_size and data.rank() == r // model_size
+        x = mx.nd.ones((4,)) * (r + 1)
+        in_model = model.allreduce(x, op=hvd.Sum, name="grid.model.%d" % model_size)
+        in_data = data.allreduce(x, op=hvd.Sum, name="grid.data.%d" % model_size)
+        gathered = model.allgather(mx.nd.ones((1, 2)) * r, name="grid.gather.%d" % model_size)
+        root = data.ranks[0]
+        from_root = data.broadcast(x, root, name="grid.bcast.%d" % model_size)
+        np.testing.assert_allclose(in_model.asnumpy(), np.full(4, sum(q + 1 for q in model.ranks)))
+        np.testing.assert_allclose(in_data.asnumpy(), np.full(4, sum(q + 1 for q in data.ranks)))
+        np.testing.assert_allclose(gathered.asnumpy(), np.repeat(model.ranks, 2).reshape(-1, 2))
+        np.testing.assert_allclose(from_root.asnumpy(), np.full(4, root + 1))
+    finally:
+        mx.nd.waitall()
+        hvd.barrier()
+        hvd.GroupComm.free_all()
