@@ -564,4 +564,5 @@ class DistributedTrainer(mx.gluon.Trainer):
 
 
 from ferrovod.mxnet.group_comm import GroupComm  # noqa: E402,F401
+from ferrovod.mxnet import partial_fc  # noqa: E402,F401
 from ferrovod.mxnet.sync_batch_norm import SyncBatchNorm  # noqa: E402,F401

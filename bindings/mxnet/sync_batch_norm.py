@@ -43,7 +43,10 @@ class _SyncBatchNorm(mx.autograd.Function):
         var = total[channels:2 * channels] / n - mean * mean
         inv_std = 1.0 / mx.nd.sqrt(var + self._eps)
         x_hat = (x - self._shape(x, mean)) * self._shape(x, inv_std)
-        self.save_for_backward(x_hat, inv_std, gamma, n)
+        # a copy of gamma: the backward pass runs inside an engine operation, and reading the
+        # parameter there would queue behind the optimizer's update of it, which waits for
+        # this backward pass
+        self.save_for_backward(x_hat, inv_std, gamma.copy(), n)
         self.mean, self.var = mean, var
         return x_hat * self._shape(x, gamma) + self._shape(x, beta)
 

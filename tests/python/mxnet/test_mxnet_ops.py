@@ -462,3 +462,112 @@ def test_group_comm_grid_runs_model_and_data_groups_at_once(model_size):
         mx.nd.waitall()
         hvd.barrier()
         hvd.GroupComm.free_all()
+
+
+def _partial_fc_case(comm, num_classes, dim, tag):
+    """Partial FC over `comm` against one process's full softmax cross-entropy over the group's
+    whole batch: each rank's losses, its features' gradient, its weight shard's gradient."""
+    from ferrovod.mxnet.partial_fc import PartialFCLoss, shard
+
+    q, m = comm.rank(), comm.size()
+    rng = np.random.RandomState(11)
+    sizes = [k + 2 for k in range(m)]  # different batch sizes
+    feats_all = rng.randn(sum(sizes), dim).astype(np.float32)
+    labels_all = rng.randint(0, num_classes, sum(sizes)).astype(np.float32)
+    weight_all = (rng.randn(num_classes, dim) * 0.5).astype(np.float32)
+    scale_all = rng.rand(sum(sizes)).astype(np.float32)  # the loss: sum(loss * scale)
+    rows = slice(sum(sizes[:q]), sum(sizes[:q + 1]))
+    c0, c1 = shard(num_classes, m, q)
+
+    feats = mx.nd.array(feats_all[rows])
+    weight = mx.nd.array(weight_all[c0:c1])
+    feats.attach_grad()
+    weight.attach_grad()
+    with mx.autograd.record():
+        loss = PartialFCLoss(comm, c0)(feats, weight, mx.nd.array(labels_all[rows]))
+        total = (loss * mx.nd.array(scale_all[rows])).sum()
+    total.backward()
+
+    ref_feats, ref_weight = mx.nd.array(feats_all), mx.nd.array(weight_all)
+    ref_feats.attach_grad()
+    ref_weight.attach_grad()
+    with mx.autograd.record():
+        logits = mx.nd.dot(ref_feats, ref_weight, transpose_b=True)
+        ref_loss = -mx.nd.pick(mx.nd.log_softmax(logits), mx.nd.array(labels_all))
+        (ref_loss * mx.nd.array(scale_all)).sum().backward()
+    np.testing.assert_allclose(loss.asnumpy(), ref_loss.asnumpy()[rows], rtol=1e-5, atol=1e-5,
+                               err_msg="%s loss" % tag)
+    np.testing.assert_allclose(feats.grad.asnumpy(), ref_feats.grad.asnumpy()[rows], rtol=1e-4,
+                               atol=1e-5, err_msg="%s features' gradient" % tag)
+    np.testing.assert_allclose(weight.grad.asnumpy(), ref_weight.grad.asnumpy()[c0:c1],
+                               rtol=1e-4, atol=1e-5, err_msg="%s weight shard's gradient" % tag)
+
+
+@pytest.mark.parametrize("num_classes", [11, 8])
+def test_partial_fc_equals_full_fc(num_classes):
+    """Classes sharded over all ranks (11 classes divide among neither 2 nor 4 ranks), and at
+    np 4 over the model groups of a 2 x 2 grid, both groups at once."""
+    r, n = hvd.rank(), hvd.size()
+    world = hvd.GroupComm(range(n))
+    _partial_fc_case(world, num_classes, 5, "world")
+    if n == 4:
+        model, _ = hvd.GroupComm.grid(2)
+        try:
+            _partial_fc_case(model, num_classes, 5, "model group %s" % model.ranks)
+        finally:
+            mx.nd.waitall()
+            hvd.GroupComm.free_all()
+
+
+def test_partial_fc_example_trains():
+    """examples/mxnet_partial_fc.py: the backbone data-parallel, the classifier sharded; the
+    optimizer updates the shard and the backbone every step (the backward pass must not wait
+    for those updates), and the loss falls."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "mxnet_partial_fc.py")
+    spec = importlib.util.spec_from_file_location("mxnet_partial_fc", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    losses = example.train(classes=37, steps=40, log=lambda *_: None)
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_sync_batch_norm_trains_like_batch_norm_on_the_whole_batch():
+    """A small net with SyncBatchNorm trained 3 steps by DistributedTrainer (gamma and beta
+    updated every step: the backward pass must not wait for those updates) ends with the
+    weights of one process training BatchNorm on the whole batch."""
+    r, n = hvd.rank(), hvd.size()
+    rng = np.random.RandomState(5)
+    x_all = rng.randn(4 * n, 6).astype(np.float32)
+    y_all = rng.randn(4 * n, 2).astype(np.float32)
+
+    def net(bn):
+        mx.random.seed(1)
+        block = mx.gluon.nn.Sequential()
+        block.add(mx.gluon.nn.Dense(4, in_units=6), bn(in_channels=4), mx.gluon.nn.Dense(2, in_units=4))
+        block.initialize(mx.init.Uniform(0.5))
+        return block
+
+    def fit(block, trainer, x, y, scale):
+        for _ in range(3):
+            with mx.autograd.record():
+                loss = ((block(mx.nd.array(x)) - mx.nd.array(y)) ** 2).sum() * scale
+            loss.backward()
+            trainer.step(1)
+        mx.nd.waitall()
+
+    dist = net(hvd.SyncBatchNorm)
+    # each rank's loss is its share of the whole batch's sum; DistributedTrainer averages over
+    # the ranks, so scale by n to get the sum of the shares
+    fit(dist, hvd.DistributedTrainer(dist.collect_params(), "sgd", {"learning_rate": 0.05},
+                                     prefix="sbn_fit."),
+        x_all[4 * r:4 * r + 4], y_all[4 * r:4 * r + 4], float(n))
+    ref = net(mx.gluon.nn.BatchNorm)
+    fit(ref, mx.gluon.Trainer(ref.collect_params(), "sgd", {"learning_rate": 0.05}, kvstore=None),
+        x_all, y_all, 1.0)
+    # the same layers in the same order (Gluon's name counters differ between the two nets)
+    for (name, p), q in zip(dist.collect_params().items(), ref.collect_params().values()):
+        np.testing.assert_allclose(p.data().asnumpy(), q.data().asnumpy(), rtol=1e-4, atol=1e-5,
+                                   err_msg=name)
