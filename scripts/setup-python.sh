@@ -2,7 +2,8 @@
 # Creates the virtual environments the Python tests and the example use, and installs into them:
 #   .venv        TensorFlow and tf_keras (pinned), scikit-learn (the example's dataset), pytest;
 #   .venv-mxnet  MXNet 1.9.1 with NumPy 1.23.5 (MXNet imports only with NumPy < 1.24, which
-#                TensorFlow 2.21 does not accept: hence its own environment), pytest;
+#                TensorFlow 2.21 does not accept: hence its own environment), scikit-learn
+#                (pinned to one that works with that NumPy; the Gluon example's dataset), pytest;
 # then ferrovod's own packages into both (one wheel: setuptools-rust builds the Rust library
 # once), and compiles each framework's op library once.
 #
@@ -35,6 +36,7 @@ mx_reqs=(
   "pytest|"
   "mxnet|1.9.1"
   "numpy|1.23.5"
+  "scikit-learn|1.5.2"
 )
 
 # prints "name|wanted|found" for each requirement not satisfied, and "ferrovod||" and
@@ -108,8 +110,15 @@ install_missing() {
   done <<<"$(missing_python "$venv" "$@")"
   if [ ${#wanted[@]} -gt 0 ]; then
     echo "setup-python: installing ${wanted[*]} into $venv" >&2
+    # every pin of the environment on the same command line, so that pip resolves the new
+    # packages' dependencies around them (never upgrading MXNet's NumPy)
+    local pins=() spec
+    for spec in "$@"; do
+      IFS='|' read -r name want <<<"$spec"
+      [ -n "$want" ] && pins+=("$name==$want")
+    done
     "$venv/bin/python" -m pip install -q --upgrade pip
-    "$venv/bin/python" -m pip install -q "${wanted[@]}"
+    "$venv/bin/python" -m pip install -q "${wanted[@]}" "${pins[@]}"
   fi
 }
 

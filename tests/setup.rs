@@ -167,12 +167,13 @@ fn setup_python_check_names_missing_packages() {
         format!("pytest in {mx} "),
         format!("mxnet==1.9.1 in {mx} "),
         format!("numpy==1.23.5 in {mx} "),
+        format!("scikit-learn==1.5.2 in {mx} "),
         format!("ferrovod in {mx} "),
         format!("horovod in {mx} "),
     ] {
         assert!(err.contains(&format!("missing: {want}")), "{want}: {err}");
     }
-    assert_eq!(err.lines().count(), 11, "{err}");
+    assert_eq!(err.lines().count(), 12, "{err}");
     // no environments at all
     let out = check(
         "setup-python.sh",

@@ -571,3 +571,19 @@ def test_sync_batch_norm_trains_like_batch_norm_on_the_whole_batch():
     for (name, p), q in zip(dist.collect_params().items(), ref.collect_params().values()):
         np.testing.assert_allclose(p.data().asnumpy(), q.data().asnumpy(), rtol=1e-4, atol=1e-5,
                                    err_msg=name)
+
+
+def test_gluon_digits_example_matches_one_process():
+    """examples/mxnet_digits.py (Horovod's Gluon recipe on scikit-learn's digits): the ranks'
+    test accuracy equals one process training on the whole set with the global batch."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "mxnet_digits.py")
+    spec = importlib.util.spec_from_file_location("mxnet_digits", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    distributed = example.train(epochs=6)
+    alone = example.train(epochs=6, distributed=False)
+    assert distributed > 0.9, distributed
+    assert abs(distributed - alone) <= 0.01, (distributed, alone)
