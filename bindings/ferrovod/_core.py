@@ -412,6 +412,8 @@ class Handle:
         self._outputs = outputs
         self._kind = kind
         self.communicated = None
+        # join: the last rank to join, after `wait`
+        self.last_joined = None
         self._released = False
 
     def __del__(self):
@@ -464,6 +466,8 @@ class Handle:
             if self._kind == ALLREDUCE:
                 # False for a multistep call that only summed its input
                 self.communicated = self.value() != 0
+            if self._kind == JOIN:
+                self.last_joined = self.value()
             results = []
             for i, out in enumerate(self._outputs):
                 if isinstance(out, np.ndarray):

@@ -327,6 +327,15 @@ def grouped_reducescatter(tensors, op=Average, name=None, priority=0,
                  prescale_factor, postscale_factor, priority=priority, process_set=process_set)
 
 
+def join():
+    """Waits until every rank has joined (synchronous); while it waits, this rank contributes
+    zeros to the other ranks' allreduces. Returns the last rank to join."""
+    mx.nd.waitall()  # this rank's pushed operations first
+    h = _core.enqueue(_core.JOIN, [], [])
+    h.wait()
+    return h.last_joined
+
+
 def barrier(process_set=global_process_set):
     """Returns once every rank of the process set has called it (synchronous)."""
     _core.enqueue(_core.BARRIER, [], [], process_set=process_set.process_set_id).wait()

@@ -587,3 +587,13 @@ def test_gluon_digits_example_matches_one_process():
     alone = example.train(epochs=6, distributed=False)
     assert distributed > 0.9, distributed
     assert abs(distributed - alone) <= 0.01, (distributed, alone)
+
+
+def test_join_lets_one_rank_finish_alone():
+    """Rank 0 allreduces once more while the others have joined: they contribute zeros, and
+    join returns the last rank to join (rank 0) everywhere."""
+    r = hvd.rank()
+    if r == 0:
+        x = hvd.allreduce(mx.nd.ones((3,)) * 5, op=hvd.Sum, name="joinee")
+        np.testing.assert_array_equal(x.asnumpy(), np.full(3, 5.0))
+    assert hvd.join() == 0
