@@ -2,8 +2,9 @@
 `horovod.mxnet` here). The collectives are pushed onto MXNet's dependency engine
 (mpi_ops.cc): they run once their inputs are written, overlap other work, and
 `wait_to_read()`, `asnumpy()` and `mx.nd.waitall()` wait for them; a failure is raised there
-as MXNetError with ferrovod's message. `allgather` agrees the first dimensions synchronously
-before it pushes; `barrier`, `broadcast_parameters` and `broadcast_object` wait."""
+as MXNetError with ferrovod's message. `allgather` and `alltoall` agree shapes, dtypes and
+counts synchronously before they push; `barrier`, `join`, `broadcast_parameters`,
+`broadcast_object` and `allgather_object` wait."""
 
 import collections
 import ctypes
@@ -229,17 +230,21 @@ def _agree(kind_name, tensor, label, process_set, counts=None, bad=None):
     return table
 
 
+def _gathered(tensor, label, process_set):
+    """The output of an allgather of `tensor`, sized from every rank's agreed first dimension."""
+    table = _agree("ALLGATHER", tensor, label, process_set)
+    return mx.nd.zeros(shape=(int(table[:, 2].sum()),) + tuple(tensor.shape[1:]),
+                       ctx=tensor.context, dtype=tensor.dtype)
+
+
 def allgather(tensor, name=None, priority=0, process_set=global_process_set):
     """Every rank's `tensor` concatenated along the first dimension, in rank order. The shapes
     and dtypes are agreed first, synchronously (a small allgather), so that the output exists
     before the engine operation is pushed and a mismatch fails at the call on every rank, as
     in Horovod; the data then moves asynchronously."""
     label = _name("horovod_allgather", name)
-    table = _agree("ALLGATHER", tensor, label, process_set)
-    shape = (int(table[:, 2].sum()),) + tuple(tensor.shape[1:])
-    output = mx.nd.zeros(shape=shape, ctx=tensor.context, dtype=tensor.dtype)
-    return _push(_core.ALLGATHER, [tensor], [output], [label], priority=priority,
-                 process_set=process_set)[0]
+    return _push(_core.ALLGATHER, [tensor], [_gathered(tensor, label, process_set)], [label],
+                 priority=priority, process_set=process_set)[0]
 
 
 def grouped_allgather(tensors, name=None, priority=0, process_set=global_process_set):
@@ -248,11 +253,7 @@ def grouped_allgather(tensors, name=None, priority=0, process_set=global_process
     if not tensors:
         return []
     labels = _group_names("horovod_grouped_allgather", name, len(tensors))
-    outputs = []
-    for t, label in zip(tensors, labels):
-        table = _agree("ALLGATHER", t, label, process_set)
-        outputs.append(mx.nd.zeros(shape=(int(table[:, 2].sum()),) + tuple(t.shape[1:]),
-                                   ctx=t.context, dtype=t.dtype))
+    outputs = [_gathered(t, label, process_set) for t, label in zip(tensors, labels)]
     return _push(_core.ALLGATHER, tensors, outputs, labels, priority=priority,
                  process_set=process_set)
 
@@ -355,13 +356,17 @@ def broadcast_parameters(params, root_rank=0, prefix=None):
             broadcast_(value, root_rank, name=label)
             continue
         try:
-            tensors = value.list_data()
+            _broadcast_param(value, root_rank, label)
         except mx.gluon.parameter.DeferredInitializationError:
             _broadcast_when_initialised(value, root_rank, label)
-            continue
-        for i, t in enumerate(tensors):
-            broadcast_(t, root_rank, name=label if len(tensors) == 1 else "%s.%d" % (label, i))
     mx.nd.waitall()
+
+
+def _broadcast_param(param, root_rank, label):
+    """Broadcasts each of a Gluon parameter's copies (one per context) in place."""
+    tensors = param.list_data()
+    for i, t in enumerate(tensors):
+        broadcast_(t, root_rank, name=label if len(tensors) == 1 else "%s.%d" % (label, i))
 
 
 def _broadcast_when_initialised(param, root_rank, label):
@@ -372,9 +377,7 @@ def _broadcast_when_initialised(param, root_rank, label):
     def init_then_broadcast(*args, **kwargs):
         init(*args, **kwargs)
         param._init_impl = init
-        tensors = param.list_data()
-        for i, t in enumerate(tensors):
-            broadcast_(t, root_rank, name=label if len(tensors) == 1 else "%s.%d" % (label, i))
+        _broadcast_param(param, root_rank, label)
         mx.nd.waitall()
 
     param._init_impl = init_then_broadcast
