@@ -31,6 +31,7 @@ tf_reqs=(
   "tensorflow-cpu|2.21.0"
   "tf_keras|2.21.0"
   "scikit-learn|"
+  "torch|2.15.0"
 )
 mx_reqs=(
   "pytest|"

@@ -170,6 +170,7 @@ def _load():
         "fv_handle_shape": (ctypes.c_int32, [ctypes.c_uint64, ctypes.c_int32, ctypes.POINTER(ctypes.c_int64), ctypes.c_int32, i32p]),
         "fv_handle_received_splits": (ctypes.c_int32, [ctypes.c_uint64, ctypes.c_int32, i32p, ctypes.c_int32, i32p]),
         "fv_handle_value": (ctypes.c_int32, [ctypes.c_uint64, i32p]),
+        "fv_handle_event": (ctypes.c_int32, [ctypes.c_uint64, ctypes.POINTER(ctypes.c_void_p)]),
         "fv_add_process_set": (ctypes.c_int32, [i32p, ctypes.c_int32, i32p]),
         "fv_remove_process_set": (ctypes.c_int32, [ctypes.c_int32]),
         "fv_process_set_ids": (ctypes.c_int32, [i32p, ctypes.c_int32, i32p]),
@@ -402,6 +403,14 @@ def in_flight_count():
         return len(_in_flight)
 
 
+class Later:
+    """An output ferrovod allocates (allgather, alltoall, reducescatter without an allocator):
+    `convert(raw_bytes, dims)` makes the framework's tensor of it once the operation is done."""
+
+    def __init__(self, convert):
+        self.convert = convert
+
+
 class Handle:
     """An enqueued operation. Its numpy inputs and outputs stay alive in the in-flight
     registry until it is released, even if this object is dropped first."""
@@ -432,7 +441,13 @@ class Handle:
         LIB.fv_handle_error(self.id, buf, len(buf), None)
         return buf.value.decode("utf-8", "replace")
 
-    def _library_output(self, index, dtype):
+    def event(self):
+        """The CUevent recorded after a GPU operation's work (None for host operations)."""
+        out = ctypes.c_void_p()
+        check(LIB.fv_handle_event(self.id, ctypes.byref(out)))
+        return out.value
+
+    def _library_bytes(self, index):
         ptr = ctypes.c_void_p()
         nbytes = ctypes.c_uint64()
         check(LIB.fv_handle_output(self.id, index, ctypes.byref(ptr), ctypes.byref(nbytes)))
@@ -441,6 +456,10 @@ class Handle:
         check(LIB.fv_handle_shape(self.id, index, shape, 32, ctypes.byref(ndim)))
         dims = tuple(shape[: ndim.value])
         raw = ctypes.string_at(ptr.value, nbytes.value) if nbytes.value else b""
+        return raw, dims
+
+    def _library_output(self, index, dtype):
+        raw, dims = self._library_bytes(index)
         return np.frombuffer(raw, dtype=dtype).reshape(dims).copy()
 
     def received_splits(self, index=0):
@@ -455,8 +474,10 @@ class Handle:
         check(LIB.fv_handle_value(self.id, ctypes.byref(out)))
         return out.value
 
-    def wait(self, timeout=None):
-        """Blocks (without holding the GIL) until completion; returns the outputs."""
+    def wait(self, timeout=None, before_release=None):
+        """Blocks (without holding the GIL) until completion; returns the outputs.
+        `before_release(handle)` runs once the operation succeeded, while the handle (and its
+        GPU event) is still valid."""
         status = LIB.fv_wait(self.id, -1.0 if timeout is None else float(timeout))
         if status == TIMEOUT:
             raise TimeoutError("operation %d did not complete in %s s" % (self.id, timeout))
@@ -468,14 +489,16 @@ class Handle:
                 self.communicated = self.value() != 0
             if self._kind == JOIN:
                 self.last_joined = self.value()
+            if before_release is not None:
+                before_release(self)
             results = []
             for i, out in enumerate(self._outputs):
-                if isinstance(out, np.ndarray):
-                    results.append(out)
-                elif out is not None:
+                if isinstance(out, Later):
+                    results.append(out.convert(*self._library_bytes(i)))
+                elif isinstance(out, np.dtype):
                     results.append(self._library_output(i, out))
                 else:
-                    results.append(None)
+                    results.append(out)
             if self._kind == ALLTOALL:
                 return [(r, self.received_splits(i)) for i, r in enumerate(results)]
             return results
@@ -510,35 +533,64 @@ def enqueue(kind, arrays, names, reduce_op=SUM, prescale=1.0, postscale=1.0, roo
     Allreduce: `multistep` k > 1 communicates on every k-th call of each name only (0: as
     FERROVOD_MULTISTEP says); the handle's `communicated` tells, after `wait`.
     """
-    _sweep_orphans()
     arrays = [np.ascontiguousarray(a) for a in arrays]
-    n = len(arrays)
-    tensors = (_Tensor * max(n, 1))()
-    keep = [tensors]
-    outputs = []
+    specs, keep, outputs = [], list(arrays), []
     later = kind in (ALLGATHER, ALLTOALL, REDUCESCATTER)
-    for i, (a, name) in enumerate(zip(arrays, names)):
-        shape = (ctypes.c_int64 * max(a.ndim, 1))(*a.shape)
-        bname = name.encode()
-        keep.extend([a, shape, bname])
-        t = tensors[i]
-        t.name = bname
-        t.dtype = dtype_code(a.dtype)
-        t.ndim = a.ndim
-        t.shape = shape
-        t.input = a.ctypes.data
+    for a, name in zip(arrays, names):
         if later:
-            t.output = None
-            outputs.append(a.dtype)
+            out_ptr = None
+            outputs.append(np.dtype(a.dtype))
         elif inplace:
-            t.output = a.ctypes.data
+            out_ptr = a.ctypes.data
             outputs.append(a)
         else:
             # a multistep call that does not communicate leaves the output as it is: the input
             out = np.empty_like(a) if kind != ALLREDUCE or multistep == 1 else a.copy()
             keep.append(out)
-            t.output = out.ctypes.data
+            out_ptr = out.ctypes.data
             outputs.append(out)
+        specs.append(Spec(name, dtype_code(a.dtype), a.shape, a.ctypes.data, out_ptr))
+    return submit(kind, specs, keep, outputs, reduce_op=reduce_op, prescale=prescale,
+                  postscale=postscale, root_rank=root_rank, process_set=process_set,
+                  splits=splits, compression=compression, multistep=multistep,
+                  multistep_mode=multistep_mode, multistep_warmup=multistep_warmup)
+
+
+class Spec:
+    """One tensor of an operation: name, fv_dtype code, shape, input address and output
+    address (None: allocated later, by ferrovod or the op's allocator)."""
+
+    __slots__ = ("name", "dtype", "shape", "input", "output")
+
+    def __init__(self, name, dtype, shape, input, output):
+        self.name, self.dtype, self.shape = name, dtype, tuple(int(d) for d in shape)
+        self.input, self.output = input, output
+
+
+def submit(kind, specs, keep, outputs, reduce_op=SUM, prescale=1.0, postscale=1.0, root_rank=0,
+           process_set=0, splits=None, compression=COMPRESSION_JOB, multistep=0,
+           multistep_mode=MULTISTEP_ACCUMULATE, multistep_warmup=0, device=CPU_DEVICE,
+           stream=None, alloc=None, done=None):
+    """Enqueues one operation over `specs` and returns a Handle whose `wait` returns `outputs`
+    (a `Later` item: converted from ferrovod's buffer). `keep`: objects that own the memory the
+    specs point at, held until the handle is released. GPU ops (`device` >= 0) name the
+    caller's CUstream, whose work so far produces the inputs, and an ALLOC_FN for the outputs
+    ferrovod sizes. `done`: a DONE_FN ferrovod calls on its own thread at completion."""
+    _sweep_orphans()
+    n = len(specs)
+    tensors = (_Tensor * max(n, 1))()
+    keep = list(keep) + [tensors]
+    for i, spec in enumerate(specs):
+        shape = (ctypes.c_int64 * max(len(spec.shape), 1))(*spec.shape)
+        bname = spec.name.encode()
+        keep.extend([shape, bname])
+        t = tensors[i]
+        t.name = bname
+        t.dtype = spec.dtype
+        t.ndim = len(spec.shape)
+        t.shape = shape
+        t.input = spec.input
+        t.output = spec.output
         if splits is not None and kind == ALLTOALL:
             s = _i32_array([int(x) for x in np.asarray(splits).reshape(-1)])
             keep.append(s)
@@ -557,7 +609,14 @@ def enqueue(kind, arrays, names, reduce_op=SUM, prescale=1.0, postscale=1.0, roo
     op.postscale = postscale
     op.root_rank = root_rank
     op.process_set = process_set
-    op.device = CPU_DEVICE
+    op.device = device
+    op.stream = stream
+    if alloc is not None:
+        keep.append(alloc)
+        op.alloc = alloc
+    if done is not None:
+        keep.append(done)
+        op.done = done
     op.tensors = tensors
     op.num_tensors = n
     hid = ctypes.c_uint64()

@@ -11,10 +11,10 @@ import ctypes
 import itertools
 import warnings
 
-import cloudpickle
 import mxnet as mx
 import numpy as np
 
+from ferrovod import objects as _objects
 from ferrovod import _core  # loads libferrovod (RTLD_GLOBAL) before the op library needs it
 from ferrovod.mxnet.build import op_library_path
 from horovod.common.basics import HorovodBasics as _HorovodBasics
@@ -386,31 +386,13 @@ def _broadcast_when_initialised(param, root_rank, label):
 def allgather_object(obj, name=None, process_set=global_process_set):
     """Every rank's `obj` (pickled), in rank order, on every rank of the process set
     (synchronous)."""
-    label = name or type(obj).__name__
-    payload = np.frombuffer(cloudpickle.dumps(obj), np.uint8)
-    (sizes,) = _core.enqueue(_core.ALLGATHER, [np.array([len(payload)], np.int64)],
-                             ["allgather_object.%s.sz" % label],
-                             process_set=process_set.process_set_id).wait()
-    (data,) = _core.enqueue(_core.ALLGATHER, [payload], ["allgather_object.%s.t" % label],
-                            process_set=process_set.process_set_id).wait()
-    out, at = [], 0
-    for size in np.asarray(sizes):
-        out.append(cloudpickle.loads(np.asarray(data)[at:at + int(size)].tobytes()))
-        at += int(size)
-    return out
+    return _objects.allgather_object(obj, name or type(obj).__name__, process_set.process_set_id)
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
     """`root_rank`'s `obj` (pickled) on every rank of the process set (synchronous)."""
-    label = name or type(obj).__name__
-    payload = np.frombuffer(cloudpickle.dumps(obj), np.uint8) if rank() == root_rank else None
-    size = np.array([0 if payload is None else len(payload)], np.int64)
-    (size,) = _core.enqueue(_core.BROADCAST, [size], ["bcast_object.%s.sz" % label],
-                            root_rank=root_rank, process_set=process_set.process_set_id).wait()
-    data = payload if payload is not None else np.zeros(int(size[0]), np.uint8)
-    (data,) = _core.enqueue(_core.BROADCAST, [data], ["bcast_object.%s.t" % label],
-                            root_rank=root_rank, process_set=process_set.process_set_id).wait()
-    return cloudpickle.loads(np.asarray(data).tobytes())
+    return _objects.broadcast_object(obj, root_rank, name or type(obj).__name__,
+                                     process_set.process_set_id)
 
 
 class _Compressor:

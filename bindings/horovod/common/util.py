@@ -35,8 +35,12 @@ def extension_available(ext_base_name, verbose=False):
 
 
 def gpu_available(ext_base_name, verbose=False):
-    """Whether `horovod.<framework>` runs collectives on GPU tensors. The TensorFlow ops run on
-    host memory (no TensorFlow GPU kernels yet), so False."""
+    """Whether `horovod.<framework>` runs collectives on GPU tensors: PyTorch's CUDA tensors
+    do (through NCCL) where CUDA is available; the TensorFlow and MXNet ops run on host memory."""
+    if ext_base_name == "torch" and extension_available("torch"):
+        import torch
+
+        return torch.cuda.is_available()
     if verbose:
         warnings.warn("ferrovod's %s ops run on host memory only" % ext_base_name)
     return False

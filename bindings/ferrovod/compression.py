@@ -1,0 +1,101 @@
+"""Gradient compressors with Horovod's interface, for any framework: `compress(tensor) ->
+(tensor, ctx)` and `decompress(tensor, ctx)`, plus `core`, the fv_compression code under which
+ferrovod's core compresses float32 sums and averages itself (cast while packed into the fusion
+buffer and back while unpacked: no Python cast, no extra pass over the tensor). What the core
+leaves (other dtypes, other ops) is cast by `compress`, as Horovod's compressors do.
+
+`compression_for(framework)` builds the `Compression` namespace of one framework from three
+functions on its tensors."""
+
+from ferrovod import _core
+
+
+class Compressor:
+    """Interface: `compress(tensor) -> (tensor, ctx)`, `decompress(tensor, ctx) -> tensor`."""
+
+    core = None
+
+    @staticmethod
+    def compress(tensor):
+        raise NotImplementedError
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        raise NotImplementedError
+
+
+class Framework:
+    """What the compressors need of a framework's tensors: `is_floating(tensor)`,
+    `cast(tensor, dtype)`, `dtype(tensor)`, and its float16 dtype."""
+
+    def __init__(self, is_floating, cast, dtype, float16):
+        self.is_floating, self.cast, self.dtype, self.float16 = is_floating, cast, dtype, float16
+
+
+def compression_for(fw):
+    """The `Compression` namespace (none, fp16, bf16, mixed, u8) over framework `fw`."""
+
+    class NoneCompressor(Compressor):
+        """Nothing compressed here (the job's FERROVOD_COMPRESSION still applies in the core)."""
+
+        @staticmethod
+        def compress(tensor):
+            return tensor, None
+
+        @staticmethod
+        def decompress(tensor, ctx):
+            return tensor
+
+    class FP16Compressor(Compressor):
+        """float32 sums and averages travel as IEEE half precision in the core; other floating
+        tensors (and other ops) are cast to float16 here and back, as Horovod does."""
+
+        core = _core.COMPRESSION_FP16
+
+        @staticmethod
+        def compress(tensor):
+            if fw.is_floating(tensor) and fw.dtype(tensor) != fw.float16:
+                return fw.cast(tensor, fw.float16), fw.dtype(tensor)
+            return tensor, None
+
+        @staticmethod
+        def decompress(tensor, ctx):
+            return tensor if ctx is None else fw.cast(tensor, ctx)
+
+    class BF16Compressor(NoneCompressor):
+        """ferrovod extension: float32 sums and averages travel as bfloat16 (float32's range,
+        8 bits of mantissa); other tensors travel as they are."""
+
+        core = _core.COMPRESSION_BF16
+
+    class MixedCompressor(NoneCompressor):
+        """ferrovod extension: float32 sums and averages below FERROVOD_COMPRESSION_MIN_BYTES
+        travel as float32, larger ones as IEEE half precision (AIACC's mixed precision)."""
+
+        core = _core.COMPRESSION_MIXED
+
+    class U8Compressor(NoneCompressor):
+        """ferrovod extension: float32 sums and averages travel as 8-bit min-max blocks with
+        error feedback (what rounding loses is added to the tensor's next allreduce, kept per
+        tensor name), summed in float32. Host memory only."""
+
+        core = _core.COMPRESSION_U8
+
+    class Compression:
+        none = NoneCompressor
+        fp16 = FP16Compressor
+        bf16 = BF16Compressor
+        mixed = MixedCompressor
+        u8 = U8Compressor
+
+    return Compression
+
+
+def core_codec(compression, is_float32, op):
+    """The fv_compression value to hand the core for an allreduce with `op` of a tensor
+    (`is_float32`), or None when `compression` must run in Python (a custom compressor, or what
+    the core leaves)."""
+    core = getattr(compression, "core", None)
+    if core is None or not is_float32 or op not in (_core.SUM, _core.AVERAGE):
+        return None
+    return core

@@ -1,0 +1,75 @@
+"""Horovod's PyTorch API on ferrovod (`import ferrovod.torch as hvd`; the `horovod` package
+maps `horovod.torch` here). Collectives go through ferrovod's C API with ctypes: host tensors
+in place, CUDA tensors through the core's GPU path (NCCL) ordered on the current CUDA stream.
+See mpi_ops.py for handles and streams, optimizer.py for DistributedOptimizer, ddp.py for the
+DistributedDataParallel hook."""
+
+import os
+
+# GPU operations complete once their work is enqueued and `synchronize` makes the current
+# stream wait on the device (no host synchronisation per tensor). Set before the core starts;
+# a value the user chose is kept.
+os.environ.setdefault("HOROVOD_ENABLE_ASYNC_COMPLETION", "1")
+
+from ferrovod.torch.mpi_ops import *  # noqa: E402,F401,F403
+from ferrovod.torch.mpi_ops import (  # noqa: E402,F401
+    Adasum,
+    Average,
+    Compression,
+    Max,
+    Min,
+    Product,
+    Sum,
+    _handle_map,
+)
+from ferrovod.torch.ddp import ddp_comm_hook  # noqa: E402,F401
+from ferrovod.torch.functions import (  # noqa: E402,F401
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
+from ferrovod.torch.optimizer import DistributedOptimizer  # noqa: E402,F401
+from ferrovod.torch.sync_batch_norm import SyncBatchNorm  # noqa: E402,F401
+from horovod.common.basics import HorovodBasics as _HorovodBasics  # noqa: E402
+from horovod.common.process_sets import (  # noqa: E402,F401
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
+from horovod.common.util import check_extension, gpu_available, split_list  # noqa: E402,F401
+
+_basics = _HorovodBasics(__file__)
+
+init = _basics.init
+shutdown = _basics.shutdown
+is_initialized = _basics.is_initialized
+start_timeline = _basics.start_timeline
+stop_timeline = _basics.stop_timeline
+size = _basics.size
+local_size = _basics.local_size
+cross_size = _basics.cross_size
+rank = _basics.rank
+local_rank = _basics.local_rank
+cross_rank = _basics.cross_rank
+is_homogeneous = _basics.is_homogeneous
+mpi_threads_supported = _basics.mpi_threads_supported
+mpi_enabled = _basics.mpi_enabled
+mpi_built = _basics.mpi_built
+gloo_enabled = _basics.gloo_enabled
+gloo_built = _basics.gloo_built
+nccl_built = _basics.nccl_built
+ddl_built = _basics.ddl_built
+ccl_built = _basics.ccl_built
+cuda_built = _basics.cuda_built
+rocm_built = _basics.rocm_built
+metrics = _basics.metrics
+
+
+def __getattr__(name):
+    if name == "elastic":
+        import importlib
+
+        return importlib.import_module("ferrovod.torch.elastic")
+    raise AttributeError("module %r has no attribute %r" % (__name__, name))

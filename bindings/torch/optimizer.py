@@ -1,0 +1,282 @@
+"""`DistributedOptimizer`: Horovod's PyTorch optimizer wrapper on ferrovod.
+
+A hook on each parameter's gradient accumulation starts the gradient's allreduce as soon as
+backward has produced it, so communication overlaps the rest of the backward pass; `step()`
+(or `synchronize()`) waits for them and writes the averages into `.grad`."""
+
+import os
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+from ferrovod import _core
+from ferrovod.compression import core_codec
+from ferrovod.torch import mpi_ops
+from ferrovod.torch.mpi_ops import Average, Compression
+from horovod.common.process_sets import global_process_set
+from horovod.common.util import split_list
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Mixed into the wrapped optimizer's own class by `DistributedOptimizer` (as Horovod does),
+    so that `isinstance(opt, torch.optim.SGD)` and the wrapped class's `step` keep working."""
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step=1,
+                 op=Average, gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
+                 process_set=global_process_set):
+        super(self.__class__, self).__init__(params)
+        self._compression = compression
+        if named_parameters is None:
+            named_parameters = [("allreduce.noname.%d.%d" % (i, j), v)
+                                for i, group in enumerate(self.param_groups)
+                                for j, v in enumerate(group["params"])]
+        named_parameters = list(named_parameters)
+        if any(not isinstance(p, tuple) for p in named_parameters):
+            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                             "usually produced by model.named_parameters().")
+        seen, dups = set(), set()
+        for name, _ in named_parameters:
+            (dups if name in seen else seen).add(name)
+        if dups:
+            raise ValueError("Parameter names in named_parameters must be unique. Found "
+                             "duplicates: %s" % ", ".join(sorted(dups)))
+        named_ids = {id(v) for _, v in named_parameters}
+        unnamed = [id(v) for group in self.param_groups for v in group["params"]
+                   if id(v) not in named_ids]
+        if unnamed:
+            raise ValueError("named_parameters was specified, but one or more model parameters "
+                             "were not named. Python object ids: %s"
+                             % ", ".join(str(i) for i in unnamed))
+        self._parameter_names = {v: k for k, v in sorted(named_parameters, key=lambda kv: kv[0])}
+        self.backward_passes_per_step = backward_passes_per_step
+        self._allreduce_delay = {v: backward_passes_per_step for _, v in named_parameters}
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        # parameter (or group tuple) -> (handle or None, compression context)
+        self._handles = {}
+        self._hook_handles = []
+        self._requires_update = set()
+        self._synchronized = False
+        self._should_synchronize = True
+        if groups is not None:
+            if not (isinstance(groups, list) or groups > 0):
+                raise ValueError("groups should be a non-negative integer or a list of list of "
+                                 "torch.Tensor.")
+            if isinstance(groups, list):
+                grouped = set()
+                for group in groups:
+                    for p in group:
+                        if not isinstance(p, torch.Tensor):
+                            raise ValueError("groups must consist of torch.Tensor.")
+                        if id(p) in grouped:
+                            raise ValueError("A parameter can only appear once in groups.")
+                        grouped.add(id(p))
+        self._groups = groups
+        self._p_to_group = {}
+        self._group_counts = {}
+        if process_set.included() and (_core.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"):
+            self._register_hooks()
+
+    def load_state_dict(self, *args, **kwargs):
+        self._handles = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        super(self.__class__, self).load_state_dict(*args, **kwargs)
+
+    def set_backward_passes_per_step(self, passes):
+        self.backward_passes_per_step = passes
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = passes
+
+    def _register_hooks(self):
+        trained = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        if self._groups is not None:
+            # the same order (hence the same groups) on every rank: rank 0's
+            from ferrovod.torch.functions import broadcast_object
+
+            names = broadcast_object(
+                [self._parameter_names.get(p) for p in trained], root_rank=0,
+                process_set=self.process_set)
+            order = {n: i for i, n in enumerate(names)}
+            trained = sorted(trained, key=lambda p: order[self._parameter_names.get(p)])
+            if isinstance(self._groups, list):
+                wanted = {id(p) for p in trained}
+                groups = [[p for p in g if id(p) in wanted] for g in self._groups]
+                in_group = {id(p) for g in groups for p in g}
+                groups += [[p] for p in trained if id(p) not in in_group]
+            else:
+                groups = split_list(trained, self._groups)
+            for group in (tuple(g) for g in groups if g):
+                for p in group:
+                    self._p_to_group[p] = group
+                self._group_counts[group] = 0
+        for p in trained:
+            self._requires_update.add(p)
+            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
+
+    def _scales(self):
+        if self.op == Average:
+            # the core divides by the set's size after the sum, on top of the postscale
+            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        return 1.0, 1.0
+
+    def _allreduce_grad_async(self, p):
+        if p.grad is None:
+            # another rank may have a gradient for it (a branch not taken here): send zeros
+            p.grad = p.data.new(p.size()).zero_()
+        name = self._parameter_names.get(p)
+        tensor = p.grad
+        if tensor.is_sparse:
+            if not self.sparse_as_dense:
+                return mpi_ops.sparse_allreduce_async(tensor, name=name, op=self.op,
+                                                      process_set=self.process_set), None
+            tensor = tensor.to_dense()
+        return self._reduce_async([tensor], [name])
+
+    def _reduce_async(self, tensors, names):
+        """Starts the in-place allreduce of `tensors` (one grouped operation if several);
+        returns (handle, contexts): the core compresses float32 gradients itself."""
+        pre, post = self._scales()
+        codec = core_codec(self._compression, all(t.dtype == torch.float32 for t in tensors),
+                           self.op)
+        if codec is not None or self._compression is Compression.none:
+            sent, ctxs = tensors, [None] * len(tensors)
+        else:
+            pairs = [self._compression.compress(t) for t in tensors]
+            sent, ctxs = [s for s, _ in pairs], [c for _, c in pairs]
+        labels = ([mpi_ops._name("allreduce", names[0])] if len(sent) == 1
+                  else mpi_ops._grouped("allreduce", names[0], sent))
+        handle = mpi_ops._allreduce_async(sent, sent, labels, self.op, pre, post,
+                                          self.process_set, list,
+                                          self._compression if codec is not None else None)
+        return handle, ctxs
+
+    def _make_hook(self, p):
+        def hook(*_):
+            if self._handles.get(p, (None,))[0] is not None and self._allreduce_delay[p] <= 0:
+                raise AssertionError(
+                    "Gradients were computed more than backward_passes_per_step times before "
+                    "call to step(). Increase backward_passes_per_step to accumulate gradients "
+                    "locally.")
+            assert not p.grad.requires_grad
+            assert self._allreduce_delay[p] > 0
+            self._allreduce_delay[p] -= 1
+            handle = ctx = None
+            if self._allreduce_delay[p] == 0:
+                if self._groups is not None:
+                    group = self._p_to_group[p]
+                    self._group_counts[group] += 1
+                    if self._group_counts[group] == len(group):
+                        self._handles[group] = self._reduce_async(
+                            [g.grad for g in group], [self._parameter_names.get(group[0])])
+                        for g in group:
+                            self._handles.pop(g, None)
+                        self._group_counts[group] = 0
+                        return
+                else:
+                    handle, ctx = self._allreduce_grad_async(p)
+            self._handles[p] = (handle, ctx)
+
+        return hook
+
+    def synchronize(self):
+        """Waits for every gradient's allreduce (starting those whose hook did not fire) and
+        writes the results into `.grad`."""
+        if not self.process_set.included():
+            self._synchronized = True
+            return
+        started = set()
+        for key in self._handles:
+            started.update(key if isinstance(key, tuple) else (key,))
+        for p in self._requires_update - started:
+            self._handles[p] = self._allreduce_grad_async(p)
+        for p, (handle, ctx) in list(self._handles.items()):
+            if handle is None:
+                self._handles[p] = self._allreduce_grad_async(p)
+        for key, (handle, ctxs) in self._handles.items():
+            output = mpi_ops.synchronize(handle)
+            if isinstance(key, tuple):
+                for p, out, ctx in zip(key, output, ctxs):
+                    self._allreduce_delay[p] = self.backward_passes_per_step
+                    self._write_grad(p, out, ctx)
+                self._group_counts[key] = 0
+                continue
+            p = key
+            self._allreduce_delay[p] = self.backward_passes_per_step
+            if self._groups is not None:
+                self._group_counts[self._p_to_group[p]] = 0
+            if isinstance(output, list):
+                (output,), (ctxs,) = output, ctxs
+            self._write_grad(p, output, ctxs)
+        self._handles.clear()
+        self._synchronized = True
+
+    def _write_grad(self, p, output, ctx):
+        value = self._compression.decompress(output, ctx) if ctx is not None else output
+        if p.grad.is_sparse:
+            if not value.is_sparse:
+                value = value.to_sparse()
+            p.grad.zero_().add_(value)
+        elif value is not p.grad:
+            p.grad.set_(value)
+
+    @contextmanager
+    def skip_synchronize(self):
+        """`step()` inside it does not synchronize (after an explicit `synchronize()`)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(). This can cause training "
+                              "slowdown. You may want to consider using "
+                              "optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.")
+            self.synchronize()
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, *args, **kwargs):
+        if self._handles:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
+                                 "before optimizer.step() or optimizer.synchronize(). This is "
+                                 "prohibited as it can cause a race condition.")
+        return super(self.__class__, self).zero_grad(*args, **kwargs)
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
+                         backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
+                         num_groups=0, groups=None, sparse_as_dense=False,
+                         process_set=global_process_set):
+    """Wraps `optimizer` so that gradients are averaged (`op`) over the process set before each
+    `step()`. Each gradient's allreduce starts from a hook as soon as backward produces it.
+    `backward_passes_per_step`: backward passes accumulated locally before each allreduce;
+    `groups`: a number of groups, or lists of parameters, reduced as grouped allreduces;
+    `gradient_predivide_factor`: the average is split into 1/f before the sum and f/size after;
+    `compression`: float32 gradients are compressed by the core (fp16, and ferrovod's bf16,
+    mixed, u8); other dtypes by the compressor in Python."""
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if num_groups != 0:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed "
+                      "in v0.23.0.", DeprecationWarning)
+        if groups is None:
+            groups = num_groups
+    if backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    if op == mpi_ops.Adasum:
+        raise NotImplementedError("Adasum is not supported by ferrovod.")
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+               dict(_DistributedOptimizer.__dict__))
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
+               op, gradient_predivide_factor, groups, sparse_as_dense, process_set)
