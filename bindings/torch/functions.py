@@ -28,10 +28,19 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=glob
     """Makes every rank's optimizer state (per-parameter state and the param groups' options)
     `root_rank`'s. Ranks whose optimizer has not stepped yet get the state too: its layout
     (keys, shapes, dtypes, scalars) travels as an object first, then the tensors are broadcast
-    in place. `model` is accepted for Horovod's signature."""
+    in place; no optimizer step is taken. As in Horovod, a rank whose state was empty is left
+    with zero gradients on the parameters that train. `model` is accepted for Horovod's
+    signature."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     mine = optimizer.state_dict()
+    if not mine["state"]:
+        # as Horovod (which steps a fresh optimizer on zero gradients to create its state):
+        # parameters that train have a gradient afterwards
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
     is_root = _core.rank() == root_rank
     layout = None
     if is_root:

@@ -16,6 +16,7 @@ import torch
 
 from ferrovod import _core
 from ferrovod.compression import Framework, compression_for, core_codec
+from ferrovod.exceptions import HorovodInternalError  # noqa: F401 (Horovod's mpi_ops has it)
 from horovod.common.process_sets import global_process_set
 from horovod.common.util import get_average_backwards_compatibility_fun
 
@@ -125,22 +126,6 @@ class _Pending:
         return self.finish(self.handle.wait(before_release=wait_on_device))
 
 
-class _Composite:
-    """Several operations behind one handle (sparse allreduce): done when all are;
-    `finish()` synchronizes them and makes the result."""
-
-    __slots__ = ("parts", "finish")
-
-    def __init__(self, parts, finish):
-        self.parts, self.finish = parts, finish
-
-    def poll(self):
-        return all(poll(p) for p in self.parts)
-
-    def wait(self):
-        return self.finish()
-
-
 _handle_map = {}
 _handle_lock = threading.Lock()
 
@@ -239,17 +224,6 @@ def _enqueue(kind, tensors, names, outputs=None, finish=None, process_set=global
     with _handle_lock:
         _handle_map[handle.id] = _Pending(handle, device, done)
     return handle.id
-
-
-_composite_ids = itertools.count(-1, -1)
-
-
-def _composite(parts, finish):
-    """A handle (negative, never one of ferrovod's) for operations `parts` finished together."""
-    hid = next(_composite_ids)
-    with _handle_lock:
-        _handle_map[hid] = _Composite(parts, finish)
-    return hid
 
 
 def poll(handle):
@@ -421,7 +395,8 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     """Allreduce of a sparse COO tensor as Horovod does it: its indices and values are
     allgathered (duplicates are summed when the result is coalesced); Average divides the
-    values by the set's size. Returns a handle for `synchronize`."""
+    values by the set's size. Returns, as Horovod does, a function that waits and returns the
+    sparse result."""
     op = _reduce_op(op, None)
     if op not in (Average, Sum):
         raise NotImplementedError("sparse allreduce supports Average and Sum, not op %d" % op)
@@ -431,14 +406,14 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     values = allgather_async(t._values(), name="%s.values" % name, process_set=process_set)
     n = process_set.size()
 
-    def finish():
+    def handle():
         i = synchronize(indices).t()
         v = synchronize(values)
         if op == Average:
             v = v / n
         return torch.sparse_coo_tensor(i, v, size=t.size())
 
-    return _composite([indices, values], finish)
+    return handle
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set):
@@ -604,6 +579,8 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     """Starts a reducescatter: the reduction of `tensor`, of which this rank keeps its slice of
     rows (the remainder to the lowest ranks)."""
     op = _reduce_op(op, None)
+    if tensor.dim() == 0:
+        raise ValueError("reducescatter needs a tensor of at least one dimension")
     return _enqueue(_core.REDUCESCATTER, [tensor], [_name("reducescatter", name)], None,
                     _single, process_set, reduce_op=op, prescale=float(prescale_factor),
                     postscale=float(postscale_factor))
@@ -641,6 +618,8 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=glob
                                 prescale_factor=1.0, postscale_factor=1.0):
     op = _reduce_op(op, None)
     tensors = list(tensors)
+    if any(t.dim() == 0 for t in tensors):
+        raise ValueError("reducescatter needs tensors of at least one dimension")
     return _enqueue(_core.REDUCESCATTER, tensors,
                     _grouped("reducescatter", name, tensors), None,
                     list, process_set, reduce_op=op, prescale=float(prescale_factor),

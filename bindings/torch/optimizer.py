@@ -199,7 +199,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if handle is None:
                 self._handles[p] = self._allreduce_grad_async(p)
         for key, (handle, ctxs) in self._handles.items():
-            output = mpi_ops.synchronize(handle)
+            # a sparse allreduce's handle is a function that waits (as Horovod's)
+            output = handle() if callable(handle) else mpi_ops.synchronize(handle)
             if isinstance(key, tuple):
                 for p, out, ctx in zip(key, output, ctxs):
                     self._allreduce_delay[p] = self.backward_passes_per_step

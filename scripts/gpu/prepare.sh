@@ -17,5 +17,15 @@ cp "$test_bin" .gpu/mpi-tests
 strip --strip-debug .gpu/ferrovod-bench .gpu/mpi-tests
 data=${FERROVOD_DATA_DIR:-../shared/data}
 cp "$data/resnet50_grads.tsv" "$data/bert_base_grads.tsv" .gpu/data/
+# the Python packages the PyTorch tests and benchmark import there (scripts/gpu/torch.sh):
+# ferrovod and horovod as scripts/setup-python.sh installed them into .venv (the library is
+# plain C ABI, whichever Python runs it), and the pure-Python packages the GPU machine lacks
+site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+mkdir -p .gpu/py
+for pkg in ferrovod horovod cloudpickle pytest _pytest pluggy iniconfig packaging pygments py.py; do
+  [ -e "$site/$pkg" ] && cp -r "$site/$pkg" .gpu/py/
+done
+find .gpu/py -name __pycache__ -prune -exec rm -rf {} +
+strip --strip-debug .gpu/py/ferrovod/libferrovod*.so
 ex=$(git rev-parse --git-path info/exclude); mkdir -p "$(dirname "$ex")"; grep -qx '/.gpu/' "$ex" 2>/dev/null || echo '/.gpu/' >> "$ex"
 du -sh .gpu

@@ -1,0 +1,165 @@
+"""Synthetic training throughput on GPUs, one process per GPU under mpirun: a torchvision model
+(or a BERT-base-sized transformer) trained with
+
+  nocomm    the model and optimizer alone (no communication: the ceiling),
+  ddp       torch.nn.parallel.DistributedDataParallel (NCCL, default buckets),
+  ddp_hook  the same DDP with ferrovod's communication hook (ferrovod.torch.ddp_comm_hook),
+  ferrovod  horovod.torch's DistributedOptimizer on ferrovod (gradient hooks, NCCL),
+
+in rounds that alternate the modes (so that clock and thermal drift hit each alike), fp32 and
+bf16 autocast. Prints images (or sequences) per second summed over the ranks for each, the
+ratios, and the Python cost of one GPU allreduce enqueue. Run by scripts/gpu/torch.sh."""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import horovod.torch as hvd
+
+
+def build(model_name):
+    if model_name == "bert":
+        from transformers import BertConfig, BertForMaskedLM
+
+        return BertForMaskedLM(BertConfig())  # BERT-base: 12 layers, hidden 768
+    import torchvision
+
+    return getattr(torchvision.models, model_name)()
+
+
+def batch_for(model_name, batch, device):
+    g = torch.Generator(device=device).manual_seed(1234 + hvd.rank())
+    if model_name == "bert":
+        ids = torch.randint(0, 30522, (batch, 128), device=device, generator=g)
+        return ids, ids
+    x = torch.randn(batch, 3, 224, 224, device=device, generator=g)
+    y = torch.randint(0, 1000, (batch,), device=device, generator=g)
+    return x, y
+
+
+def loss_of(model_name, model, x, y):
+    if model_name == "bert":
+        return model(input_ids=x, labels=y).loss
+    return F.cross_entropy(model(x), y)
+
+
+def make(mode, model_name, device):
+    torch.manual_seed(0)
+    model = build(model_name).to(device)
+    if mode in ("ddp", "ddp_hook"):
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
+        if mode == "ddp_hook":
+            wrapped.register_comm_hook(None, hvd.ddp_comm_hook)
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.01, momentum=0.9)
+        return wrapped, opt
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if mode == "ferrovod":
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    return model, opt
+
+
+def run_steps(model_name, model, opt, x, y, steps, bf16):
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=False)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            loss = loss_of(model_name, model, x, y)
+        loss.backward()
+        opt.step()
+
+
+def enqueue_cost(device, calls=2000):
+    """Seconds of Python per GPU allreduce enqueue (allreduce_async_ of a 1-element tensor,
+    100 names cycled), and per enqueue + synchronize."""
+    tensors = [torch.ones(1, device=device) for _ in range(100)]
+    for i, t in enumerate(tensors):  # warm the names
+        hvd.synchronize(hvd.allreduce_async_(t, name="cost.%d" % i))
+    torch.cuda.synchronize()
+    enq = 0.0
+    total_start = time.perf_counter()
+    for k in range(calls // 100):
+        t0 = time.perf_counter()
+        hs = [hvd.allreduce_async_(t, name="cost.%d" % i) for i, t in enumerate(tensors)]
+        enq += time.perf_counter() - t0
+        for h in hs:
+            hvd.synchronize(h)
+    torch.cuda.synchronize()
+    return enq / calls, (time.perf_counter() - total_start) / calls
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="resnet50")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--modes", default="nocomm,ddp,ferrovod,ddp_hook")
+    args = ap.parse_args()
+
+    hvd.init()
+    local = hvd.local_rank()
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("nccl", rank=hvd.rank(), world_size=hvd.size(), device_id=device)
+    torch.backends.cudnn.benchmark = True
+    n = hvd.size()
+    x, y = batch_for(args.model, args.batch, device)
+    modes = args.modes.split(",")
+    models = {m: make(m, args.model, device) for m in modes}
+    results = {}
+    for precision in args.precisions.split(","):
+        bf16 = precision == "bf16"
+        for m in modes:
+            run_steps(args.model, *models[m], x, y, args.warmup, bf16)
+        torch.cuda.synchronize()
+        times = {m: [] for m in modes}
+        for _ in range(args.rounds):
+            for m in modes:
+                hvd.barrier()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                run_steps(args.model, *models[m], x, y, args.steps, bf16)
+                torch.cuda.synchronize()
+                times[m].append(time.perf_counter() - t0)
+        for m in modes:
+            # the slowest rank's best round: the job moves at its slowest rank
+            best = max(hvd.allgather_object(min(times[m]), name="t.%s.%s" % (precision, m)))
+            results[(precision, m)] = args.steps * args.batch * n / best
+    cost, roundtrip = enqueue_cost(device)
+    if hvd.rank() == 0:
+        unit = "sequences" if args.model == "bert" else "images"
+        name = "bert-base" if args.model == "bert" else args.model
+        print("# %s, batch %d per GPU, %d GPUs (%s), %d rounds x %d steps after %d warm-up"
+              % (name, args.batch, n, torch.cuda.get_device_name(device), args.rounds,
+                 args.steps, args.warmup))
+        for precision in args.precisions.split(","):
+            row = {m: results[(precision, m)] for m in modes}
+            print("%s %s/s: %s" % (precision, unit,
+                                   ", ".join("%s=%.1f" % (m, v) for m, v in row.items())))
+            for other, label in (("ddp", "ddp"), ("nocomm", "no-comm")):
+                if "ferrovod" in row and other in row:
+                    line = "gpu np=%d %s-train ferrovod/%s = %.3f" % (
+                        n, name, label, row["ferrovod"] / row[other])
+                    print(line + ("" if precision == "fp32" else " (%s)" % precision))
+            if "ddp_hook" in row and "ddp" in row:
+                print("gpu np=%d %s-train ddp+ferrovod-hook/ddp = %.3f%s" % (
+                    n, name, row["ddp_hook"] / row["ddp"],
+                    "" if precision == "fp32" else " (%s)" % precision))
+            print("JSON " + json.dumps({"model": name, "precision": precision, "np": n,
+                                        "per_s": row}))
+        print("python cost of one GPU allreduce_async_ enqueue: %.1f us; enqueue + synchronize "
+              "of 100 in flight: %.1f us per tensor" % (cost * 1e6, roundtrip * 1e6))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# ferrovod.torch on a GPU machine, building nothing (run scripts/gpu/prepare.sh on the
+# development machine first and carry .gpu/: it holds ferrovod's Python packages and the
+# library, plus pytest):
+#   tests   tests/python/torch on CPU and CUDA tensors under mpirun (FERROVOD_TEST_GPU=1:
+#           CUDA must be there), np 2;
+#   bench   scripts/gpu/bench_torch.py: ResNet-50 synthetic training, fp32 and bf16, ferrovod
+#           vs DDP vs no communication (and BERT-base with `bench-bert`).
+# Usage: bash scripts/gpu/torch.sh [tests|bench|bench-bert|all] (default all). Logs in $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+what=${1:-all}
+out=${OUT:-/tmp/ferrovod-gpu}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export NCCL_RUNTIME_CONNECT=${NCCL_RUNTIME_CONNECT:-0}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD/.gpu/py${PYTHONPATH:+:$PYTHONPATH}
+export HOROVOD_STALL_CHECK_TIME_SECONDS=${HOROVOD_STALL_CHECK_TIME_SECONDS:-20}
+export HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=${HOROVOD_STALL_SHUTDOWN_TIME_SECONDS:-60}
+ngpu=$(nvidia-smi -L | wc -l)
+echo "# $(date -u +%F) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$ngpu, torch $(python3 -c 'import torch; print(torch.__version__)')"
+mpi=(mpirun -np 2 --bind-to none -x NCCL_NVLS_ENABLE -x NCCL_RUNTIME_CONNECT -x PYTHONPATH
+  -x PYTHONUNBUFFERED -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x HOROVOD_STALL_CHECK_TIME_SECONDS
+  -x HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)
+rc=0
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  FERROVOD_TEST_GPU=1 timeout 900 "${mpi[@]}" -x FERROVOD_TEST_GPU \
+    python3 -m pytest -q -p no:cacheprovider --color=no -rfEs tests/python/torch 2>&1 |
+    tee "$out/torch-tests.log" | grep -v "^$" | tail -30 || rc=1
+  grep -q " failed\|error" "$out/torch-tests.log" && rc=1
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  timeout 900 "${mpi[@]}" python3 scripts/gpu/bench_torch.py 2>&1 | tee "$out/torch-bench.log" || rc=1
+fi
+if [ "$what" = bench-bert ]; then
+  timeout 900 "${mpi[@]}" python3 scripts/gpu/bench_torch.py --model bert --batch 32 2>&1 |
+    tee "$out/torch-bench-bert.log" || rc=1
+fi
+exit $rc

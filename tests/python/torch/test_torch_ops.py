@@ -1,0 +1,507 @@
+"""ferrovod.torch (and the horovod.torch drop-in) under mpirun: every collective against
+references each rank computes itself, for every dtype and reduction, in place and out of
+place, with async handles; gradients through the collectives; DistributedOptimizer, SyncBatchNorm
+and the DDP hook against one process on the concatenated batch; optimizer-state broadcast;
+mismatches raising on every rank.
+
+On CPU tensors always; on CUDA tensors too where CUDA is available (each rank on GPU
+local_rank), and FERROVOD_TEST_GPU=1 makes their absence a failure."""
+
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+import horovod.torch as hvd
+
+DEVICES = ["cpu"]
+if torch.cuda.is_available() or os.environ.get("FERROVOD_TEST_GPU") == "1":
+    DEVICES.append("cuda")
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
+          torch.uint8, torch.int8, torch.int16]
+FLOATS = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def initialized():
+    hvd.init()
+    if "cuda" in DEVICES:
+        assert torch.cuda.is_available(), "FERROVOD_TEST_GPU=1 but CUDA is not available"
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+    yield
+
+
+def dev(device):
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+
+
+def rank_values(dtype, r, shape):
+    """Rank r's tensor: small integers, exact in every dtype whatever the reduction order."""
+    n = int(np.prod(shape))
+    vals = (np.arange(n) * 7 + r * 3) % 5 + (1 if dtype == torch.uint8 else 0)
+    return torch.tensor(vals.reshape(shape)).to(dtype)
+
+
+def reference(dtype, op, shape):
+    stack = torch.stack([rank_values(dtype, r, shape).double() for r in range(hvd.size())])
+    return {hvd.Sum: lambda: stack.sum(0), hvd.Average: lambda: stack.mean(0),
+            hvd.Min: lambda: stack.min(0).values, hvd.Max: lambda: stack.max(0).values,
+            hvd.Product: lambda: stack.prod(0)}[op]()
+
+
+def close(got, want, dtype):
+    tol = {torch.float16: 1e-3, torch.bfloat16: 1e-2}.get(dtype, 1e-7)
+    torch.testing.assert_close(got.double().cpu(), want.double().cpu(), rtol=tol, atol=tol)
+
+
+def name(*parts):
+    return ".".join(str(p) for p in parts)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(17,), (3, 4, 5), ()])
+def test_allreduce_every_op(device, dtype, shape):
+    x = rank_values(dtype, hvd.rank(), shape).to(dev(device))
+    before = x.clone()
+    ops = [hvd.Sum, hvd.Min, hvd.Max, hvd.Product] + ([hvd.Average] if dtype in FLOATS else [])
+    for op in ops:
+        got = hvd.allreduce(x, op=op, name=name("every", device, dtype, shape, op))
+        assert got.dtype == dtype and got.shape == x.shape and got.device == x.device
+        close(got, reference(dtype, op, shape), dtype)
+    assert torch.equal(x, before)
+    # in place, and through an async handle
+    y = x.clone()
+    assert hvd.allreduce_(y, op=hvd.Sum, name=name("inplace", device, dtype, shape)) is y
+    close(y, reference(dtype, hvd.Sum, shape), dtype)
+    h = hvd.allreduce_async(x, op=hvd.Max, name=name("async", device, dtype, shape))
+    close(hvd.synchronize(h), reference(dtype, hvd.Max, shape), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_allreduce_average_default_and_scaling(device):
+    x = rank_values(torch.float32, hvd.rank(), (10,)).to(dev(device))
+    close(hvd.allreduce(x, name="avg.default." + device), reference(torch.float32, hvd.Average, (10,)),
+          torch.float32)
+    got = hvd.allreduce(x, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0,
+                        name="scaled." + device)
+    close(got, reference(torch.float32, hvd.Sum, (10,)) * 1.5, torch.float32)
+    # Horovod's deprecated `average` argument
+    close(hvd.allreduce(x, average=False, name="avg.false." + device),
+          reference(torch.float32, hvd.Sum, (10,)), torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_contiguous_in_place(device):
+    base = torch.arange(24, dtype=torch.float32, device=dev(device)).view(4, 6) * (hvd.rank() + 1)
+    view = base.t()  # not contiguous
+    want = torch.arange(24, dtype=torch.float32).view(4, 6).t() * sum(range(1, hvd.size() + 1))
+    hvd.allreduce_(view, op=hvd.Sum, name="noncontig." + device)
+    close(view, want, torch.float32)
+    close(base, want.t(), torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_allreduce(device):
+    shapes = [(3,), (2, 5), (7,)]
+    xs = [rank_values(torch.float32, hvd.rank(), s).to(dev(device)) for s in shapes]
+    outs = hvd.grouped_allreduce(xs, op=hvd.Sum, name="grouped." + device)
+    for out, s in zip(outs, shapes):
+        close(out, reference(torch.float32, hvd.Sum, s), torch.float32)
+    h = hvd.grouped_allreduce_async_(xs, op=hvd.Sum, name="grouped_." + device)
+    hvd.synchronize(h)
+    for x, s in zip(xs, shapes):
+        close(x, reference(torch.float32, hvd.Sum, s), torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_allgather_variable_rows(device, dtype):
+    r, n = hvd.rank(), hvd.size()
+    x = torch.full((r + 1, 3), r + 1).to(dtype).to(dev(device))
+    got = hvd.allgather(x, name=name("gather", device, dtype))
+    want = torch.cat([torch.full((q + 1, 3), q + 1).to(dtype) for q in range(n)])
+    assert got.dtype == dtype and got.device == x.device
+    close(got, want, dtype)
+    a, b = hvd.grouped_allgather([x, x[:1]], name=name("ggather", device, dtype))
+    close(a, want, dtype)
+    close(b, torch.cat([torch.full((1, 3), q + 1).to(dtype) for q in range(n)]), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_broadcast_every_root(device, dtype):
+    for root in range(hvd.size()):
+        x = rank_values(dtype, hvd.rank(), (4, 3)).to(dev(device))
+        mine = x.clone()
+        got = hvd.broadcast(x, root, name=name("bcast", device, dtype, root))
+        close(got, rank_values(dtype, root, (4, 3)), dtype)
+        assert torch.equal(x, mine)
+        hvd.broadcast_(x, root, name=name("bcast_", device, dtype, root))
+        close(x, rank_values(dtype, root, (4, 3)), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.float16, torch.uint8], ids=str)
+def test_alltoall(device, dtype):
+    r, n = hvd.rank(), hvd.size()
+    # rank r sends j + 1 rows to rank j, row values 100 r + j
+    splits = torch.tensor([j + 1 for j in range(n)], dtype=torch.int32)
+    x = torch.cat([torch.full((j + 1, 2), 10 * r + j) for j in range(n)]).to(dtype).to(dev(device))
+    out, received = hvd.alltoall(x, splits=splits, name=name("a2a", device, dtype))
+    want = torch.cat([torch.full((r + 1, 2), 10 * q + r) for q in range(n)]).to(dtype)
+    close(out, want, dtype)
+    assert received.tolist() == [r + 1] * n
+    # without splits: equal parts, output only
+    y = torch.arange(2 * n).to(dtype).to(dev(device)) + r
+    got = hvd.alltoall(y, name=name("a2a.equal", device, dtype))
+    close(got, torch.tensor([2 * r + k + q for q in range(n) for k in range(2)]).to(dtype), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["Sum", "Average"])
+def test_reducescatter(device, op):
+    r, n = hvd.rank(), hvd.size()
+    rows = 2 * n + 1  # uneven: the remainder goes to the lowest ranks
+    x = rank_values(torch.float32, r, (rows, 3)).to(dev(device))
+    got = hvd.reducescatter(x, op=getattr(hvd, op), name=name("rs", device, op))
+    full = reference(torch.float32, getattr(hvd, op), (rows, 3))
+    starts = [q * (rows // n) + min(q, rows % n) for q in range(n + 1)]
+    close(got, full[starts[r]:starts[r + 1]], torch.float32)
+    a, b = hvd.grouped_reducescatter([x, x * 2], op=getattr(hvd, op), name=name("grs", device, op))
+    close(a, full[starts[r]:starts[r + 1]], torch.float32)
+    close(b, 2 * full[starts[r]:starts[r + 1]], torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_through_collectives(device):
+    r, n = hvd.rank(), hvd.size()
+    d = dev(device)
+    x = torch.arange(6, dtype=torch.float32, device=d).requires_grad_()
+    (hvd.allreduce(x, op=hvd.Sum, name="g.ar." + device) * (r + 1)).sum().backward()
+    # d/dx of sum_r (r+1) * sum(allreduce(x)): the output gradient (r+1) summed over ranks
+    close(x.grad, torch.full((6,), float(sum(range(1, n + 1)))), torch.float32)
+
+    x = torch.ones(r + 1, 2, device=d, requires_grad=True)
+    g = hvd.allgather(x, name="g.ag." + device)
+    (g * torch.arange(g.shape[0], dtype=torch.float32, device=d).view(-1, 1)).sum().backward()
+    offset = sum(q + 1 for q in range(r))
+    want = torch.arange(offset, offset + r + 1, dtype=torch.float32).view(-1, 1).expand(r + 1, 2)
+    close(x.grad, want, torch.float32)
+
+    x = torch.ones(3, device=d, requires_grad=True)
+    (hvd.broadcast(x, 0, name="g.bc." + device) * 2).sum().backward()
+    close(x.grad, torch.full((3,), 2.0 if r == 0 else 0.0), torch.float32)
+
+    x = torch.ones(n, device=d, requires_grad=True)
+    (hvd.alltoall(x, name="g.a2a." + device) * (r + 1)).sum().backward()
+    # x[j] went to rank j, whose output gradient is j + 1
+    close(x.grad, torch.arange(1, n + 1, dtype=torch.float32), torch.float32)
+
+    x = torch.ones(n, 2, device=d, requires_grad=True)
+    (hvd.reducescatter(x, op=hvd.Sum, name="g.rs." + device) * (r + 1)).sum().backward()
+    close(x.grad, torch.arange(1, n + 1, dtype=torch.float32).view(-1, 1).expand(n, 2) * n,
+          torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_poll_and_handles(device):
+    x = torch.ones(1000, device=dev(device)) * (hvd.rank() + 1)
+    handles = [hvd.allreduce_async(x, op=hvd.Sum, name="poll.%s.%d" % (device, i)) for i in range(5)]
+    for h in handles:
+        while not hvd.poll(h):
+            pass
+        close(hvd.synchronize(h), torch.full((1000,), float(sum(range(1, hvd.size() + 1)))),
+              torch.float32)
+    assert hvd.synchronize(handles[0]) is None  # already synchronized: nothing, as Horovod
+    with pytest.raises(ValueError):
+        hvd.poll(handles[0])
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs CUDA")
+def test_cuda_stream_ordering_without_host_sync():
+    """A tensor still being produced by a kernel on the current stream is reduced after it,
+    and the result is read after the collective, with no torch.cuda.synchronize()."""
+    n = hvd.size()
+    for i in range(5):
+        x = torch.zeros(1 << 20, device="cuda")
+        torch.cuda._sleep(50_000_000)  # ~tens of ms of GPU time before the fill below runs
+        x.fill_(hvd.rank() + 1 + i)
+        got = hvd.allreduce(x, op=hvd.Sum, name="stream.%d" % i)
+        got.mul_(2)  # ordered after the collective on the current stream
+        want = 2.0 * sum(q + 1 + i for q in range(n))
+        assert torch.all(got == want).item(), (got[:4], want)
+    # a side stream: ordering follows the stream current at the call
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        x = torch.zeros(1 << 18, device="cuda")
+        torch.cuda._sleep(20_000_000)
+        x.fill_(3.0)
+        got = hvd.allreduce(x, op=hvd.Sum, name="stream.side")
+        assert torch.all(got == 3.0 * n).item()
+
+
+def test_unsupported_and_bad_arguments():
+    with pytest.raises(ValueError):
+        hvd.allreduce(torch.zeros(2, dtype=torch.complex64), name="bad.complex")
+    with pytest.raises(ValueError):
+        hvd.alltoall(torch.zeros(hvd.size() + 1), name="bad.a2a")  # not divisible, no splits
+    with pytest.raises(ValueError):
+        hvd.allreduce(torch.zeros(2), process_set=hvd.ProcessSet([0]), name="bad.set")
+    # the ranks still work together afterwards
+    close(hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after.bad"),
+          torch.full((2,), float(hvd.size())), torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mismatches_raise_on_every_rank(device):
+    r = hvd.rank()
+    d = dev(device)
+    with pytest.raises(RuntimeError):
+        hvd.allreduce(torch.ones(3, device=d, dtype=torch.float32 if r == 0 else torch.float64),
+                      name="mm.dtype." + device)
+    with pytest.raises(RuntimeError):
+        hvd.allreduce(torch.ones(3 + r, device=d), name="mm.shape." + device)
+    with pytest.raises(RuntimeError):
+        hvd.allgather(torch.ones(2, 2 + r, device=d), name="mm.gather." + device)
+    with pytest.raises(RuntimeError):
+        hvd.broadcast(torch.ones(2, device=d), root_rank=r, name="mm.root." + device)
+    close(hvd.allreduce(torch.ones(2, device=d), op=hvd.Sum, name="after.mm." + device),
+          torch.full((2,), float(hvd.size())), torch.float32)
+
+
+def test_join_contributes_zeros():
+    r, n = hvd.rank(), hvd.size()
+    if r == 0:
+        got = hvd.allreduce(torch.full((4,), 5.0), op=hvd.Sum, name="join.alone")
+        close(got, torch.full((4,), 5.0), torch.float32)
+    assert hvd.join() in range(n)
+    hvd.barrier()
+
+
+def test_objects_and_parameters():
+    r, n = hvd.rank(), hvd.size()
+    assert hvd.broadcast_object({"r": r, "t": (1, 2)}, root_rank=n - 1) == {"r": n - 1, "t": (1, 2)}
+    assert hvd.allgather_object(["x"] * r) == [["x"] * q for q in range(n)]
+    torch.manual_seed(r)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    states = hvd.allgather_object({k: v.clone() for k, v in model.state_dict().items()})
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[-1][k]), k
+    torch.manual_seed(0)
+    want = torch.nn.Linear(4, 3)
+    torch.manual_seed(r + 10)
+    other = torch.nn.Linear(4, 3)
+    hvd.broadcast_parameters(list(other.named_parameters()) if r else list(want.named_parameters()),
+                             root_rank=0)
+    torch.manual_seed(0)
+    assert torch.equal(other.weight if r else want.weight, torch.nn.Linear(4, 3).weight)
+
+
+def _data(rank, batch=4, features=5):
+    g = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(batch, features, generator=g), torch.randn(batch, 2, generator=g)
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", ["plain", "groups", "groups_list", "predivide", "passes2",
+                                     "fp16"])
+def test_distributed_optimizer_matches_one_process(device, variant):
+    """Training under DistributedOptimizer equals one process training on the concatenated
+    batch (mean loss over it): same weights after several steps."""
+    r, n = hvd.rank(), hvd.size()
+    d = dev(device)
+    passes = 2 if variant == "passes2" else 1
+    model = _model().to(d)
+    kwargs = {}
+    if variant == "groups":
+        kwargs["groups"] = 2
+    if variant == "groups_list":
+        kwargs["groups"] = [[model[0].weight, model[2].weight]]
+    if variant == "predivide":
+        kwargs["gradient_predivide_factor"] = 2.0
+    if variant == "fp16":
+        kwargs["compression"] = hvd.Compression.fp16
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(),
+                                   backward_passes_per_step=passes, **kwargs)
+    ref = _model().to(d)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        opt.zero_grad()
+        for p in range(passes):
+            x, y = _data(r * 10 + step * passes + p)
+            (torch.nn.functional.mse_loss(model(x.to(d)), y.to(d)) / passes).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        for p in range(passes):
+            xs, ys = zip(*[_data(q * 10 + step * passes + p) for q in range(n)])
+            (torch.nn.functional.mse_loss(ref(torch.cat(xs).to(d)), torch.cat(ys).to(d)) / passes).backward()
+        ref_opt.step()
+    tol = 2e-3 if variant == "fp16" else 1e-5
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.detach().cpu(), b.detach().cpu(), rtol=tol, atol=tol)
+
+
+def test_distributed_optimizer_errors_and_sparse():
+    model = _model()
+    with pytest.raises(ValueError):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=[("same", p) for p in model.parameters()])
+    with pytest.raises(ValueError):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=list(model.named_parameters())[:1])
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    model(torch.ones(2, 5)).sum().backward()
+    with pytest.raises(AssertionError):
+        opt.zero_grad()  # allreduces in flight
+    opt.step()
+    # sparse gradients (Embedding(sparse=True)), allgathered or as dense
+    r, n = hvd.rank(), hvd.size()
+    for as_dense in (False, True):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(6, 2, sparse=True)
+        start = emb.weight.detach().clone()
+        eopt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=1.0),
+                                        named_parameters=[("emb.%s" % as_dense, emb.weight)],
+                                        sparse_as_dense=as_dense)
+        emb(torch.tensor([r, r + 1])).sum().backward()
+        eopt.step()
+        counts = torch.zeros(6)
+        for q in range(n):
+            counts[q] += 1
+            counts[q + 1] += 1
+        torch.testing.assert_close(emb.weight.detach(), start - counts.view(-1, 1) / n)
+
+
+def test_broadcast_optimizer_state_to_fresh_ranks():
+    r = hvd.rank()
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01 * (r + 1), betas=(0.8, 0.9))
+    if r == 0:
+        for step in range(2):
+            opt.zero_grad()
+            model(_data(step)[0]).sum().backward()
+            opt.step()
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    states = hvd.allgather_object(opt.state_dict())
+    for st in states[1:]:
+        assert st["param_groups"] == states[0]["param_groups"]
+        assert st["param_groups"][0]["betas"] == (0.8, 0.9)
+        for pid, s in states[0]["state"].items():
+            for k, v in s.items():
+                assert torch.equal(torch.as_tensor(v), torch.as_tensor(st["state"][pid][k])), (pid, k)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sync_batch_norm_equals_batch_norm_on_whole_batch(device):
+    r, n = hvd.rank(), hvd.size()
+    d = dev(device)
+    torch.manual_seed(3)
+    inputs = [torch.randn(3 + q, 4, 5) for q in range(n)]  # uneven batches
+    sync = hvd.SyncBatchNorm(4, momentum=0.3).to(d)
+    plain = torch.nn.BatchNorm1d(4, momentum=0.3).to(d)
+    with torch.no_grad():
+        sync.weight.copy_(torch.linspace(0.5, 2, 4))
+        sync.bias.copy_(torch.linspace(-1, 1, 4))
+        plain.weight.copy_(sync.weight)
+        plain.bias.copy_(sync.bias)
+    x = inputs[r].clone().to(d).requires_grad_()
+    scale = torch.arange(1, 6, dtype=torch.float32, device=d)
+    for _ in range(2):
+        x.grad = None
+        sync.zero_grad()
+        (sync(x) * scale).pow(2).sum().backward()
+    whole = torch.cat(inputs).to(d).requires_grad_()
+    for _ in range(2):
+        whole.grad = None
+        plain.zero_grad()
+        out_plain = plain(whole)
+        (out_plain * scale).pow(2).sum().backward()
+    start = sum(3 + q for q in range(r))
+    torch.testing.assert_close(x.grad, whole.grad[start:start + 3 + r], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(sync.running_mean, plain.running_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sync.running_var, plain.running_var, rtol=1e-5, atol=1e-6)
+    sync.train()
+    out_sync = sync(x)
+    torch.testing.assert_close(out_sync.detach(), plain(whole)[start:start + 3 + r].detach(),
+                               rtol=1e-4, atol=1e-5)
+    # the weight and bias gradients: this rank's parts, summing to the whole batch's
+    total_w = hvd.allreduce(sync.weight.grad, op=hvd.Sum, name="sbn.w." + device)
+    total_b = hvd.allreduce(sync.bias.grad, op=hvd.Sum, name="sbn.b." + device)
+    torch.testing.assert_close(total_w, plain.weight.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(total_b, plain.bias.grad, rtol=1e-4, atol=1e-4)
+    # evaluation uses the running statistics, like BatchNorm
+    sync.eval()
+    plain.eval()
+    torch.testing.assert_close(sync(x).detach(), plain(whole)[start:start + 3 + r].detach())
+
+
+def _free_port_from_rank0():
+    port = None
+    if hvd.rank() == 0:
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+    return hvd.broadcast_object(port, root_rank=0, name="ddp.port")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ddp_comm_hook_matches_one_process(device):
+    import torch.distributed as dist
+
+    r, n = hvd.rank(), hvd.size()
+    d = dev(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device == "cuda" else "gloo",
+                                init_method="tcp://127.0.0.1:%d" % _free_port_from_rank0(),
+                                rank=r, world_size=n)
+    model = _model(seed=r).to(d)  # DDP broadcasts rank 0's parameters at construction
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0001)
+    ddp.register_comm_hook(None, hvd.ddp_comm_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ref = _model(seed=0).to(d)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        x, y = _data(r * 10 + step)
+        torch.nn.functional.mse_loss(ddp(x.to(d)), y.to(d)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        xs, ys = zip(*[_data(q * 10 + step) for q in range(n)])
+        torch.nn.functional.mse_loss(ref(torch.cat(xs).to(d)), torch.cat(ys).to(d)).backward()
+        ref_opt.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.detach().cpu(), b.detach().cpu(), rtol=1e-5, atol=1e-5)
+    dist.destroy_process_group()
+
+
+def test_elastic_state_save_restore_sync():
+    r = hvd.rank()
+    model = _model(seed=r)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = hvd.elastic.TorchState(model, opt, epoch=r, batch=0)
+    state.sync()  # rank 0's model and attributes everywhere
+    assert state.epoch == 0
+    want = _model(seed=0)
+    for a, b in zip(model.parameters(), want.parameters()):
+        assert torch.equal(a, b)
+    state.commit()
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    state.epoch = 7
+    state.restore()
+    assert state.epoch == 0
+    assert torch.equal(model[0].weight, want[0].weight)
