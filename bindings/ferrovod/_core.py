@@ -570,12 +570,14 @@ class Spec:
 def submit(kind, specs, keep, outputs, reduce_op=SUM, prescale=1.0, postscale=1.0, root_rank=0,
            process_set=0, splits=None, compression=COMPRESSION_JOB, multistep=0,
            multistep_mode=MULTISTEP_ACCUMULATE, multistep_warmup=0, device=CPU_DEVICE,
-           stream=None, alloc=None, done=None):
+           stream=None, alloc=None, done=None, done_user_data=None):
     """Enqueues one operation over `specs` and returns a Handle whose `wait` returns `outputs`
     (a `Later` item: converted from ferrovod's buffer). `keep`: objects that own the memory the
     specs point at, held until the handle is released. GPU ops (`device` >= 0) name the
     caller's CUstream, whose work so far produces the inputs, and an ALLOC_FN for the outputs
-    ferrovod sizes. `done`: a DONE_FN ferrovod calls on its own thread at completion."""
+    ferrovod sizes. `done`: a DONE_FN ferrovod calls on its own thread at completion, with
+    `done_user_data`; it must outlive every operation that names it (a module-level one), since
+    a completed handle may be released while its callback is still returning."""
     _sweep_orphans()
     n = len(specs)
     tensors = (_Tensor * max(n, 1))()
@@ -615,8 +617,8 @@ def submit(kind, specs, keep, outputs, reduce_op=SUM, prescale=1.0, postscale=1.
         keep.append(alloc)
         op.alloc = alloc
     if done is not None:
-        keep.append(done)
         op.done = done
+        op.done_user_data = done_user_data
     op.tensors = tensors
     op.num_tensors = n
     hid = ctypes.c_uint64()

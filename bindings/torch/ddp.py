@@ -4,6 +4,8 @@ ProcessSet). DDP still needs its process group for construction (parameter broad
 gradient allreduce then goes through ferrovod's engine (fusion, compression, NCCL on GPUs)."""
 
 import ctypes
+import itertools
+import threading
 
 import torch
 
@@ -11,37 +13,64 @@ from ferrovod import _core
 from ferrovod.torch import mpi_ops
 from horovod.common.process_sets import ProcessSet, global_process_set
 
+# bucket allreduces in flight: key -> (buffer, Future); their handles, released once the
+# Future is complete (by a later hook call: never inside the completion callback)
+_waiting = {}
+_to_release = []
+_keys = itertools.count(1)
+_lock = threading.Lock()
+
+
+def _completed(key, hid, status):
+    """ferrovod's completion callback (on its own thread): orders the Future's consumers after
+    the collective on the device, then completes the Future."""
+    with _lock:
+        buffer, fut = _waiting.pop(key)
+    if status != _core.OK:
+        buf = ctypes.create_string_buffer(4096)
+        _core.LIB.fv_handle_error(hid, buf, len(buf), None)
+        fut.set_exception(_core.error_for(status, buf.value.decode("utf-8", "replace")))
+        return
+    if buffer.is_cuda:
+        event = ctypes.c_void_p()
+        _core.check(_core.LIB.fv_handle_event(hid, ctypes.byref(event)))
+        if event.value:
+            # the Future records its completion on this thread's current stream
+            with torch.cuda.device(buffer.device):
+                mpi_ops._stream_wait(mpi_ops._current_stream(buffer.device), event.value)
+    fut.set_result(buffer)
+
+
+# one callback for every bucket, alive as long as the module (see _core.submit)
+_DONE = _core.DONE_FN(lambda user_data, hid, status: _completed(user_data, hid, status))
+
+
+def _release_finished():
+    with _lock:
+        done = [(hid, fut) for hid, fut in _to_release if fut.done()]
+        _to_release[:] = [(hid, fut) for hid, fut in _to_release if not fut.done()]
+    for hid, _ in done:
+        with mpi_ops._handle_lock:
+            pending = mpi_ops._handle_map.pop(hid, None)
+        if pending is not None:
+            pending.handle.release()
+
 
 def ddp_comm_hook(state, bucket):
     """Averages `bucket`'s flat gradient buffer over the process set (`state`: a ProcessSet or
     None for all ranks), in place, and returns a Future of it. The allreduce starts at once;
     the Future completes on ferrovod's thread, after DDP's consumers are ordered behind the
     collective on the device, so backward keeps running meanwhile."""
+    _release_finished()
     process_set = state if isinstance(state, ProcessSet) else global_process_set
     buffer = bucket.buffer()
-    cuda = buffer.is_cuda
-    fut = torch.futures.Future(devices=[buffer.device] if cuda else None)
-
-    def on_done(hid, status):
-        if status != _core.OK:
-            buf = ctypes.create_string_buffer(4096)
-            _core.LIB.fv_handle_error(hid, buf, len(buf), None)
-            fut.set_exception(_core.error_for(status, buf.value.decode("utf-8", "replace")))
-            return
-        if cuda:
-            event = ctypes.c_void_p()
-            _core.LIB.fv_handle_event(hid, ctypes.byref(event))
-            if event.value:
-                # the Future records its completion on this thread's current stream
-                with torch.cuda.device(buffer.device):
-                    mpi_ops._stream_wait(mpi_ops._current_stream(buffer.device), event.value)
-        fut.set_result(buffer)
-
-    handle = mpi_ops._enqueue(_core.ALLREDUCE, [buffer], ["ddp.bucket.%d" % bucket.index()],
-                              [buffer], None, process_set, on_done=on_done,
-                              reduce_op=mpi_ops.Average)
-    # the result travels through the Future: the handle is dropped here and released by a
-    # later operation once complete (it must not be waited for inside its own callback)
-    with mpi_ops._handle_lock:
-        mpi_ops._handle_map.pop(handle)
+    fut = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
+    key = next(_keys)
+    with _lock:
+        _waiting[key] = (buffer, fut)
+    hid = mpi_ops._enqueue(_core.ALLREDUCE, [buffer], ["ddp.bucket.%d" % bucket.index()],
+                           [buffer], None, process_set, done=_DONE, done_user_data=key,
+                           reduce_op=mpi_ops.Average)
+    with _lock:
+        _to_release.append((hid, fut))
     return fut

@@ -172,7 +172,7 @@ def _gpu_alloc(dtype, device, made):
 
 
 def _enqueue(kind, tensors, names, outputs=None, finish=None, process_set=global_process_set,
-             on_done=None, **kwargs):
+             done=None, done_user_data=None, **kwargs):
     """Enqueues one ferrovod operation over `tensors` and returns its integer handle.
 
     `outputs`: the tensors allreduce/broadcast write (None for the kinds whose output ferrovod
@@ -209,8 +209,7 @@ def _enqueue(kind, tensors, names, outputs=None, finish=None, process_set=global
             alloc = _gpu_alloc(tensors[0].dtype, device, made)
     handle = _core.submit(kind, specs, keep, results, process_set=process_set.process_set_id,
                           device=-1 if device is None else device.index, stream=stream,
-                          alloc=alloc, done=None if on_done is None else _core.DONE_FN(
-                              lambda _user, hid, status: on_done(hid, status)), **kwargs)
+                          alloc=alloc, done=done, done_user_data=done_user_data, **kwargs)
 
     def done(values):
         for out, target in copies:
