@@ -64,8 +64,11 @@ def make(mode, model_name, device):
     return model, opt
 
 
-def run_steps(model_name, model, opt, x, y, steps, bf16):
+def run_steps(model_name, model, opt, x, y, steps, bf16, events=None):
     for _ in range(steps):
+        if events is not None:
+            events.append(torch.cuda.Event(enable_timing=True))
+            events[-1].record()
         opt.zero_grad(set_to_none=False)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
             loss = loss_of(model_name, model, x, y)
@@ -101,6 +104,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--modes", default="nocomm,ddp,ferrovod,ddp_hook")
+    ap.add_argument("--step-stats", action="store_true",
+                    help="print each mode's step times (GPU events on the current stream)")
     args = ap.parse_args()
 
     hvd.init()
@@ -122,14 +127,22 @@ def main():
             run_steps(args.model, *models[m], x, y, args.warmup, bf16)
         torch.cuda.synchronize()
         times = {m: [] for m in modes}
+        steps_ms = {m: [] for m in modes}
         for _ in range(args.rounds):
             for m in modes:
                 hvd.barrier()
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                run_steps(args.model, *models[m], x, y, args.steps, bf16)
+                events = []
+                run_steps(args.model, *models[m], x, y, args.steps, bf16, events)
                 torch.cuda.synchronize()
                 times[m].append(time.perf_counter() - t0)
+                steps_ms[m] += [a.elapsed_time(b) for a, b in zip(events, events[1:])]
+        if args.step_stats and hvd.rank() == 0:
+            for m in modes:
+                v = sorted(steps_ms[m])
+                print("%s %s step ms: min %.1f median %.1f p90 %.1f max %.1f" % (
+                    precision, m, v[0], v[len(v) // 2], v[int(len(v) * 0.9)], v[-1]))
         for m in modes:
             # the slowest rank's best round: the job moves at its slowest rank
             best = max(hvd.allgather_object(min(times[m]), name="t.%s.%s" % (precision, m)))
