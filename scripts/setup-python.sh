@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates the virtual environments the Python tests and the example use, and installs into them:
-#   .venv        TensorFlow and tf_keras (pinned), scikit-learn (the example's dataset), pytest;
+#   .venv        TensorFlow and tf_keras (pinned), PyTorch 2.15.0 (from PyPI with its CUDA
+#                libraries: about 3 GB, a minute here), scikit-learn (the example's dataset), pytest;
 #   .venv-mxnet  MXNet 1.9.1 with NumPy 1.23.5 (MXNet imports only with NumPy < 1.24, which
 #                TensorFlow 2.21 does not accept: hence its own environment), scikit-learn
 #                (pinned to one that works with that NumPy; the Gluon example's dataset), pytest;

@@ -2,7 +2,7 @@
 # Runs every check: the setup checks, formatting, clippy, unit tests, the C API program, the
 # multi-rank scenarios under mpirun (np 2, 3 and 4, oversubscribed), the fuzz targets for a
 # bounded time, then the Python packages in .venv (pytest under mpirun -np 2 and 4, and the
-# launcher) and the MXNet binding in .venv-mxnet.
+# launcher, the PyTorch binding) and the MXNet binding in .venv-mxnet.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -52,6 +52,11 @@ FERROVOD_NEGOTIATION=offline FERROVOD_PLAN_WARMUP_STEPS=2 timeout 600 mpirun -np
 # Horovod's TensorFlow ops communicate on every call whatever the job's FERROVOD_MULTISTEP says
 FERROVOD_MULTISTEP=2 timeout 600 mpirun -np 2 --oversubscribe --bind-to none \
   --mca mpi_yield_when_idle 1 -x FERROVOD_MULTISTEP "${py[@]}" tests/python/mpi/test_tensorflow_ops.py
+# PyTorch (CPU here; scripts/gpu/torch.sh runs the same file on CUDA tensors too)
+for np in 2 4; do
+  timeout 600 mpirun -np "$np" --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 \
+    "${py[@]}" tests/python/torch
+done
 timeout 600 "${py[@]}" tests/python/single
 # MXNet in its own environment (NumPy < 1.24): the engine-asynchronous ops under mpirun
 mx=(.venv-mxnet/bin/python -m pytest -q -p no:cacheprovider --color=no)

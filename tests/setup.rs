@@ -132,7 +132,7 @@ fn setup_check_is_not_fooled_by_libclang_cpp() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Virtual environments without the Python requirements (TensorFlow's and MXNet's): each is
+/// Virtual environments without the Python requirements (TensorFlow's and PyTorch's, MXNet's): each is
 /// named with its pinned version and its environment, and ferrovod's own packages too.
 #[test]
 fn setup_python_check_names_missing_packages() {
@@ -162,6 +162,7 @@ fn setup_python_check_names_missing_packages() {
         format!("tensorflow-cpu==2.21.0 in {tf} "),
         format!("tf_keras==2.21.0 in {tf} "),
         format!("scikit-learn in {tf} "),
+        format!("torch==2.15.0 in {tf} "),
         format!("ferrovod in {tf} "),
         format!("horovod in {tf} "),
         format!("pytest in {mx} "),
@@ -173,7 +174,7 @@ fn setup_python_check_names_missing_packages() {
     ] {
         assert!(err.contains(&format!("missing: {want}")), "{want}: {err}");
     }
-    assert_eq!(err.lines().count(), 12, "{err}");
+    assert_eq!(err.lines().count(), 13, "{err}");
     // no environments at all
     let out = check(
         "setup-python.sh",

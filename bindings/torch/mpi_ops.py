@@ -530,10 +530,12 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     """Starts an alltoall: `splits[j]` rows of `tensor` to rank j (None: equal parts).
     `synchronize` returns (output, received_splits)."""
     counts = _splits_list(splits)
+    # the received splits live where the splits were given (host memory for a list or None)
+    where = splits.device if isinstance(splits, torch.Tensor) else torch.device("cpu")
 
     def finish(values):
         output, received = values[0]
-        return output, torch.from_numpy(received.astype("int32"))
+        return output, torch.from_numpy(received.astype("int32")).to(where)
 
     if counts is None:
         n = process_set.size()

@@ -151,10 +151,11 @@ def test_alltoall(device, dtype):
     # rank r sends j + 1 rows to rank j, row values 100 r + j
     splits = torch.tensor([j + 1 for j in range(n)], dtype=torch.int32)
     x = torch.cat([torch.full((j + 1, 2), 10 * r + j) for j in range(n)]).to(dtype).to(dev(device))
-    out, received = hvd.alltoall(x, splits=splits, name=name("a2a", device, dtype))
+    out, received = hvd.alltoall(x, splits=splits.to(dev(device)), name=name("a2a", device, dtype))
     want = torch.cat([torch.full((r + 1, 2), 10 * q + r) for q in range(n)]).to(dtype)
     close(out, want, dtype)
     assert received.tolist() == [r + 1] * n
+    assert received.device == dev(device)  # where the splits were, as Horovod
     # without splits: equal parts, output only
     y = torch.arange(2 * n).to(dtype).to(dev(device)) + r
     got = hvd.alltoall(y, name=name("a2a.equal", device, dtype))
