@@ -17,14 +17,13 @@ import numpy as np
 from ferrovod import objects as _objects
 from ferrovod import _core  # loads libferrovod (RTLD_GLOBAL) before the op library needs it
 from ferrovod.mxnet.build import op_library_path
-from horovod.common.basics import HorovodBasics as _HorovodBasics
 from horovod.common.process_sets import (  # noqa: F401
     ProcessSet,
     add_process_set,
     global_process_set,
     remove_process_set,
 )
-from horovod.common.util import get_average_backwards_compatibility_fun
+from horovod.common.util import reduce_op_of
 
 _LIB = ctypes.CDLL(op_library_path())
 _LIB.fvmx_push.restype = ctypes.c_int
@@ -38,45 +37,8 @@ _LIB.fvmx_push.argtypes = [
     ctypes.c_char_p, ctypes.c_size_t,
 ]
 
-_basics = _HorovodBasics(__file__)
+from horovod.common.basics import *  # noqa: E402,F401,F403 (init, rank, size, ..., Sum, Average, ...)
 
-init = _basics.init
-shutdown = _basics.shutdown
-is_initialized = _basics.is_initialized
-start_timeline = _basics.start_timeline
-stop_timeline = _basics.stop_timeline
-size = _basics.size
-local_size = _basics.local_size
-cross_size = _basics.cross_size
-rank = _basics.rank
-local_rank = _basics.local_rank
-cross_rank = _basics.cross_rank
-is_homogeneous = _basics.is_homogeneous
-mpi_threads_supported = _basics.mpi_threads_supported
-mpi_enabled = _basics.mpi_enabled
-mpi_built = _basics.mpi_built
-gloo_enabled = _basics.gloo_enabled
-gloo_built = _basics.gloo_built
-nccl_built = _basics.nccl_built
-ddl_built = _basics.ddl_built
-ccl_built = _basics.ccl_built
-cuda_built = _basics.cuda_built
-rocm_built = _basics.rocm_built
-metrics = _basics.metrics
-
-Average = _basics.Average
-Sum = _basics.Sum
-Adasum = _basics.Adasum
-Min = _basics.Min
-Max = _basics.Max
-Product = _basics.Product
-
-
-class _ReduceOps:
-    Average, Sum, Adasum = Average, Sum, Adasum
-
-
-_op_from = get_average_backwards_compatibility_fun(_ReduceOps)
 
 # names of unnamed operations, numbered in call order (the same on every rank, as Horovod's)
 _unnamed = itertools.count(1)
@@ -131,11 +93,7 @@ def _group_names(prefix, name, n):
     return [base if n == 1 else "%s_%dof%d" % (base, i + 1, n) for i in range(n)]
 
 
-def _reduce_op(op, average):
-    op = _op_from(op, average)
-    if op == Adasum:
-        raise NotImplementedError("Adasum is not supported by ferrovod.")
-    return op
+_reduce_op = reduce_op_of
 
 
 def allreduce(tensor, average=None, name=None, priority=0, prescale_factor=1.0,

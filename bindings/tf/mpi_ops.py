@@ -9,44 +9,11 @@ from tensorflow.python.framework import ops
 
 from ferrovod import _core
 from ferrovod.tensorflow.build import op_library_path
-from horovod.common.basics import HorovodBasics as _HorovodBasics
 from horovod.common.process_sets import global_process_set
 
 MPI_LIB = tf.load_op_library(op_library_path())
 
-_basics = _HorovodBasics(__file__)
-
-init = _basics.init
-shutdown = _basics.shutdown
-is_initialized = _basics.is_initialized
-start_timeline = _basics.start_timeline
-stop_timeline = _basics.stop_timeline
-size = _basics.size
-local_size = _basics.local_size
-cross_size = _basics.cross_size
-rank = _basics.rank
-local_rank = _basics.local_rank
-cross_rank = _basics.cross_rank
-is_homogeneous = _basics.is_homogeneous
-mpi_threads_supported = _basics.mpi_threads_supported
-mpi_enabled = _basics.mpi_enabled
-mpi_built = _basics.mpi_built
-gloo_enabled = _basics.gloo_enabled
-gloo_built = _basics.gloo_built
-nccl_built = _basics.nccl_built
-ddl_built = _basics.ddl_built
-ccl_built = _basics.ccl_built
-cuda_built = _basics.cuda_built
-rocm_built = _basics.rocm_built
-sycl_built = _basics.sycl_built
-metrics = _basics.metrics
-
-Average = _basics.Average
-Sum = _basics.Sum
-Adasum = _basics.Adasum
-Min = _basics.Min
-Max = _basics.Max
-Product = _basics.Product
+from horovod.common.basics import *  # noqa: E402,F401,F403 (init, rank, size, ..., Sum, Average, ...)
 
 
 def _normalize_name(name):

@@ -31,7 +31,6 @@ from ferrovod.torch.functions import (  # noqa: E402,F401
 )
 from ferrovod.torch.optimizer import DistributedOptimizer  # noqa: E402,F401
 from ferrovod.torch.sync_batch_norm import SyncBatchNorm  # noqa: E402,F401
-from horovod.common.basics import HorovodBasics as _HorovodBasics  # noqa: E402
 from horovod.common.process_sets import (  # noqa: E402,F401
     ProcessSet,
     add_process_set,
@@ -40,31 +39,7 @@ from horovod.common.process_sets import (  # noqa: E402,F401
 )
 from horovod.common.util import check_extension, gpu_available, split_list  # noqa: E402,F401
 
-_basics = _HorovodBasics(__file__)
-
-init = _basics.init
-shutdown = _basics.shutdown
-is_initialized = _basics.is_initialized
-start_timeline = _basics.start_timeline
-stop_timeline = _basics.stop_timeline
-size = _basics.size
-local_size = _basics.local_size
-cross_size = _basics.cross_size
-rank = _basics.rank
-local_rank = _basics.local_rank
-cross_rank = _basics.cross_rank
-is_homogeneous = _basics.is_homogeneous
-mpi_threads_supported = _basics.mpi_threads_supported
-mpi_enabled = _basics.mpi_enabled
-mpi_built = _basics.mpi_built
-gloo_enabled = _basics.gloo_enabled
-gloo_built = _basics.gloo_built
-nccl_built = _basics.nccl_built
-ddl_built = _basics.ddl_built
-ccl_built = _basics.ccl_built
-cuda_built = _basics.cuda_built
-rocm_built = _basics.rocm_built
-metrics = _basics.metrics
+from horovod.common.basics import *  # noqa: E402,F401,F403 (init, rank, size, ..., Sum, Average, ...)
 
 
 def __getattr__(name):

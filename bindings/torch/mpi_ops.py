@@ -18,17 +18,11 @@ from ferrovod import _core
 from ferrovod.compression import Framework, compression_for, core_codec
 from ferrovod.exceptions import HorovodInternalError  # noqa: F401 (Horovod's mpi_ops has it)
 from horovod.common.process_sets import global_process_set
-from horovod.common.util import get_average_backwards_compatibility_fun
+from horovod.common.util import reduce_op_of
 
 Average, Sum, Adasum = _core.AVERAGE, _core.SUM, _core.ADASUM
 Min, Max, Product = _core.MIN, _core.MAX, _core.PRODUCT
 
-
-class _ReduceOps:
-    Average, Sum, Adasum = Average, Sum, Adasum
-
-
-_op_from = get_average_backwards_compatibility_fun(_ReduceOps)
 
 Compression = compression_for(Framework(
     is_floating=lambda t: t.dtype.is_floating_point,
@@ -69,11 +63,7 @@ def _grouped(kind, name, tensors):
     return [base if n == 1 else "%s_%dof%d" % (base, i + 1, n) for i in range(n)]
 
 
-def _reduce_op(op, average):
-    op = _op_from(op, average)
-    if op == Adasum:
-        raise NotImplementedError("Adasum is not supported by ferrovod.")
-    return op
+_reduce_op = reduce_op_of
 
 
 _libcuda = None

@@ -12,13 +12,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 what=${1:-all}
-out=${OUT:-/tmp/ferrovod-gpu}
-mkdir -p "$out"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export NCCL_RUNTIME_CONNECT=${NCCL_RUNTIME_CONNECT:-0}
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
+source scripts/gpu/env.sh
 export FERROVOD_DATA_DIR=$PWD/.gpu/data
-ngpu=$(nvidia-smi -L | wc -l)
 echo "# $(date -u +%F) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$ngpu, $(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)"
 rc=0
 if [ "$what" != bench ]; then

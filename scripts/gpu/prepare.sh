@@ -27,5 +27,13 @@ for pkg in ferrovod horovod cloudpickle pytest _pytest pluggy iniconfig packagin
 done
 find .gpu/py -name __pycache__ -prune -exec rm -rf {} +
 strip --strip-debug .gpu/py/ferrovod/libferrovod*.so
+# Horovod's own test_torch.py for scripts/gpu/torch.sh horovod, when a Horovod source tree is
+# named (its files are copied into .gpu/ only, never into the repository; docs/horovod-tests.md)
+if [ -n "${FERROVOD_HOROVOD_TREE:-}" ]; then
+  mkdir -p .gpu/htest
+  cp "$FERROVOD_HOROVOD_TREE/test/parallel/test_torch.py" "$FERROVOD_HOROVOD_TREE/test/utils/common.py" .gpu/htest/
+  # the file imports the `mock` backport
+  printf 'from unittest.mock import *  # noqa: F401,F403\nversion_info = (5, 0, 0)\n' >.gpu/htest/mock.py
+fi
 ex=$(git rev-parse --git-path info/exclude); mkdir -p "$(dirname "$ex")"; grep -qx '/.gpu/' "$ex" 2>/dev/null || echo '/.gpu/' >> "$ex"
 du -sh .gpu

@@ -6,19 +6,15 @@
 #           CUDA must be there), np 2;
 #   bench   scripts/gpu/bench_torch.py: ResNet-50 synthetic training, fp32 and bf16, ferrovod
 #           vs DDP vs no communication (and BERT-base with `bench-bert`).
-# Usage: bash scripts/gpu/torch.sh [tests|bench|bench-bert|all] (default all). Logs in $OUT.
+#   horovod Horovod's own test_torch.py (staged by FERROVOD_HOROVOD_TREE=<tree> prepare.sh).
+# Usage: bash scripts/gpu/torch.sh [tests|bench|bench-bert|horovod|all] (default all). Logs in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 what=${1:-all}
-out=${OUT:-/tmp/ferrovod-gpu}
-mkdir -p "$out"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export NCCL_RUNTIME_CONNECT=${NCCL_RUNTIME_CONNECT:-0}
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
+source scripts/gpu/env.sh
 export PYTHONPATH=$PWD/.gpu/py${PYTHONPATH:+:$PYTHONPATH}
 export HOROVOD_STALL_CHECK_TIME_SECONDS=${HOROVOD_STALL_CHECK_TIME_SECONDS:-20}
 export HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=${HOROVOD_STALL_SHUTDOWN_TIME_SECONDS:-60}
-ngpu=$(nvidia-smi -L | wc -l)
 echo "# $(date -u +%F) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$ngpu, torch $(python3 -c 'import torch; print(torch.__version__)')"
 mpi=(mpirun -np 2 --bind-to none -x NCCL_NVLS_ENABLE -x NCCL_RUNTIME_CONNECT -x PYTHONPATH
   -x PYTHONUNBUFFERED -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x HOROVOD_STALL_CHECK_TIME_SECONDS
@@ -32,6 +28,16 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 900 "${mpi[@]}" python3 scripts/gpu/bench_torch.py 2>&1 | tee "$out/torch-bench.log" || rc=1
+fi
+if [ "$what" = horovod ]; then
+  # Horovod's test_torch.py (FERROVOD_HOROVOD_TREE=... scripts/gpu/prepare.sh put it in .gpu/htest);
+  # each rank's log is copied to a flat file in $out
+  (cd .gpu/htest && PYTHONPATH=$PWD:$PYTHONPATH timeout 900 "${mpi[@]}" --output-filename "$out/htest" \
+    python3 -m pytest -q -p no:cacheprovider --color=no -rfEs test_torch.py >/dev/null 2>&1)
+  for r in 0 1; do cp "$out/htest/1/rank.$r/stdout" "$out/horovod-torch-rank$r.log"; done
+  rm -rf "$out/htest"
+  tail -1 "$out/horovod-torch-rank0.log"
+  grep "^FAILED" "$out/horovod-torch-rank0.log" | cut -c1-200
 fi
 if [ "$what" = bench-bert ]; then
   timeout 900 "${mpi[@]}" python3 scripts/gpu/bench_torch.py --model bert --batch 32 2>&1 |

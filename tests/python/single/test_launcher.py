@@ -58,15 +58,17 @@ def test_check_build_lists_mpi():
     out = subprocess.run([sys.executable, "-m", "horovod.runner.launch", "--check-build"],
                          capture_output=True, text=True, check=True).stdout
     assert "[X] MPI" in out and "Available Frameworks:" in out
-    # this environment has TensorFlow; PyTorch has no ferrovod binding yet, whatever is installed
-    assert "[X] TensorFlow" in out and "[ ] PyTorch" in out
+    # this environment has TensorFlow and PyTorch (both with ferrovod bindings), not MXNet
+    assert "[X] TensorFlow" in out and "[X] PyTorch" in out and "[ ] MXNet" in out
 
 
 def test_extension_available_needs_a_binding():
     from horovod.common.util import extension_available
 
     assert extension_available("tensorflow")
-    assert not extension_available("torch")  # no ferrovod.torch yet
+    assert extension_available("torch")
+    assert not extension_available("mxnet")  # a binding, but MXNet is not in this environment
+    assert not extension_available("json")  # importable, but ferrovod has no binding for it
     assert not extension_available("no_such_framework")
 
 

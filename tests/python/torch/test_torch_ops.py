@@ -506,3 +506,36 @@ def test_elastic_state_save_restore_sync():
     state.restore()
     assert state.epoch == 0
     assert torch.equal(model[0].weight, want[0].weight)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_process_sets_even_and_odd(device):
+    """Every collective inside the set of even ranks and the set of odd ranks at once (one rank
+    each at np 2), gradients included, in float16 too; the sets are removed afterwards."""
+    r, n = hvd.rank(), hvd.size()
+    d = dev(device)
+    even = hvd.add_process_set([q for q in range(n) if q % 2 == 0])
+    odd = hvd.add_process_set([q for q in range(n) if q % 2 == 1]) if n > 1 else None
+    try:
+        mine = even if r % 2 == 0 else odd
+        members = [q for q in range(n) if q % 2 == r % 2]
+        for dtype in (torch.float32, torch.float16):
+            x = torch.full((5,), float(r + 1), dtype=dtype, device=d)
+            got = hvd.allreduce(x, op=hvd.Sum, process_set=mine, name="ps.ar.%s.%s" % (device, dtype))
+            close(got, torch.full((5,), float(sum(q + 1 for q in members))), dtype)
+            for root in members:
+                y = torch.full((3,), float(r), dtype=dtype, device=d, requires_grad=True)
+                b = hvd.broadcast(y, root, process_set=mine, name="ps.bc.%s.%s.%d" % (device, dtype, root))
+                close(b, torch.full((3,), float(root)), dtype)
+                b.backward(torch.ones(3, dtype=dtype, device=d))
+                close(y.grad, torch.full((3,), 1.0 if r == root else 0.0), dtype)
+            g = hvd.allgather(x[: r + 1], process_set=mine, name="ps.ag.%s.%s" % (device, dtype))
+            close(g, torch.cat([torch.full((q + 1,), float(q + 1)) for q in members]), dtype)
+            rs = hvd.reducescatter(torch.ones(len(members) * 2, dtype=dtype, device=d), op=hvd.Sum,
+                                   process_set=mine, name="ps.rs.%s.%s" % (device, dtype))
+            close(rs, torch.full((2,), float(len(members))), dtype)
+        hvd.barrier(process_set=mine)
+    finally:
+        hvd.remove_process_set(even)
+        if odd is not None:
+            hvd.remove_process_set(odd)
