@@ -87,8 +87,15 @@ def _stream_wait(stream, event):
 _CU_STREAM_LEGACY = 1
 
 
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _current_stream(device):
-    return torch.cuda.current_stream(device).cuda_stream or _CU_STREAM_LEGACY
+    """The current CUDA stream's handle on `device` (PyTorch's private accessor where it has
+    one: it skips building a Stream object per tensor)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    raw = _raw_stream(index) if _raw_stream is not None else torch.cuda.current_stream(device).cuda_stream
+    return raw or _CU_STREAM_LEGACY
 
 
 class _Pending:
@@ -215,6 +222,62 @@ def _enqueue(kind, tensors, names, outputs=None, finish=None, process_set=global
     return handle.id
 
 
+class _OneTensorOp:
+    """The C structs of an in-place allreduce of one contiguous tensor, kept per name and reused
+    while the tensor's dtype, shape, device and the op's arguments stay the same: `fv_enqueue`
+    copies what it reads of them, so the next call only sets the addresses and the stream
+    (a DistributedOptimizer's gradients come back every step)."""
+
+    __slots__ = ("key", "op", "tensors", "shape", "name")
+
+    def __init__(self, key, name, code, shape, reduce_op, prescale, postscale, set_id, codec,
+                 device):
+        self.key = key
+        self.name = name.encode()
+        self.shape = (ctypes.c_int64 * max(len(shape), 1))(*shape)
+        self.tensors = (_core._Tensor * 1)()
+        t = self.tensors[0]
+        t.name, t.dtype, t.ndim, t.shape = self.name, code, len(shape), self.shape
+        op = self.op = _core._Op()
+        op.kind, op.reduce_op, op.prescale, op.postscale = _core.ALLREDUCE, reduce_op, prescale, postscale
+        op.process_set, op.device, op.compression = set_id, device, codec
+        op.tensors, op.num_tensors = self.tensors, 1
+
+
+_one_tensor_ops = {}
+
+
+def _allreduce_one_(tensor, name, op, prescale, postscale, process_set, codec, finish=list,
+                    reuse=True):
+    """`allreduce_async_` of one contiguous tensor through the reused structs of its name
+    (`reuse`: kept for the next call; unnamed operations' names never come back); `finish`
+    makes the handle's result from `[tensor]`."""
+    device = tensor.device if tensor.is_cuda else None
+    index = -1 if device is None else device.index
+    key = (tensor.dtype, tuple(tensor.shape), index, op, prescale, postscale,
+           process_set.process_set_id, codec)
+    ones = _one_tensor_ops.get(name)
+    if ones is None or ones.key != key:
+        if process_set.process_set_id is None:
+            raise ValueError("Process set %s has not been registered (hvd.add_process_set)."
+                             % process_set)
+        ones = _OneTensorOp(key, name, _code(tensor), tuple(tensor.shape), op, prescale,
+                            postscale, process_set.process_set_id, codec, index)
+        if reuse:
+            _one_tensor_ops[name] = ones
+    ptr = tensor.data_ptr()
+    t = ones.tensors[0]
+    t.input = t.output = ptr
+    ones.op.stream = None if device is None else _current_stream(device)
+    _core._sweep_orphans()
+    hid = ctypes.c_uint64()
+    _core.check(_core.LIB.fv_enqueue(ctypes.byref(ones.op), ctypes.byref(hid)))
+    handle = _core.Handle(hid.value, [tensor], [tensor], _core.ALLREDUCE)
+    with _handle_lock:
+        _handle_map[hid.value] = _Pending(handle, device, finish)
+    return hid.value
+
+
 def poll(handle):
     """Whether the operation behind `handle` has completed (`synchronize` then does not block)."""
     with _handle_lock:
@@ -271,6 +334,10 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
                      postscale_factor=1.0, process_set=global_process_set):
     """Starts an in-place allreduce of `tensor`."""
     op = _reduce_op(op, average)
+    if tensor.is_contiguous() and tensor.dtype in _CODES and not tensor.is_sparse:
+        return _allreduce_one_(tensor, _name("allreduce", name), op,
+                               float(prescale_factor), float(postscale_factor), process_set,
+                               _core.COMPRESSION_JOB, _single, reuse=name is not None)
     return _allreduce_async([tensor], [tensor], [_name("allreduce", name)], op, prescale_factor,
                             postscale_factor, process_set, _single)
 

@@ -149,6 +149,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         else:
             pairs = [self._compression.compress(t) for t in tensors]
             sent, ctxs = [s for s, _ in pairs], [c for _, c in pairs]
+        if len(sent) == 1 and sent[0].is_contiguous():
+            # the hot path: one gradient, its C structs reused from the last step
+            return mpi_ops._allreduce_one_(
+                sent[0], mpi_ops._name("allreduce", names[0]), self.op, pre, post,
+                self.process_set, _core.COMPRESSION_JOB if codec is None else codec), ctxs
         labels = ([mpi_ops._name("allreduce", names[0])] if len(sent) == 1
                   else mpi_ops._grouped("allreduce", names[0], sent))
         handle = mpi_ops._allreduce_async(sent, sent, labels, self.op, pre, post,

@@ -539,3 +539,19 @@ def test_process_sets_even_and_odd(device):
         hvd.remove_process_set(even)
         if odd is not None:
             hvd.remove_process_set(odd)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_in_place_reuses_a_name_across_shapes_dtypes_and_addresses(device):
+    """allreduce_async_ keeps each name's C structs for the next call: a new tensor, shape,
+    dtype or op under the same name must still reduce what it is given."""
+    n = hvd.size()
+    cases = [((4,), torch.float32, hvd.Sum), ((4,), torch.float32, hvd.Sum),
+             ((2, 3), torch.float32, hvd.Sum), ((2, 3), torch.float64, hvd.Sum),
+             ((2, 3), torch.float64, hvd.Max), ((5,), torch.int32, hvd.Sum)]
+    for k, (shape, dtype, op) in enumerate(cases):
+        x = torch.full(shape, hvd.rank() + k + 1, dtype=dtype, device=dev(device))
+        hvd.synchronize(hvd.allreduce_async_(x, op=op, name="reused." + device))
+        values = [q + k + 1 for q in range(n)]
+        want = float(sum(values) if op == hvd.Sum else max(values))
+        close(x, torch.full(shape, want), dtype)
