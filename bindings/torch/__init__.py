@@ -22,7 +22,7 @@ from ferrovod.torch.mpi_ops import (  # noqa: E402,F401
     Sum,
     _handle_map,
 )
-from ferrovod.torch.ddp import ddp_comm_hook  # noqa: E402,F401
+from ferrovod.torch.ddp import DDPHookState, ddp_comm_hook  # noqa: E402,F401
 from ferrovod.torch.functions import (  # noqa: E402,F401
     allgather_object,
     broadcast_object,

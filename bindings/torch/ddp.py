@@ -1,6 +1,6 @@
 """A DistributedDataParallel communication hook that reduces DDP's gradient buckets with
 ferrovod: `model.register_comm_hook(None, ferrovod.torch.ddp_comm_hook)` (the state may be a
-ProcessSet). DDP still needs its process group for construction (parameter broadcast); every
+ProcessSet, or a DDPHookState naming a compression too). DDP still needs its process group for construction (parameter broadcast); every
 gradient allreduce then goes through ferrovod's engine (fusion, compression, NCCL on GPUs)."""
 
 import ctypes
@@ -10,6 +10,7 @@ import threading
 import torch
 
 from ferrovod import _core
+from ferrovod.compression import core_codec
 from ferrovod.torch import mpi_ops
 from horovod.common.process_sets import ProcessSet, global_process_set
 
@@ -56,21 +57,42 @@ def _release_finished():
             pending.handle.release()
 
 
+class DDPHookState:
+    """What `ddp_comm_hook` reduces over and how: a process set (default all ranks) and a
+    compression (`hvd.Compression.fp16`, `bf16`, `mixed`, `u8`: float32 buckets travel in the
+    core's codec; default: as the job's FERROVOD_COMPRESSION says)."""
+
+    def __init__(self, process_set=global_process_set, compression=None):
+        self.process_set = process_set
+        self.compression = compression
+
+
 def ddp_comm_hook(state, bucket):
-    """Averages `bucket`'s flat gradient buffer over the process set (`state`: a ProcessSet or
-    None for all ranks), in place, and returns a Future of it. The allreduce starts at once;
-    the Future completes on ferrovod's thread, after DDP's consumers are ordered behind the
-    collective on the device, so backward keeps running meanwhile."""
+    """Averages `bucket`'s flat gradient buffer over the process set, in place, and returns a
+    Future of it. `state`: None (all ranks), a ProcessSet, or a DDPHookState. The allreduce
+    starts at once; the Future completes on ferrovod's thread, after DDP's consumers are
+    ordered behind the collective on the device, so backward keeps running meanwhile."""
     _release_finished()
-    process_set = state if isinstance(state, ProcessSet) else global_process_set
+    if isinstance(state, ProcessSet):
+        state = DDPHookState(state)
+    elif state is None:
+        state = DDPHookState()
+    process_set = state.process_set
     buffer = bucket.buffer()
     fut = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
     key = next(_keys)
     with _lock:
         _waiting[key] = (buffer, fut)
+    codec = None
+    if state.compression is not None:
+        codec = core_codec(state.compression, buffer.dtype == torch.float32, mpi_ops.Average)
+        if codec is None:
+            raise ValueError("ddp_comm_hook compresses in ferrovod's core only: float32 buckets "
+                             "with one of hvd.Compression's codecs")
     hid = mpi_ops._enqueue(_core.ALLREDUCE, [buffer], ["ddp.bucket.%d" % bucket.index()],
                            [buffer], None, process_set, done=_DONE, done_user_data=key,
-                           reduce_op=mpi_ops.Average)
+                           reduce_op=mpi_ops.Average,
+                           compression=_core.COMPRESSION_JOB if codec is None else codec)
     with _lock:
         _to_release.append((hid, fut))
     return fut

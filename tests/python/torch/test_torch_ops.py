@@ -460,7 +460,8 @@ def _free_port_from_rank0():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_ddp_comm_hook_matches_one_process(device):
+@pytest.mark.parametrize("state", ["none", "set", "fp16"])
+def test_ddp_comm_hook_matches_one_process(device, state):
     import torch.distributed as dist
 
     r, n = hvd.rank(), hvd.size()
@@ -471,7 +472,9 @@ def test_ddp_comm_hook_matches_one_process(device):
                                 rank=r, world_size=n)
     model = _model(seed=r).to(d)  # DDP broadcasts rank 0's parameters at construction
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0001)
-    ddp.register_comm_hook(None, hvd.ddp_comm_hook)
+    hook_state = {"none": None, "set": hvd.global_process_set,
+                  "fp16": hvd.DDPHookState(compression=hvd.Compression.fp16)}[state]
+    ddp.register_comm_hook(hook_state, hvd.ddp_comm_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     ref = _model(seed=0).to(d)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -484,8 +487,11 @@ def test_ddp_comm_hook_matches_one_process(device):
         xs, ys = zip(*[_data(q * 10 + step) for q in range(n)])
         torch.nn.functional.mse_loss(ref(torch.cat(xs).to(d)), torch.cat(ys).to(d)).backward()
         ref_opt.step()
+    tol = 2e-3 if state == "fp16" else 1e-5
     for a, b in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(a.detach().cpu(), b.detach().cpu(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.detach().cpu(), b.detach().cpu(), rtol=tol, atol=tol)
+    if state == "fp16":
+        assert hvd.metrics()["wire_fp16"] > 0
     dist.destroy_process_group()
 
 
