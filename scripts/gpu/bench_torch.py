@@ -11,6 +11,7 @@ bf16 autocast. Prints images (or sequences) per second summed over the ranks for
 ratios, and the Python cost of one GPU allreduce enqueue. Run by scripts/gpu/torch.sh."""
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -104,6 +105,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--modes", default="nocomm,ddp,ferrovod,ddp_hook")
+    ap.add_argument("--gc", choices=["on", "freeze", "off"], default="on",
+                    help="Python's garbage collector while timing: as is, with everything built "
+                         "so far frozen out of its scans (gc.freeze), or disabled")
     ap.add_argument("--step-stats", action="store_true",
                     help="print each mode's step times (GPU events on the current stream)")
     args = ap.parse_args()
@@ -120,6 +124,11 @@ def main():
     x, y = batch_for(args.model, args.batch, device)
     modes = args.modes.split(",")
     models = {m: make(m, args.model, device) for m in modes}
+    if args.gc == "freeze":
+        gc.collect()
+        gc.freeze()
+    elif args.gc == "off":
+        gc.disable()
     results = {}
     for precision in args.precisions.split(","):
         bf16 = precision == "bf16"
