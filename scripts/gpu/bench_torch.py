@@ -137,21 +137,31 @@ def main():
         torch.cuda.synchronize()
         times = {m: [] for m in modes}
         steps_ms = {m: [] for m in modes}
+        counters = {m: {} for m in modes}
         for _ in range(args.rounds):
             for m in modes:
                 hvd.barrier()
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 events = []
+                before = hvd.metrics()
                 run_steps(args.model, *models[m], x, y, args.steps, bf16, events)
                 torch.cuda.synchronize()
                 times[m].append(time.perf_counter() - t0)
+                after = hvd.metrics()
+                for k in ("control_collectives", "data_collectives", "fused_batches",
+                          "graph_launches", "tensors"):
+                    counters[m][k] = counters[m].get(k, 0) + after[k] - before[k]
                 steps_ms[m] += [a.elapsed_time(b) for a, b in zip(events, events[1:])]
         if args.step_stats and hvd.rank() == 0:
             for m in modes:
                 v = sorted(steps_ms[m])
                 print("%s %s step ms: min %.1f median %.1f p90 %.1f max %.1f" % (
                     precision, m, v[0], v[len(v) // 2], v[int(len(v) * 0.9)], v[-1]))
+                if m != "nocomm":
+                    per = args.steps * args.rounds
+                    print("%s %s ferrovod per step: %s" % (precision, m, ", ".join(
+                        "%s %.1f" % (k, v / per) for k, v in counters[m].items())))
         for m in modes:
             # the slowest rank's best round: the job moves at its slowest rank
             best = max(hvd.allgather_object(min(times[m]), name="t.%s.%s" % (precision, m)))
