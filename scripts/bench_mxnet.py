@@ -9,6 +9,7 @@ Prints the median seconds per step of each and their ratio (rank 0)."""
 
 import argparse
 import os
+import sys
 import time
 
 import mxnet as mx
@@ -17,16 +18,8 @@ import numpy as np
 import horovod.mxnet as hvd
 from ferrovod import _core
 
-
-def shapes(path):
-    out = []
-    with open(path) as f:
-        for line in f:
-            if line.startswith("#") or not line.strip():
-                continue
-            name, shape = line.split("\t")
-            out.append((name, tuple(int(d) for d in shape.strip().split("x"))))
-    return out[::-1]  # gradients arrive in reverse
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gradient_shapes  # noqa: E402 (scripts/gradient_shapes.py)
 
 
 def main():
@@ -38,7 +31,7 @@ def main():
     p.add_argument("--data", default=default)
     args = p.parse_args()
     hvd.init()
-    grads = shapes(args.data)
+    grads = gradient_shapes.load(args.data)
     nds = [mx.nd.ones(s) for _, s in grads]
     arrays = [np.ones(s, np.float32) for _, s in grads]
     names = ["bench.%s" % name for name, _ in grads]

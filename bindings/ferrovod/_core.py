@@ -403,6 +403,21 @@ def in_flight_count():
         return len(_in_flight)
 
 
+def handle_error(hid):
+    """The error message of completed operation `hid` (empty if it succeeded); also usable from
+    a completion callback, which has the handle's id only."""
+    buf = ctypes.create_string_buffer(4096)
+    LIB.fv_handle_error(hid, buf, len(buf), None)
+    return buf.value.decode("utf-8", "replace")
+
+
+def handle_event(hid):
+    """The CUevent recorded after GPU operation `hid`'s work (None for host operations)."""
+    out = ctypes.c_void_p()
+    check(LIB.fv_handle_event(hid, ctypes.byref(out)))
+    return out.value
+
+
 class Later:
     """An output ferrovod allocates (allgather, alltoall, reducescatter without an allocator):
     `convert(raw_bytes, dims)` makes the framework's tensor of it once the operation is done."""
@@ -437,15 +452,11 @@ class Handle:
         return bool(done.value)
 
     def _error(self):
-        buf = ctypes.create_string_buffer(4096)
-        LIB.fv_handle_error(self.id, buf, len(buf), None)
-        return buf.value.decode("utf-8", "replace")
+        return handle_error(self.id)
 
     def event(self):
         """The CUevent recorded after a GPU operation's work (None for host operations)."""
-        out = ctypes.c_void_p()
-        check(LIB.fv_handle_event(self.id, ctypes.byref(out)))
-        return out.value
+        return handle_event(self.id)
 
     def _library_bytes(self, index):
         ptr = ctypes.c_void_p()
@@ -624,3 +635,51 @@ def submit(kind, specs, keep, outputs, reduce_op=SUM, prescale=1.0, postscale=1.
     hid = ctypes.c_uint64()
     check(LIB.fv_enqueue(ctypes.byref(op), ctypes.byref(hid)))
     return Handle(hid.value, keep, outputs, kind)
+
+
+class _InPlaceAllreduce:
+    """The C structs of an in-place allreduce of one tensor, kept per name and reused while its
+    dtype, shape, device and the op's arguments stay the same: `fv_enqueue` copies what it reads
+    of them, so the next call only sets the address and the stream (a framework's gradients come
+    back every step under the same names)."""
+
+    __slots__ = ("key", "op", "tensors", "shape", "name")
+
+    def __init__(self, key, name, dtype, shape, reduce_op, prescale, postscale, process_set,
+                 compression, device):
+        self.key = key
+        self.name = name.encode()
+        self.shape = (ctypes.c_int64 * max(len(shape), 1))(*shape)
+        self.tensors = (_Tensor * 1)()
+        t = self.tensors[0]
+        t.name, t.dtype, t.ndim, t.shape = self.name, dtype, len(shape), self.shape
+        op = self.op = _Op()
+        op.kind, op.reduce_op, op.prescale, op.postscale = ALLREDUCE, reduce_op, prescale, postscale
+        op.process_set, op.device, op.compression = process_set, device, compression
+        op.tensors, op.num_tensors = self.tensors, 1
+
+
+_in_place_allreduces = {}
+
+
+def allreduce_in_place(name, dtype, shape, address, owner, reduce_op=SUM, prescale=1.0,
+                       postscale=1.0, process_set=0, compression=COMPRESSION_JOB,
+                       device=CPU_DEVICE, stream=None, reuse=True):
+    """`submit` of an in-place allreduce of one contiguous tensor at `address` (fv_dtype
+    `dtype`, `shape`), kept alive by `owner` until the handle is released; its structs are
+    reused from the last call of `name` (`reuse`: kept for the next one; names that never come
+    back, such as unnamed operations', should not be). The handle's `wait` returns `[owner]`."""
+    key = (dtype, tuple(shape), device, reduce_op, prescale, postscale, process_set, compression)
+    prepared = _in_place_allreduces.get(name)
+    if prepared is None or prepared.key != key:
+        prepared = _InPlaceAllreduce(key, name, dtype, shape, reduce_op, prescale, postscale,
+                                     process_set, compression, device)
+        if reuse:
+            _in_place_allreduces[name] = prepared
+    t = prepared.tensors[0]
+    t.input = t.output = address
+    prepared.op.stream = stream
+    _sweep_orphans()
+    hid = ctypes.c_uint64()
+    check(LIB.fv_enqueue(ctypes.byref(prepared.op), ctypes.byref(hid)))
+    return Handle(hid.value, [owner], [owner], ALLREDUCE)

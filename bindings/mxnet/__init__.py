@@ -23,7 +23,7 @@ from horovod.common.process_sets import (  # noqa: F401
     global_process_set,
     remove_process_set,
 )
-from horovod.common.util import reduce_op_of
+from horovod.common.basics import reduce_op_of
 
 _LIB = ctypes.CDLL(op_library_path())
 _LIB.fvmx_push.restype = ctypes.c_int

@@ -4,19 +4,14 @@ horovod.common.elastic for what ferrovod's fixed MPI world means for elastic job
 import tensorflow as tf
 
 from ferrovod.tensorflow.functions import broadcast_object, broadcast_variables, optimizer_variables
-from ferrovod.tensorflow.mpi_ops import init, rank, shutdown
+from ferrovod.tensorflow.mpi_ops import rank
 from horovod.common.elastic import ObjectState, run_fn
 
 
 def run(func):
     """Decorator for the training function `func(state, ...)`: the state is synchronised from
     rank 0 first, and restored to its last commit if a collective fails."""
-    return run_fn(func, _reset)
-
-
-def _reset():
-    shutdown()
-    init()
+    return run_fn(func)
 
 
 class TensorFlowState(ObjectState):

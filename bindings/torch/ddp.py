@@ -3,7 +3,6 @@ ferrovod: `model.register_comm_hook(None, ferrovod.torch.ddp_comm_hook)` (the st
 ProcessSet, or a DDPHookState naming a compression too). DDP still needs its process group for construction (parameter broadcast); every
 gradient allreduce then goes through ferrovod's engine (fusion, compression, NCCL on GPUs)."""
 
-import ctypes
 import itertools
 import threading
 
@@ -28,17 +27,14 @@ def _completed(key, hid, status):
     with _lock:
         buffer, fut = _waiting.pop(key)
     if status != _core.OK:
-        buf = ctypes.create_string_buffer(4096)
-        _core.LIB.fv_handle_error(hid, buf, len(buf), None)
-        fut.set_exception(_core.error_for(status, buf.value.decode("utf-8", "replace")))
+        fut.set_exception(_core.error_for(status, _core.handle_error(hid)))
         return
     if buffer.is_cuda:
-        event = ctypes.c_void_p()
-        _core.check(_core.LIB.fv_handle_event(hid, ctypes.byref(event)))
-        if event.value:
+        event = _core.handle_event(hid)
+        if event:
             # the Future records its completion on this thread's current stream
             with torch.cuda.device(buffer.device):
-                mpi_ops._stream_wait(mpi_ops._current_stream(buffer.device), event.value)
+                mpi_ops._stream_wait(mpi_ops._current_stream(buffer.device), event)
     fut.set_result(buffer)
 
 

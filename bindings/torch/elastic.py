@@ -18,12 +18,7 @@ from horovod.common.elastic import ObjectState, run_fn
 def run(func):
     """Decorator for the training function `func(state, ...)`: the state is synchronised from
     rank 0 first, and restored to its last commit if a collective fails."""
-    return run_fn(func, _reset)
-
-
-def _reset():
-    _core.shutdown()
-    _core.init()
+    return run_fn(func)
 
 
 class TorchState(ObjectState):

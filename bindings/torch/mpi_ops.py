@@ -18,7 +18,7 @@ from ferrovod import _core
 from ferrovod.compression import Framework, compression_for, core_codec
 from ferrovod.exceptions import HorovodInternalError  # noqa: F401 (Horovod's mpi_ops has it)
 from horovod.common.process_sets import global_process_set
-from horovod.common.util import reduce_op_of
+from horovod.common.basics import reduce_op_of
 
 Average, Sum, Adasum = _core.AVERAGE, _core.SUM, _core.ADASUM
 Min, Max, Product = _core.MIN, _core.MAX, _core.PRODUCT
@@ -222,60 +222,23 @@ def _enqueue(kind, tensors, names, outputs=None, finish=None, process_set=global
     return handle.id
 
 
-class _OneTensorOp:
-    """The C structs of an in-place allreduce of one contiguous tensor, kept per name and reused
-    while the tensor's dtype, shape, device and the op's arguments stay the same: `fv_enqueue`
-    copies what it reads of them, so the next call only sets the addresses and the stream
-    (a DistributedOptimizer's gradients come back every step)."""
-
-    __slots__ = ("key", "op", "tensors", "shape", "name")
-
-    def __init__(self, key, name, code, shape, reduce_op, prescale, postscale, set_id, codec,
-                 device):
-        self.key = key
-        self.name = name.encode()
-        self.shape = (ctypes.c_int64 * max(len(shape), 1))(*shape)
-        self.tensors = (_core._Tensor * 1)()
-        t = self.tensors[0]
-        t.name, t.dtype, t.ndim, t.shape = self.name, code, len(shape), self.shape
-        op = self.op = _core._Op()
-        op.kind, op.reduce_op, op.prescale, op.postscale = _core.ALLREDUCE, reduce_op, prescale, postscale
-        op.process_set, op.device, op.compression = set_id, device, codec
-        op.tensors, op.num_tensors = self.tensors, 1
-
-
-_one_tensor_ops = {}
-
-
 def _allreduce_one_(tensor, name, op, prescale, postscale, process_set, codec, finish=list,
                     reuse=True):
-    """`allreduce_async_` of one contiguous tensor through the reused structs of its name
-    (`reuse`: kept for the next call; unnamed operations' names never come back); `finish`
+    """`allreduce_async_` of one contiguous tensor through the C structs the core keeps per name
+    (`_core.allreduce_in_place`; `reuse`: unnamed operations' names never come back); `finish`
     makes the handle's result from `[tensor]`."""
+    if process_set.process_set_id is None:
+        raise ValueError("Process set %s has not been registered (hvd.add_process_set)."
+                         % process_set)
     device = tensor.device if tensor.is_cuda else None
-    index = -1 if device is None else device.index
-    key = (tensor.dtype, tuple(tensor.shape), index, op, prescale, postscale,
-           process_set.process_set_id, codec)
-    ones = _one_tensor_ops.get(name)
-    if ones is None or ones.key != key:
-        if process_set.process_set_id is None:
-            raise ValueError("Process set %s has not been registered (hvd.add_process_set)."
-                             % process_set)
-        ones = _OneTensorOp(key, name, _code(tensor), tuple(tensor.shape), op, prescale,
-                            postscale, process_set.process_set_id, codec, index)
-        if reuse:
-            _one_tensor_ops[name] = ones
-    ptr = tensor.data_ptr()
-    t = ones.tensors[0]
-    t.input = t.output = ptr
-    ones.op.stream = None if device is None else _current_stream(device)
-    _core._sweep_orphans()
-    hid = ctypes.c_uint64()
-    _core.check(_core.LIB.fv_enqueue(ctypes.byref(ones.op), ctypes.byref(hid)))
-    handle = _core.Handle(hid.value, [tensor], [tensor], _core.ALLREDUCE)
+    handle = _core.allreduce_in_place(
+        name, _code(tensor), tuple(tensor.shape), tensor.data_ptr(), tensor, op, prescale,
+        postscale, process_set.process_set_id, codec,
+        _core.CPU_DEVICE if device is None else device.index,
+        None if device is None else _current_stream(device), reuse)
     with _handle_lock:
-        _handle_map[hid.value] = _Pending(handle, device, finish)
-    return hid.value
+        _handle_map[handle.id] = _Pending(handle, device, finish)
+    return handle.id
 
 
 def poll(handle):
@@ -305,20 +268,12 @@ def _new_like(tensors):
     return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
 
 
-def _allreduce_kwargs(op, prescale_factor, postscale_factor, compression=None, is_float32=False):
-    kwargs = dict(reduce_op=op, prescale=float(prescale_factor), postscale=float(postscale_factor))
-    codec = core_codec(compression, is_float32, op) if compression is not None else None
-    if codec is not None:
-        kwargs["compression"] = codec
-    return kwargs
-
-
 def _allreduce_async(tensors, outputs, names, op, prescale_factor, postscale_factor, process_set,
-                     finish, compression=None):
-    return _enqueue(
-        _core.ALLREDUCE, tensors, names, outputs, finish, process_set,
-        **_allreduce_kwargs(op, prescale_factor, postscale_factor, compression,
-                            all(t.dtype == torch.float32 for t in tensors)))
+                     finish, codec=_core.COMPRESSION_JOB):
+    """An allreduce over `tensors` into `outputs`; `codec`: the fv_compression the core applies."""
+    return _enqueue(_core.ALLREDUCE, tensors, names, outputs, finish, process_set, reduce_op=op,
+                    prescale=float(prescale_factor), postscale=float(postscale_factor),
+                    compression=codec)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -347,12 +302,12 @@ class HorovodAllreduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor, average, name, op, prescale_factor, postscale_factor, process_set,
-                compression_core=None):
+                codec=_core.COMPRESSION_JOB):
         ctx.args = (average, op, prescale_factor, postscale_factor, process_set)
         op = _reduce_op(op, average)
         return synchronize(_allreduce_async(
             [tensor], _new_like([tensor]), [_name("allreduce", name)], op, prescale_factor,
-            postscale_factor, process_set, _single, compression_core))
+            postscale_factor, process_set, _single, codec))
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -363,14 +318,17 @@ class HorovodAllreduce(torch.autograd.Function):
 
 
 def _compressed(tensors, compression, op):
-    """Applies `compression` in Python where the core does not; returns (tensors, contexts,
-    compressor the core applies or None)."""
+    """`compression` applied: by the core where it can (every tensor float32 and a core codec:
+    its fv_compression comes back), else by the compressor in Python. Returns (the tensors to
+    send, their decompression contexts or None, the fv_compression for the core)."""
+    unchanged = [None] * len(tensors)
     if compression is None or compression is Compression.none:
-        return tensors, [None] * len(tensors), None
-    if all(core_codec(compression, t.dtype == torch.float32, op) is not None for t in tensors):
-        return tensors, [None] * len(tensors), compression
+        return tensors, unchanged, _core.COMPRESSION_JOB
+    codec = core_codec(compression, all(t.dtype == torch.float32 for t in tensors), op)
+    if codec is not None:
+        return tensors, unchanged, codec
     pairs = [compression.compress(t) for t in tensors]
-    return [p[0] for p in pairs], [p[1] for p in pairs], None
+    return [p[0] for p in pairs], [p[1] for p in pairs], _core.COMPRESSION_JOB
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
@@ -379,9 +337,9 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     differentiable. `compression`: float32 sums and averages are compressed by the core; other
     tensors by the compressor's `compress`/`decompress`."""
     op = _reduce_op(op, average)
-    (sent,), (cctx,), core = _compressed([tensor], compression, op)
+    (sent,), (cctx,), codec = _compressed([tensor], compression, op)
     out = HorovodAllreduce.apply(sent, None, name, op, prescale_factor, postscale_factor,
-                                 process_set, core)
+                                 process_set, codec)
     return compression.decompress(out, cctx) if cctx is not None else out
 
 
@@ -413,12 +371,12 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
 class HorovodGroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, average, name, op, prescale_factor, postscale_factor, process_set,
-                compression_core, *tensors):
+                codec, *tensors):
         ctx.args = (average, op, prescale_factor, postscale_factor, process_set)
         op = _reduce_op(op, average)
         return tuple(synchronize(_allreduce_async(
             list(tensors), _new_like(tensors), _grouped("allreduce", name, tensors), op,
-            prescale_factor, postscale_factor, process_set, list, compression_core)))
+            prescale_factor, postscale_factor, process_set, list, codec)))
 
     @staticmethod
     def backward(ctx, *grad_output):
@@ -436,9 +394,9 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     tensors = list(tensors)
     if not tensors:
         return []
-    sent, cctxs, core = _compressed(tensors, compression, op)
+    sent, cctxs, codec = _compressed(tensors, compression, op)
     outs = HorovodGroupedAllreduce.apply(None, name, op, prescale_factor, postscale_factor,
-                                         process_set, core, *sent)
+                                         process_set, codec, *sent)
     return [compression.decompress(o, c) if c is not None else o for o, c in zip(outs, cctxs)]
 
 

@@ -11,7 +11,6 @@ from contextlib import contextmanager
 import torch
 
 from ferrovod import _core
-from ferrovod.compression import core_codec
 from ferrovod.torch import mpi_ops
 from ferrovod.torch.mpi_ops import Average, Compression
 from horovod.common.process_sets import global_process_set
@@ -142,23 +141,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Starts the in-place allreduce of `tensors` (one grouped operation if several);
         returns (handle, contexts): the core compresses float32 gradients itself."""
         pre, post = self._scales()
-        codec = core_codec(self._compression, all(t.dtype == torch.float32 for t in tensors),
-                           self.op)
-        if codec is not None or self._compression is Compression.none:
-            sent, ctxs = tensors, [None] * len(tensors)
-        else:
-            pairs = [self._compression.compress(t) for t in tensors]
-            sent, ctxs = [s for s, _ in pairs], [c for _, c in pairs]
+        sent, ctxs, codec = mpi_ops._compressed(tensors, self._compression, self.op)
         if len(sent) == 1 and sent[0].is_contiguous():
             # the hot path: one gradient, its C structs reused from the last step
-            return mpi_ops._allreduce_one_(
-                sent[0], mpi_ops._name("allreduce", names[0]), self.op, pre, post,
-                self.process_set, _core.COMPRESSION_JOB if codec is None else codec), ctxs
+            return mpi_ops._allreduce_one_(sent[0], mpi_ops._name("allreduce", names[0]),
+                                           self.op, pre, post, self.process_set, codec), ctxs
         labels = ([mpi_ops._name("allreduce", names[0])] if len(sent) == 1
                   else mpi_ops._grouped("allreduce", names[0], sent))
         handle = mpi_ops._allreduce_async(sent, sent, labels, self.op, pre, post,
-                                          self.process_set, list,
-                                          self._compression if codec is not None else None)
+                                          self.process_set, list, codec)
         return handle, ctxs
 
     def _make_hook(self, p):

@@ -13,6 +13,7 @@ link's limit for the bytes, and checks the averages against the ranks' known inp
 import argparse
 import importlib.util
 import os
+import sys
 import time
 
 import numpy as np
@@ -20,16 +21,8 @@ import tensorflow as tf
 
 import horovod.tensorflow as hvd
 
-
-def shapes(path):
-    out = []
-    with open(path) as f:
-        for line in f:
-            if line.startswith("#") or not line.strip():
-                continue
-            name, dims = line.rstrip("\n").split("\t")
-            out.append((name, [int(d) for d in dims.split("x")]))
-    return out[::-1]  # gradients arrive in reverse registration order
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import gradient_shapes  # noqa: E402 (scripts/gradient_shapes.py)
 
 
 def main():
@@ -45,7 +38,7 @@ def main():
     # every element of rank r is r + 1 (+ a per-tensor offset): the average is known exactly
     grads = [
         tf.constant(np.full(s, r + 1 + (i % 3), dtype=np.float32), name=name.replace(".", "_"))
-        for i, (name, s) in enumerate(shapes(a.data))
+        for i, (name, s) in enumerate(gradient_shapes.load(a.data))
     ]
     nbytes = sum(int(np.prod(g.shape)) * 4 for g in grads)
 

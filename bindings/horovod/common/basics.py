@@ -5,6 +5,7 @@ import os
 
 from ferrovod import _core
 from horovod.common import process_sets as _ps
+from horovod.common.util import get_average_backwards_compatibility_fun
 
 
 class HorovodBasics:
@@ -126,67 +127,22 @@ class HorovodBasics:
 
 # One instance serves every framework: `from horovod.common.basics import *` gives a framework
 # module Horovod's process-level functions and reduction ops.
-_default = HorovodBasics()
-init = _default.init
-shutdown = _default.shutdown
-is_initialized = _default.is_initialized
-start_timeline = _default.start_timeline
-stop_timeline = _default.stop_timeline
-size = _default.size
-local_size = _default.local_size
-cross_size = _default.cross_size
-rank = _default.rank
-local_rank = _default.local_rank
-cross_rank = _default.cross_rank
-is_homogeneous = _default.is_homogeneous
-mpi_threads_supported = _default.mpi_threads_supported
-mpi_enabled = _default.mpi_enabled
-mpi_built = _default.mpi_built
-gloo_enabled = _default.gloo_enabled
-gloo_built = _default.gloo_built
-nccl_built = _default.nccl_built
-ddl_built = _default.ddl_built
-ccl_built = _default.ccl_built
-cuda_built = _default.cuda_built
-rocm_built = _default.rocm_built
-sycl_built = _default.sycl_built
-metrics = _default.metrics
-Average = _default.Average
-Sum = _default.Sum
-Adasum = _default.Adasum
-Min = _default.Min
-Max = _default.Max
-Product = _default.Product
-
 __all__ = [
-    "init",
-    "shutdown",
-    "is_initialized",
-    "start_timeline",
-    "stop_timeline",
-    "size",
-    "local_size",
-    "cross_size",
-    "rank",
-    "local_rank",
-    "cross_rank",
-    "is_homogeneous",
-    "mpi_threads_supported",
-    "mpi_enabled",
-    "mpi_built",
-    "gloo_enabled",
-    "gloo_built",
-    "nccl_built",
-    "ddl_built",
-    "ccl_built",
-    "cuda_built",
-    "rocm_built",
-    "sycl_built",
-    "metrics",
-    "Average",
-    "Sum",
-    "Adasum",
-    "Min",
-    "Max",
-    "Product",
+    "init", "shutdown", "is_initialized", "start_timeline", "stop_timeline", "size",
+    "local_size", "cross_size", "rank", "local_rank", "cross_rank", "is_homogeneous",
+    "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",
+    "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "sycl_built", "metrics",
+    "Average", "Sum", "Adasum", "Min", "Max", "Product",
 ]
+_default = HorovodBasics()
+globals().update({name: getattr(_default, name) for name in __all__})
+_op_or_average = get_average_backwards_compatibility_fun(_default)
+
+
+def reduce_op_of(op, average):
+    """The reduction a call asks for (`op=`, or Horovod's deprecated `average=`); Adasum, which
+    ferrovod does not implement, is refused."""
+    op = _op_or_average(op, average)
+    if op == _default.Adasum:
+        raise NotImplementedError("Adasum is not supported by ferrovod.")
+    return op

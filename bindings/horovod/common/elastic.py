@@ -9,6 +9,7 @@ but a job does not grow or shrink: when a collective fails the world cannot be r
 import copy
 import functools
 
+from horovod.common import basics
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
 
@@ -78,10 +79,15 @@ class ObjectState(State):
             setattr(self, attr, copy.deepcopy(value))
 
 
-def run_fn(func, reset):
+def _restart():
+    basics.shutdown()
+    basics.init()
+
+
+def run_fn(func, reset=_restart):
     """Horovod's elastic loop around `func(state, ...)`: synchronise, run; on a failed
-    collective restore the last commit and reset the runtime; on a host update keep the
-    state and reset."""
+    collective restore the last commit and reset the runtime (shut down and start again); on a
+    host update keep the state and reset."""
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):

@@ -99,22 +99,6 @@ def get_average_backwards_compatibility_fun(reduce_ops):
     return impl
 
 
-class _Ops:
-    Average, Sum = 0, 1  # Horovod's values (fv_reduce_op)
-
-
-_op_or_average = get_average_backwards_compatibility_fun(_Ops)
-
-
-def reduce_op_of(op, average):
-    """The reduction a call asks for (`op=`, or Horovod's deprecated `average=`); Adasum, which
-    ferrovod does not implement, is refused."""
-    op = _op_or_average(op, average)
-    if op == 2:  # Adasum
-        raise NotImplementedError("Adasum is not supported by ferrovod.")
-    return op
-
-
 def num_rank_is_power_2(num_rank):
     return num_rank != 0 and (num_rank & (num_rank - 1)) == 0
 
