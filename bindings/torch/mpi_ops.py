@@ -130,7 +130,8 @@ _handle_lock = threading.Lock()
 def _device_of(tensors):
     devices = {t.device for t in tensors}
     if len(devices) > 1:
-        raise _core.InvalidArgumentError(
+        # a RuntimeError, as Horovod's C++ extension raises it
+        raise _core.FerrovodError(
             "the tensors of one operation must be on one device, got %s" % sorted(map(str, devices)))
     device = devices.pop() if devices else torch.device("cpu")
     if device.type == "cuda":

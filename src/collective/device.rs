@@ -76,9 +76,12 @@ fn is_float(d: DataType) -> bool {
 }
 
 /// The device reduction and the factor after it: Average of floats without scales is NCCL's
-/// own average (one pass); otherwise as on the host (Sum, then a postscale of 1/size).
+/// own average (one pass); otherwise as on the host (Sum, then a postscale of 1/size). Never
+/// NCCL's average on one rank: NCCL before 2.29.7 leaves the tail of the buffer unwritten there
+/// (NVIDIA/nccl#1950), and a sum over one rank is the same copy.
 fn device_op(resp: &Response, size: usize) -> Result<(ReduceOp, f64)> {
     if resp.reduce_op == ReduceOp::Average
+        && size > 1
         && is_float(resp.dtype)
         && resp.prescale == 1.0
         && resp.postscale == 1.0
@@ -730,6 +733,38 @@ mod tests {
         assert_eq!(reduced_in_place(&[4]), vec![true]);
         assert_eq!(reduced_in_place(&[4, 4]), vec![false, false]);
         assert_eq!(reduced_in_place(&[]), Vec::<bool>::new());
+    }
+
+    #[test]
+    fn average_is_nccls_own_except_on_one_rank_or_with_scales() {
+        let avg = |dtype, prescale| Response {
+            kind: crate::message::OpKind::Allreduce,
+            name: "g".into(),
+            dtype,
+            shape: vec![5],
+            first_dims: Vec::new(),
+            root: 0,
+            device: 0,
+            reduce_op: ReduceOp::Average,
+            prescale,
+            postscale: 1.0,
+            compression: None,
+            multistep: crate::message::Multistep::EVERY_CALL,
+            result: 0,
+            error: None,
+        };
+        let f32 = avg(DataType::F32, 1.0);
+        assert_eq!(device_op(&f32, 4).unwrap(), (ReduceOp::Average, 1.0));
+        // one rank: a sum (NCCL's one-rank average drops the tail before 2.29.7)
+        assert_eq!(device_op(&f32, 1).unwrap(), (ReduceOp::Sum, 1.0));
+        assert_eq!(
+            device_op(&avg(DataType::F32, 0.5), 4).unwrap(),
+            (ReduceOp::Sum, 0.25)
+        );
+        assert_eq!(
+            device_op(&avg(DataType::I32, 1.0), 2).unwrap(),
+            (ReduceOp::Sum, 0.5)
+        );
     }
 
     fn triples(c: &[Copy]) -> Vec<(u64, u64, u64)> {

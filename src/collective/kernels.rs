@@ -90,7 +90,9 @@ fn reduce_kernel(dtype: DataType) -> &'static str {
 }
 
 /// `dst[i] = src[i] * factor` for `n` elements (src may equal dst). Integers are scaled in f64
-/// and truncated, 32- and 16-bit floats in f32, as the host path does.
+/// and truncated, 32- and 16-bit floats in f32, as the host path does, except that for f16 the
+/// factor is first rounded to f16: Horovod's GPU kernels multiply in half precision, and its
+/// tests expect that rounding for CUDA tensors.
 pub fn scale(
     gpu: &Gpu,
     stream: &Stream,
@@ -315,7 +317,7 @@ extern "C" __global__ void fv_scale_f64(const double* s, double* d, u64 n, doubl
 extern "C" __global__ void fv_scale_f32(const float* s, float* d, u64 n, double f) {
   float g = (float)f; FV_LOOP { d[i] = s[i] * g; } }
 extern "C" __global__ void fv_scale_f16(const unsigned short* s, unsigned short* d, u64 n, double f) {
-  float g = (float)f; FV_LOOP { d[i] = f2h(h2f(s[i]) * g); } }
+  float g = h2f(f2h((float)f)); FV_LOOP { d[i] = f2h(h2f(s[i]) * g); } }
 extern "C" __global__ void fv_scale_bf16(const unsigned short* s, unsigned short* d, u64 n, double f) {
   float g = (float)f; FV_LOOP { d[i] = f2b(b2f(s[i]) * g); } }
 

@@ -105,6 +105,31 @@ def test_non_contiguous_in_place(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_float16_scaling_rounds_as_horovod(device):
+    """Horovod scales float16 in f32 on CPU but multiplies in half precision on GPU (the factor
+    rounded to f16 first); its tests compare bit for bit, and so does this one."""
+    n = hvd.size()
+    if n & (n - 1):
+        pytest.skip("the sum over ranks of equal float16 values is exact for powers of two only")
+    factor = 0.19151945  # not a float16 value: the two roundings differ for some x
+    x = torch.arange(-40, 40, dtype=torch.float32).mul_(1.37).to(torch.float16)
+    half = torch.tensor(factor, dtype=torch.float16).float()
+    # the case is real: the two roundings differ for some of these x
+    assert not torch.equal((x.float() * half).to(torch.float16), (x.float() * factor).to(torch.float16))
+    g = half if device == "cuda" else factor
+    scaled = (x.float() * g).to(torch.float16)
+    want = scaled.double() * n
+    pre = hvd.allreduce(x.to(dev(device)), op=hvd.Sum, prescale_factor=factor, name="f16.pre." + device)
+    assert torch.equal(pre.double().cpu(), want)
+    post = hvd.allreduce(x.to(dev(device)), op=hvd.Sum, postscale_factor=factor,
+                         name="f16.post." + device)
+    assert torch.equal(post.cpu(), (x.double() * n).to(torch.float16).float().mul(g).to(torch.float16))
+    rows = hvd.reducescatter(x.view(n, -1).to(dev(device)), op=hvd.Sum, prescale_factor=factor,
+                             name="f16.rs." + device)
+    assert torch.equal(rows.double().cpu(), want.view(n, -1)[hvd.rank():hvd.rank() + 1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_grouped_allreduce(device):
     shapes = [(3,), (2, 5), (7,)]
     xs = [rank_values(torch.float32, hvd.rank(), s).to(dev(device)) for s in shapes]
@@ -252,6 +277,9 @@ def test_unsupported_and_bad_arguments():
         hvd.alltoall(torch.zeros(hvd.size() + 1), name="bad.a2a")  # not divisible, no splits
     with pytest.raises(ValueError):
         hvd.allreduce(torch.zeros(2), process_set=hvd.ProcessSet([0]), name="bad.set")
+    if "cuda" in DEVICES:
+        with pytest.raises(RuntimeError, match="one device"):  # Horovod's type
+            hvd.grouped_allreduce([torch.ones(2), torch.ones(2, device="cuda")], name="bad.devices")
     # the ranks still work together afterwards
     close(hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after.bad"),
           torch.full((2,), float(hvd.size())), torch.float32)
@@ -540,6 +568,11 @@ def test_process_sets_even_and_odd(device):
             rs = hvd.reducescatter(torch.ones(len(members) * 2, dtype=dtype, device=d), op=hvd.Sum,
                                    process_set=mine, name="ps.rs.%s.%s" % (device, dtype))
             close(rs, torch.full((2,), float(len(members))), dtype)
+            # an average of a long odd-length tensor, every element (NCCL's one-rank average,
+            # which ferrovod avoids, left the tail unwritten: NVIDIA/nccl#1950)
+            avg = hvd.allreduce(torch.full((17, 17, 17), float(r + 1), dtype=dtype, device=d),
+                                op=hvd.Average, process_set=mine, name="ps.avg.%s.%s" % (device, dtype))
+            close(avg, torch.full((17, 17, 17), sum(q + 1 for q in members) / len(members)), dtype)
         hvd.barrier(process_set=mine)
     finally:
         hvd.remove_process_set(even)
