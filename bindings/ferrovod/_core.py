@@ -388,6 +388,8 @@ def _forget(hid):
 
 
 def _sweep_orphans():
+    if not _orphans:  # the common case, without the lock
+        return
     with _in_flight_lock:
         orphans = list(_orphans)
     for hid in orphans:
@@ -502,25 +504,62 @@ class Handle:
                 self.last_joined = self.value()
             if before_release is not None:
                 before_release(self)
-            results = []
-            for i, out in enumerate(self._outputs):
-                if isinstance(out, Later):
-                    results.append(out.convert(*self._library_bytes(i)))
-                elif isinstance(out, np.dtype):
-                    results.append(self._library_output(i, out))
-                else:
-                    results.append(out)
-            if self._kind == ALLTOALL:
-                return [(r, self.received_splits(i)) for i, r in enumerate(results)]
-            return results
+            return self._results()
         finally:
             self.release()
+
+    def _results(self):
+        results = []
+        for i, out in enumerate(self._outputs):
+            if isinstance(out, Later):
+                results.append(out.convert(*self._library_bytes(i)))
+            elif isinstance(out, np.dtype):
+                results.append(self._library_output(i, out))
+            else:
+                results.append(out)
+        if self._kind == ALLTOALL:
+            return [(r, self.received_splits(i)) for i, r in enumerate(results)]
+        return results
 
     def release(self):
         if not self._released:
             self._released = True
             LIB.fv_release(self.id)
             _forget(self.id)
+
+
+def wait_all(handles, device_waits):
+    """`wait()` of every handle in turn, as a training step's synchronize needs, for less per
+    handle: no `communicated` value is read, and `device_waits[i](event)` (None for host
+    operations) runs only when handle i's GPU event differs from the previous handle's (a fused
+    batch's tensors share one). Each handle is released only after the next one's event was
+    read, so an address compared is never a new event's. Every handle is released; the first
+    failure is raised after that. Returns each handle's outputs (None where it failed)."""
+    results, error = [], None
+    held, last_event = None, None
+    try:
+        for h, device_wait in zip(handles, device_waits):
+            status = LIB.fv_wait(h.id, -1.0)
+            event = None
+            if status != OK:
+                error = error or error_for(status, h._error() or last_error())
+                results.append(None)
+            else:
+                if device_wait is not None:
+                    event = handle_event(h.id)
+                    if event and event != last_event:
+                        device_wait(event)
+                results.append(h._results())
+            last_event = event  # held by h until the next handle's is read
+            if held is not None:
+                held.release()
+            held = h
+    finally:
+        for h in handles:
+            h.release()
+    if error is not None:
+        raise error
+    return results
 
 
 _name_lock = threading.Lock()
@@ -643,7 +682,7 @@ class _InPlaceAllreduce:
     of them, so the next call only sets the address and the stream (a framework's gradients come
     back every step under the same names)."""
 
-    __slots__ = ("key", "op", "tensors", "shape", "name")
+    __slots__ = ("key", "op", "tensors", "tensor", "shape", "name")
 
     def __init__(self, key, name, dtype, shape, reduce_op, prescale, postscale, process_set,
                  compression, device):
@@ -651,7 +690,7 @@ class _InPlaceAllreduce:
         self.name = name.encode()
         self.shape = (ctypes.c_int64 * max(len(shape), 1))(*shape)
         self.tensors = (_Tensor * 1)()
-        t = self.tensors[0]
+        t = self.tensor = self.tensors[0]  # a view into the array, made once
         t.name, t.dtype, t.ndim, t.shape = self.name, dtype, len(shape), self.shape
         op = self.op = _Op()
         op.kind, op.reduce_op, op.prescale, op.postscale = ALLREDUCE, reduce_op, prescale, postscale
@@ -676,7 +715,7 @@ def allreduce_in_place(name, dtype, shape, address, owner, reduce_op=SUM, presca
                                      process_set, compression, device)
         if reuse:
             _in_place_allreduces[name] = prepared
-    t = prepared.tensors[0]
+    t = prepared.tensor
     t.input = t.output = address
     prepared.op.stream = stream
     _sweep_orphans()

@@ -261,6 +261,33 @@ def synchronize(handle):
     return pending.wait()
 
 
+def _synchronize_all(handles):
+    """`synchronize` of each handle, for a training step's many gradients at once: the current
+    stream is read once per device and waits once per fused batch rather than once per tensor.
+    Returns the outputs in order (None for unknown handles); raises the first failure once
+    every handle is released."""
+    with _handle_lock:
+        pendings = [_handle_map.pop(h, None) for h in handles]
+    live = [p for p in pendings if p is not None]
+    streams = {}
+
+    def device_wait(device):
+        def wait(event):
+            stream = streams.get(device)
+            if stream is None:
+                stream = streams[device] = _current_stream(device)
+            _stream_wait(stream, event)
+
+        return wait
+
+    waiters = {}
+    waits = [None if p.device is None else
+             waiters.get(p.device) or waiters.setdefault(p.device, device_wait(p.device))
+             for p in live]
+    outputs = iter(_core.wait_all([p.handle for p in live], waits))
+    return [None if p is None else p.finish(next(outputs)) for p in pendings]
+
+
 def _single(values):
     return values[0]
 

@@ -80,7 +80,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._register_hooks()
 
     def load_state_dict(self, *args, **kwargs):
-        self._handles = {}
+        self._handles.clear()  # (the hooks hold this dict)
         self._synchronized = False
         self._should_synchronize = True
         for p in self._allreduce_delay:
@@ -137,14 +137,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             tensor = tensor.to_dense()
         return self._reduce_async([tensor], [name])
 
-    def _reduce_async(self, tensors, names):
+    def _reduce_async(self, tensors, names, label=None):
         """Starts the in-place allreduce of `tensors` (one grouped operation if several);
-        returns (handle, contexts): the core compresses float32 gradients itself."""
+        returns (handle, contexts): the core compresses float32 gradients itself. `label`: the
+        operation's name for one tensor, when the caller has it already."""
         pre, post = self._scales()
         sent, ctxs, codec = mpi_ops._compressed(tensors, self._compression, self.op)
         if len(sent) == 1 and sent[0].is_contiguous():
             # the hot path: one gradient, its C structs reused from the last step
-            return mpi_ops._allreduce_one_(sent[0], mpi_ops._name("allreduce", names[0]),
+            return mpi_ops._allreduce_one_(sent[0], label or mpi_ops._name("allreduce", names[0]),
                                            self.op, pre, post, self.process_set, codec), ctxs
         labels = ([mpi_ops._name("allreduce", names[0])] if len(sent) == 1
                   else mpi_ops._grouped("allreduce", names[0], sent))
@@ -153,17 +154,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return handle, ctxs
 
     def _make_hook(self, p):
+        # what every call needs, looked up once (the hook runs per gradient per step)
+        handles, delays = self._handles, self._allreduce_delay
+        name = self._parameter_names.get(p)
+        label = mpi_ops._name("allreduce", name) if name is not None else None
+
         def hook(*_):
-            if self._handles.get(p, (None,))[0] is not None and self._allreduce_delay[p] <= 0:
+            delay = delays[p]
+            if delay <= 0 and handles.get(p, (None,))[0] is not None:
                 raise AssertionError(
                     "Gradients were computed more than backward_passes_per_step times before "
                     "call to step(). Increase backward_passes_per_step to accumulate gradients "
                     "locally.")
-            assert not p.grad.requires_grad
-            assert self._allreduce_delay[p] > 0
-            self._allreduce_delay[p] -= 1
+            grad = p.grad
+            assert not grad.requires_grad
+            assert delay > 0
+            delay -= 1
+            delays[p] = delay
             handle = ctx = None
-            if self._allreduce_delay[p] == 0:
+            if delay == 0:
+                if self._groups is None and not grad.is_sparse:
+                    handles[p] = self._reduce_async([grad], [name], label)
+                    return
                 if self._groups is not None:
                     group = self._p_to_group[p]
                     self._group_counts[group] += 1
@@ -176,7 +188,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         return
                 else:
                     handle, ctx = self._allreduce_grad_async(p)
-            self._handles[p] = (handle, ctx)
+            handles[p] = (handle, ctx)
 
         return hook
 
@@ -186,17 +198,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self.process_set.included():
             self._synchronized = True
             return
-        started = set()
-        for key in self._handles:
-            started.update(key if isinstance(key, tuple) else (key,))
-        for p in self._requires_update - started:
-            self._handles[p] = self._allreduce_grad_async(p)
+        if self._groups is not None or len(self._handles) != len(self._requires_update):
+            started = set()
+            for key in self._handles:
+                started.update(key if isinstance(key, tuple) else (key,))
+            for p in self._requires_update - started:
+                self._handles[p] = self._allreduce_grad_async(p)
         for p, (handle, ctx) in list(self._handles.items()):
             if handle is None:
                 self._handles[p] = self._allreduce_grad_async(p)
-        for key, (handle, ctxs) in self._handles.items():
-            # a sparse allreduce's handle is a function that waits (as Horovod's)
-            output = handle() if callable(handle) else mpi_ops.synchronize(handle)
+        # every handle waited for at once (a sparse allreduce's is a function that waits, as
+        # Horovod's)
+        items = list(self._handles.items())
+        outputs = iter(mpi_ops._synchronize_all(
+            [h for _, (h, _) in items if not callable(h)]))
+        for key, (handle, ctxs) in items:
+            output = handle() if callable(handle) else next(outputs)
             if isinstance(key, tuple):
                 for p, out, ctx in zip(key, output, ctxs):
                     self._allreduce_delay[p] = self.backward_passes_per_step

@@ -78,22 +78,39 @@ def run_steps(model_name, model, opt, x, y, steps, bf16, events=None):
 
 
 def enqueue_cost(device, calls=2000):
-    """Seconds of Python per GPU allreduce enqueue (allreduce_async_ of a 1-element tensor,
-    100 names cycled), and per enqueue + synchronize."""
+    """Seconds of Python per GPU allreduce (allreduce_async_ of a 1-element tensor, 100 names
+    cycled): per enqueue; per synchronize of a completed operation, one by one and all at once
+    (DistributedOptimizer's step); and per enqueue + synchronize, the communication included."""
+    from ferrovod.torch import mpi_ops
+
     tensors = [torch.ones(1, device=device) for _ in range(100)]
     for i, t in enumerate(tensors):  # warm the names
         hvd.synchronize(hvd.allreduce_async_(t, name="cost.%d" % i))
     torch.cuda.synchronize()
-    enq = 0.0
-    total_start = time.perf_counter()
-    for k in range(calls // 100):
+    enq, one, many = 0.0, 0.0, 0.0
+    rounds = calls // 100
+    for k in range(rounds):
         t0 = time.perf_counter()
         hs = [hvd.allreduce_async_(t, name="cost.%d" % i) for i, t in enumerate(tensors)]
         enq += time.perf_counter() - t0
-        for h in hs:
-            hvd.synchronize(h)
+        while not all(hvd.poll(h) for h in hs):
+            time.sleep(0.0002)
+        t0 = time.perf_counter()
+        if k % 2:
+            mpi_ops._synchronize_all(hs)
+            many += time.perf_counter() - t0
+        else:
+            for h in hs:
+                hvd.synchronize(h)
+            one += time.perf_counter() - t0
     torch.cuda.synchronize()
-    return enq / calls, (time.perf_counter() - total_start) / calls
+    per = rounds // 2 * 100
+    t0 = time.perf_counter()
+    for k in range(rounds):
+        hs = [hvd.allreduce_async_(t, name="cost.%d" % i) for i, t in enumerate(tensors)]
+        mpi_ops._synchronize_all(hs)
+    torch.cuda.synchronize()
+    return enq / calls, one / per, many / per, (time.perf_counter() - t0) / calls
 
 
 def main():
@@ -166,7 +183,7 @@ def main():
             # the slowest rank's best round: the job moves at its slowest rank
             best = max(hvd.allgather_object(min(times[m]), name="t.%s.%s" % (precision, m)))
             results[(precision, m)] = args.steps * args.batch * n / best
-    cost, roundtrip = enqueue_cost(device)
+    cost, sync_one, sync_all, roundtrip = enqueue_cost(device)
     if hvd.rank() == 0:
         unit = "sequences" if args.model == "bert" else "images"
         name = "bert-base" if args.model == "bert" else args.model
@@ -188,8 +205,10 @@ def main():
                     "" if precision == "fp32" else " (%s)" % precision))
             print("JSON " + json.dumps({"model": name, "precision": precision, "np": n,
                                         "per_s": row}))
-        print("python cost of one GPU allreduce_async_ enqueue: %.1f us; enqueue + synchronize "
-              "of 100 in flight: %.1f us per tensor" % (cost * 1e6, roundtrip * 1e6))
+        print("python cost of one GPU allreduce_async_ enqueue: %.1f us; synchronize of a "
+              "completed one: %.1f us one by one, %.1f us all at once; enqueue + synchronize of "
+              "100 in flight, communication included: %.1f us per tensor"
+              % (cost * 1e6, sync_one * 1e6, sync_all * 1e6, roundtrip * 1e6))
     dist.destroy_process_group()
 
 

@@ -286,6 +286,27 @@ def test_unsupported_and_bad_arguments():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_synchronize_all_completes_every_handle_before_raising(device):
+    """The optimizer's step waits for all its handles at once: a failed one among them is
+    raised only after the others completed, and none is left in flight."""
+    from ferrovod import _core
+    from ferrovod.torch import mpi_ops
+
+    r, n, d = hvd.rank(), hvd.size(), dev(device)
+    before = _core.in_flight_count()
+    xs = [torch.full((3,), float(r + k), device=d) for k in range(2)]
+    handles = [hvd.allreduce_async_(xs[0], op=hvd.Sum, name="sa.first." + device),
+               hvd.allreduce_async_(torch.ones(2 + r, device=d), name="sa.bad." + device),
+               hvd.allreduce_async_(xs[1], op=hvd.Sum, name="sa.last." + device)]
+    with pytest.raises(RuntimeError):
+        mpi_ops._synchronize_all(handles)
+    assert _core.in_flight_count() == before
+    for k, x in enumerate(xs):
+        close(x, torch.full((3,), float(sum(q + k for q in range(n)))), torch.float32)
+    assert mpi_ops._synchronize_all(handles) == [None] * 3  # forgotten, as synchronize does
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_mismatches_raise_on_every_rank(device):
     r = hvd.rank()
     d = dev(device)
