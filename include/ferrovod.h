@@ -529,9 +529,10 @@ int32_t fv_status_code(int32_t status);
 const char *fv_version(void);
 
 /*
- Whether a backend is available: "mpi" → 1; "nccl" and "cuda" → 1 where the CUDA driver and
- NCCL libraries load (GPU support is always compiled in, loaded at run time); "gloo",
- "rocm", "ddl", "ccl" and unknown names → 0.
+ Whether a backend is available: "mpi" → 1; "nccl" → NCCL's version code (e.g. 22803, as
+ Horovod's `nccl_built()` returns) and "cuda" → 1 where the CUDA driver and NCCL libraries
+ load (GPU support is always compiled in, loaded at run time), else 0; "gloo", "rocm", "ddl",
+ "ccl" and unknown names → 0.
 
  # Safety
  `what` is NULL or a NUL-terminated string.

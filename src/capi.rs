@@ -500,9 +500,10 @@ pub extern "C" fn fv_version() -> *const c_char {
     V.as_ptr().cast()
 }
 
-/// Whether a backend is available: "mpi" → 1; "nccl" and "cuda" → 1 where the CUDA driver and
-/// NCCL libraries load (GPU support is always compiled in, loaded at run time); "gloo",
-/// "rocm", "ddl", "ccl" and unknown names → 0.
+/// Whether a backend is available: "mpi" → 1; "nccl" → NCCL's version code (e.g. 22803, as
+/// Horovod's `nccl_built()` returns) and "cuda" → 1 where the CUDA driver and NCCL libraries
+/// load (GPU support is always compiled in, loaded at run time), else 0; "gloo", "rocm", "ddl",
+/// "ccl" and unknown names → 0.
 ///
 /// # Safety
 /// `what` is NULL or a NUL-terminated string.
@@ -519,7 +520,13 @@ pub unsafe extern "C" fn fv_built_with(what: *const c_char) -> i32 {
         }
         // GPU support is compiled in; it is usable where the libraries load
         let gpu = crate::transport::cuda::cuda_present() && crate::transport::nccl::nccl_present();
-        i32::from(gpu && (name.eq_ignore_ascii_case(b"nccl") || name.eq_ignore_ascii_case(b"cuda")))
+        if !gpu {
+            return 0;
+        }
+        if name.eq_ignore_ascii_case(b"nccl") {
+            return crate::transport::nccl::version().unwrap_or(0);
+        }
+        i32::from(name.eq_ignore_ascii_case(b"cuda"))
     })
     .unwrap_or(0)
 }

@@ -328,6 +328,11 @@ def built_with(what):
     return bool(LIB.fv_built_with(what.encode()))
 
 
+def nccl_version():
+    """NCCL's version code (e.g. 22803) where the core can load CUDA and NCCL, else 0."""
+    return int(LIB.fv_built_with(b"nccl"))
+
+
 def _list(fn, *args):
     buf = (ctypes.c_int32 * 4096)()
     n = ctypes.c_int32()

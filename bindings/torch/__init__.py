@@ -11,6 +11,7 @@ import os
 # a value the user chose is kept.
 os.environ.setdefault("HOROVOD_ENABLE_ASYNC_COMPLETION", "1")
 
+from ferrovod import _core  # noqa: E402
 from ferrovod.torch.mpi_ops import *  # noqa: E402,F401,F403
 from ferrovod.torch.mpi_ops import (  # noqa: E402,F401
     Adasum,
@@ -40,6 +41,17 @@ from horovod.common.process_sets import (  # noqa: E402,F401
 from horovod.common.util import check_extension, gpu_available, split_list  # noqa: E402,F401
 
 from horovod.common.basics import *  # noqa: E402,F401,F403 (init, rank, size, ..., Sum, Average, ...)
+
+
+def nccl_built():
+    """NCCL's version code where CUDA tensors go through NCCL here (Horovod's value for a build
+    with NCCL), else 0."""
+    return _core.nccl_version()
+
+
+def cuda_built():
+    """Whether CUDA tensors can go through ferrovod's GPU path here."""
+    return _core.built_with("cuda")
 
 
 def __getattr__(name):

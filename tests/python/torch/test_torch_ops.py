@@ -270,6 +270,16 @@ def test_cuda_stream_ordering_without_host_sync():
         assert torch.all(got == 3.0 * n).item()
 
 
+def test_nccl_built_says_whether_cuda_tensors_use_nccl():
+    """Horovod's `nccl_built()` is the NCCL version code of a build with NCCL, else 0."""
+    version = hvd.nccl_built()
+    if "cuda" in DEVICES:
+        # NCCL 2.x codes are major * 10000 + minor * 100 + patch since 2.9
+        assert version // 10000 == 2 and hvd.cuda_built()
+    else:
+        assert version == 0 and not hvd.cuda_built()
+
+
 def test_unsupported_and_bad_arguments():
     with pytest.raises(ValueError):
         hvd.allreduce(torch.zeros(2, dtype=torch.complex64), name="bad.complex")
