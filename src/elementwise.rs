@@ -40,16 +40,25 @@ pub fn reduce_half<T: Copy>(
 const F16_BLOCK: usize = 256;
 
 pub fn reduce_f16(acc: &mut [f16], x: &[f16], op: ReduceOp) {
-    let f = in_f32(op);
     let (mut wa, mut wx) = ([0f32; F16_BLOCK], [0f32; F16_BLOCK]);
     for (a, b) in acc.chunks_mut(F16_BLOCK).zip(x.chunks(F16_BLOCK)) {
         let k = a.len().min(b.len());
         a[..k].convert_to_f32_slice(&mut wa[..k]);
         b[..k].convert_to_f32_slice(&mut wx[..k]);
-        for (p, q) in wa[..k].iter_mut().zip(&wx[..k]) {
-            *p = f(*p, *q);
-        }
+        combine(&mut wa[..k], &wx[..k], op);
         a[..k].convert_from_f32_slice(&wa[..k]);
+    }
+}
+
+/// `a[i] = op(a[i], b[i])`, one loop per op so that each compiles to vector code (a function
+/// pointer called per value cost more than the f16 conversions around it).
+fn combine(a: &mut [f32], b: &[f32], op: ReduceOp) {
+    let pairs = a.iter_mut().zip(b);
+    match op {
+        ReduceOp::Min => pairs.for_each(|(p, q)| *p = p.min(*q)),
+        ReduceOp::Max => pairs.for_each(|(p, q)| *p = p.max(*q)),
+        ReduceOp::Product => pairs.for_each(|(p, q)| *p *= *q),
+        _ => pairs.for_each(|(p, q)| *p += *q),
     }
 }
 
@@ -303,7 +312,7 @@ pub fn reduce_into(acc: &mut [u8], x: &[u8], dtype: DataType, op: ReduceOp) -> R
         DataType::I64 => reduce_int!(acc, x, i64, op),
         DataType::F32 => reduce_float!(acc, x, f32, op, |v: f32| v, |v: f32| v),
         DataType::F64 => reduce_float!(acc, x, f64, op, id, id),
-        DataType::F16 => reduce_float!(acc, x, f16, op, f16::to_f32, f16::from_f32),
+        DataType::F16 => reduce_f16_bytes(acc, x, op),
         DataType::BF16 => reduce_float!(acc, x, bf16, op, bf16::to_f32, bf16::from_f32),
         DataType::Bool => {
             let or = matches!(op, ReduceOp::Sum | ReduceOp::Max);
@@ -313,6 +322,30 @@ pub fn reduce_into(acc: &mut [u8], x: &[u8], dtype: DataType, op: ReduceOp) -> R
         }
     }
     Ok(())
+}
+
+/// `reduce_into` of f16 bytes (any alignment), `F16_BLOCK` values at a time through the slice
+/// conversions, as `reduce_f16`: a value at a time cost ten times as much (BENCHMARKS.md,
+/// issue 19), and a host ring reduces half of an fp16 batch this way on every step.
+fn reduce_f16_bytes(acc: &mut [u8], x: &[u8], op: ReduceOp) {
+    let (mut ha, mut hx) = ([f16::ZERO; F16_BLOCK], [f16::ZERO; F16_BLOCK]);
+    let (mut wa, mut wx) = ([0f32; F16_BLOCK], [0f32; F16_BLOCK]);
+    for (a, b) in acc.chunks_mut(2 * F16_BLOCK).zip(x.chunks(2 * F16_BLOCK)) {
+        let k = a.len() / 2;
+        for (h, c) in ha[..k].iter_mut().zip(a.chunks_exact(2)) {
+            *h = f16::from_le_bytes([c[0], c[1]]);
+        }
+        for (h, c) in hx[..k].iter_mut().zip(b.chunks_exact(2)) {
+            *h = f16::from_le_bytes([c[0], c[1]]);
+        }
+        ha[..k].convert_to_f32_slice(&mut wa[..k]);
+        hx[..k].convert_to_f32_slice(&mut wx[..k]);
+        combine(&mut wa[..k], &wx[..k], op);
+        ha[..k].convert_from_f32_slice(&wa[..k]);
+        for (o, h) in a.chunks_exact_mut(2).zip(&ha[..k]) {
+            o.copy_from_slice(&h.to_le_bytes());
+        }
+    }
 }
 
 /// `out = (a + b) / 2` for floating dtypes in one pass: the sum rounded to the dtype (16-bit
@@ -398,6 +431,54 @@ mod tests {
             acc.iter().map(|v| v.to_f32()).collect::<Vec<_>>(),
             [3.0, 256.0]
         );
+    }
+
+    #[test]
+    fn f16_bytes_reduce_as_one_value_at_a_time() {
+        // every class of value (subnormals, overflow to Inf, NaN, signed zeros), more than one
+        // block and a partial one
+        let specials = [
+            0.0f32,
+            -0.0,
+            6.0e-8,
+            -6.0e-8,
+            65504.0,
+            -65504.0,
+            1.0e-3,
+            f32::NAN,
+        ];
+        let value = |i: usize, s: usize| -> f16 {
+            match (i * 7 + s) % 11 {
+                k if k < specials.len() => f16::from_f32(specials[k]),
+                _ => f16::from_f32(((i * 37 + s * 11) % 2001) as f32 * 0.37 - 370.0),
+            }
+        };
+        let n = 2 * F16_BLOCK + 37;
+        let bytes =
+            |s: usize| -> Vec<u8> { (0..n).flat_map(|i| value(i, s).to_le_bytes()).collect() };
+        for op in [
+            ReduceOp::Sum,
+            ReduceOp::Min,
+            ReduceOp::Max,
+            ReduceOp::Product,
+        ] {
+            let (mut acc, x) = (bytes(0), bytes(1));
+            // unaligned views too: one byte in
+            let mut shifted = vec![0u8; acc.len() + 1];
+            shifted[1..].copy_from_slice(&acc);
+            reduce_into(&mut acc, &x, DataType::F16, op).unwrap();
+            reduce_into(&mut shifted[1..], &x, DataType::F16, op).unwrap();
+            let f = in_f32(op);
+            for i in 0..n {
+                let want = f16::from_f32(f(value(i, 0).to_f32(), value(i, 1).to_f32()));
+                let got = f16::from_le_bytes([acc[2 * i], acc[2 * i + 1]]);
+                assert!(
+                    got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                    "{op:?} element {i}: {got} vs {want}"
+                );
+            }
+            assert_eq!(&shifted[1..], &acc[..]);
+        }
     }
 
     #[test]
