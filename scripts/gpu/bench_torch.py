@@ -49,7 +49,7 @@ def loss_of(model_name, model, x, y):
     return F.cross_entropy(model(x), y)
 
 
-def make(mode, model_name, device):
+def make(mode, model_name, device, groups=0):
     torch.manual_seed(0)
     model = build(model_name).to(device)
     if mode in ("ddp", "ddp_hook"):
@@ -61,7 +61,9 @@ def make(mode, model_name, device):
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     if mode == "ferrovod":
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        # groups > 0: Horovod's `groups`, the gradients enqueued as that many grouped allreduces
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       groups=groups or None)
     return model, opt
 
 
@@ -125,6 +127,9 @@ def main():
     ap.add_argument("--gc", choices=["on", "freeze", "off"], default="on",
                     help="Python's garbage collector while timing: as is, with everything built "
                          "so far frozen out of its scans (gc.freeze), or disabled")
+    ap.add_argument("--groups", type=int, default=0,
+                    help="ferrovod mode: DistributedOptimizer's groups (0: one allreduce per "
+                         "gradient, Horovod's default)")
     ap.add_argument("--step-stats", action="store_true",
                     help="print each mode's step times (GPU events on the current stream)")
     args = ap.parse_args()
@@ -140,7 +145,7 @@ def main():
     n = hvd.size()
     x, y = batch_for(args.model, args.batch, device)
     modes = args.modes.split(",")
-    models = {m: make(m, args.model, device) for m in modes}
+    models = {m: make(m, args.model, device, args.groups) for m in modes}
     if args.gc == "freeze":
         gc.collect()
         gc.freeze()
