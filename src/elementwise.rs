@@ -40,14 +40,25 @@ pub fn reduce_half<T: Copy>(
 const F16_BLOCK: usize = 256;
 
 pub fn reduce_f16(acc: &mut [f16], x: &[f16], op: ReduceOp) {
-    let (mut wa, mut wx) = ([0f32; F16_BLOCK], [0f32; F16_BLOCK]);
+    let mut wide = ([0f32; F16_BLOCK], [0f32; F16_BLOCK]);
     for (a, b) in acc.chunks_mut(F16_BLOCK).zip(x.chunks(F16_BLOCK)) {
-        let k = a.len().min(b.len());
-        a[..k].convert_to_f32_slice(&mut wa[..k]);
-        b[..k].convert_to_f32_slice(&mut wx[..k]);
-        combine(&mut wa[..k], &wx[..k], op);
-        a[..k].convert_from_f32_slice(&wa[..k]);
+        reduce_f16_block(a, b, op, &mut wide);
     }
+}
+
+/// `a = op(a, b)` for at most `F16_BLOCK` values, through the caller's f32 scratch `wide`.
+fn reduce_f16_block(
+    a: &mut [f16],
+    b: &[f16],
+    op: ReduceOp,
+    wide: &mut ([f32; F16_BLOCK], [f32; F16_BLOCK]),
+) {
+    let k = a.len().min(b.len());
+    let (wa, wx) = (&mut wide.0[..k], &mut wide.1[..k]);
+    a[..k].convert_to_f32_slice(wa);
+    b[..k].convert_to_f32_slice(wx);
+    combine(wa, wx, op);
+    a[..k].convert_from_f32_slice(wa);
 }
 
 /// `a[i] = op(a[i], b[i])`, one loop per op so that each compiles to vector code (a function
@@ -324,12 +335,12 @@ pub fn reduce_into(acc: &mut [u8], x: &[u8], dtype: DataType, op: ReduceOp) -> R
     Ok(())
 }
 
-/// `reduce_into` of f16 bytes (any alignment), `F16_BLOCK` values at a time through the slice
-/// conversions, as `reduce_f16`: a value at a time cost ten times as much (BENCHMARKS.md,
+/// `reduce_into` of f16 bytes (any alignment): `F16_BLOCK` values at a time copied out of the
+/// bytes and reduced as `reduce_f16` does. A value at a time cost ten times as much (BENCHMARKS.md,
 /// issue 19), and a host ring reduces half of an fp16 batch this way on every step.
 fn reduce_f16_bytes(acc: &mut [u8], x: &[u8], op: ReduceOp) {
     let (mut ha, mut hx) = ([f16::ZERO; F16_BLOCK], [f16::ZERO; F16_BLOCK]);
-    let (mut wa, mut wx) = ([0f32; F16_BLOCK], [0f32; F16_BLOCK]);
+    let mut wide = ([0f32; F16_BLOCK], [0f32; F16_BLOCK]);
     for (a, b) in acc.chunks_mut(2 * F16_BLOCK).zip(x.chunks(2 * F16_BLOCK)) {
         let k = a.len() / 2;
         for (h, c) in ha[..k].iter_mut().zip(a.chunks_exact(2)) {
@@ -338,10 +349,7 @@ fn reduce_f16_bytes(acc: &mut [u8], x: &[u8], op: ReduceOp) {
         for (h, c) in hx[..k].iter_mut().zip(b.chunks_exact(2)) {
             *h = f16::from_le_bytes([c[0], c[1]]);
         }
-        ha[..k].convert_to_f32_slice(&mut wa[..k]);
-        hx[..k].convert_to_f32_slice(&mut wx[..k]);
-        combine(&mut wa[..k], &wx[..k], op);
-        ha[..k].convert_from_f32_slice(&wa[..k]);
+        reduce_f16_block(&mut ha[..k], &hx[..k], op, &mut wide);
         for (o, h) in a.chunks_exact_mut(2).zip(&ha[..k]) {
             o.copy_from_slice(&h.to_le_bytes());
         }

@@ -271,19 +271,16 @@ def _synchronize_all(handles):
     live = [p for p in pendings if p is not None]
     streams = {}
 
-    def device_wait(device):
+    def waiter(device):
         def wait(event):
-            stream = streams.get(device)
-            if stream is None:
-                stream = streams[device] = _current_stream(device)
-            _stream_wait(stream, event)
+            if device not in streams:  # read once, at the first GPU event
+                streams[device] = _current_stream(device)
+            _stream_wait(streams[device], event)
 
         return wait
 
-    waiters = {}
-    waits = [None if p.device is None else
-             waiters.get(p.device) or waiters.setdefault(p.device, device_wait(p.device))
-             for p in live]
+    waiters = {p.device: waiter(p.device) for p in live if p.device is not None}
+    waits = [waiters.get(p.device) for p in live]  # None for host operations
     outputs = iter(_core.wait_all([p.handle for p in live], waits))
     return [None if p is None else p.finish(next(outputs)) for p in pendings]
 
