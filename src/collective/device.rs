@@ -12,7 +12,7 @@ use crate::collective::{
     reducescatter_segments, reducescatter_shape,
 };
 use crate::collective::{kernels, layout, ring};
-use crate::compress::Codec;
+use crate::compress::{Codec, DeviceFeedback};
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
 use crate::message::{ReduceOp, Response};
@@ -45,6 +45,8 @@ pub struct Lane<'a> {
     pub replay: Option<ReplayKey>,
     /// Set by a batch launched from a replayed graph.
     pub replayed: bool,
+    /// The `u8` codec's residuals of the process set's tensors.
+    pub feedback: &'a mut DeviceFeedback,
 }
 
 impl Lane<'_> {
@@ -206,6 +208,83 @@ pub fn allreduce_half(
         post: enc.post,
     };
     launch_or_replay(t, lane, &batch, act)
+}
+
+/// An f32 sum or average travelling as 8-bit blocks, computed as the host's `quantized`
+/// allreduce computes it, bit for bit: every tensor's contribution (prescaled, plus its residual
+/// from `lane.feedback`) packed into the fusion buffer and encoded chunk by chunk; each chunk's
+/// blocks sent to its owner (NCCL alltoall), summed there in f32 and encoded again; the owners'
+/// blocks gathered by every rank (NCCL allgather), decoded (postscaled) and unpacked. What
+/// rounding lost becomes the tensors' residuals. Never replayed from a graph: residuals of a
+/// tensor whose size changes move.
+pub fn allreduce_u8(
+    t: &dyn DeviceTransport,
+    lane: &mut Lane,
+    resps: &[&Response],
+    ios: &mut [&mut dyn DeviceIo],
+    act: ActivitySink,
+) -> Result<()> {
+    let enc = Encoding::of(Codec::U8, resps[0], t.size())?;
+    let (n, me) = (t.size(), t.rank());
+    let counts: Vec<usize> = ios.iter().map(|io| io.input().len() / 4).collect();
+    let total: usize = counts.iter().sum();
+    let (gpu, stream) = (lane.gpu, lane.stream);
+    let residuals = (resps.iter().zip(&counts))
+        .map(|(r, c)| lane.feedback.get(gpu, stream, &r.name, c * 4))
+        .collect::<Result<Vec<_>>>()?;
+    // the same chunks and blocks on every rank: functions of the agreed length only
+    let stride = kernels::u8_stride(total.div_ceil(n));
+    let own = ring::chunk(total, 4, n, me);
+    let parts = [
+        total * 4,
+        total * 4,
+        n * stride,
+        n * stride,
+        own.len(),
+        kernels::u8_bounds_bytes(n),
+    ];
+    let places: Vec<usize> = (parts.iter())
+        .scan(0, |at, len| {
+            let place = *at;
+            *at += len.next_multiple_of(16);
+            Some(place)
+        })
+        .collect();
+    let whole = lane.fusion(places[5] + parts[5])?;
+    let part = |i: usize| whole.sub(places[i], parts[i]);
+    let (x, lost, blocks, recv, sum, bounds) =
+        (part(0)?, part(1)?, part(2)?, part(3)?, part(4)?, part(5)?);
+    let pieces = layout::consecutive(counts.iter().map(|c| c * 4));
+    act(Some("MEMCPY_IN_FUSION_BUFFER"));
+    copy_consecutive(gpu, stream, x, &inputs(ios), true)?;
+    kernels::scale(gpu, stream, x, x, total, DataType::F32, enc.pre)?;
+    let adds = (pieces.iter())
+        .map(|p| Ok((residuals[p.tensor], x.sub(p.place, p.len)?, p.len / 4)))
+        .collect::<Result<Vec<_>>>()?;
+    kernels::add_batch(gpu, stream, &adds)?;
+    act(Some("U8_ALLREDUCE"));
+    kernels::u8_encode(
+        gpu, stream, x, lost, blocks, bounds, total, n, stride, false,
+    )?;
+    let each = vec![stride; n];
+    t.alltoallv(blocks, &each, recv, &each, stream)?;
+    let mine = own.len() / 4;
+    kernels::u8_sum(gpu, stream, recv, sum, n, stride, mine)?;
+    let own_lost = lost.sub(own.start, own.len())?;
+    let own_block = blocks.sub(me * stride, stride)?;
+    kernels::u8_encode(
+        gpu, stream, sum, own_lost, own_block, bounds, mine, 1, stride, true,
+    )?;
+    t.allgatherv_in_place(blocks, &each, stream)?;
+    act(Some("MEMCPY_OUT_FUSION_BUFFER"));
+    kernels::u8_decode(gpu, stream, blocks, x, total, n, stride, enc.post as f32)?;
+    copy_consecutive(gpu, stream, x, &outputs(ios), false)?;
+    let keep = (pieces.iter())
+        .map(|p| Copy::new(lost.sub(p.place, p.len)?, residuals[p.tensor], p.len))
+        .collect::<Result<Vec<_>>>()?;
+    gpu.copy_batch(stream, &keep)?;
+    act(None);
+    Ok(())
 }
 
 /// A 16-bit allreduce's launches: cast in, sum, cast out.
@@ -477,24 +556,43 @@ pub struct Levels<'a> {
     pub cross: &'a dyn Transport,
 }
 
-/// Hierarchical allreduce of a batch: the tensors packed into the fusion buffer (prescaled), an
-/// NCCL reduce-scatter inside the node, this rank's slice allreduced across nodes through host
-/// memory, an NCCL allgather inside the node, postscaled and unpacked. Only the slice crosses
-/// nodes. The host step waits for the stream's work before it; the rest is enqueued.
+/// Hierarchical allreduce of a batch: the tensors packed into the fusion buffer (prescaled; under
+/// a 16-bit codec cast on the way, as `allreduce_half` does), an NCCL reduce-scatter inside the
+/// node, this rank's slice allreduced across nodes through host memory, an NCCL allgather inside
+/// the node, postscaled and unpacked. Only the slice crosses nodes. The host step waits for the
+/// stream's work before it; the rest is enqueued.
 pub fn allreduce_hierarchical(
     levels: &Levels,
     lane: &mut Lane,
+    codec: Codec,
     resps: &[&Response],
     ios: &mut [&mut dyn DeviceIo],
     act: ActivitySink,
 ) -> Result<()> {
     let head = resps[0];
-    let dtype = head.dtype;
-    let size = dtype.size();
     let (local, cross) = (levels.local, levels.cross);
-    let (op, post) = backend_op(head.reduce_op, local.size() * cross.size(), head.postscale)?;
-    let total: usize = ios.iter().map(|io| io.input().len()).sum();
-    let elems = total / size;
+    let ranks = local.size() * cross.size();
+    let (dtype, op, pre, post) = match codec {
+        Codec::None => {
+            let (op, post) = backend_op(head.reduce_op, ranks, head.postscale)?;
+            (head.dtype, op, head.prescale, post)
+        }
+        Codec::Half(_) => {
+            let enc = Encoding::of(codec, head, ranks)?;
+            (enc.wire, enc.op, enc.pre, enc.post)
+        }
+        Codec::U8 => {
+            return Err(Error::Internal(
+                "u8 batches do not run hierarchically on GPUs".into(),
+            ));
+        }
+    };
+    let size = dtype.size();
+    let counts: Vec<usize> = (ios.iter())
+        .map(|io| io.input().len() / head.dtype.size())
+        .collect();
+    let elems: usize = counts.iter().sum();
+    let total = elems * size;
     let (n, me) = (local.size(), local.rank());
     // the same split on every rank of the node: a function of agreed sizes only
     let slices: Vec<Range<usize>> = (0..n).map(|c| ring::chunk(elems, size, n, c)).collect();
@@ -503,12 +601,31 @@ pub fn allreduce_hierarchical(
     let whole = lane.fusion(total + mine.len())?;
     let (buf, slice) = (whole.first(total)?, whole.sub(total, mine.len())?);
     let (gpu, stream) = (lane.gpu, lane.stream);
+    let pieces = layout::consecutive(counts.iter().map(|c| c * size));
+    let places = |into: bool| {
+        (pieces.iter())
+            .map(|p| {
+                let io = &ios[p.tensor];
+                let tensor = if into { io.input() } else { io.output() };
+                let place = buf.sub(p.place, p.len)?;
+                Ok(match into {
+                    true => (tensor, place, counts[p.tensor]),
+                    false => (place, tensor, counts[p.tensor]),
+                })
+            })
+            .collect::<Result<Vec<_>>>()
+    };
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
-    copy_consecutive(gpu, stream, buf, &inputs(ios), true)?;
-    kernels::scale(gpu, stream, buf, buf, elems, dtype, head.prescale)?;
+    match codec {
+        Codec::Half(w) => kernels::cast_batch(gpu, stream, &places(true)?, w, true, pre)?,
+        _ => {
+            copy_consecutive(gpu, stream, buf, &inputs(ios), true)?;
+            kernels::scale(gpu, stream, buf, buf, elems, dtype, pre)?;
+        }
+    }
     act(Some("NCCL_REDUCESCATTER"));
-    let counts: Vec<usize> = slices.iter().map(|s| s.len() / size).collect();
-    local.reduce_scatter(buf, slice, &counts, dtype, op, stream)?;
+    let slice_counts: Vec<usize> = slices.iter().map(|s| s.len() / size).collect();
+    local.reduce_scatter(buf, slice, &slice_counts, dtype, op, stream)?;
     act(Some("MEMCPY_DEVICE_TO_HOST"));
     let mut host = vec![0u8; mine.len()];
     gpu.download(stream, slice, &mut host)?;
@@ -519,9 +636,14 @@ pub fn allreduce_hierarchical(
     act(Some("NCCL_ALLGATHER"));
     let bytes: Vec<usize> = slices.iter().map(Range::len).collect();
     local.allgatherv_in_place(buf, &bytes, stream)?;
-    kernels::scale(gpu, stream, buf, buf, elems, dtype, post)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-    copy_consecutive(gpu, stream, buf, &outputs(ios), false)?;
+    match codec {
+        Codec::Half(w) => kernels::cast_batch(gpu, stream, &places(false)?, w, false, post)?,
+        _ => {
+            kernels::scale(gpu, stream, buf, buf, elems, dtype, post)?;
+            copy_consecutive(gpu, stream, buf, &outputs(ios), false)?;
+        }
+    }
     act(None);
     Ok(())
 }

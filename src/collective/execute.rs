@@ -74,8 +74,12 @@ pub fn device(
     let codec = how.codec;
     match (codec, &route) {
         (Codec::None, _) => {}
+        (_, DeviceRoute::Hierarchical(_)) if head.kind == OpKind::Allreduce => {}
         (Codec::Half(wire), DeviceRoute::Flat(t)) if head.kind == OpKind::Allreduce => {
             return device::allreduce_half(*t, lane, wire, resps, ios, sink);
+        }
+        (Codec::U8, DeviceRoute::Flat(t)) if head.kind == OpKind::Allreduce => {
+            return device::allreduce_u8(*t, lane, resps, ios, sink);
         }
         _ => {
             return Err(Error::Internal(format!(
@@ -86,7 +90,7 @@ pub fn device(
     let t = match route {
         DeviceRoute::Flat(t) => t,
         DeviceRoute::Hierarchical(levels) if head.kind == OpKind::Allreduce => {
-            return device::allreduce_hierarchical(&levels, lane, resps, ios, sink);
+            return device::allreduce_hierarchical(&levels, lane, codec, resps, ios, sink);
         }
         DeviceRoute::Hierarchical(_) => {
             return Err(Error::Internal(format!(

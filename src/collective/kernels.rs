@@ -52,6 +52,11 @@ pub static LIBRARY: KernelLibrary = KernelLibrary {
         "fv_reduce_f32",
         "fv_reduce_f64",
         "fv_reduce_bool",
+        "fv_add_f32",
+        "fv_u8_bounds",
+        "fv_u8_encode",
+        "fv_u8_sum",
+        "fv_u8_decode",
     ],
 };
 
@@ -279,6 +284,157 @@ pub fn reduce_into(
     gpu.launch_elementwise(stream, kernel, x, acc, n, Extra::Op(code))
 }
 
+/// `dst[i] += src[i]` in f32 for every `(src, dst, elements)`, in one batched launch per 128:
+/// the u8 codec's residuals added to the packed contributions.
+pub fn add_batch(
+    gpu: &Gpu,
+    stream: &Stream,
+    items: &[(DeviceRange, DeviceRange, usize)],
+) -> Result<()> {
+    let kernel = Elementwise {
+        library: &LIBRARY,
+        name: "fv_add_f32",
+        src_size: 4,
+        dst_size: 4,
+    };
+    let spans = items
+        .iter()
+        .map(|(s, d, n)| Span::new(*s, *d, *n, &kernel))
+        .collect::<Result<Vec<_>>>()?;
+    gpu.launch_batched(stream, kernel, &spans, 1.0)
+}
+
+/// A kernel launched by `Gpu::launch_ranges` (no element sizes).
+fn ranges_kernel(name: &'static str) -> Elementwise {
+    Elementwise {
+        library: &LIBRARY,
+        name,
+        src_size: 0,
+        dst_size: 0,
+    }
+}
+
+/// Blocks in x for a grid-stride loop over `len` elements.
+fn blocks_for(len: usize) -> u32 {
+    len.div_ceil(256 * 4).clamp(1, 512) as u32
+}
+
+/// The bytes of a u8 batch's block stride for chunks of up to `values` values: header and
+/// values, rounded up so that every block's header is aligned.
+pub fn u8_stride(values: usize) -> usize {
+    (crate::compress::quantize::encoded_len(values)).next_multiple_of(16)
+}
+
+/// Bytes of the bounds of `chunks` chunks (`u8_bounds`).
+pub fn u8_bounds_bytes(chunks: usize) -> usize {
+    12 * chunks
+}
+
+/// Encodes `values` f32 (`x`) split into `chunks` chunks as `ring::chunk` splits them, into
+/// blocks `stride` bytes apart, as the host's `quantize::encode` does bit for bit; what rounding
+/// loses is written to `lost` (or, with `accumulate`, added to it). `bounds`
+/// (`u8_bounds_bytes(chunks)`) is scratch: zeroed here, then each chunk's extremes.
+#[allow(clippy::too_many_arguments)] // the values, their losses, the blocks and the scratch
+pub fn u8_encode(
+    gpu: &Gpu,
+    stream: &Stream,
+    x: DeviceRange,
+    lost: DeviceRange,
+    blocks: DeviceRange,
+    bounds: DeviceRange,
+    values: usize,
+    chunks: usize,
+    stride: usize,
+    accumulate: bool,
+) -> Result<()> {
+    x.holds(values * 4, "u8 values")?;
+    lost.holds(values * 4, "u8 losses")?;
+    blocks.holds(chunks * stride, "u8 blocks")?;
+    bounds.holds(u8_bounds_bytes(chunks), "u8 bounds")?;
+    if stride < u8_stride(values.div_ceil(chunks.max(1))) {
+        return Err(Error::Internal("u8 block stride too small".into()));
+    }
+    let bounds = bounds.first(u8_bounds_bytes(chunks))?;
+    gpu.memset_zero(stream, bounds)?;
+    let grid = (blocks_for(values.div_ceil(chunks.max(1))), chunks as u32);
+    let (n, c, w) = (values as u64, chunks as u64, stride as u64);
+    gpu.launch_ranges(
+        stream,
+        ranges_kernel("fv_u8_bounds"),
+        &[x, bounds],
+        &[n, c],
+        grid,
+    )?;
+    gpu.launch_ranges(
+        stream,
+        ranges_kernel("fv_u8_encode"),
+        &[x, lost, blocks, bounds],
+        &[n, c, w, u64::from(accumulate)],
+        grid,
+    )
+}
+
+/// `sum[i]` = the sum over the `ranks` blocks at `blocks` (`stride` bytes apart, `values` values
+/// each) of their decoded values, in rank order from 0.0, as the host's `decode` with `add`.
+pub fn u8_sum(
+    gpu: &Gpu,
+    stream: &Stream,
+    blocks: DeviceRange,
+    sum: DeviceRange,
+    ranks: usize,
+    stride: usize,
+    values: usize,
+) -> Result<()> {
+    blocks.holds(ranks * stride, "u8 received blocks")?;
+    sum.holds(values * 4, "u8 sum")?;
+    if stride < u8_stride(values) {
+        return Err(Error::Internal("u8 block stride too small".into()));
+    }
+    let args = [ranks as u64, stride as u64, values as u64];
+    let grid = (blocks_for(values), 1);
+    gpu.launch_ranges(
+        stream,
+        ranges_kernel("fv_u8_sum"),
+        &[blocks, sum],
+        &args,
+        grid,
+    )
+}
+
+/// Decodes the `chunks` blocks of a batch of `values` values into `out` (f32), each value times
+/// `factor`, as the host's `quantized::Reduced::write` does bit for bit.
+#[allow(clippy::too_many_arguments)]
+pub fn u8_decode(
+    gpu: &Gpu,
+    stream: &Stream,
+    blocks: DeviceRange,
+    out: DeviceRange,
+    values: usize,
+    chunks: usize,
+    stride: usize,
+    factor: f32,
+) -> Result<()> {
+    blocks.holds(chunks * stride, "u8 blocks")?;
+    out.holds(values * 4, "u8 output")?;
+    if stride < u8_stride(values.div_ceil(chunks.max(1))) {
+        return Err(Error::Internal("u8 block stride too small".into()));
+    }
+    let args = [
+        values as u64,
+        chunks as u64,
+        stride as u64,
+        u64::from(factor.to_bits()),
+    ];
+    let grid = (blocks_for(values.div_ceil(chunks.max(1))), chunks as u32);
+    gpu.launch_ranges(
+        stream,
+        ranges_kernel("fv_u8_decode"),
+        &[blocks, out],
+        &args,
+        grid,
+    )
+}
+
 /// The kernels. Half conversions use PTX `cvt` (sm_53+); bfloat16 rounds to nearest even in
 /// integer arithmetic, as `half` does.
 const SOURCE: &str = r#"
@@ -392,6 +548,110 @@ extern "C" __global__ void fv_reduce_f16(const unsigned short* s, unsigned short
   FV_LOOP { d[i] = f2h(fv_op(h2f(d[i]), h2f(s[i]), op)); } }
 extern "C" __global__ void fv_reduce_bf16(const unsigned short* s, unsigned short* d, u64 n, int op) {
   FV_LOOP { d[i] = f2b(fv_op(b2f(d[i]), b2f(s[i]), op)); } }
+// the u8 codec's residuals added to the packed contributions
+extern "C" __global__ void fv_add_f32(const SpanBatch b) {
+  FV_SPAN(float, float, d[i] = __fadd_rn(d[i], s[i])) }
+
+// The u8 codec (compress/quantize.rs and collective/quantized.rs, bit for bit: every operation
+// rounded on its own, never fused). Chunk c of N values over n chunks as ring::chunk splits
+// them; block c of a batch lies c * stride bytes in: minimum, step (f32), one byte per value.
+struct Ranges { u64 at[8]; u64 len[8]; u64 arg[8]; };
+__device__ __forceinline__ void fv_chunk(u64 N, u64 n, u64 c, u64* start, u64* len) {
+  u64 base = N / n, extra = N % n;
+  *start = c * base + (c < extra ? c : extra);
+  *len = base + (c < extra ? 1 : 0);
+}
+// a key that orders as the floats do (NaN aside)
+__device__ __forceinline__ unsigned fv_key(float f) {
+  unsigned u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float fv_unkey(unsigned k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+#define FV_CHUNK_LOOP for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < len; i += (u64)gridDim.x * blockDim.x)
+// at[0]: arg[0] f32 values in arg[1] chunks (block row y: chunk y); at[1]: per chunk three
+// zeroed u32, which become the complement of the minimum's key, the maximum's key (both by
+// atomicMax) and whether a value is NaN or infinite
+extern "C" __global__ void fv_u8_bounds(const Ranges a) {
+  const float* x = (const float*)a.at[0]; unsigned* b = (unsigned*)a.at[1] + 3 * blockIdx.y;
+  u64 start, len; fv_chunk(a.arg[0], a.arg[1], blockIdx.y, &start, &len);
+  unsigned lo = 0, hi = 0, bad = 0;
+  FV_CHUNK_LOOP {
+    float v = x[start + i]; unsigned k = fv_key(v);
+    lo = max(lo, ~k); hi = max(hi, k);
+    bad |= (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u;
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    lo = max(lo, __shfl_down_sync(0xffffffffu, lo, o));
+    hi = max(hi, __shfl_down_sync(0xffffffffu, hi, o));
+    bad |= __shfl_down_sync(0xffffffffu, bad, o);
+  }
+  __shared__ unsigned s[3][32];
+  unsigned w = threadIdx.x / 32, l = threadIdx.x % 32;
+  if (l == 0) { s[0][w] = lo; s[1][w] = hi; s[2][w] = bad; }
+  __syncthreads();
+  if (w != 0) return;
+  unsigned warps = blockDim.x / 32;
+  lo = l < warps ? s[0][l] : 0; hi = l < warps ? s[1][l] : 0; bad = l < warps ? s[2][l] : 0;
+  for (int o = 16; o > 0; o >>= 1) {
+    lo = max(lo, __shfl_down_sync(0xffffffffu, lo, o));
+    hi = max(hi, __shfl_down_sync(0xffffffffu, hi, o));
+    bad |= __shfl_down_sync(0xffffffffu, bad, o);
+  }
+  if (l == 0 && len > 0) { atomicMax(b, lo); atomicMax(b + 1, hi); if (bad) atomicOr(b + 2, 1u); }
+}
+// at[0]: values, at[1]: their losses (written; added to with arg[3]), at[2]: blocks (arg[2]
+// bytes apart), at[3]: fv_u8_bounds' result; arg[0] values, arg[1] chunks
+extern "C" __global__ void fv_u8_encode(const Ranges a) {
+  const float* x = (const float*)a.at[0]; float* lost = (float*)a.at[1];
+  unsigned char* out = (unsigned char*)a.at[2] + blockIdx.y * a.arg[2];
+  const unsigned* b = (const unsigned*)a.at[3] + 3 * blockIdx.y;
+  u64 start, len; fv_chunk(a.arg[0], a.arg[1], blockIdx.y, &start, &len);
+  const bool finite = len == 0 || b[2] == 0;
+  float min = 0.0f, step = 0.0f;
+  if (!finite) { min = __int_as_float(0x7fc00000); step = min; }
+  else if (len > 0) { min = fv_unkey(~b[0]); step = __fdiv_rn(__fsub_rn(fv_unkey(b[1]), min), 255.0f); }
+  if (blockIdx.x == 0 && threadIdx.x == 0) { ((float*)out)[0] = min; ((float*)out)[1] = step; }
+  const float inv = step > 0.0f ? __fdiv_rn(1.0f, step) : 0.0f;
+  const float round = 12582912.0f;
+  unsigned char* q = out + 8;
+  FV_CHUNK_LOOP {
+    float v = x[start + i], l = 0.0f;
+    if (finite) {
+      float sh = __fadd_rn(__fmul_rn(__fsub_rn(v, min), inv), round);
+      q[i] = (unsigned char)(__float_as_uint(sh) & 0xffu);
+      l = __fsub_rn(v, __fadd_rn(min, __fmul_rn(__fsub_rn(sh, round), step)));
+    } else {
+      q[i] = 0;
+    }
+    lost[start + i] = a.arg[3] ? __fadd_rn(lost[start + i], l) : l;
+  }
+}
+// at[0]: arg[0] blocks, arg[1] bytes apart, of arg[2] values each; at[1]: their f32 sum
+extern "C" __global__ void fv_u8_sum(const Ranges a) {
+  const unsigned char* blocks = (const unsigned char*)a.at[0]; float* sum = (float*)a.at[1];
+  const u64 len = a.arg[2];
+  FV_CHUNK_LOOP {
+    float o = 0.0f;
+    for (u64 r = 0; r < a.arg[0]; r++) {
+      const unsigned char* blk = blocks + r * a.arg[1];
+      float min = ((const float*)blk)[0], step = ((const float*)blk)[1];
+      o = __fadd_rn(o, __fadd_rn(min, __fmul_rn((float)blk[8 + i], step)));
+    }
+    sum[i] = o;
+  }
+}
+// at[0]: blocks (arg[2] bytes apart), at[1]: arg[0] f32 values out, in arg[1] chunks, each
+// times the f32 whose bits are arg[3]
+extern "C" __global__ void fv_u8_decode(const Ranges a) {
+  const unsigned char* blk = (const unsigned char*)a.at[0] + blockIdx.y * a.arg[2];
+  float* out = (float*)a.at[1];
+  u64 start, len; fv_chunk(a.arg[0], a.arg[1], blockIdx.y, &start, &len);
+  const float f = __uint_as_float((unsigned)a.arg[3]);
+  const float min = __fmul_rn(((const float*)blk)[0], f), step = __fmul_rn(((const float*)blk)[1], f);
+  FV_CHUNK_LOOP { out[start + i] = __fadd_rn(min, __fmul_rn((float)blk[8 + i], step)); }
+}
 extern "C" __global__ void fv_reduce_bool(const unsigned char* s, unsigned char* d, u64 n, int op) {
   FV_LOOP { d[i] = (op == 0 || op == 2) ? (d[i] | s[i]) : (d[i] & s[i]); } }
 "#;

@@ -13,6 +13,8 @@ use crate::error::{Error, Result};
 use crate::hashing::HashMap;
 pub use crate::message::Compression;
 use crate::message::{OpKind, ReduceOp, Response};
+use crate::transport::cuda::{DeviceMem, Gpu, Stream};
+use crate::transport::memory::DeviceRange;
 
 /// Tensors below this many bytes stay f32 under `mixed` unless `FERROVOD_COMPRESSION_MIN_BYTES`
 /// says otherwise: above every bias and norm parameter of common models (ResNet-50's largest is
@@ -146,6 +148,34 @@ impl Feedback {
                 map.insert(name.to_owned(), residual);
             }
         }
+    }
+}
+
+/// The `u8` codec's residuals of GPU tensors, per tensor name, in device memory (`Feedback`'s
+/// counterpart): read and written in stream order by the batches of one process set.
+#[derive(Default)]
+pub struct DeviceFeedback(HashMap<String, (DeviceMem, usize)>);
+
+impl DeviceFeedback {
+    /// The residual of `name`, `bytes` long: zeros (set on `stream`) the first time, or if the
+    /// tensor's size changed.
+    pub fn get(
+        &mut self,
+        gpu: &Gpu,
+        stream: &Stream,
+        name: &str,
+        bytes: usize,
+    ) -> Result<DeviceRange> {
+        if let Some((m, _)) = self.0.get(name).filter(|(_, b)| *b == bytes) {
+            return m.range().first(bytes);
+        }
+        let m = gpu.alloc_on(stream, bytes)?;
+        gpu.memset_zero(stream, m.range())?;
+        let range = m.range().first(bytes)?;
+        if let Some((old, _)) = self.0.insert(name.to_owned(), (m, bytes)) {
+            old.free_on(stream)?;
+        }
+        Ok(range)
     }
 }
 

@@ -16,6 +16,7 @@ use crate::collective::device::{self, DeviceIo, Lane};
 use crate::collective::execute::{self, DeviceHow, DeviceRoute};
 use crate::collective::replay::{LaunchGraphs, ReplayKey};
 use crate::collective::{ActivitySink, kernels};
+use crate::compress::{Codec, DeviceFeedback};
 use crate::error::{Error, Result};
 use crate::message::{OpKind, Response};
 use crate::runtime::Runtime;
@@ -40,6 +41,8 @@ pub(crate) struct NcclStreams {
     grace: Duration,
     /// The runtime's "some rank's GPU work failed" flag: no grace then.
     abort_all: Arc<AtomicBool>,
+    /// The u8 codec's residuals (after the streams: freed once their work is done or aborted).
+    feedback: DeviceFeedback,
 }
 
 struct NcclStream {
@@ -123,6 +126,7 @@ impl NcclStreams {
             aborted: Arc::new(AtomicBool::new(false)),
             grace,
             abort_all,
+            feedback: DeviceFeedback::default(),
         })
     }
 
@@ -423,6 +427,16 @@ fn enqueue_on_streams(
     gpu.bind()?;
     let k = l.batches % l.streams.len();
     l.batches += 1;
+    if how.codec == Codec::U8 {
+        // a tensor's residual was last used by a batch on any stream
+        let others: Vec<Arc<Event>> = (l.streams.iter().enumerate())
+            .filter(|(i, _)| *i != k)
+            .filter_map(|(_, s)| s.last.clone())
+            .collect();
+        for e in &others {
+            l.streams[k].stream.wait(e)?;
+        }
+    }
     let w = &mut l.streams[k];
     sink(Some("WAIT_FOR_DATA"));
     for e in entries.iter_mut() {
@@ -462,9 +476,13 @@ fn enqueue_on_streams(
         stream: &w.stream,
         fusion: &mut w.fusion,
         graphs: &mut w.graphs,
-        // a hierarchical batch waits for the stream on the host: it cannot be a graph
-        replay: replay.filter(|_| head.kind == OpKind::Allreduce && levels.is_none()),
+        // a hierarchical batch waits for the stream on the host: it cannot be a graph; nor a
+        // u8 batch (`device::allreduce_u8`)
+        replay: replay.filter(|_| {
+            head.kind == OpKind::Allreduce && levels.is_none() && how.codec != Codec::U8
+        }),
         replayed: false,
+        feedback: &mut l.feedback,
     };
     let route = match (levels, &w.local, &w.comm) {
         (Some(h), Some(local), _) => DeviceRoute::Hierarchical(device::Levels {

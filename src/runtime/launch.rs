@@ -264,9 +264,12 @@ impl Executor {
         let hierarchical_allreduce =
             |h: &&Hierarchy| h.policy.choose(bytes) == Algorithm::Hierarchical;
         if gpu::on_device(head) {
-            // on GPUs, allreduces NCCL reduces go hierarchical (the others stage on the host)
+            let codec = self.codec(head);
+            // on GPUs, allreduces NCCL reduces go hierarchical (the others stage on the host),
+            // but for u8's, whose blocks cannot be summed on the way (agreed: from the codec)
             let levels = (self.hierarchy.as_ref())
                 .filter(|_| head.kind == OpKind::Allreduce && nccl::reduces(head.dtype))
+                .filter(|_| codec != Codec::U8)
                 .filter(hierarchical_allreduce)
                 .map(|h| gpu::NodeLevels {
                     local: &h.local,
@@ -275,14 +278,10 @@ impl Executor {
             if levels.is_some() {
                 rt.metrics.add_hierarchical_batch();
             }
-            // the 16-bit codecs on flat routes; u8 and hierarchical batches travel uncompressed
-            // on GPUs for now (agreed: from the codec and the route, both agreed)
-            // on GPUs for now (agreed: from the codec and the route, both agreed); GPU gossip
+            // every codec on allreduces (agreed: from the codec and the kind); GPU gossip
             // travels uncompressed
-            let codec = match self.codec(head) {
-                Codec::Half(w) if levels.is_none() && head.kind == OpKind::Allreduce => {
-                    Codec::Half(w)
-                }
+            let codec = match head.kind {
+                OpKind::Allreduce => codec,
                 _ => Codec::None,
             };
             rt.metrics.add_wire(codec, head.dtype, bytes as u64);

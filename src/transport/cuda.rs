@@ -393,6 +393,41 @@ impl Gpu {
             .map_err(|e| driver("kernel launch", e))
     }
 
+    /// Launches `kernel` (`name(const Ranges a)`) on `grid` blocks of 256 threads. It may touch
+    /// the bytes of `ranges` only (`a.at[i]`, `a.len[i]` long, in order) and reads `args` as
+    /// integers (`a.arg[i]`): kernels whose memory does not follow one element per thread.
+    pub fn launch_ranges(
+        &self,
+        stream: &Stream,
+        kernel: Elementwise,
+        ranges: &[DeviceRange],
+        args: &[u64],
+        grid: (u32, u32),
+    ) -> Result<()> {
+        if ranges.len() > RANGES || args.len() > RANGES {
+            return Err(Error::Internal(format!(
+                "kernel {} takes at most {RANGES} ranges and {RANGES} integers",
+                kernel.name
+            )));
+        }
+        let f = self.function(kernel)?;
+        let mut p = Ranges {
+            at: [0; RANGES],
+            len: [0; RANGES],
+            arg: [0; RANGES],
+        };
+        for (i, r) in ranges.iter().enumerate() {
+            (p.at[i], p.len[i]) = (r.ptr(), r.len() as u64);
+        }
+        p.arg[..args.len()].copy_from_slice(args);
+        let mut params = [(&mut p as *mut Ranges).cast::<c_void>()];
+        let grid = (grid.0.clamp(1, 65535), grid.1.clamp(1, 65535), 1);
+        // SAFETY: the kernel reads `p` (copied by the launch) and, by the `KernelLibrary`
+        // contract, touches only the ranges in it, each device memory of its length.
+        unsafe { result::launch_kernel(f.0, grid, (256, 1, 1), 0, stream.0, &mut params) }
+            .map_err(|e| driver("kernel launch", e))
+    }
+
     pub fn memset_zero(&self, stream: &Stream, range: DeviceRange) -> Result<()> {
         if range.is_empty() {
             return Ok(());
@@ -746,6 +781,18 @@ struct SpanBatch {
     factor: f32,
 }
 
+/// Ranges and integers per `launch_ranges` kernel.
+pub(crate) const RANGES: usize = 8;
+
+/// A `launch_ranges` kernel's parameter, as CUDA C declares it:
+/// `struct Ranges { u64 at[8]; u64 len[8]; u64 arg[8]; };`
+#[repr(C)]
+struct Ranges {
+    at: [u64; RANGES],
+    len: [u64; RANGES],
+    arg: [u64; RANGES],
+}
+
 #[derive(Clone, Copy)]
 struct Function(sys::CUfunction);
 
@@ -768,7 +815,8 @@ pub enum Extra {
 /// `extern "C" __global__ void name(const S* src, D* dst, unsigned long long n[, extra])` and
 /// touches elements `0..n` of `src` and `dst` only; or, launched by `Gpu::launch_batched`,
 /// `extern "C" __global__ void name(const SpanBatch b)`, where block row `blockIdx.y < b.n`
-/// touches elements `0..n` of span `b.d[blockIdx.y]` only.
+/// touches elements `0..n` of span `b.d[blockIdx.y]` only; or, launched by `Gpu::launch_ranges`,
+/// `extern "C" __global__ void name(const Ranges a)`, touching bytes of the ranges in `a` only.
 pub struct KernelLibrary {
     /// A name for NVRTC's messages.
     pub name: &'static str,

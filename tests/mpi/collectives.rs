@@ -1133,6 +1133,11 @@ pub(crate) fn compressed() {
         "bf16" => 2f64.powi(-8),
         other => panic!("compressed scenario under FERROVOD_COMPRESSION={other}"),
     };
+    let hierarchical_before = runtime::runtime()
+        .unwrap()
+        .metrics
+        .snapshot()
+        .hierarchical_batches;
     let v = |t: usize, i: usize, r: usize| ((i * 7 + t * 3 + r * 5) % 17) as f64 * 0.37 - 2.0;
     let sizes = [1usize, 1000, 33, 4097];
     let cases = [
@@ -1225,6 +1230,17 @@ pub(crate) fn compressed() {
         );
         let got = output(&run(spec).unwrap()[0], DataType::F32);
         assert!(got[0].is_infinite(), "70000 as f16: {}", got[0]);
+    }
+    if std::env::var("HOROVOD_HIERARCHICAL_ALLREDUCE").is_ok_and(|v| v == "1") {
+        let after = runtime::runtime()
+            .unwrap()
+            .metrics
+            .snapshot()
+            .hierarchical_batches;
+        assert!(
+            after > hierarchical_before,
+            "the compressed allreduces did not run hierarchically"
+        );
     }
     finish_job();
 }

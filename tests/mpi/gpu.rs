@@ -780,3 +780,117 @@ pub(crate) fn gpu_compressed() {
     }
     finish_job();
 }
+
+/// The u8 codec on GPU tensors computes what the host's computes, bit for bit, step after step
+/// (so the residuals evolve alike): tensors of odd sizes fused, sums and averages with scales,
+/// a block holding NaN; the mean over the steps of a constant gradient converges to the exact
+/// value (error feedback on the GPU); the wire bytes are counted as u8.
+pub(crate) fn gpu_u8() {
+    init();
+    let (me, n) = (rank(), size());
+    let v = |t: usize, i: usize, r: usize| {
+        ((i * 7919 + t * 104_729 + r * 31) % 1000) as f64 / 1000.0 * (t + 1) as f64 - 0.3
+    };
+    let metrics = || runtime::runtime().unwrap().metrics.snapshot();
+    let spec = |prefix: &str, vals: &[Vec<f64>], op: ReduceOp, pre: f64, post: f64| {
+        let tensors = (vals.iter().enumerate())
+            .map(|(t, x)| {
+                let name = format!("{prefix}.{t}");
+                tensor(&name, DataType::F32, &[x.len() as i64], x, false)
+            })
+            .collect();
+        let mut spec = OpSpec::new(OpKind::Allreduce, tensors);
+        spec.reduce_op = op;
+        spec.prescale = pre;
+        spec.postscale = post;
+        spec.compression = Some(Compression::U8);
+        spec
+    };
+    let steps = 8;
+    // fused (every tensor below the host's direct size, so both sides fuse alike), and one
+    // tensor alone (many blocks of threads per chunk)
+    let batches: [&[usize]; 2] = [&[1, 1000, 33, 7000], &[300_001]];
+    let cases = [(ReduceOp::Sum, 1.0, 1.0), (ReduceOp::Average, 2.0, 0.25)];
+    for (case, (sizes, (op, pre, post))) in
+        (batches.iter().flat_map(|b| cases.map(|c| (*b, c)))).enumerate()
+    {
+        let total: usize = sizes.iter().sum();
+        let vals: Vec<Vec<f64>> = (sizes.iter().enumerate())
+            .map(|(t, s)| (0..*s).map(|i| v(t, i, me)).collect())
+            .collect();
+        let div = if op == ReduceOp::Average {
+            n as f64
+        } else {
+            1.0
+        };
+        let exact = |t: usize, i: usize| (0..n).map(|r| v(t, i, r)).sum::<f64>() * pre * post / div;
+        // one step's bound, as u8_compressed's: half a step of each contribution and of the sum
+        let range = |r: usize| {
+            let all: Vec<f64> = (sizes.iter().enumerate())
+                .flat_map(|(t, s)| (0..*s).map(move |i| v(t, i, r)))
+                .collect();
+            all.iter().cloned().fold(f64::MIN, f64::max)
+                - all.iter().cloned().fold(f64::MAX, f64::min)
+        };
+        let bound = 2.0 * (0..n).map(|r| range(r) * pre).sum::<f64>() / 510.0 * post / div * 1.01;
+        let mut means: Vec<Vec<f64>> = sizes.iter().map(|s| vec![0.0; *s]).collect();
+        for step in 0..steps {
+            let before = metrics();
+            let on_gpu =
+                finish(gpu::submit(spec(&format!("gpu.u8.{case}"), &vals, op, pre, post)).unwrap())
+                    .unwrap();
+            let host = spec(&format!("host.u8.{case}"), &vals, op, pre, post);
+            let on_host = finish(runtime::runtime().unwrap().enqueue(host).unwrap()).unwrap();
+            assert_eq!(
+                metrics().wire_u8 - before.wire_u8,
+                2 * total as u64,
+                "step {step}: u8 wire bytes of the GPU and the host batch"
+            );
+            for (t, (g, h)) in on_gpu.iter().zip(&on_host).enumerate() {
+                let (g, h) = (output(g, DataType::F32), output(h, DataType::F32));
+                for (i, (a, b)) in g.iter().zip(&h).enumerate() {
+                    assert!(
+                        a == b,
+                        "case {case} step {step} tensor {t} element {i}: GPU {a}, host {b}"
+                    );
+                    assert!(
+                        (a - exact(t, i)).abs() <= 2.0 * bound,
+                        "case {case} step {step} tensor {t} element {i}: {a} vs {}",
+                        exact(t, i)
+                    );
+                    means[t][i] += a / steps as f64;
+                }
+            }
+        }
+        let off = (sizes.iter().enumerate())
+            .flat_map(|(t, s)| (0..*s).map(move |i| (t, i)))
+            .map(|(t, i)| (means[t][i] - exact(t, i)).abs())
+            .fold(0.0, f64::max);
+        assert!(
+            off <= 2.0 * bound / steps as f64 + 1e-6,
+            "case {case}: the mean over {steps} steps is off by {off} (one step's bound {bound})"
+        );
+    }
+    // a block holding NaN travels as NaN throughout, on the GPU as on the host
+    let mut x = vec![1.0, 2.0, 3.0, -4.0, 5.0];
+    if me == 0 {
+        x[2] = f64::NAN;
+    }
+    let on_gpu =
+        finish(gpu::submit(spec("gpu.u8.nan", &[x.clone()], ReduceOp::Sum, 1.0, 1.0)).unwrap())
+            .unwrap();
+    let host = spec("host.u8.nan", &[x], ReduceOp::Sum, 1.0, 1.0);
+    let on_host = finish(runtime::runtime().unwrap().enqueue(host).unwrap()).unwrap();
+    let (g, h) = (
+        output(&on_gpu[0], DataType::F32),
+        output(&on_host[0], DataType::F32),
+    );
+    assert!(h.iter().any(|v| v.is_nan()), "host: {h:?}");
+    for (a, b) in g.iter().zip(&h) {
+        assert!(
+            a == b || a.is_nan() && b.is_nan(),
+            "NaN block: GPU {g:?}, host {h:?}"
+        );
+    }
+    finish_job();
+}

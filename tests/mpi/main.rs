@@ -27,7 +27,7 @@ mod shutdown;
 use collectives::*;
 use common::*;
 use decentralized::*;
-use gpu::{gpu_compressed, gpu_failure, gpu_graphs, gpu_kernels, gpu_ring, gpu_streams};
+use gpu::{gpu_compressed, gpu_failure, gpu_graphs, gpu_kernels, gpu_ring, gpu_streams, gpu_u8};
 use hosts::*;
 use negotiation::*;
 use offline::*;
@@ -730,6 +730,25 @@ pub(crate) const GPU_SCENARIOS: &[Scenario] = &[
     ),
     ("gossip_stall", 2, STALL_FAST, true),
     ("gpu_compressed", 2, &[], true),
+    // the u8 codec on GPUs: bit for bit the host's, and the host scenario on GPU tensors (two
+    // NCCL streams by default: residuals cross them)
+    ("gpu_u8", 2, &[], true),
+    ("u8_compressed", 2, &[("FERROVOD_COMPRESSION", "u8")], true),
+    // the 16-bit codecs through the hierarchical GPU allreduce (one node of two GPUs: NCCL
+    // reduce-scatter and allgather between them)
+    ("compressed", 2, FP16_HIERARCHICAL, true),
+    // offline negotiation with the codecs and with the NaN check, on GPU batches
+    ("mixed_compressed", 2, MIXED_OFFLINE, true),
+    (
+        "nan_check",
+        2,
+        &[
+            ("PERSEUS_ALLREDUCE_NANCHECK", "1"),
+            ("FERROVOD_NEGOTIATION", "offline"),
+            ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+        ],
+        true,
+    ),
     (
         "hierarchical_allreduces",
         2,
@@ -1150,6 +1169,7 @@ pub(crate) fn run_rank(name: &str) {
         "ring" => ring(),
         "gpu_ring" => gpu_ring(),
         "gpu_compressed" => gpu_compressed(),
+        "gpu_u8" => gpu_u8(),
         "hierarchical_allreduces" => hierarchical_allreduces(),
         "metrics" => metrics(),
         "offline_steps" => offline_steps(),
