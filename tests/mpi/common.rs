@@ -286,7 +286,10 @@ pub(crate) struct PlanWatch {
 impl PlanWatch {
     pub(crate) fn new() -> PlanWatch {
         PlanWatch {
-            offline: std::env::var("FERROVOD_NEGOTIATION").as_deref() == Ok("offline"),
+            // plans hold host allreduces only (`negotiate::plan::eligible`): on GPUs the same
+            // steps are negotiated online
+            offline: std::env::var("FERROVOD_NEGOTIATION").as_deref() == Ok("offline")
+                && !gpu_mode(),
             control: 0,
             steady: 0,
         }

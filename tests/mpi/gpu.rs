@@ -451,7 +451,8 @@ pub(crate) fn gpu_kernels() {
             assert_eq!(w.to_bits(), wide.to_bits(), "{half_type} widening of {v:e}");
         }
     }
-    // scaling: every scalable dtype, against the host path's own scaling
+    // scaling: every scalable dtype, against the host path's own scaling; f16 by the factor
+    // rounded to f16 first, as Horovod's CUDA kernel multiplies (`kernels::scale`)
     for dtype in DataType::ALL {
         if dtype == DataType::Bool {
             continue;
@@ -480,7 +481,11 @@ pub(crate) fn gpu_kernels() {
             let mut got = vec![0u8; bytes.len()];
             gpu.download(&s, out.range(), &mut got).unwrap();
             let mut want = bytes.clone();
-            ferrovod::elementwise::scale(&mut want, dtype, factor).unwrap();
+            let host_factor = match dtype {
+                DataType::F16 => half::f16::from_f64(factor).to_f64(),
+                _ => factor,
+            };
+            ferrovod::elementwise::scale(&mut want, dtype, host_factor).unwrap();
             assert_eq!(
                 decode(dtype, &got),
                 decode(dtype, &want),
