@@ -41,6 +41,8 @@ pub static LIBRARY: KernelLibrary = KernelLibrary {
         "fv_count_non_finite_bf16",
         "fv_count_non_finite_f32",
         "fv_count_non_finite_f64",
+        "fv_count_overflow_f16",
+        "fv_count_overflow_bf16",
         "fv_reduce_u8",
         "fv_reduce_i8",
         "fv_reduce_u16",
@@ -260,6 +262,43 @@ pub fn count_non_finite_batch(
         })
         .collect::<Result<Vec<_>>>()?;
     gpu.launch_batched(stream, kernel, &spans, 1.0)
+}
+
+/// Adds to the u32 counter at each `(values, counter, elements)` how many of the f32 values,
+/// times `factor`, are finite but leave `wire`'s range (F16 or BF16: they would travel as
+/// infinities), as the host's `elementwise::encode_half` counts them; in one batched launch
+/// per 128: the 16-bit codecs' overflow report on GPUs.
+pub fn count_overflow_batch(
+    gpu: &Gpu,
+    stream: &Stream,
+    items: &[(DeviceRange, DeviceRange, usize)],
+    wire: DataType,
+    factor: f64,
+) -> Result<()> {
+    let name = match wire {
+        DataType::F16 => "fv_count_overflow_f16",
+        DataType::BF16 => "fv_count_overflow_bf16",
+        other => {
+            return Err(Error::InvalidArgument(format!(
+                "no 16-bit codec travels as {}",
+                other.name()
+            )));
+        }
+    };
+    let kernel = Elementwise {
+        library: &LIBRARY,
+        name,
+        src_size: 4,
+        dst_size: 0,
+    };
+    let spans = items
+        .iter()
+        .map(|(values, counter, n)| {
+            counter.holds(4, "overflow counter")?;
+            Span::new(*values, *counter, *n, &kernel)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    gpu.launch_batched(stream, kernel, &spans, factor as f32)
 }
 
 /// `acc[i] = op(acc[i], x[i])` for `n` elements of any dtype (Sum, Min, Max or Product),
@@ -512,6 +551,13 @@ extern "C" __global__ void fv_count_non_finite_f32(const SpanBatch b) {
   FV_SPAN(unsigned, unsigned, if ((s[i] & 0x7f800000u) == 0x7f800000u) atomicAdd(d, 1u)) }
 extern "C" __global__ void fv_count_non_finite_f64(const SpanBatch b) {
   FV_SPAN(u64, unsigned, if ((s[i] & 0x7ff0000000000000ull) == 0x7ff0000000000000ull) atomicAdd(d, 1u)) }
+// the 16-bit codecs' overflow report: finite scaled values that round to infinity
+extern "C" __global__ void fv_count_overflow_f16(const SpanBatch b) {
+  FV_SPAN(float, unsigned, { float v = s[i] * g;
+    if ((__float_as_uint(v) & 0x7f800000u) != 0x7f800000u && (f2h(v) & 0x7fffu) == 0x7c00u) atomicAdd(d, 1u); }) }
+extern "C" __global__ void fv_count_overflow_bf16(const SpanBatch b) {
+  FV_SPAN(float, unsigned, { float v = s[i] * g;
+    if ((__float_as_uint(v) & 0x7f800000u) != 0x7f800000u && (f2b(v) & 0x7fffu) == 0x7f80u) atomicAdd(d, 1u); }) }
 // gossip's neighbour average, in place over this rank's values
 extern "C" __global__ void fv_mean_f16(const SpanBatch b) {
   FV_SPAN(unsigned short, unsigned short, d[i] = f2h(h2f(f2h(h2f(d[i]) + h2f(s[i]))) * 0.5f)) }

@@ -15,14 +15,16 @@ use crossbeam::channel::{Receiver, Sender, unbounded};
 use crate::collective::device::{self, DeviceIo, Lane};
 use crate::collective::execute::{self, DeviceHow, DeviceRoute};
 use crate::collective::replay::{LaunchGraphs, ReplayKey};
-use crate::collective::{ActivitySink, kernels};
+use crate::collective::{self, ActivitySink, kernels};
 use crate::compress::{Codec, DeviceFeedback};
+use crate::dtype::DataType;
 use crate::error::{Error, Result};
 use crate::message::{OpKind, Response};
 use crate::runtime::Runtime;
 use crate::runtime::entry::{ReadyEvent, TensorEntry};
 use crate::transport::Transport;
 use crate::transport::cuda::{DeviceMem, Event, Gpu, Stream};
+use crate::transport::memory::DeviceRange;
 use crate::transport::mpi::MpiComm;
 use crate::transport::nccl::{self, NcclComm};
 
@@ -255,7 +257,9 @@ pub(crate) struct Recorded {
     /// The streams' abort flag: a batch whose event is seen after an abort failed.
     pub aborted: Arc<AtomicBool>,
     /// `PERSEUS_ALLREDUCE_NANCHECK`: the batch's counts of non-finite results.
-    pub nan: Option<NanCounts>,
+    pub nan: Option<Counts>,
+    /// A 16-bit codec's counts of values that left its range (`wire`) while packed.
+    pub overflow: Option<(Counts, DataType)>,
 }
 
 impl Recorded {
@@ -266,47 +270,63 @@ impl Recorded {
                 "the GPU collective was aborted: another rank failed or left before its part, or this rank's NCCL communicators were aborted after a failure".into(),
             ));
         }
+        if let Some((counts, wire)) = self.overflow.take() {
+            for (name, lost) in counts.read(&self.gpu)? {
+                if lost > 0 {
+                    tracing::warn!(
+                        "tensor '{name}': {lost} values out of {}'s range became infinite on the wire",
+                        wire.name()
+                    );
+                }
+            }
+        }
         match self.nan.take() {
-            Some(nan) => nan.check(&self.gpu),
+            Some(nan) => {
+                let counts = nan.read(&self.gpu)?;
+                crate::compress::non_finite_error(counts.iter().map(|(n, c)| (n.as_str(), *c)))
+            }
             None => Ok(()),
         }
     }
 }
 
-/// The NaN check of a GPU allreduce: one u32 counter per tensor, filled by a kernel after the
-/// collective and read once the batch is done. The results are the same on every rank, so
-/// every rank fails the same tensors.
-pub(crate) struct NanCounts {
+/// One u32 counter per tensor of a GPU batch, filled by kernels in stream order and read once
+/// the batch is done: the NaN check's non-finite results (the same on every rank, so every
+/// rank fails the same tensors), the 16-bit codecs' overflows (warned about, as on the host).
+pub(crate) struct Counts {
     counts: DeviceMem,
     names: Vec<String>,
 }
 
-impl NanCounts {
-    /// Counts the non-finite values of each of `resps`' outputs, on `stream` after the batch.
+impl Counts {
+    /// Zeroed counters for `resps`, on `stream`; `count` fills them from `(values, counter,
+    /// elements)` of each tensor's `values(io)`.
     fn launch(
         gpu: &Gpu,
         stream: &Stream,
         resps: &[&Response],
         ios: &[&mut dyn DeviceIo],
-    ) -> Result<NanCounts> {
-        let dtype = resps[0].dtype;
+        values: impl Fn(&dyn DeviceIo) -> DeviceRange,
+        count: impl FnOnce(&[(DeviceRange, DeviceRange, usize)]) -> Result<()>,
+    ) -> Result<Counts> {
+        let size = resps[0].dtype.size();
         let counts = gpu.alloc_on(stream, 4 * ios.len())?;
         gpu.memset_zero(stream, counts.range())?;
         let items = (ios.iter().enumerate())
             .map(|(k, io)| {
                 let counter = counts.range().sub(4 * k, 4)?;
-                Ok((io.output(), counter, io.input().len() / dtype.size()))
+                Ok((values(&**io), counter, io.input().len() / size))
             })
             .collect::<Result<Vec<_>>>()?;
-        kernels::count_non_finite_batch(gpu, stream, &items, dtype)?;
-        Ok(NanCounts {
+        count(&items)?;
+        Ok(Counts {
             counts,
             names: resps.iter().map(|r| r.name.clone()).collect(),
         })
     }
 
-    /// The check's outcome; the batch's work must be done.
-    fn check(self, gpu: &Gpu) -> Result<()> {
+    /// Each tensor's name and count; the batch's work must be done.
+    fn read(self, gpu: &Gpu) -> Result<Vec<(String, usize)>> {
         let stream = gpu.new_stream()?;
         let mut host = vec![0u8; self.counts.len()];
         gpu.download(&stream, self.counts.range(), &mut host)?;
@@ -315,7 +335,7 @@ impl NanCounts {
         let counts = host
             .chunks_exact(4)
             .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize);
-        crate::compress::non_finite_error(self.names.iter().map(String::as_str).zip(counts))
+        Ok(self.names.into_iter().zip(counts).collect())
     }
 }
 
@@ -496,10 +516,33 @@ fn enqueue_on_streams(
             ));
         }
     };
+    // before the collective, which may write over the inputs
+    let overflow = match how.codec {
+        Codec::Half(wire) => {
+            let pre = collective::packing_factor(how.codec, head, data.size())?;
+            let counts = Counts::launch(
+                &gpu,
+                &w.stream,
+                resps,
+                &ios,
+                |io| io.input(),
+                |items| kernels::count_overflow_batch(&gpu, &w.stream, items, wire, pre),
+            )?;
+            Some((counts, wire))
+        }
+        _ => None,
+    };
     execute::device(route, data, &mut lane_ref, how, resps, &mut ios, sink)?;
     let replayed = lane_ref.replayed;
     let nan = match how.nan_check && head.dtype.is_float() {
-        true => Some(NanCounts::launch(&gpu, &w.stream, resps, &ios)?),
+        true => Some(Counts::launch(
+            &gpu,
+            &w.stream,
+            resps,
+            &ios,
+            |io| io.output(),
+            |items| kernels::count_non_finite_batch(&gpu, &w.stream, items, head.dtype),
+        )?),
         false => None,
     };
     super::probe::mark("collective enqueued", n);
@@ -512,6 +555,7 @@ fn enqueue_on_streams(
         event,
         aborted: l.aborted.clone(),
         nan,
+        overflow,
     };
     Ok((recorded, replayed))
 }

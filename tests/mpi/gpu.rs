@@ -493,6 +493,56 @@ pub(crate) fn gpu_kernels() {
             );
         }
     }
+    // the 16-bit codecs' overflow count (finite scaled values that travel as infinities),
+    // against the host's own count while encoding; two spans, one of them inside the other
+    let xs: Vec<f32> = vec![
+        1.0,
+        70000.0,
+        -70000.0,
+        65519.0,
+        65520.0,
+        f32::INFINITY,
+        f32::NAN,
+        3.3999e38,
+        -3.3999e38,
+        1e30,
+        0.0,
+        -2.5e4,
+        1e38,
+    ];
+    let bytes: Vec<u8> = xs.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let dev = gpu.alloc(bytes.len()).unwrap();
+    gpu.upload(&s, &bytes, dev.range()).unwrap();
+    let counters = gpu.alloc(8).unwrap();
+    let mut seen = 0;
+    for wire in [DataType::F16, DataType::BF16] {
+        for factor in [1.0, 0.5, 4.0] {
+            gpu.memset_zero(&s, counters.range()).unwrap();
+            let spans = [
+                (dev.range(), counters.range().first(4).unwrap(), xs.len()),
+                (
+                    dev.range().sub(4, 12).unwrap(),
+                    counters.range().sub(4, 4).unwrap(),
+                    3,
+                ),
+            ];
+            kernels::count_overflow_batch(&gpu, &s, &spans, wire, factor).unwrap();
+            let mut got = vec![0u8; 8];
+            gpu.download(&s, counters.range(), &mut got).unwrap();
+            for (k, (from, n)) in [(0usize, xs.len()), (4, 3)].into_iter().enumerate() {
+                let mut out = vec![0u8; 2 * n];
+                let src = &bytes[from..from + 4 * n];
+                let want = ferrovod::elementwise::encode_half(&mut out, src, wire, factor).unwrap();
+                let count = u32::from_le_bytes(got[4 * k..4 * k + 4].try_into().unwrap());
+                assert_eq!(
+                    count as usize, want,
+                    "{wire} overflow count times {factor}, span {k}"
+                );
+                seen += want;
+            }
+        }
+    }
+    assert!(seen > 0, "no value overflowed: the count was never tested");
     // batched copies: 300 ranges (several launches), odd lengths and misaligned offsets, some
     // over several 64 KiB slices
     let len = 8 << 20;
