@@ -10,7 +10,7 @@
 //! node; every node holds the same number of ranks (the runtime falls back to the flat
 //! collective otherwise).
 
-use crate::collective::ring::{self, HostWorkspace, chunk};
+use crate::collective::ring::{self, HostWorkspace, Stage, chunk};
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
 use crate::message::ReduceOp;
@@ -95,6 +95,19 @@ pub const PIECE_BYTES: usize = 4 << 20;
 /// piece are pipelined; the number of pieces depends on the size alone, so every rank cuts
 /// the same.
 pub fn allreduce(levels: &Levels, buf: &mut [u8], dtype: DataType, op: ReduceOp) -> Result<()> {
+    allreduce_staged(levels, buf, dtype, op, &mut |_| Ok(()))
+}
+
+/// `allreduce` with the batch's packing around it (`ring::Stage`): each piece is packed
+/// before it is reduce-scattered inside the node and unpacked after its allgather there, the
+/// next piece's packing and the previous one's unpacking riding along with its node work.
+pub fn allreduce_staged(
+    levels: &Levels,
+    buf: &mut [u8],
+    dtype: DataType,
+    op: ReduceOp,
+    stage: &mut dyn FnMut(Stage) -> Result<()>,
+) -> Result<()> {
     let size = dtype.size();
     if !buf.len().is_multiple_of(size) {
         return Err(Error::Internal(format!(
@@ -105,12 +118,14 @@ pub fn allreduce(levels: &Levels, buf: &mut [u8], dtype: DataType, op: ReduceOp)
     }
     let pieces = pieces(buf.len());
     if pieces <= 1 || levels.cross.size() == 1 {
-        let mut piece = Piece::new(levels, buf, dtype);
+        stage(Stage::Pack { at: 0, piece: buf })?;
+        let mut piece = Piece::new(levels, 0, buf, dtype);
         piece.scatter(levels, dtype, op)?;
         levels.cross.allreduce(None, &mut piece.mine, dtype, op)?;
-        return piece.gather(levels);
+        piece.gather(levels)?;
+        return stage(Stage::Unpack { at: 0, piece: buf });
     }
-    pipelined(levels, buf, pieces, dtype, op)
+    pipelined(levels, buf, pieces, dtype, op, stage)
 }
 
 /// How many pieces a buffer of `len` bytes is cut into: pieces of `PIECE_BYTES`, and at least
@@ -129,20 +144,27 @@ const MIN_PIECES: usize = 4;
 /// (the same split on every rank of the node: a function of agreed sizes only), and this
 /// rank's part once reduced inside the node.
 struct Piece<'b> {
+    /// Where the piece starts in the batch.
+    at: usize,
     data: &'b mut [u8],
     counts: Vec<usize>,
     mine: Vec<u8>,
 }
 
 impl<'b> Piece<'b> {
-    fn new(levels: &Levels, data: &'b mut [u8], dtype: DataType) -> Piece<'b> {
+    fn new(levels: &Levels, at: usize, data: &'b mut [u8], dtype: DataType) -> Piece<'b> {
         let (n, me) = (levels.local.size(), levels.local.rank());
         let elems = data.len() / dtype.size();
         let counts: Vec<usize> = (0..n)
             .map(|c| chunk(elems, dtype.size(), n, c).len())
             .collect();
         let mine = vec![0u8; counts[me]];
-        Piece { data, counts, mine }
+        Piece {
+            at,
+            data,
+            counts,
+            mine,
+        }
     }
 
     /// This rank's part, reduced over the node's ranks.
@@ -157,28 +179,35 @@ impl<'b> Piece<'b> {
 }
 
 /// The pieces in turn: each crosses the nodes in the ring (`ring.rs`), and while its transfers
-/// are in flight this rank reduce-scatters the next piece inside the node, then allgathers the
-/// previous one. Every rank of a node runs the same node collectives in the same order, and
-/// the ring's transfers are posted before them, so neither level waits on the other.
+/// are in flight this rank packs and reduce-scatters the next piece inside the node, then
+/// allgathers and unpacks the previous one. Every rank of a node runs the same node collectives
+/// in the same order, and the ring's transfers are posted before them, so neither level waits
+/// on the other.
 fn pipelined(
     levels: &Levels,
     buf: &mut [u8],
     pieces: usize,
     dtype: DataType,
     op: ReduceOp,
+    stage: &mut dyn FnMut(Stage) -> Result<()>,
 ) -> Result<()> {
     let size = dtype.size();
     let elems = buf.len() / size;
     let mut parts = Vec::with_capacity(pieces);
-    let mut rest = buf;
+    let (mut rest, mut at) = (buf, 0);
     for k in 0..pieces {
-        let (head, tail) = rest.split_at_mut(chunk(elems, size, pieces, k).len());
-        parts.push(Piece::new(levels, head, dtype));
-        rest = tail;
+        let len = chunk(elems, size, pieces, k).len();
+        let (head, tail) = rest.split_at_mut(len);
+        parts.push(Piece::new(levels, at, head, dtype));
+        (rest, at) = (tail, at + len);
     }
     let mut parts = parts.into_iter();
     let mut current = parts.next();
     if let Some(first) = current.as_mut() {
+        stage(Stage::Pack {
+            at: first.at,
+            piece: first.data,
+        })?;
         first.scatter(levels, dtype, op)?;
     }
     let mut gathering: Option<Piece> = None;
@@ -189,11 +218,21 @@ fn pipelined(
             if !scattered {
                 scattered = true;
                 if let Some(n) = next.as_mut() {
+                    stage(Stage::Pack {
+                        at: n.at,
+                        piece: n.data,
+                    })?;
                     return n.scatter(levels, dtype, op);
                 }
             }
             match gathering.take() {
-                Some(mut g) => g.gather(levels),
+                Some(mut g) => {
+                    g.gather(levels)?;
+                    stage(Stage::Unpack {
+                        at: g.at,
+                        piece: g.data,
+                    })
+                }
                 None => Ok(()),
             }
         };
@@ -210,7 +249,13 @@ fn pipelined(
         current = next;
     }
     match gathering {
-        Some(mut g) => g.gather(levels),
+        Some(mut g) => {
+            g.gather(levels)?;
+            stage(Stage::Unpack {
+                at: g.at,
+                piece: g.data,
+            })
+        }
         None => Ok(()),
     }
 }

@@ -21,6 +21,8 @@ use crate::fusion::FusionBuffer;
 use crate::message::{ReduceOp, Response};
 use crate::transport::Transport;
 use hierarchical::Levels;
+use ring::Stage;
+use std::ops::Range;
 
 /// The memory of one tensor taking part in a collective.
 pub trait TensorIo {
@@ -145,17 +147,76 @@ impl Encoding {
                 Codec::U8 => Err(Error::Internal("u8 batches are not packed as bytes".into())),
                 Codec::Half(w) => {
                     let lost = elementwise::encode_half(d, s, w, self.pre)?;
-                    if lost > 0 {
-                        tracing::warn!(
-                            "tensor '{}': {lost} values out of {}'s range became infinite on the wire",
-                            resps[i].name,
-                            w.name()
-                        );
-                    }
+                    warn_out_of_range(&resps[i].name, lost, w);
                     Ok(())
                 }
             },
         )
+    }
+
+    /// `pack` of the batch's wire bytes `at..at + dst.len()` only (whole elements): one piece
+    /// of a pipelined allreduce. Adds to `lost[tensor]` the values that left a 16-bit range.
+    fn pack_piece(
+        &self,
+        ios: &[&mut dyn TensorIo],
+        at: usize,
+        dst: &mut [u8],
+        lost: &mut [usize],
+    ) -> Result<()> {
+        let lens = ios.iter().map(|io| io.input().len());
+        for (t, wire, input) in self.window(lens, at, dst.len()) {
+            let (d, s) = (
+                &mut dst[wire.start - at..wire.end - at],
+                &ios[t].input()[input],
+            );
+            match self.codec {
+                Codec::None => elementwise::copy_scaled(d, s, self.dtype, self.pre)?,
+                Codec::Half(w) => lost[t] += elementwise::encode_half(d, s, w, self.pre)?,
+                Codec::U8 => {
+                    return Err(Error::Internal("u8 batches are not packed as bytes".into()));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `unpack` of the batch's wire bytes `at..at + src.len()` only.
+    fn unpack_piece(&self, src: &[u8], at: usize, ios: &mut [&mut dyn TensorIo]) -> Result<()> {
+        let lens: Vec<usize> = ios.iter_mut().map(|io| io.split_io().1.len()).collect();
+        for (t, wire, output) in self.window(lens.into_iter(), at, src.len()) {
+            let (_, out) = ios[t].split_io();
+            let (d, s) = (&mut out[output], &src[wire.start - at..wire.end - at]);
+            match self.codec {
+                Codec::None => elementwise::copy_scaled(d, s, self.dtype, self.post)?,
+                Codec::Half(w) => elementwise::decode_half(d, s, w, self.post)?,
+                Codec::U8 => {
+                    return Err(Error::Internal(
+                        "u8 batches are not unpacked as bytes".into(),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The tensors (of `lens` bytes each, consecutive on the wire) that the batch's wire bytes
+    /// `at..at + len` hold: each tensor's index, its wire bytes there, and the same values'
+    /// bytes in the tensor.
+    fn window(
+        &self,
+        lens: impl Iterator<Item = usize>,
+        at: usize,
+        len: usize,
+    ) -> Vec<(usize, Range<usize>, Range<usize>)> {
+        let (wire, own) = (self.wire.size(), self.dtype.size());
+        layout::consecutive(lens.map(|n| self.wire_len(n)))
+            .iter()
+            .filter_map(|p| {
+                let (lo, hi) = (p.place.max(at), (p.place + p.len).min(at + len));
+                let values = (lo - p.place) / wire * own..(hi - p.place) / wire * own;
+                (lo < hi).then_some((p.tensor, lo..hi, values))
+            })
+            .collect()
     }
 
     /// Fills every tensor's output from consecutive places of `src`, cast back and scaled by
@@ -173,6 +234,16 @@ impl Encoding {
                 )),
             },
         )
+    }
+}
+
+/// Names a tensor whose values left the 16-bit type `wire`'s range while packed.
+fn warn_out_of_range(name: &str, lost: usize, wire: DataType) {
+    if lost > 0 {
+        tracing::warn!(
+            "tensor '{name}': {lost} values out of {}'s range became infinite on the wire",
+            wire.name()
+        );
     }
 }
 
@@ -250,12 +321,35 @@ pub fn allreduce_batch(
     let total: usize = ios.iter().map(|io| enc.wire_len(io.input().len())).sum();
     let buf = fusion.get(total);
     // scaling and casting ride the copies in and out: one pass over the batch each way
-    act(Some("MEMCPY_IN_FUSION_BUFFER"));
-    enc.pack(ios, buf, resps)?;
+    if let Allreduce::Native = how {
+        act(Some("MEMCPY_IN_FUSION_BUFFER"));
+        enc.pack(ios, buf, resps)?;
+        act(Some(phase));
+        reduce_in_place(t, how, buf, enc.wire, enc.op)?;
+        act(Some("MEMCPY_OUT_FUSION_BUFFER"));
+        enc.unpack(buf, ios)?;
+        act(None);
+        return Ok(());
+    }
+    // the ring and the hierarchical allreduce go in pieces: the copies in and out of the
+    // fusion buffer overlap the transfers
     act(Some(phase));
-    reduce_in_place(t, how, buf, enc.wire, enc.op)?;
-    act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-    enc.unpack(buf, ios)?;
+    let mut lost = vec![0usize; ios.len()];
+    let mut stage = |s: Stage| match s {
+        Stage::Pack { at, piece } => enc.pack_piece(ios, at, piece, &mut lost),
+        Stage::Unpack { at, piece } => enc.unpack_piece(piece, at, ios),
+    };
+    match how {
+        Allreduce::Hierarchical(l) => {
+            hierarchical::allreduce_staged(l, buf, enc.wire, enc.op, &mut stage)?
+        }
+        _ => ring::allreduce_staged(t, buf, enc.wire, enc.op, &mut stage)?,
+    }
+    if let Codec::Half(w) = codec {
+        for (r, lost) in resps.iter().zip(lost) {
+            warn_out_of_range(&r.name, lost, w);
+        }
+    }
     act(None);
     Ok(())
 }
@@ -710,6 +804,109 @@ pub fn alltoall(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    struct Io {
+        input: Vec<u8>,
+        output: Vec<u8>,
+    }
+
+    impl TensorIo for Io {
+        fn input(&self) -> &[u8] {
+            &self.input
+        }
+        fn split_io(&mut self) -> (Option<&[u8]>, &mut [u8]) {
+            (Some(&self.input), &mut self.output)
+        }
+        fn allocate_output(&mut self, _: &[i64], _: usize) -> Result<()> {
+            Ok(())
+        }
+        fn send_splits(&self) -> Option<&[i32]> {
+            None
+        }
+        fn set_received_splits(&mut self, _: Vec<i32>) {}
+    }
+
+    /// Packing and unpacking a batch piece by piece (the pipelined ring and hierarchical
+    /// allreduce) writes the same bytes as the whole batch at once, for plain and 16-bit codecs,
+    /// with pieces that cut tensors anywhere, and counts the same values out of range.
+    #[test]
+    fn pieces_pack_and_unpack_as_the_whole_batch() {
+        let sizes = [3usize, 1000, 1, 77, 40];
+        let value = |t: usize, i: usize| ((t * 31 + i * 7) % 23) as f32 * 0.37 - 4.0;
+        let ios = || -> Vec<Io> {
+            (sizes.iter().enumerate())
+                .map(|(t, n)| {
+                    let mut x: Vec<f32> = (0..*n).map(|i| value(t, i)).collect();
+                    if t == 1 {
+                        x[500] = 1e6; // beyond f16's range once scaled
+                    }
+                    Io {
+                        input: x.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                        output: vec![0; n * 4],
+                    }
+                })
+                .collect()
+        };
+        for codec in [
+            Codec::None,
+            Codec::Half(DataType::F16),
+            Codec::Half(DataType::BF16),
+        ] {
+            let enc = Encoding {
+                codec,
+                dtype: DataType::F32,
+                wire: codec.wire(DataType::F32),
+                op: ReduceOp::Sum,
+                pre: 0.5,
+                post: 2.0,
+            };
+            let total: usize = sizes.iter().map(|n| n * enc.wire.size()).sum();
+            let (mut whole_ios, mut piece_ios) = (ios(), ios());
+            let mut whole = vec![0u8; total];
+            let refs: Vec<&mut dyn TensorIo> = whole_ios
+                .iter_mut()
+                .map(|io| io as &mut dyn TensorIo)
+                .collect();
+            let resp = Response::from_request(&crate::message::Request::test(
+                "t",
+                crate::message::OpKind::Allreduce,
+                DataType::F32,
+                &[1],
+            ));
+            enc.pack(&refs, &mut whole, &vec![&resp; sizes.len()])
+                .unwrap();
+            // pieces of 37 wire values, the last one shorter
+            let step = 37 * enc.wire.size();
+            let mut pieces = vec![0u8; total];
+            let mut lost = vec![0usize; sizes.len()];
+            let mut piece_refs: Vec<&mut dyn TensorIo> = piece_ios
+                .iter_mut()
+                .map(|io| io as &mut dyn TensorIo)
+                .collect();
+            for at in (0..total).step_by(step) {
+                let end = (at + step).min(total);
+                enc.pack_piece(&piece_refs, at, &mut pieces[at..end], &mut lost)
+                    .unwrap();
+            }
+            assert_eq!(pieces, whole, "{codec:?}: packed bytes");
+            let want_lost = usize::from(codec == Codec::Half(DataType::F16));
+            assert_eq!(lost, vec![0, want_lost, 0, 0, 0], "{codec:?}: out of range");
+            let mut refs: Vec<&mut dyn TensorIo> = whole_ios
+                .iter_mut()
+                .map(|io| io as &mut dyn TensorIo)
+                .collect();
+            enc.unpack(&whole, &mut refs).unwrap();
+            for at in (0..total).step_by(step).rev() {
+                let end = (at + step).min(total);
+                enc.unpack_piece(&pieces[at..end], at, &mut piece_refs)
+                    .unwrap();
+            }
+            for (a, b) in whole_ios.iter().zip(&piece_ios) {
+                assert_eq!(a.output, b.output, "{codec:?}: unpacked bytes");
+                assert!(a.output.iter().any(|b| *b != 0));
+            }
+        }
+    }
 
     #[test]
     fn even_alltoall_splits_are_never_cut_short() {
