@@ -95,29 +95,19 @@ pub fn allreduce<W: Workspace + ?Sized>(
     Ok(())
 }
 
-/// A step of a batch's packing around a pipelined allreduce: fill `piece` (the batch's bytes
-/// from `at`) from the tensors, or hand its reduced bytes back to them.
+/// A step of a batch's packing around an allreduce (piece by piece where it is pipelined):
+/// fill `piece` (the batch's bytes from `at`) from the tensors, or hand its reduced bytes back
+/// to them.
 pub enum Stage<'a> {
     Pack { at: usize, piece: &'a mut [u8] },
     Unpack { at: usize, piece: &'a [u8] },
 }
 
-/// How many pieces the flat ring cuts a buffer of `len` bytes into: from 8 MiB up, pieces of
-/// at most 16 MiB and at least 4 of them. Few and large, as each piece's transfers start with
-/// a handshake; enough that packing the next piece and unpacking the last one hide behind the
-/// transfers. A function of the length alone: every rank cuts the same.
-pub fn pieces(len: usize) -> usize {
-    if len < 8 << 20 {
-        return 1;
-    }
-    len.div_ceil(16 << 20).max(4)
-}
-
-/// Allreduces `buf` as `allreduce` does, piece by piece (`pieces`), with the batch's packing
-/// around it: each piece is packed (`stage(Pack)`) before its ring and unpacked
-/// (`stage(Unpack)`) after it, and while a piece's transfers are in flight the next piece is
-/// packed and the previous one unpacked, so the copies in and out of the fusion buffer hide
-/// behind the link.
+/// Allreduces `buf` as `allreduce` does, with the batch's packing around it: the whole buffer
+/// packed (`stage(Pack)`), reduced, unpacked (`stage(Unpack)`). Unlike the hierarchical
+/// pipeline, the flat ring does not go in pieces whose packing overlaps the transfers: over
+/// the emulated 1 Gbit link every cut made the steps slower, the more pieces the slower
+/// (BENCHMARKS.md, session 20).
 pub fn allreduce_staged(
     t: &dyn Transport,
     buf: &mut [u8],
@@ -125,53 +115,11 @@ pub fn allreduce_staged(
     op: ReduceOp,
     stage: &mut dyn FnMut(Stage) -> Result<()>,
 ) -> Result<()> {
-    let size = dtype.size();
-    let elems = buf.len() / size;
-    let count = pieces(buf.len());
-    let mut parts = Vec::with_capacity(count);
-    let (mut rest, mut at) = (buf, 0);
-    for k in 0..count {
-        let len = chunk(elems, size, count, k).len();
-        let (head, tail) = rest.split_at_mut(len);
-        parts.push((at, head));
-        (rest, at) = (tail, at + len);
-    }
-    let mut parts = parts.into_iter();
-    let mut current = parts.next();
-    if let Some((at, piece)) = current.as_mut() {
-        stage(Stage::Pack { at: *at, piece })?;
-    }
-    let mut done: Option<(usize, &mut [u8])> = None;
-    while let Some((at, piece)) = current {
-        let mut next = parts.next();
-        let mut packed = false;
-        let mut work = || -> Result<()> {
-            if !packed {
-                packed = true;
-                if let Some((at, piece)) = next.as_mut() {
-                    return stage(Stage::Pack { at: *at, piece });
-                }
-            }
-            match done.take() {
-                Some((at, piece)) => stage(Stage::Unpack { at, piece }),
-                None => Ok(()),
-            }
-        };
-        let e = piece.len() / size;
-        {
-            let mut ws = HostWorkspace::new(t, &mut *piece, e, dtype)?.overlapping(&mut work);
-            allreduce(&mut ws, e, dtype, op)?;
-        }
-        // what the transfers left no room for
-        work()?;
-        work()?;
-        done = Some((at, piece));
-        current = next;
-    }
-    match done {
-        Some((at, piece)) => stage(Stage::Unpack { at, piece }),
-        None => Ok(()),
-    }
+    stage(Stage::Pack { at: 0, piece: buf })?;
+    let elems = buf.len() / dtype.size();
+    let mut ws = HostWorkspace::new(t, buf, elems, dtype)?;
+    allreduce(&mut ws, elems, dtype, op)?;
+    stage(Stage::Unpack { at: 0, piece: buf })
 }
 
 /// Host memory over a `Transport`'s point-to-point transfers; reductions run on the CPU.
