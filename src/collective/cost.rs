@@ -1,11 +1,15 @@
 //! Which allreduce algorithm is faster for a batch of a given size: a latency–bandwidth model
-//! (α seconds per message, β seconds per byte) of each level — inside a node, across nodes —
-//! with the textbook cost of an allreduce as MPI runs large ones (reduce-scatter by recursive
-//! halving, allgather by recursive doubling: 2⌈log₂n⌉ messages, 2(n−1)/n of the bytes), flat over
-//! every rank or hierarchically (`hierarchical.rs`). Pure: the parameters are agreed (rank 0's measurement or the
+//! of each level — inside a node, across nodes — and of the whole set. Latency is charged per
+//! collective *call* (α: what one small allreduce on that level takes, synchronisation and
+//! software included), bandwidth per byte (β) as MPI moves large allreduces (2(n−1)/n of the
+//! bytes over each rank's link). Flat is one call over every rank; hierarchical
+//! (`hierarchical.rs`) is three: a reduce-scatter and an allgather inside the node, an allreduce
+//! across nodes — so small batches, bound by calls, stay flat, and large ones, bound by the
+//! network, go hierarchical. Pure: the parameters are agreed (rank 0's measurement or the
 //! configuration), so every rank picks the same algorithm for every batch.
 
-/// One level's cost of a message of `b` bytes: `alpha + b * beta` seconds.
+/// One level's costs: `alpha` seconds per collective call, `beta` seconds per byte a rank
+/// sends over it.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Link {
     pub alpha: f64,
@@ -45,6 +49,8 @@ impl Policy {
 pub struct CostModel {
     pub local: Link,
     pub cross: Link,
+    /// Seconds of one small allreduce over every rank of the set.
+    pub flat_alpha: f64,
     pub per_node: usize,
     pub nodes: usize,
 }
@@ -66,27 +72,49 @@ pub fn ring_min_bytes(configured: Option<usize>, spans_nodes: bool) -> usize {
     }
 }
 
-/// An allreduce of `bytes` over `n` ranks on `link`.
-fn allreduce(link: Link, n: usize, bytes: f64) -> f64 {
+/// The bandwidth term of an allreduce of `bytes` over `n` ranks on `link`: each rank sends
+/// 2(n−1)/n of the bytes.
+fn moved(link: Link, n: usize, bytes: f64) -> f64 {
     if n <= 1 {
         return 0.0;
     }
-    let messages = 2.0 * (n as f64).log2().ceil();
-    messages * link.alpha + 2.0 * (n - 1) as f64 / n as f64 * bytes * link.beta
+    2.0 * (n - 1) as f64 / n as f64 * bytes * link.beta
 }
 
 impl CostModel {
-    /// Flat over all ranks: every exchange waits for the slowest link, the cross-node one.
-    pub fn flat(&self, bytes: usize) -> f64 {
-        allreduce(self.cross, self.per_node * self.nodes, bytes as f64)
+    /// A model from per-message latencies (the textbook's: a small allreduce over n ranks
+    /// takes 2⌈log₂n⌉ messages; over the set, that many inside the node and across nodes), for
+    /// predictions where no call was measured.
+    pub fn from_messages(local: Link, cross: Link, per_node: usize, nodes: usize) -> CostModel {
+        let steps = |n: usize| 2.0 * (n.max(1) as f64).log2().ceil();
+        CostModel {
+            local: Link {
+                alpha: steps(per_node) * local.alpha,
+                beta: local.beta,
+            },
+            cross: Link {
+                alpha: steps(nodes) * cross.alpha,
+                beta: cross.beta,
+            },
+            flat_alpha: steps(per_node) * local.alpha + steps(nodes) * cross.alpha,
+            per_node,
+            nodes,
+        }
     }
 
-    /// Reduce-scatter and allgather inside the node (together one allreduce's cost there), and
-    /// an allreduce of a 1/per_node slice across nodes.
+    /// One call over all ranks; every exchange waits for the slowest link, the cross-node one.
+    pub fn flat(&self, bytes: usize) -> f64 {
+        self.flat_alpha + moved(self.cross, self.per_node * self.nodes, bytes as f64)
+    }
+
+    /// A reduce-scatter and an allgather inside the node (two calls, together an allreduce's
+    /// bytes there) and an allreduce of a 1/per_node slice across nodes.
     pub fn hierarchical(&self, bytes: usize) -> f64 {
         let b = bytes as f64;
-        allreduce(self.local, self.per_node, b)
-            + allreduce(self.cross, self.nodes, b / self.per_node as f64)
+        2.0 * self.local.alpha
+            + self.cross.alpha
+            + moved(self.local, self.per_node, b)
+            + moved(self.cross, self.nodes, b / self.per_node as f64)
     }
 
     pub fn choose(&self, bytes: usize) -> Algorithm {
@@ -128,7 +156,13 @@ mod tests {
         assert_eq!(ring_min_bytes(Some(1 << 10), false), 1 << 10);
     }
 
-    fn model(local: (f64, f64), cross: (f64, f64), per_node: usize, nodes: usize) -> CostModel {
+    fn model(
+        local: (f64, f64),
+        cross: (f64, f64),
+        flat_alpha: f64,
+        per_node: usize,
+        nodes: usize,
+    ) -> CostModel {
         CostModel {
             local: Link {
                 alpha: local.0,
@@ -138,6 +172,7 @@ mod tests {
                 alpha: cross.0,
                 beta: cross.1,
             },
+            flat_alpha,
             per_node,
             nodes,
         }
@@ -145,34 +180,50 @@ mod tests {
 
     #[test]
     fn the_crossover_is_where_the_two_costs_meet() {
-        // 2 nodes x 2 ranks; local messages 200 us at 10 GB/s, cross ones 10 us at 1 Gbit/s
-        let (al, bl, ac, bc) = (200e-6, 1e-10, 10e-6, 8e-9);
-        let m = model((al, bl), (ac, bc), 2, 2);
-        // flat: 4 ac + 3/2 S bc; hierarchical: (2 al + S bl) + (2 ac + 1/2 S bc);
-        // equal where 2 ac + S bc = 2 al + S bl, i.e. S = (2 al - 2 ac) / (bc - bl)
-        let analytic = (2.0 * al - 2.0 * ac) / (bc - bl);
+        // 2 nodes x 2 ranks; calls inside a node 20 us at 10 GB/s, across nodes 40 us at
+        // 1 Gbit/s, over all four 50 us
+        let (al, bl, ac, bc, af) = (20e-6, 1e-10, 40e-6, 8e-9, 50e-6);
+        let m = model((al, bl), (ac, bc), af, 2, 2);
+        // flat: af + 3/2 S bc; hierarchical: 2 al + ac + S bl + 1/2 S bc;
+        // equal where af + S bc = 2 al + ac + S bl, i.e. S = (2 al + ac - af) / (bc - bl)
+        let analytic = (2.0 * al + ac - af) / (bc - bl);
         let got = m.crossover().expect("hierarchical wins for large batches");
         assert!((got as f64 - analytic).abs() <= 1.0, "{got} vs {analytic}");
         assert_eq!(m.choose(got - 2), Algorithm::Flat);
         assert_eq!(m.choose(got), Algorithm::Hierarchical);
-        // shared memory cheaper than the network in both terms: hierarchical at every size
-        let shm = model((2e-6, 1e-10), (50e-6, 8e-9), 2, 2);
-        assert_eq!(shm.crossover(), Some(0));
-        // a network as fast as shared memory: the same cost, and flat (fewer collectives)
-        let same = model((2e-6, 1e-10), (2e-6, 1e-10), 2, 2);
+        // small batches are bound by calls: one flat call beats three
+        assert_eq!(m.choose(1 << 10), Algorithm::Flat);
+        // calls cheaper than one flat call: hierarchical at every size
+        let cheap = model((2e-6, 1e-10), (10e-6, 8e-9), 50e-6, 2, 2);
+        assert_eq!(cheap.crossover(), Some(0));
+        // a network as fast as shared memory: flat (fewer calls, the same bytes per link)
+        let same = model((2e-6, 1e-10), (2e-6, 1e-10), 4e-6, 2, 2);
         assert_eq!(same.choose(1 << 30), Algorithm::Flat);
         assert_eq!(same.crossover(), None);
     }
 
     #[test]
-    fn latency_bound_small_batches_stay_flat_when_the_local_level_is_slow() {
-        // local messages cost more than cross ones (no shared memory): small batches flat,
-        // large ones hierarchical (less cross-node traffic)
-        let m = model((100e-6, 1e-10), (10e-6, 8e-9), 4, 4);
-        assert_eq!(m.choose(1 << 10), Algorithm::Flat);
-        assert_eq!(m.choose(1 << 30), Algorithm::Hierarchical);
+    fn from_messages_counts_each_levels_steps() {
+        let m = CostModel::from_messages(
+            Link {
+                alpha: 1e-6,
+                beta: 1e-10,
+            },
+            Link {
+                alpha: 10e-6,
+                beta: 8e-9,
+            },
+            8,
+            16,
+        );
+        // 2 log2 8 = 6 messages inside a node, 2 log2 16 = 8 across nodes
+        assert!((m.local.alpha - 6e-6).abs() < 1e-12);
+        assert!((m.cross.alpha - 80e-6).abs() < 1e-12);
+        assert!((m.flat_alpha - 86e-6).abs() < 1e-12);
+        assert_eq!(m.local.beta, 1e-10);
+        // large batches: the network's bytes rule, hierarchical sends 1/8 of them
+        assert_eq!(m.choose(100 << 20), Algorithm::Hierarchical);
         let x = m.crossover().unwrap();
-        assert_eq!(m.choose(x - 1), Algorithm::Flat);
-        assert_eq!(m.choose(x), Algorithm::Hierarchical);
+        assert_eq!(m.choose(x.saturating_sub(1)), Algorithm::Flat);
     }
 }

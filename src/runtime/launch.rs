@@ -92,11 +92,12 @@ impl Hierarchy {
             let (nodes, per) = (cross.size(), local.size());
             match &policy {
                 Policy::Auto(m) => tracing::info!(
-                    "allreduce algorithm auto over {nodes} nodes of {per} ranks: inside a node {:.1} us + {:.2} GB/s, across nodes {:.1} us + {:.2} GB/s; hierarchical from {}",
+                    "allreduce algorithm auto over {nodes} nodes of {per} ranks: a call inside a node {:.1} us + {:.2} GB/s, across nodes {:.1} us + {:.2} GB/s, over all ranks {:.1} us; hierarchical from {}",
                     m.local.alpha * 1e6,
                     1e-9 / m.local.beta,
                     m.cross.alpha * 1e6,
                     1e-9 / m.cross.beta,
+                    m.flat_alpha * 1e6,
                     m.crossover()
                         .map_or("no size".to_string(), |b| format!("{b} bytes"))
                 ),
@@ -133,33 +134,46 @@ impl Hierarchy {
 /// Bytes of the probe's large message.
 const PROBE_BYTES: usize = 1 << 20;
 
-/// The cost model of the set, measured: each level's allreduce of 8 bytes (latency) and of
-/// `PROBE_BYTES` (bandwidth), the best of a few rounds; rank 0's figures everywhere.
+/// The cost model of the set, measured: each level's small allreduce (8 bytes: the latency of
+/// a call, the median of `CALLS`, as a step meets it, scheduling included) and allreduce of
+/// `PROBE_BYTES` (bandwidth, the best of a few), and the whole set's small allreduce; rank 0's
+/// figures everywhere.
 fn measure(comm: &MpiComm, local: &MpiComm, cross: &MpiComm) -> Result<CostModel> {
     // a rank whose own measurement differs must still choose as the others do: with this
     // test fault, rank N sees its node's level a thousand times slower
     let skewed = crate::config::test_fault("slow_probe", comm.rank() as i32);
+    let time = |level: &MpiComm, bytes: usize, rounds: usize, slow: bool| -> Result<f64> {
+        let mut buf = vec![0u8; bytes];
+        // untimed first calls: MPI connects a level's ranks on first use
+        for _ in 0..2 {
+            level.allreduce(None, &mut buf, DataType::U8, ReduceOp::Max)?;
+        }
+        let mut times = Vec::with_capacity(rounds);
+        for _ in 0..rounds {
+            let t = Instant::now();
+            level.allreduce(None, &mut buf, DataType::U8, ReduceOp::Max)?;
+            times.push(t.elapsed().as_secs_f64());
+        }
+        times.sort_by(f64::total_cmp);
+        // a call's latency as steps meet it; bandwidth as the link gives it at best
+        let got = if bytes == PROBE_BYTES {
+            times[0]
+        } else {
+            times[rounds / 2]
+        };
+        // as if this rank saw a network a thousand times slower
+        Ok(if slow { got * 1000.0 } else { got })
+    };
     let link = |level: &MpiComm, slow: bool| -> Result<Link> {
         let n = level.size();
-        let time = |bytes: usize, rounds: usize| -> Result<f64> {
-            let mut buf = vec![0u8; bytes];
-            let mut best = f64::INFINITY;
-            for _ in 0..rounds {
-                let t = Instant::now();
-                level.allreduce(None, &mut buf, DataType::U8, ReduceOp::Max)?;
-                best = best.min(t.elapsed().as_secs_f64());
-            }
-            // as if this rank saw a network a thousand times slower
-            Ok(if slow { best * 1000.0 } else { best })
-        };
-        let messages = 2.0 * (n as f64).log2().ceil();
-        let alpha = time(8, 5)? / messages;
+        let alpha = time(level, 8, CALLS, slow)?;
         let moved = 2.0 * (n - 1) as f64 / n as f64 * PROBE_BYTES as f64;
-        let beta = ((time(PROBE_BYTES, 3)? - messages * alpha) / moved).max(1e-13);
+        let beta = ((time(level, PROBE_BYTES, 3, slow)? - alpha) / moved).max(1e-13);
         Ok(Link { alpha, beta })
     };
     let (l, c) = (link(local, skewed)?, link(cross, false)?);
-    let mine: Vec<u8> = [l.alpha, l.beta, c.alpha, c.beta]
+    let flat = time(comm, 8, CALLS, false)?;
+    let mine: Vec<u8> = [l.alpha, l.beta, c.alpha, c.beta, flat]
         .iter()
         .flat_map(|v| v.to_le_bytes())
         .collect();
@@ -172,7 +186,7 @@ fn measure(comm: &MpiComm, local: &MpiComm, cross: &MpiComm) -> Result<CostModel
             f64::from_le_bytes(a)
         })
         .collect();
-    if v.len() != 4 {
+    if v.len() != 5 {
         return Err(Error::Internal(
             "the cost model came as the wrong size".into(),
         ));
@@ -186,10 +200,14 @@ fn measure(comm: &MpiComm, local: &MpiComm, cross: &MpiComm) -> Result<CostModel
             alpha: v[2],
             beta: v[3],
         },
+        flat_alpha: v[4],
         per_node: local.size(),
         nodes: cross.size(),
     })
 }
+
+/// Small allreduces timed per level for the model's latencies.
+const CALLS: usize = 21;
 
 /// What a process set's communicators carry from one step to the next, whichever runs a
 /// tensor's batch.

@@ -484,18 +484,18 @@ fn cost_model_table() {
     println!("| --- | --- | --- | --- | --- | --- | --- |");
     for nodes in [16usize, 128, 1024] {
         for gbit in [100.0f64, 200.0, 400.0] {
-            let m = CostModel {
-                local: Link {
+            let m = CostModel::from_messages(
+                Link {
                     alpha: 3e-6,
                     beta: 1.0 / 150e9,
                 },
-                cross: Link {
+                Link {
                     alpha: 10e-6,
                     beta: 8.0 / (gbit * 1e9),
                 },
-                per_node: 8,
+                8,
                 nodes,
-            };
+            );
             for (name, bytes) in sizes {
                 let (f, h) = (m.flat(bytes), m.hierarchical(bytes));
                 let cross = m.crossover().map_or("never".to_string(), |b| b.to_string());
