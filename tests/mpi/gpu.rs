@@ -159,10 +159,6 @@ pub(crate) fn gpu_failure() {
     ))
     .unwrap();
     assert_close(&output(&res[0], DataType::F32), &[n as f64; 4], "warm-up");
-    if std::env::var("FERROVOD_COMPRESSION").as_deref() == Ok("u8") {
-        let wire = runtime::runtime().unwrap().metrics.snapshot().wire_u8;
-        assert!(wire > 0, "the warm-up did not travel as u8");
-    }
     // 200 tensors of 512 KiB: fused through a 100 MiB fusion buffer
     let count = 128 << 10;
     let specs: Vec<TensorSpec> = (0..200)

@@ -765,18 +765,6 @@ pub(crate) const GPU_SCENARIOS: &[Scenario] = &[
         ],
         true,
     ),
-    // the same failure in a u8 batch (its residuals or fusion buffer cannot be allocated on
-    // rank 1 while rank 0's NCCL alltoall waits for it)
-    (
-        "gpu_failure",
-        2,
-        &[
-            ("HOROVOD_STALL_CHECK_TIME_SECONDS", "2"),
-            ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "4"),
-            ("FERROVOD_COMPRESSION", "u8"),
-        ],
-        true,
-    ),
     (
         "gpu_graphs",
         2,
