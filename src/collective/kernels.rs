@@ -247,21 +247,33 @@ pub fn count_non_finite_batch(
             )));
         }
     };
-    // the destination is one counter, whatever the count of values
+    count_batch(gpu, stream, name, dtype.size(), items, 1.0)
+}
+
+/// Launches the counting kernel `name` over `(values, counter, elements)` items, values of
+/// `size` bytes: the destination of each is one u32 counter, whatever the count of values.
+fn count_batch(
+    gpu: &Gpu,
+    stream: &Stream,
+    name: &'static str,
+    size: usize,
+    items: &[(DeviceRange, DeviceRange, usize)],
+    factor: f64,
+) -> Result<()> {
     let kernel = Elementwise {
         library: &LIBRARY,
         name,
-        src_size: dtype.size(),
+        src_size: size,
         dst_size: 0,
     };
     let spans = items
         .iter()
         .map(|(values, counter, n)| {
-            counter.holds(4, "NaN counter")?;
+            counter.holds(4, "counter")?;
             Span::new(*values, *counter, *n, &kernel)
         })
         .collect::<Result<Vec<_>>>()?;
-    gpu.launch_batched(stream, kernel, &spans, 1.0)
+    gpu.launch_batched(stream, kernel, &spans, factor as f32)
 }
 
 /// Adds to the u32 counter at each `(values, counter, elements)` how many of the f32 values,
@@ -285,20 +297,7 @@ pub fn count_overflow_batch(
             )));
         }
     };
-    let kernel = Elementwise {
-        library: &LIBRARY,
-        name,
-        src_size: 4,
-        dst_size: 0,
-    };
-    let spans = items
-        .iter()
-        .map(|(values, counter, n)| {
-            counter.holds(4, "overflow counter")?;
-            Span::new(*values, *counter, *n, &kernel)
-        })
-        .collect::<Result<Vec<_>>>()?;
-    gpu.launch_batched(stream, kernel, &spans, factor as f32)
+    count_batch(gpu, stream, name, 4, items, factor)
 }
 
 /// `acc[i] = op(acc[i], x[i])` for `n` elements of any dtype (Sum, Min, Max or Product),

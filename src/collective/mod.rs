@@ -238,7 +238,7 @@ impl Encoding {
 }
 
 /// Names a tensor whose values left the 16-bit type `wire`'s range while packed.
-fn warn_out_of_range(name: &str, lost: usize, wire: DataType) {
+pub(crate) fn warn_out_of_range(name: &str, lost: usize, wire: DataType) {
     if lost > 0 {
         tracing::warn!(
             "tensor '{name}': {lost} values out of {}'s range became infinite on the wire",

@@ -272,12 +272,7 @@ impl Recorded {
         }
         if let Some((counts, wire)) = self.overflow.take() {
             for (name, lost) in counts.read(&self.gpu)? {
-                if lost > 0 {
-                    tracing::warn!(
-                        "tensor '{name}': {lost} values out of {}'s range became infinite on the wire",
-                        wire.name()
-                    );
-                }
+                collective::warn_out_of_range(&name, lost, wire);
             }
         }
         match self.nan.take() {
