@@ -560,7 +560,9 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     ("large_fused", 4, HIERARCHICAL_LOCAL2, true),
     ("offline_steps", 4, HIERARCHICAL_OFFLINE, true),
     // every host allreduce through the ring over point-to-point transfers
+    ("collectives", 2, &[("FERROVOD_RING_MIN_BYTES", "1")], true),
     ("collectives", 3, &[("FERROVOD_RING_MIN_BYTES", "1")], true),
+    ("collectives", 4, &[("FERROVOD_RING_MIN_BYTES", "1")], true),
     // auto: agreed choices, right results whichever algorithm each batch takes
     ("algorithm_agreed", 4, AUTO_SKEWED, true),
     ("collectives", 4, AUTO_SKEWED, true),
