@@ -287,6 +287,28 @@ pub fn allreduce_u8(
     Ok(())
 }
 
+/// The `(source, destination, elements)` of a batched cast between each tensor (its input
+/// when packing into `buf`, its output when unpacking) and its place in `buf`: the 16-bit
+/// codecs' packing, flat and hierarchical.
+fn cast_items(
+    ios: &[&mut dyn DeviceIo],
+    buf: DeviceRange,
+    pieces: &[layout::Piece],
+    counts: &[usize],
+    into_buffer: bool,
+) -> Result<Vec<(DeviceRange, DeviceRange, usize)>> {
+    (pieces.iter())
+        .map(|p| {
+            let place = buf.sub(p.place, p.len)?;
+            let io = &ios[p.tensor];
+            Ok(match into_buffer {
+                true => (io.input(), place, counts[p.tensor]),
+                false => (place, io.output(), counts[p.tensor]),
+            })
+        })
+        .collect()
+}
+
 /// A 16-bit allreduce's launches: cast in, sum, cast out.
 struct HalfAllreduce<'a, 'b> {
     ios: &'a [&'b mut dyn DeviceIo],
@@ -312,19 +334,15 @@ impl Launches for HalfAllreduce<'_, '_> {
         act: ActivitySink,
     ) -> Result<()> {
         let (ios, buf, wire) = (self.ios, self.buf, self.wire);
-        let place = |p: &layout::Piece| buf.sub(p.place, p.len);
+        let (pieces, counts) = (&self.pieces, &self.counts);
         act(Some("MEMCPY_IN_FUSION_BUFFER"));
-        let into = (self.pieces.iter())
-            .map(|p| Ok((ios[p.tensor].input(), place(p)?, self.counts[p.tensor])))
-            .collect::<Result<Vec<_>>>()?;
+        let into = cast_items(ios, buf, pieces, counts, true)?;
         kernels::cast_batch(gpu, stream, &into, wire, true, self.pre)?;
         act(Some("NCCL_ALLREDUCE"));
         let n = buf.len() / wire.size();
         t.allreduce_many(&[(buf, buf, n)], wire, ReduceOp::Sum, stream)?;
         act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-        let out = (self.pieces.iter())
-            .map(|p| Ok((place(p)?, ios[p.tensor].output(), self.counts[p.tensor])))
-            .collect::<Result<Vec<_>>>()?;
+        let out = cast_items(ios, buf, pieces, counts, false)?;
         kernels::cast_batch(gpu, stream, &out, wire, false, self.post)?;
         act(None);
         Ok(())
@@ -602,22 +620,12 @@ pub fn allreduce_hierarchical(
     let (buf, slice) = (whole.first(total)?, whole.sub(total, mine.len())?);
     let (gpu, stream) = (lane.gpu, lane.stream);
     let pieces = layout::consecutive(counts.iter().map(|c| c * size));
-    let places = |into: bool| {
-        (pieces.iter())
-            .map(|p| {
-                let io = &ios[p.tensor];
-                let tensor = if into { io.input() } else { io.output() };
-                let place = buf.sub(p.place, p.len)?;
-                Ok(match into {
-                    true => (tensor, place, counts[p.tensor]),
-                    false => (place, tensor, counts[p.tensor]),
-                })
-            })
-            .collect::<Result<Vec<_>>>()
-    };
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
     match codec {
-        Codec::Half(w) => kernels::cast_batch(gpu, stream, &places(true)?, w, true, pre)?,
+        Codec::Half(w) => {
+            let into = cast_items(ios, buf, &pieces, &counts, true)?;
+            kernels::cast_batch(gpu, stream, &into, w, true, pre)?
+        }
         _ => {
             copy_consecutive(gpu, stream, buf, &inputs(ios), true)?;
             kernels::scale(gpu, stream, buf, buf, elems, dtype, pre)?;
@@ -638,7 +646,10 @@ pub fn allreduce_hierarchical(
     local.allgatherv_in_place(buf, &bytes, stream)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
     match codec {
-        Codec::Half(w) => kernels::cast_batch(gpu, stream, &places(false)?, w, false, post)?,
+        Codec::Half(w) => {
+            let out = cast_items(ios, buf, &pieces, &counts, false)?;
+            kernels::cast_batch(gpu, stream, &out, w, false, post)?
+        }
         _ => {
             kernels::scale(gpu, stream, buf, buf, elems, dtype, post)?;
             copy_consecutive(gpu, stream, buf, &outputs(ios), false)?;

@@ -10,7 +10,7 @@
 //! node; every node holds the same number of ranks (the runtime falls back to the flat
 //! collective otherwise).
 
-use crate::collective::ring::{self, HostWorkspace, Stage, chunk};
+use crate::collective::ring::{self, HostWorkspace, chunk};
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
 use crate::message::ReduceOp;
@@ -85,6 +85,13 @@ pub fn allgatherv(levels: &Levels, buf: &mut [u8], counts: &[usize]) -> Result<(
     Ok(())
 }
 
+/// A step of a batch's packing around the pipelined allreduce: fill `piece` (the batch's bytes
+/// from `at`) from the tensors, or hand its reduced bytes back to them.
+pub enum Stage<'a> {
+    Pack { at: usize, piece: &'a mut [u8] },
+    Unpack { at: usize, piece: &'a [u8] },
+}
+
 /// Size of the pieces a large hierarchical allreduce is cut into: while one piece crosses the
 /// network, the next is reduce-scattered inside the node and the one before allgathered there,
 /// so the node's work hides behind the slower link.
@@ -98,7 +105,7 @@ pub fn allreduce(levels: &Levels, buf: &mut [u8], dtype: DataType, op: ReduceOp)
     allreduce_staged(levels, buf, dtype, op, &mut |_| Ok(()))
 }
 
-/// `allreduce` with the batch's packing around it (`ring::Stage`): each piece is packed
+/// `allreduce` with the batch's packing around it (`Stage`): each piece is packed
 /// before it is reduce-scattered inside the node and unpacked after its allgather there, the
 /// next piece's packing and the previous one's unpacking riding along with its node work.
 pub fn allreduce_staged(

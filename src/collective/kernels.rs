@@ -363,6 +363,16 @@ pub fn u8_stride(values: usize) -> usize {
     (crate::compress::quantize::encoded_len(values)).next_multiple_of(16)
 }
 
+/// The values of the largest of `chunks` chunks of `values` values, checked to fit blocks
+/// `stride` bytes apart.
+fn u8_chunk_values(values: usize, chunks: usize, stride: usize) -> Result<usize> {
+    let largest = values.div_ceil(chunks.max(1));
+    if stride < u8_stride(largest) {
+        return Err(Error::Internal("u8 block stride too small".into()));
+    }
+    Ok(largest)
+}
+
 /// Bytes of the bounds of `chunks` chunks (`u8_bounds`).
 pub fn u8_bounds_bytes(chunks: usize) -> usize {
     12 * chunks
@@ -389,12 +399,10 @@ pub fn u8_encode(
     lost.holds(values * 4, "u8 losses")?;
     blocks.holds(chunks * stride, "u8 blocks")?;
     bounds.holds(u8_bounds_bytes(chunks), "u8 bounds")?;
-    if stride < u8_stride(values.div_ceil(chunks.max(1))) {
-        return Err(Error::Internal("u8 block stride too small".into()));
-    }
+    let largest = u8_chunk_values(values, chunks, stride)?;
     let bounds = bounds.first(u8_bounds_bytes(chunks))?;
     gpu.memset_zero(stream, bounds)?;
-    let grid = (blocks_for(values.div_ceil(chunks.max(1))), chunks as u32);
+    let grid = (blocks_for(largest), chunks as u32);
     let (n, c, w) = (values as u64, chunks as u64, stride as u64);
     gpu.launch_ranges(
         stream,
@@ -425,9 +433,7 @@ pub fn u8_sum(
 ) -> Result<()> {
     blocks.holds(ranks * stride, "u8 received blocks")?;
     sum.holds(values * 4, "u8 sum")?;
-    if stride < u8_stride(values) {
-        return Err(Error::Internal("u8 block stride too small".into()));
-    }
+    u8_chunk_values(values, 1, stride)?;
     let args = [ranks as u64, stride as u64, values as u64];
     let grid = (blocks_for(values), 1);
     gpu.launch_ranges(
@@ -454,16 +460,14 @@ pub fn u8_decode(
 ) -> Result<()> {
     blocks.holds(chunks * stride, "u8 blocks")?;
     out.holds(values * 4, "u8 output")?;
-    if stride < u8_stride(values.div_ceil(chunks.max(1))) {
-        return Err(Error::Internal("u8 block stride too small".into()));
-    }
+    let largest = u8_chunk_values(values, chunks, stride)?;
     let args = [
         values as u64,
         chunks as u64,
         stride as u64,
         u64::from(factor.to_bits()),
     ];
-    let grid = (blocks_for(values.div_ceil(chunks.max(1))), chunks as u32);
+    let grid = (blocks_for(largest), chunks as u32);
     gpu.launch_ranges(
         stream,
         ranges_kernel("fv_u8_decode"),

@@ -21,7 +21,7 @@ use crate::fusion::FusionBuffer;
 use crate::message::{ReduceOp, Response};
 use crate::transport::Transport;
 use hierarchical::Levels;
-use ring::Stage;
+use hierarchical::Stage;
 use std::ops::Range;
 
 /// The memory of one tensor taking part in a collective.
@@ -138,24 +138,24 @@ impl Encoding {
     /// and cast on the way (one pass over the batch). Values that leave a 16-bit range are
     /// named in a warning (they arrive as infinities).
     fn pack(&self, ios: &[&mut dyn TensorIo], dst: &mut [u8], resps: &[&Response]) -> Result<()> {
-        pack_with(
-            ios,
-            dst,
-            |n| self.wire_len(n),
-            |i, d, s| match self.codec {
-                Codec::None => elementwise::copy_scaled(d, s, self.dtype, self.pre),
-                Codec::U8 => Err(Error::Internal("u8 batches are not packed as bytes".into())),
-                Codec::Half(w) => {
-                    let lost = elementwise::encode_half(d, s, w, self.pre)?;
-                    warn_out_of_range(&resps[i].name, lost, w);
-                    Ok(())
-                }
-            },
-        )
+        let mut lost = vec![0usize; ios.len()];
+        self.pack_piece(ios, 0, dst, &mut lost)?;
+        self.warn_lost(resps, &lost);
+        Ok(())
+    }
+
+    /// Names the tensors (of `resps`) whose values left the 16-bit wire type's range, `lost`
+    /// counting them per tensor.
+    fn warn_lost(&self, resps: &[&Response], lost: &[usize]) {
+        if let Codec::Half(w) = self.codec {
+            for (r, lost) in resps.iter().zip(lost) {
+                warn_out_of_range(&r.name, *lost, w);
+            }
+        }
     }
 
     /// `pack` of the batch's wire bytes `at..at + dst.len()` only (whole elements): one piece
-    /// of a pipelined allreduce. Adds to `lost[tensor]` the values that left a 16-bit range.
+    /// of the pipelined hierarchical allreduce. Adds to `lost[tensor]` the values that left a 16-bit range.
     fn pack_piece(
         &self,
         ios: &[&mut dyn TensorIo],
@@ -222,18 +222,7 @@ impl Encoding {
     /// Fills every tensor's output from consecutive places of `src`, cast back and scaled by
     /// `post` on the way.
     fn unpack(&self, src: &[u8], ios: &mut [&mut dyn TensorIo]) -> Result<()> {
-        unpack_with(
-            src,
-            ios,
-            |n| self.wire_len(n),
-            |d, s| match self.codec {
-                Codec::None => elementwise::copy_scaled(d, s, self.dtype, self.post),
-                Codec::Half(w) => elementwise::decode_half(d, s, w, self.post),
-                Codec::U8 => Err(Error::Internal(
-                    "u8 batches are not unpacked as bytes".into(),
-                )),
-            },
-        )
+        self.unpack_piece(src, 0, ios)
     }
 }
 
@@ -321,7 +310,7 @@ pub fn allreduce_batch(
     let total: usize = ios.iter().map(|io| enc.wire_len(io.input().len())).sum();
     let buf = fusion.get(total);
     // scaling and casting ride the copies in and out: one pass over the batch each way
-    if let Allreduce::Native = how {
+    let Allreduce::Hierarchical(levels) = how else {
         act(Some("MEMCPY_IN_FUSION_BUFFER"));
         enc.pack(ios, buf, resps)?;
         act(Some(phase));
@@ -330,26 +319,17 @@ pub fn allreduce_batch(
         enc.unpack(buf, ios)?;
         act(None);
         return Ok(());
-    }
-    // the ring and the hierarchical allreduce go in pieces: the copies in and out of the
-    // fusion buffer overlap the transfers
+    };
+    // the hierarchical allreduce goes in pieces: the copies in and out of the fusion buffer
+    // overlap the transfers across nodes
     act(Some(phase));
     let mut lost = vec![0usize; ios.len()];
     let mut stage = |s: Stage| match s {
         Stage::Pack { at, piece } => enc.pack_piece(ios, at, piece, &mut lost),
         Stage::Unpack { at, piece } => enc.unpack_piece(piece, at, ios),
     };
-    match how {
-        Allreduce::Hierarchical(l) => {
-            hierarchical::allreduce_staged(l, buf, enc.wire, enc.op, &mut stage)?
-        }
-        _ => ring::allreduce_staged(t, buf, enc.wire, enc.op, &mut stage)?,
-    }
-    if let Codec::Half(w) = codec {
-        for (r, lost) in resps.iter().zip(lost) {
-            warn_out_of_range(&r.name, lost, w);
-        }
-    }
+    hierarchical::allreduce_staged(levels, buf, enc.wire, enc.op, &mut stage)?;
+    enc.warn_lost(resps, &lost);
     act(None);
     Ok(())
 }
@@ -826,9 +806,9 @@ mod tests {
         fn set_received_splits(&mut self, _: Vec<i32>) {}
     }
 
-    /// Packing and unpacking a batch piece by piece (the pipelined ring and hierarchical
-    /// allreduce) writes the same bytes as the whole batch at once, for plain and 16-bit codecs,
-    /// with pieces that cut tensors anywhere, and counts the same values out of range.
+    /// Packing and unpacking a batch piece by piece (the pipelined hierarchical allreduce)
+    /// writes the same bytes as the whole batch at once, for plain and 16-bit codecs, with
+    /// pieces that cut tensors anywhere, and counts the same values out of range.
     #[test]
     fn pieces_pack_and_unpack_as_the_whole_batch() {
         let sizes = [3usize, 1000, 1, 77, 40];

@@ -95,33 +95,6 @@ pub fn allreduce<W: Workspace + ?Sized>(
     Ok(())
 }
 
-/// A step of a batch's packing around an allreduce (piece by piece where it is pipelined):
-/// fill `piece` (the batch's bytes from `at`) from the tensors, or hand its reduced bytes back
-/// to them.
-pub enum Stage<'a> {
-    Pack { at: usize, piece: &'a mut [u8] },
-    Unpack { at: usize, piece: &'a [u8] },
-}
-
-/// Allreduces `buf` as `allreduce` does, with the batch's packing around it: the whole buffer
-/// packed (`stage(Pack)`), reduced, unpacked (`stage(Unpack)`). Unlike the hierarchical
-/// pipeline, the flat ring does not go in pieces whose packing overlaps the transfers: over
-/// the emulated 1 Gbit link every cut made the steps slower, the more pieces the slower
-/// (BENCHMARKS.md, session 20).
-pub fn allreduce_staged(
-    t: &dyn Transport,
-    buf: &mut [u8],
-    dtype: DataType,
-    op: ReduceOp,
-    stage: &mut dyn FnMut(Stage) -> Result<()>,
-) -> Result<()> {
-    stage(Stage::Pack { at: 0, piece: buf })?;
-    let elems = buf.len() / dtype.size();
-    let mut ws = HostWorkspace::new(t, buf, elems, dtype)?;
-    allreduce(&mut ws, elems, dtype, op)?;
-    stage(Stage::Unpack { at: 0, piece: buf })
-}
-
 /// Host memory over a `Transport`'s point-to-point transfers; reductions run on the CPU.
 pub struct HostWorkspace<'a> {
     transport: &'a dyn Transport,
