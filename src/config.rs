@@ -343,7 +343,7 @@ fn compression_from_env() -> crate::message::Compression {
 /// 0 cannot decode a request list), `stop_in_round` (stops itself between the vote and the
 /// coordinator round), `autotune`, `freeze` and `offline` (autotune, freezing an offline plan
 /// or running one fails locally), `nccl_init` (a rank fails before creating its NCCL
-/// communicator), `gpu_alltoall` (a GPU alltoall fails before its host-MPI split exchange),
+/// communicator), `nccl_peers` (a rank cannot prepare its NCCL send/recv connections), `gpu_alltoall` (a GPU alltoall fails before its host-MPI split exchange),
 /// `gpu_staged` (a GPU allreduce of a dtype NCCL cannot reduce fails before its host-MPI
 /// reduction), `slow_probe` (the rank's measurement of its node's level for the allreduce cost
 /// model reads a thousand times slower; rank 0's figures must still rule). Ranks are global ranks (set ranks for the last three, the same in the tests'

@@ -178,6 +178,43 @@ impl NcclStreams {
         Ok(())
     }
 
+    /// Sets up send/recv between every pair of ranks on each stream's flat communicator
+    /// (`NcclComm::connect_peers`) before the first batch that uses it, so that no rank's
+    /// enqueue can wait there for a peer that failed after agreement. Agreed like `connect`:
+    /// every rank votes once its buffers are allocated, so none enters NCCL's set-up while
+    /// another cannot.
+    fn connect_peers(&mut self, over: &MpiComm) -> Result<()> {
+        let connected = |w: &NcclStream| w.comm.as_ref().is_some_and(NcclComm::peers_connected);
+        if self.streams.iter().all(connected) {
+            return Ok(());
+        }
+        let bytes = 2 * over.size();
+        let local = self.gpu.bind().and_then(|_| {
+            if crate::config::test_fault("nccl_peers", over.rank() as i32) {
+                return Err(Error::Internal("test fault: nccl_peers".into()));
+            }
+            (self.streams.iter())
+                .map(|w| self.gpu.alloc_on(&w.stream, bytes))
+                .collect::<Result<Vec<_>>>()
+        });
+        let mut ready = [u64::from(local.is_ok())];
+        over.and_words(&mut ready)?;
+        let bufs = local?;
+        if ready[0] == 0 {
+            return Err(Error::Aborted(
+                "NCCL send/recv connections could not be set up on every rank of the process set (the failing rank logs why)".into(),
+            ));
+        }
+        for (w, buf) in self.streams.iter_mut().zip(bufs) {
+            let comm = (w.comm.as_mut()).ok_or_else(|| {
+                Error::Internal("send/recv connections before the communicator".into())
+            })?;
+            comm.connect_peers(buf.range(), &w.stream)?;
+            buf.free_on(&w.stream)?;
+        }
+        Ok(())
+    }
+
     /// Stops every communicator of the streams and the work pending on them: after a local
     /// failure between agreement and the NCCL calls (the other ranks' calls wait for this
     /// rank's forever), or at shutdown when work still runs after the grace time.
@@ -399,7 +436,12 @@ pub(crate) fn run_device_batch(
     }
     match &levels {
         Some(h) => l.connect(Level::Local, h.local)?,
-        None => l.connect(Level::Flat, data)?,
+        None => {
+            l.connect(Level::Flat, data)?;
+            if uses_peers(how, resps[0]) {
+                l.connect_peers(data)?;
+            }
+        }
     }
     let (recorded, replayed) =
         enqueue_on_streams(l, data, levels, how, resps, entries, replay, sink)
@@ -419,6 +461,17 @@ pub(crate) fn run_device_batch(
         rt.metrics.add_graph_launch();
     }
     Ok(recorded)
+}
+
+/// Whether a flat GPU batch sends to single peers (NCCL send/recv) rather than through NCCL's
+/// collectives: alltoall, gossip, and the u8 codec's exchange of blocks. The same on every
+/// rank: a function of the agreed response and settings.
+fn uses_peers(how: &DeviceHow, head: &Response) -> bool {
+    match head.kind {
+        OpKind::Alltoall | OpKind::Gossip => true,
+        OpKind::Allreduce => how.codec == Codec::U8,
+        _ => false,
+    }
 }
 
 /// How long shutdown waits for GPU work still running before it aborts the communicators

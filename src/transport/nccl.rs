@@ -52,6 +52,8 @@ pub struct NcclComm {
     size: usize,
     /// Set by `abort`: the communicator is gone, calls fail.
     aborted: bool,
+    /// Whether `connect_peers` has set up the send/recv connections to every peer.
+    peers_connected: bool,
 }
 
 // SAFETY: an NCCL communicator may be used from any one thread at a time; ferrovod drives each
@@ -86,7 +88,36 @@ impl NcclComm {
             rank,
             size,
             aborted: false,
+            peers_connected: false,
         })
+    }
+
+    /// Sets up the send/recv connections to every peer now, with one byte each way through
+    /// `buf` (2 × size bytes, on `stream`). NCCL makes them on first use, inside the call that enqueues the
+    /// operation, which then blocks until the peer makes its side: a peer that fails after
+    /// agreeing to the operation would leave this rank's thread there, unable to vote. After
+    /// this, enqueueing send/recv never waits for a peer. Collective over the communicator,
+    /// like its creation; a rank that dies in between is caught by the stall watchdog.
+    pub fn connect_peers(&mut self, buf: DeviceRange, stream: &Stream) -> Result<()> {
+        if self.peers_connected || self.size < 2 {
+            return Ok(());
+        }
+        let n = self.size;
+        let _blocked = crate::transport::mpi::blocked("NCCL send/recv connection set-up");
+        self.group(|| {
+            for peer in (0..n).filter(|p| *p != self.rank) {
+                self.send(buf.sub(peer, 1)?, peer, stream)?;
+                self.recv(buf.sub(n + peer, 1)?, peer, stream)?;
+            }
+            Ok(())
+        })?;
+        self.peers_connected = true;
+        Ok(())
+    }
+
+    /// Whether send/recv to every peer is set up (`connect_peers`).
+    pub fn peers_connected(&self) -> bool {
+        self.peers_connected || self.size < 2
     }
 
     /// Ends the communicator and every operation of it still pending or running on the GPU

@@ -136,7 +136,8 @@ impl Op {
 }
 
 /// A rank whose GPU batch fails after every rank agreed to run it (here: its fusion buffer
-/// cannot grow, its GPU memory being taken): it aborts its NCCL communicators and shuts the
+/// cannot grow, its GPU memory being taken; under the u8 codec, whose batches exchange blocks
+/// over NCCL send/recv, this rank's alltoall never comes): it aborts its NCCL communicators and shuts the
 /// job down; the vote tells the other rank, whose NCCL call waits for it, to abort its own at
 /// once rather than after the grace time (4 s here). Both get an error, nobody hangs, later
 /// work is refused, and MPI finalizes.
@@ -206,6 +207,54 @@ pub(crate) fn gpu_failure() {
     ));
     assert!(matches!(later, Err(Error::ShutDown(_))), "{later:?}");
     // MPI's finalize waits for both ranks (rank 0 ends its wait after the grace time)
+    runtime::shutdown();
+    pass();
+}
+
+/// GPU: rank 1 cannot prepare the send/recv connections that the first alltoall needs (test
+/// fault `nccl_peers`). The ranks agree on that before NCCL's set-up, so both get the error at
+/// once, neither waits in NCCL for the other, and the job goes on: an allreduce (no send/recv)
+/// runs after it, and a second alltoall fails the same way rather than hang.
+pub(crate) fn gpu_peers_fault() {
+    init();
+    let n = size();
+    let alltoall = |name: &str| {
+        let t = tensor(
+            name,
+            DataType::F32,
+            &[n as i64],
+            &vec![rank() as f64; n],
+            true,
+        );
+        run(OpSpec::new(OpKind::Alltoall, vec![t]))
+    };
+    for name in ["peers.a2a.0", "peers.a2a.1"] {
+        let start = Instant::now();
+        let err = alltoall(name).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            matches!(err, Error::Aborted(_))
+                && msg.contains("send/recv connections could not be set up on every rank"),
+            "{err:?}"
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "{name}: took {:?}",
+            start.elapsed()
+        );
+        let res = run(OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor(
+                &format!("{name}.after"),
+                DataType::F32,
+                &[4],
+                &[1.0; 4],
+                false,
+            )],
+        ))
+        .unwrap();
+        assert_close(&output(&res[0], DataType::F32), &[n as f64; 4], name);
+    }
     runtime::shutdown();
     pass();
 }

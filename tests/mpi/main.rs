@@ -27,7 +27,10 @@ mod shutdown;
 use collectives::*;
 use common::*;
 use decentralized::*;
-use gpu::{gpu_compressed, gpu_failure, gpu_graphs, gpu_kernels, gpu_ring, gpu_streams, gpu_u8};
+use gpu::{
+    gpu_compressed, gpu_failure, gpu_graphs, gpu_kernels, gpu_peers_fault, gpu_ring, gpu_streams,
+    gpu_u8,
+};
 use hosts::*;
 use negotiation::*;
 use offline::*;
@@ -767,6 +770,24 @@ pub(crate) const GPU_SCENARIOS: &[Scenario] = &[
         ],
         true,
     ),
+    // the survivor's u8 batch enqueues an alltoall to the failed rank: its send/recv
+    // connections were set up beforehand, so the enqueue returns and the rank can vote
+    (
+        "gpu_failure",
+        2,
+        &[
+            ("HOROVOD_STALL_CHECK_TIME_SECONDS", "2"),
+            ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "4"),
+            ("FERROVOD_COMPRESSION", "u8"),
+        ],
+        true,
+    ),
+    (
+        "gpu_peers_fault",
+        2,
+        &[("FERROVOD_TEST_FAULT", "nccl_peers:1")],
+        true,
+    ),
     (
         "gpu_graphs",
         2,
@@ -1172,6 +1193,7 @@ pub(crate) fn run_rank(name: &str) {
         "gpu_ring" => gpu_ring(),
         "gpu_compressed" => gpu_compressed(),
         "gpu_u8" => gpu_u8(),
+        "gpu_peers_fault" => gpu_peers_fault(),
         "hierarchical_allreduces" => hierarchical_allreduces(),
         "metrics" => metrics(),
         "offline_steps" => offline_steps(),
