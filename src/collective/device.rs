@@ -47,6 +47,10 @@ pub struct Lane<'a> {
     pub replayed: bool,
     /// The `u8` codec's residuals of the process set's tensors.
     pub feedback: &'a mut DeviceFeedback,
+    /// Set by a 16-bit codec's batch: one u32 per tensor, its values that overflowed the
+    /// 16-bit type when packed (in the fusion buffer, after the batch; valid in stream order
+    /// until the stream's next batch).
+    pub overflows: Option<DeviceRange>,
 }
 
 impl Lane<'_> {
@@ -197,10 +201,11 @@ pub fn allreduce_half(
         .collect();
     let pieces = layout::consecutive(counts.iter().map(|n| n * wire.size()));
     let total: usize = pieces.iter().map(|p| p.len).sum();
-    let buf = lane.fusion(total)?.first(total)?;
+    let (buf, overflows) = half_buffer(lane, total, 0, ios.len())?;
     let batch = HalfAllreduce {
         ios,
         buf,
+        overflows,
         pieces,
         counts,
         wire,
@@ -208,6 +213,23 @@ pub fn allreduce_half(
         post: enc.post,
     };
     launch_or_replay(t, lane, &batch, act)
+}
+
+/// A 16-bit batch's places in the fusion buffer: `total` bytes of values, `extra` bytes after
+/// them (returned within the first range), then one u32 overflow counter per tensor (set as
+/// the lane's `overflows`). The counters sit at an address as stable as the buffer's, so
+/// replayed graphs count into the same place.
+fn half_buffer(
+    lane: &mut Lane,
+    total: usize,
+    extra: usize,
+    tensors: usize,
+) -> Result<(DeviceRange, DeviceRange)> {
+    let at = (total + extra).next_multiple_of(4);
+    let whole = lane.fusion(at + 4 * tensors)?;
+    let overflows = whole.sub(at, 4 * tensors)?;
+    lane.overflows = Some(overflows);
+    Ok((whole.first(total + extra)?, overflows))
 }
 
 /// An f32 sum or average travelling as 8-bit blocks, computed as the host's `quantized`
@@ -313,6 +335,8 @@ fn cast_items(
 struct HalfAllreduce<'a, 'b> {
     ios: &'a [&'b mut dyn DeviceIo],
     buf: DeviceRange,
+    /// One u32 per tensor: its values that overflowed when packed.
+    overflows: DeviceRange,
     pieces: Vec<layout::Piece>,
     /// Elements of each tensor.
     counts: Vec<usize>,
@@ -337,13 +361,15 @@ impl Launches for HalfAllreduce<'_, '_> {
         let (pieces, counts) = (&self.pieces, &self.counts);
         act(Some("MEMCPY_IN_FUSION_BUFFER"));
         let into = cast_items(ios, buf, pieces, counts, true)?;
-        kernels::cast_batch(gpu, stream, &into, wire, true, self.pre)?;
+        gpu.memset_zero(stream, self.overflows)?;
+        let overflows = Some(self.overflows);
+        kernels::cast_batch(gpu, stream, &into, wire, true, self.pre, overflows)?;
         act(Some("NCCL_ALLREDUCE"));
         let n = buf.len() / wire.size();
         t.allreduce_many(&[(buf, buf, n)], wire, ReduceOp::Sum, stream)?;
         act(Some("MEMCPY_OUT_FUSION_BUFFER"));
         let out = cast_items(ios, buf, pieces, counts, false)?;
-        kernels::cast_batch(gpu, stream, &out, wire, false, self.post)?;
+        kernels::cast_batch(gpu, stream, &out, wire, false, self.post, None)?;
         act(None);
         Ok(())
     }
@@ -615,8 +641,15 @@ pub fn allreduce_hierarchical(
     // the same split on every rank of the node: a function of agreed sizes only
     let slices: Vec<Range<usize>> = (0..n).map(|c| ring::chunk(elems, size, n, c)).collect();
     let mine = slices[me].clone();
-    // the fusion buffer holds the batch, then this rank's reduced slice
-    let whole = lane.fusion(total + mine.len())?;
+    // the fusion buffer holds the batch, then this rank's reduced slice (then the 16-bit
+    // codecs' overflow counters)
+    let (whole, overflows) = match codec {
+        Codec::Half(_) => {
+            let (whole, o) = half_buffer(lane, total, mine.len(), ios.len())?;
+            (whole, Some(o))
+        }
+        _ => (lane.fusion(total + mine.len())?, None),
+    };
     let (buf, slice) = (whole.first(total)?, whole.sub(total, mine.len())?);
     let (gpu, stream) = (lane.gpu, lane.stream);
     let pieces = layout::consecutive(counts.iter().map(|c| c * size));
@@ -624,7 +657,10 @@ pub fn allreduce_hierarchical(
     match codec {
         Codec::Half(w) => {
             let into = cast_items(ios, buf, &pieces, &counts, true)?;
-            kernels::cast_batch(gpu, stream, &into, w, true, pre)?
+            if let Some(o) = overflows {
+                gpu.memset_zero(stream, o)?;
+            }
+            kernels::cast_batch(gpu, stream, &into, w, true, pre, overflows)?
         }
         _ => {
             copy_consecutive(gpu, stream, buf, &inputs(ios), true)?;
@@ -648,7 +684,7 @@ pub fn allreduce_hierarchical(
     match codec {
         Codec::Half(w) => {
             let out = cast_items(ios, buf, &pieces, &counts, false)?;
-            kernels::cast_batch(gpu, stream, &out, w, false, post)?
+            kernels::cast_batch(gpu, stream, &out, w, false, post, None)?
         }
         _ => {
             kernels::scale(gpu, stream, buf, buf, elems, dtype, post)?;

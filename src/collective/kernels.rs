@@ -41,8 +41,6 @@ pub static LIBRARY: KernelLibrary = KernelLibrary {
         "fv_count_non_finite_bf16",
         "fv_count_non_finite_f32",
         "fv_count_non_finite_f64",
-        "fv_count_overflow_f16",
-        "fv_count_overflow_bf16",
         "fv_reduce_u8",
         "fv_reduce_i8",
         "fv_reduce_u16",
@@ -158,6 +156,9 @@ pub fn cast(
 /// Packs (`into_wire`: f32 tensors into 16-bit places of a fusion buffer) or unpacks (the
 /// reverse) every `(source, destination, elements)` in one batched launch per 128, multiplying
 /// by `factor` in f32 on the way (before rounding when packing, after widening when unpacking).
+/// Packing with `overflows` (one u32 per item) adds to item k's counter how many finite scaled
+/// values left `wire`'s range (they travel as infinities), as the host's
+/// `elementwise::encode_half` counts them: the 16-bit codecs' overflow report, in the same pass.
 pub fn cast_batch(
     gpu: &Gpu,
     stream: &Stream,
@@ -165,6 +166,7 @@ pub fn cast_batch(
     wire: DataType,
     into_wire: bool,
     factor: f64,
+    overflows: Option<DeviceRange>,
 ) -> Result<()> {
     let name = match (wire, into_wire) {
         (DataType::F16, true) => "fv_pack_f32_f16",
@@ -189,7 +191,8 @@ pub fn cast_batch(
         .iter()
         .map(|(s, d, n)| Span::new(*s, *d, *n, &kernel))
         .collect::<Result<Vec<_>>>()?;
-    gpu.launch_batched(stream, kernel, &spans, factor as f32)
+    let counts = overflows.filter(|_| into_wire);
+    gpu.launch_batched(stream, kernel, &spans, factor as f32, counts)
 }
 
 /// `dst[i] = (dst[i] + src[i]) / 2` for every `(src, dst, elements)` of a floating `dtype`, in
@@ -223,7 +226,7 @@ pub fn mean_batch(
         .iter()
         .map(|(s, d, n)| Span::new(*s, *d, *n, &kernel))
         .collect::<Result<Vec<_>>>()?;
-    gpu.launch_batched(stream, kernel, &spans, 1.0)
+    gpu.launch_batched(stream, kernel, &spans, 1.0, None)
 }
 
 /// Adds to the u32 counter at each `(values, counter, elements)` how many of the values are NaN
@@ -247,7 +250,7 @@ pub fn count_non_finite_batch(
             )));
         }
     };
-    count_batch(gpu, stream, name, dtype.size(), items, 1.0)
+    count_batch(gpu, stream, name, dtype.size(), items)
 }
 
 /// Launches the counting kernel `name` over `(values, counter, elements)` items, values of
@@ -258,7 +261,6 @@ fn count_batch(
     name: &'static str,
     size: usize,
     items: &[(DeviceRange, DeviceRange, usize)],
-    factor: f64,
 ) -> Result<()> {
     let kernel = Elementwise {
         library: &LIBRARY,
@@ -273,31 +275,7 @@ fn count_batch(
             Span::new(*values, *counter, *n, &kernel)
         })
         .collect::<Result<Vec<_>>>()?;
-    gpu.launch_batched(stream, kernel, &spans, factor as f32)
-}
-
-/// Adds to the u32 counter at each `(values, counter, elements)` how many of the f32 values,
-/// times `factor`, are finite but leave `wire`'s range (F16 or BF16: they would travel as
-/// infinities), as the host's `elementwise::encode_half` counts them; in one batched launch
-/// per 128: the 16-bit codecs' overflow report on GPUs.
-pub fn count_overflow_batch(
-    gpu: &Gpu,
-    stream: &Stream,
-    items: &[(DeviceRange, DeviceRange, usize)],
-    wire: DataType,
-    factor: f64,
-) -> Result<()> {
-    let name = match wire {
-        DataType::F16 => "fv_count_overflow_f16",
-        DataType::BF16 => "fv_count_overflow_bf16",
-        other => {
-            return Err(Error::InvalidArgument(format!(
-                "no 16-bit codec travels as {}",
-                other.name()
-            )));
-        }
-    };
-    count_batch(gpu, stream, name, 4, items, factor)
+    gpu.launch_batched(stream, kernel, &spans, 1.0, None)
 }
 
 /// `acc[i] = op(acc[i], x[i])` for `n` elements of any dtype (Sum, Min, Max or Product),
@@ -339,7 +317,7 @@ pub fn add_batch(
         .iter()
         .map(|(s, d, n)| Span::new(*s, *d, *n, &kernel))
         .collect::<Result<Vec<_>>>()?;
-    gpu.launch_batched(stream, kernel, &spans, 1.0)
+    gpu.launch_batched(stream, kernel, &spans, 1.0, None)
 }
 
 /// A kernel launched by `Gpu::launch_ranges` (no element sizes).
@@ -529,20 +507,31 @@ extern "C" __global__ void fv_cast_bf16_f32(const unsigned short* s, float* d, u
   FV_LOOP { d[i] = b2f(s[i]); } }
 
 // batched casts of the 16-bit codecs: many tensors packed into (or unpacked from) a fusion
-// buffer in one launch, scaled on the way (block row y handles span y)
+// buffer in one launch, scaled on the way
 struct Span { const void* src; void* dst; u64 n; };
-struct SpanBatch { Span d[128]; int n; float factor; };
+struct SpanBatch { Span d[128]; int n; float factor; unsigned* counts; unsigned start[129]; };
+// one 1-D grid over the spans: span y has blocks start[y]..start[y + 1] (a short span few, so
+// no block idles); each block finds its span by binary search
 #define FV_SPAN(S, D, body) \
-  if ((int)blockIdx.y >= b.n) return; \
-  const Span sp = b.d[blockIdx.y]; \
+  int y = 0; \
+  for (int h = 64; h > 0; h >>= 1) \
+    if (y + h < b.n && b.start[y + h] <= blockIdx.x) y += h; \
+  const Span sp = b.d[y]; \
+  const u64 first = blockIdx.x - b.start[y], blocks = b.start[y + 1] - b.start[y]; \
   const S* s = (const S*)sp.src; D* d = (D*)sp.dst; const float g = b.factor; \
-  for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < sp.n; i += (u64)gridDim.x * blockDim.x) { body; }
+  for (u64 i = first * blockDim.x + threadIdx.x; i < sp.n; i += blocks * blockDim.x) { body; }
+// packing counts, where asked, the finite scaled values that travel as infinities
+#define FV_OVERFLOW(v, h, inf) \
+  if (b.counts && (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u && ((h) & 0x7fffu) == (inf)) \
+    atomicAdd(b.counts + y, 1u);
 extern "C" __global__ void fv_pack_f32_f16(const SpanBatch b) {
-  FV_SPAN(float, unsigned short, d[i] = f2h(s[i] * g)) }
+  FV_SPAN(float, unsigned short, { float v = s[i] * g; unsigned short h = f2h(v); d[i] = h;
+    FV_OVERFLOW(v, h, 0x7c00u) }) }
 extern "C" __global__ void fv_unpack_f16_f32(const SpanBatch b) {
   FV_SPAN(unsigned short, float, d[i] = h2f(s[i]) * g) }
 extern "C" __global__ void fv_pack_f32_bf16(const SpanBatch b) {
-  FV_SPAN(float, unsigned short, d[i] = f2b(s[i] * g)) }
+  FV_SPAN(float, unsigned short, { float v = s[i] * g; unsigned short h = f2b(v); d[i] = h;
+    FV_OVERFLOW(v, h, 0x7f80u) }) }
 extern "C" __global__ void fv_unpack_bf16_f32(const SpanBatch b) {
   FV_SPAN(unsigned short, float, d[i] = b2f(s[i]) * g) }
 // the NaN check: a value is NaN or infinite when its exponent bits are all set
@@ -554,13 +543,6 @@ extern "C" __global__ void fv_count_non_finite_f32(const SpanBatch b) {
   FV_SPAN(unsigned, unsigned, if ((s[i] & 0x7f800000u) == 0x7f800000u) atomicAdd(d, 1u)) }
 extern "C" __global__ void fv_count_non_finite_f64(const SpanBatch b) {
   FV_SPAN(u64, unsigned, if ((s[i] & 0x7ff0000000000000ull) == 0x7ff0000000000000ull) atomicAdd(d, 1u)) }
-// the 16-bit codecs' overflow report: finite scaled values that round to infinity
-extern "C" __global__ void fv_count_overflow_f16(const SpanBatch b) {
-  FV_SPAN(float, unsigned, { float v = s[i] * g;
-    if ((__float_as_uint(v) & 0x7f800000u) != 0x7f800000u && (f2h(v) & 0x7fffu) == 0x7c00u) atomicAdd(d, 1u); }) }
-extern "C" __global__ void fv_count_overflow_bf16(const SpanBatch b) {
-  FV_SPAN(float, unsigned, { float v = s[i] * g;
-    if ((__float_as_uint(v) & 0x7f800000u) != 0x7f800000u && (f2b(v) & 0x7fffu) == 0x7f80u) atomicAdd(d, 1u); }) }
 // gossip's neighbour average, in place over this rank's values
 extern "C" __global__ void fv_mean_f16(const SpanBatch b) {
   FV_SPAN(unsigned short, unsigned short, d[i] = f2h(h2f(f2h(h2f(d[i]) + h2f(s[i]))) * 0.5f)) }
@@ -720,8 +702,9 @@ mod tests {
     #[test]
     fn batched_casts_match_their_parameter_and_are_loaded() {
         let decl = format!(
-            "Span d[{}]; int n; float factor;",
-            crate::transport::cuda::SPAN_BATCH
+            "Span d[{}]; int n; float factor; unsigned* counts; unsigned start[{}];",
+            crate::transport::cuda::SPAN_BATCH,
+            crate::transport::cuda::SPAN_BATCH + 1
         );
         assert!(SOURCE.contains(&decl));
         for name in [

@@ -77,12 +77,6 @@ fn unpack_with(
     Ok(())
 }
 
-/// The factor `head`'s values are multiplied by while packed for `codec` over `size` ranks (an
-/// average under a 16-bit codec divides first): what the GPU overflow report scales by.
-pub(crate) fn packing_factor(codec: Codec, head: &Response, size: usize) -> Result<f64> {
-    Ok(Encoding::of(codec, head, size)?.pre)
-}
-
 /// How a batch's values travel and are reduced: the dtype on the wire, the reduction there,
 /// and the factors applied while packing (`pre`) and unpacking (`post`).
 struct Encoding {

@@ -23,7 +23,7 @@ use crate::message::{OpKind, Response};
 use crate::runtime::Runtime;
 use crate::runtime::entry::{ReadyEvent, TensorEntry};
 use crate::transport::Transport;
-use crate::transport::cuda::{DeviceMem, Event, Gpu, Stream};
+use crate::transport::cuda::{Copy, DeviceMem, Event, Gpu, Stream};
 use crate::transport::memory::DeviceRange;
 use crate::transport::mpi::MpiComm;
 use crate::transport::nccl::{self, NcclComm};
@@ -357,6 +357,17 @@ impl Counts {
         })
     }
 
+    /// A copy of the counters at `area` (one u32 per response), in stream order.
+    fn copy(gpu: &Gpu, stream: &Stream, area: DeviceRange, resps: &[&Response]) -> Result<Counts> {
+        area.holds(4 * resps.len(), "counters")?;
+        let counts = gpu.alloc_on(stream, area.len())?;
+        gpu.copy_batch(stream, &[Copy::new(area, counts.range(), area.len())?])?;
+        Ok(Counts {
+            counts,
+            names: resps.iter().map(|r| r.name.clone()).collect(),
+        })
+    }
+
     /// Each tensor's name and count; the batch's work must be done.
     fn read(self, gpu: &Gpu) -> Result<Vec<(String, usize)>> {
         let stream = gpu.new_stream()?;
@@ -551,6 +562,7 @@ fn enqueue_on_streams(
         }),
         replayed: false,
         feedback: &mut l.feedback,
+        overflows: None,
     };
     let route = match (levels, &w.local, &w.comm) {
         (Some(h), Some(local), _) => DeviceRoute::Hierarchical(device::Levels {
@@ -564,24 +576,15 @@ fn enqueue_on_streams(
             ));
         }
     };
-    // before the collective, which may write over the inputs
-    let overflow = match how.codec {
-        Codec::Half(wire) => {
-            let pre = collective::packing_factor(how.codec, head, data.size())?;
-            let counts = Counts::launch(
-                &gpu,
-                &w.stream,
-                resps,
-                &ios,
-                |io| io.input(),
-                |items| kernels::count_overflow_batch(&gpu, &w.stream, items, wire, pre),
-            )?;
-            Some((counts, wire))
+    execute::device(route, data, &mut lane_ref, how, resps, &mut ios, sink)?;
+    let replayed = lane_ref.replayed;
+    // the packing's overflow counters, kept apart from the stream's next batch
+    let overflow = match (how.codec, lane_ref.overflows) {
+        (Codec::Half(wire), Some(area)) => {
+            Some((Counts::copy(&gpu, &w.stream, area, resps)?, wire))
         }
         _ => None,
     };
-    execute::device(route, data, &mut lane_ref, how, resps, &mut ios, sink)?;
-    let replayed = lane_ref.replayed;
     let nan = match how.nan_check && head.dtype.is_float() {
         true => Some(Counts::launch(
             &gpu,

@@ -309,42 +309,44 @@ impl Gpu {
 
     /// Launches the batched `kernel` over every span, up to `SPAN_BATCH` spans a launch, each
     /// span's elements multiplied by `factor` (the `KernelLibrary` contract for batched
-    /// kernels: `name(const SpanBatch b)`).
+    /// kernels: `name(const SpanBatch b)`). Kernels that count add span k's count to the u32
+    /// at `counts` + 4k, where given.
     pub fn launch_batched(
         &self,
         stream: &Stream,
         kernel: Elementwise,
         spans: &[Span],
         factor: f32,
+        counts: Option<DeviceRange>,
     ) -> Result<()> {
         if spans.iter().all(|s| s.n == 0) {
             return Ok(());
         }
+        if let Some(c) = counts {
+            c.holds(4 * spans.len(), "per-span counters")?;
+        }
         let f = self.function(kernel)?;
-        for chunk in spans.chunks(SPAN_BATCH) {
+        for (c, chunk) in spans.chunks(SPAN_BATCH).enumerate() {
             let mut batch = SpanBatch {
                 d: [Span::default(); SPAN_BATCH],
                 n: chunk.len() as i32,
                 factor,
+                counts: counts.map_or(0, |r| r.ptr() + (4 * SPAN_BATCH * c) as u64),
+                start: [0; SPAN_BATCH + 1],
             };
             batch.d[..chunk.len()].copy_from_slice(chunk);
-            let longest = chunk.iter().map(|s| s.n).max().unwrap_or(0);
-            if longest == 0 {
+            for (k, s) in chunk.iter().enumerate() {
+                batch.start[k + 1] = batch.start[k] + span_blocks(s.n);
+            }
+            let blocks = batch.start[chunk.len()];
+            if blocks == 0 {
                 continue;
             }
-            let blocks = longest.div_ceil(256 * 4).clamp(1, 512) as u32;
             let mut params = [(&mut batch as *mut SpanBatch).cast::<c_void>()];
             // SAFETY: the kernel reads `batch` (copied by the launch); each span was made from
             // ranges checked to hold its elements at the kernel's sizes (`Span::new`).
             unsafe {
-                result::launch_kernel(
-                    f.0,
-                    (blocks, chunk.len() as u32, 1),
-                    (256, 1, 1),
-                    0,
-                    stream.0,
-                    &mut params,
-                )
+                result::launch_kernel(f.0, (blocks, 1, 1), (256, 1, 1), 0, stream.0, &mut params)
             }
             .map_err(|e| driver("batched kernel launch", e))?;
         }
@@ -773,12 +775,26 @@ pub(crate) const SPAN_BATCH: usize = 128;
 
 /// A batched kernel's parameter, as CUDA C declares it:
 /// `struct Span { const void* src; void* dst; u64 n; };
-/// struct SpanBatch { Span d[128]; int n; float factor; };`
+/// struct SpanBatch { Span d[128]; int n; float factor; unsigned* counts;
+/// unsigned start[129]; };`
 #[repr(C)]
 struct SpanBatch {
     d: [Span; SPAN_BATCH],
     n: i32,
     factor: f32,
+    /// One u32 per span for kernels that count (0: none asked).
+    counts: u64,
+    /// Span k's blocks of the 1-D grid: `start[k]..start[k + 1]`.
+    start: [u32; SPAN_BATCH + 1],
+}
+
+/// Blocks of 256 threads for a span of `n` elements: about 4 elements a thread, at most 512
+/// blocks (a grid-stride loop does the rest), none for an empty span.
+fn span_blocks(n: u64) -> u32 {
+    match n {
+        0 => 0,
+        n => n.div_ceil(256 * 4).min(512) as u32,
+    }
 }
 
 /// Ranges and integers per `launch_ranges` kernel.

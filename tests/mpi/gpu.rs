@@ -553,8 +553,9 @@ pub(crate) fn gpu_kernels() {
             );
         }
     }
-    // the 16-bit codecs' overflow count (finite scaled values that travel as infinities),
-    // against the host's own count while encoding; two spans, one of them inside the other
+    // the 16-bit codecs' packing and its overflow count (finite scaled values that travel as
+    // infinities), against the host's own encoding and count: two spans, one of them inside
+    // the other, then 130 spans of the whole (two launches: each launch's counters are its own)
     let xs: Vec<f32> = vec![
         1.0,
         70000.0,
@@ -573,33 +574,79 @@ pub(crate) fn gpu_kernels() {
     let bytes: Vec<u8> = xs.iter().flat_map(|v| v.to_le_bytes()).collect();
     let dev = gpu.alloc(bytes.len()).unwrap();
     gpu.upload(&s, &bytes, dev.range()).unwrap();
-    let counters = gpu.alloc(8).unwrap();
+    let many = 130;
+    let counters = gpu.alloc(4 * many).unwrap();
+    let packed = gpu.alloc(2 * xs.len() * many).unwrap();
     let mut seen = 0;
     for wire in [DataType::F16, DataType::BF16] {
         for factor in [1.0, 0.5, 4.0] {
-            gpu.memset_zero(&s, counters.range()).unwrap();
-            let spans = [
-                (dev.range(), counters.range().first(4).unwrap(), xs.len()),
-                (
-                    dev.range().sub(4, 12).unwrap(),
-                    counters.range().sub(4, 4).unwrap(),
-                    3,
-                ),
-            ];
-            kernels::count_overflow_batch(&gpu, &s, &spans, wire, factor).unwrap();
-            let mut got = vec![0u8; 8];
-            gpu.download(&s, counters.range(), &mut got).unwrap();
-            for (k, (from, n)) in [(0usize, xs.len()), (4, 3)].into_iter().enumerate() {
+            let host = |from: usize, n: usize| {
                 let mut out = vec![0u8; 2 * n];
-                let src = &bytes[from..from + 4 * n];
-                let want = ferrovod::elementwise::encode_half(&mut out, src, wire, factor).unwrap();
+                let src = &bytes[4 * from..4 * (from + n)];
+                let count = ferrovod::elementwise::encode_half(&mut out, src, wire, factor);
+                (out, count.unwrap())
+            };
+            let parts = [(0usize, xs.len()), (1, 3)];
+            gpu.memset_zero(&s, counters.range()).unwrap();
+            let mut items = Vec::new();
+            let mut at = 0;
+            for (from, n) in parts {
+                let src = dev.range().sub(4 * from, 4 * n).unwrap();
+                items.push((src, packed.range().sub(at, 2 * n).unwrap(), n));
+                at += 2 * n;
+            }
+            let counts = Some(counters.range().first(8).unwrap());
+            kernels::cast_batch(&gpu, &s, &items, wire, true, factor, counts).unwrap();
+            let mut got = vec![0u8; 8];
+            gpu.download(&s, counters.range().first(8).unwrap(), &mut got)
+                .unwrap();
+            let mut got_packed = vec![0u8; at];
+            gpu.download(&s, packed.range().first(at).unwrap(), &mut got_packed)
+                .unwrap();
+            let mut at = 0;
+            for (k, (from, n)) in parts.into_iter().enumerate() {
+                let (out, want) = host(from, n);
                 let count = u32::from_le_bytes(got[4 * k..4 * k + 4].try_into().unwrap());
                 assert_eq!(
                     count as usize, want,
                     "{wire} overflow count times {factor}, span {k}"
                 );
+                // NaN payloads may differ (PTX's cvt gives the canonical NaN)
+                let nan = |h: u16| match wire {
+                    DataType::F16 => h & 0x7c00 == 0x7c00 && h & 0x03ff != 0,
+                    _ => h & 0x7f80 == 0x7f80 && h & 0x007f != 0,
+                };
+                let halves = |b: &[u8]| -> Vec<Option<u16>> {
+                    (b.chunks_exact(2))
+                        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                        .map(|h| (!nan(h)).then_some(h))
+                        .collect()
+                };
+                assert_eq!(
+                    halves(&got_packed[at..at + 2 * n]),
+                    halves(&out),
+                    "{wire} packing, span {k}"
+                );
+                at += 2 * n;
                 seen += want;
             }
+            // 130 spans: counters 128 and 129 belong to the second launch
+            gpu.memset_zero(&s, counters.range()).unwrap();
+            let items: Vec<_> = (0..many)
+                .map(|k| {
+                    let dst = packed.range().sub(2 * xs.len() * k, 2 * xs.len()).unwrap();
+                    (dev.range(), dst, xs.len())
+                })
+                .collect();
+            let counts = Some(counters.range());
+            kernels::cast_batch(&gpu, &s, &items, wire, true, factor, counts).unwrap();
+            let mut got = vec![0u8; 4 * many];
+            gpu.download(&s, counters.range(), &mut got).unwrap();
+            let want = host(0, xs.len()).1 as u32;
+            let counts: Vec<u32> = (got.chunks_exact(4))
+                .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            assert_eq!(counts, vec![want; many], "{wire} times {factor}, 130 spans");
         }
     }
     assert!(seen > 0, "no value overflowed: the count was never tested");
