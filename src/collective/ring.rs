@@ -40,6 +40,22 @@ pub trait Workspace {
         op: ReduceOp,
     ) -> Result<()>;
 
+    /// Sends `send` to rank `to` while receiving the chunk `recv` from rank `from`, and reduces
+    /// it into the working buffer there; where the workspace can, each segment is reduced as
+    /// soon as it arrives, behind the transfer of the rest.
+    fn exchange_and_reduce(
+        &mut self,
+        to: usize,
+        send: Range<usize>,
+        from: usize,
+        recv: Range<usize>,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.exchange_to_scratch(to, send, from, recv.len())?;
+        self.reduce_from_scratch(recv, dtype, op)
+    }
+
     /// Sends `send` to rank `to` while receiving `recv` (disjoint from `send`) from rank `from`.
     fn exchange(
         &mut self,
@@ -83,8 +99,7 @@ pub fn allreduce<W: Workspace + ?Sized>(
     for s in 0..n - 1 {
         let send = chunk(elems, size, n, (r + n - s) % n);
         let recv = chunk(elems, size, n, (r + 2 * n - s - 1) % n);
-        ws.exchange_to_scratch(right, send, left, recv.len())?;
-        ws.reduce_from_scratch(recv, dtype, op)?;
+        ws.exchange_and_reduce(right, send, left, recv, dtype, op)?;
     }
     // allgather: rank r now owns the reduced chunk r + 1 and passes it around the ring
     for s in 0..n - 1 {
@@ -186,6 +201,31 @@ impl Workspace for HostWorkspace<'_> {
         reduce_into(&mut self.data[range], &self.scratch[..len], dtype, op)
     }
 
+    fn exchange_and_reduce(
+        &mut self,
+        to: usize,
+        send: Range<usize>,
+        from: usize,
+        recv: Range<usize>,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let segment = RING_SEGMENT / dtype.size() * dtype.size();
+        // a pipelined algorithm's own work rides the whole transfer instead
+        if self.meanwhile.is_some() || recv.len() < 2 * segment {
+            self.exchange_to_scratch(to, send, from, recv.len())?;
+            return self.reduce_from_scratch(recv, dtype, op);
+        }
+        disjoint(&send, &recv, self.data.len())?;
+        let (send_part, recv_part) = split_disjoint(self.data, send, recv);
+        let scratch = &mut self.scratch[..recv_part.len()];
+        self.transport
+            .sendrecv_segments(send_part, to, scratch, from, segment, &mut |k, part| {
+                let at = k * segment;
+                reduce_into(&mut recv_part[at..at + part.len()], part, dtype, op)
+            })
+    }
+
     fn exchange(
         &mut self,
         to: usize,
@@ -194,14 +234,7 @@ impl Workspace for HostWorkspace<'_> {
         recv: Range<usize>,
     ) -> Result<()> {
         disjoint(&send, &recv, self.data.len())?;
-        // the two ranges are disjoint chunks: split the buffer between them
-        let (send_part, recv_part) = if send.end <= recv.start {
-            let (a, b) = self.data.split_at_mut(recv.start);
-            (&a[send], &mut b[..recv.len()])
-        } else {
-            let (a, b) = self.data.split_at_mut(send.start);
-            (&b[..send.len()], &mut a[recv])
-        };
+        let (send_part, recv_part) = split_disjoint(self.data, send, recv);
         transfer(
             self.transport,
             &mut self.meanwhile,
@@ -210,6 +243,22 @@ impl Workspace for HostWorkspace<'_> {
             recv_part,
             from,
         )
+    }
+}
+
+/// Segments of a reduce-scatter step on host memory: each is reduced while the later ones are
+/// still on the wire (`Workspace::exchange_and_reduce`).
+const RING_SEGMENT: usize = 4 << 20;
+
+/// The two disjoint chunks `send` and `recv` of `data`, the second writable (checked by
+/// `disjoint` first).
+fn split_disjoint(data: &mut [u8], send: Range<usize>, recv: Range<usize>) -> (&[u8], &mut [u8]) {
+    if send.end <= recv.start {
+        let (a, b) = data.split_at_mut(recv.start);
+        (&a[send], &mut b[..recv.len()])
+    } else {
+        let (a, b) = data.split_at_mut(send.start);
+        (&b[..send.len()], &mut a[recv])
     }
 }
 

@@ -102,6 +102,20 @@ pub trait Transport {
         meanwhile: &mut dyn FnMut() -> Result<()>,
     ) -> Result<()>;
 
+    /// `sendrecv` with both buffers split into segments of `segment` bytes (the last one
+    /// shorter): `received(k, part)` runs on segment k of `recv` as soon as it is in, while the
+    /// later ones are still in flight, so that work on what arrived hides behind the rest of the
+    /// transfer. The peer splits its `send` alike (the same `segment`, the same length).
+    fn sendrecv_segments(
+        &self,
+        send: &[u8],
+        to: usize,
+        recv: &mut [u8],
+        from: usize,
+        segment: usize,
+        received: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
+    ) -> Result<()>;
+
     fn barrier(&self) -> Result<()>;
 }
 

@@ -162,6 +162,21 @@ impl Drop for Watchdog {
     }
 }
 
+/// Waits for every request (completed ones are null and return at once).
+fn wait_all(reqs: &mut [ffi::MPI_Request]) -> Result<()> {
+    // SAFETY: every request was posted by `post_all` (or is already null).
+    check(
+        unsafe {
+            ffi::MPI_Waitall(
+                reqs.len() as c_int,
+                reqs.as_mut_ptr(),
+                ffi::RSMPI_STATUSES_IGNORE,
+            )
+        },
+        "MPI_Waitall",
+    )
+}
+
 fn in_place() -> *mut c_void {
     // SAFETY: a constant initialised at load time by the C shim.
     unsafe { FERROVOD_MPI_IN_PLACE }
@@ -817,36 +832,38 @@ impl MpiComm {
         transfers: &[(Direction, *mut c_void, usize, usize, usize)],
         meanwhile: &mut dyn FnMut() -> Result<()>,
     ) -> Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        let mut reqs = unsafe { self.post_all(transfers) }?;
+        let local = meanwhile();
+        local.and(wait_all(&mut reqs))
+    }
+
+    /// Posts every transfer of `transfers` (as `transfer_all`); if posting fails part way, the
+    /// requests already posted are cancelled and completed before the error returns.
+    ///
+    /// # Safety
+    /// As `transfer_all`: the buffers stay valid until the requests complete.
+    unsafe fn post_all(
+        &self,
+        transfers: &[(Direction, *mut c_void, usize, usize, usize)],
+    ) -> Result<Vec<ffi::MPI_Request>> {
         let mut reqs: Vec<ffi::MPI_Request> = Vec::with_capacity(transfers.len());
-        let mut posted = || -> Result<()> {
-            for &(dir, buf, len, peer, tag) in transfers {
-                reqs.push(self.post(dir, buf, len, peer, tag)?);
-            }
-            Ok(())
-        };
-        if let Err(e) = posted() {
-            for req in reqs.iter_mut() {
-                // SAFETY: each request was posted above and is still active.
-                unsafe {
-                    ffi::MPI_Cancel(req);
-                    ffi::MPI_Wait(req, ffi::RSMPI_STATUS_IGNORE);
+        for &(dir, buf, len, peer, tag) in transfers {
+            match self.post(dir, buf, len, peer, tag) {
+                Ok(req) => reqs.push(req),
+                Err(e) => {
+                    for req in reqs.iter_mut() {
+                        // SAFETY: each request was posted above and is still active.
+                        unsafe {
+                            ffi::MPI_Cancel(req);
+                            ffi::MPI_Wait(req, ffi::RSMPI_STATUS_IGNORE);
+                        }
+                    }
+                    return Err(e);
                 }
             }
-            return Err(e);
         }
-        let local = meanwhile();
-        // SAFETY: every request was created above.
-        let waited = check(
-            unsafe {
-                ffi::MPI_Waitall(
-                    reqs.len() as c_int,
-                    reqs.as_mut_ptr(),
-                    ffi::RSMPI_STATUSES_IGNORE,
-                )
-            },
-            "MPI_Waitall",
-        );
-        local.and(waited)
+        Ok(reqs)
     }
 
     /// The largest of every rank's `v`.
@@ -1299,6 +1316,50 @@ impl Transport for MpiComm {
         // SAFETY: every range lies in `send` or `recv`, which outlive the call; `meanwhile`
         // cannot reach them while they are borrowed here.
         unsafe { self.transfer_all_while(&transfers, meanwhile) }
+    }
+
+    fn sendrecv_segments(
+        &self,
+        send: &[u8],
+        to: usize,
+        recv: &mut [u8],
+        from: usize,
+        segment: usize,
+        received: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
+    ) -> Result<()> {
+        let _blocked = blocked("MPI_Isend/MPI_Irecv");
+        if to >= self.size || from >= self.size {
+            return Err(Error::InvalidArgument(format!(
+                "sendrecv with rank {to}/{from} on a communicator of {} ranks",
+                self.size
+            )));
+        }
+        let segment = segment.clamp(1, self.max_count);
+        let mut parts: Vec<&mut [u8]> = recv.chunks_mut(segment).collect();
+        let mut transfers = Vec::new();
+        for (k, c) in parts.iter_mut().enumerate() {
+            transfers.push((Direction::Recv, ptr_mut(c), c.len(), from, k));
+        }
+        for (k, c) in send.chunks(segment).enumerate() {
+            transfers.push((Direction::Send, ptr(c) as *mut c_void, c.len(), to, k));
+        }
+        // SAFETY: every range lies in `send` or in one part of `recv`, which outlive the call;
+        // a part is read below only once its receive has completed.
+        let mut reqs = unsafe { self.post_all(&transfers) }?;
+        let mut outcome = Ok(());
+        for (k, part) in parts.iter().enumerate() {
+            // SAFETY: request k is part k's receive, posted above.
+            let waited = check(
+                unsafe { ffi::MPI_Wait(&mut reqs[k], ffi::RSMPI_STATUS_IGNORE) },
+                "MPI_Wait",
+            );
+            outcome = waited.and_then(|_| received(k, part));
+            if outcome.is_err() {
+                break;
+            }
+        }
+        // the rest complete before the buffers go, whatever failed
+        outcome.and(wait_all(&mut reqs))
     }
 
     fn barrier(&self) -> Result<()> {

@@ -955,6 +955,21 @@ pub(crate) fn ring() {
             }
         }
     }
+    // chunks of several 4 MiB segments (each reduced while the later ones arrive), the last
+    // segment short
+    for dtype in [DataType::F16, DataType::F32, DataType::F64] {
+        for op in [ReduceOp::Sum, ReduceOp::Max] {
+            let elems = n * ((10 << 20) / dtype.size()) + 3;
+            let mine: Vec<f64> = (0..elems).map(|i| ring_value(dtype, op, i, me)).collect();
+            let mut native = encode(dtype, &mine);
+            world.allreduce(None, &mut native, dtype, op).unwrap();
+            let mut by_ring = encode(dtype, &mine);
+            let mut ws = HostWorkspace::new(&world, &mut by_ring, elems, dtype).unwrap();
+            allreduce(&mut ws, elems, dtype, op).unwrap();
+            let what = format!("{} {op:?} {elems} elements in segments", dtype.name());
+            assert!(by_ring == native, "ring vs native: {what}");
+        }
+    }
     // a rank asking for a peer outside the communicator gets an error, not a hang
     let mut buf = [0u8; 4];
     assert!(matches!(
