@@ -10,6 +10,7 @@
 //! node; every node holds the same number of ranks (the runtime falls back to the flat
 //! collective otherwise).
 
+pub use crate::collective::ring::Stage;
 use crate::collective::ring::{self, HostWorkspace, chunk};
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
@@ -83,13 +84,6 @@ pub fn allgatherv(levels: &Levels, buf: &mut [u8], counts: &[usize]) -> Result<(
         at += counts[*r];
     }
     Ok(())
-}
-
-/// A step of a batch's packing around the pipelined allreduce: fill `piece` (the batch's bytes
-/// from `at`) from the tensors, or hand its reduced bytes back to them.
-pub enum Stage<'a> {
-    Pack { at: usize, piece: &'a mut [u8] },
-    Unpack { at: usize, piece: &'a [u8] },
 }
 
 /// Size of the pieces a large hierarchical allreduce is cut into: while one piece crosses the

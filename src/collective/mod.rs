@@ -21,7 +21,7 @@ use crate::fusion::FusionBuffer;
 use crate::message::{ReduceOp, Response};
 use crate::transport::Transport;
 use hierarchical::Levels;
-use hierarchical::Stage;
+use ring::Stage;
 use std::ops::Range;
 
 /// The memory of one tensor taking part in a collective.
@@ -304,7 +304,7 @@ pub fn allreduce_batch(
     let total: usize = ios.iter().map(|io| enc.wire_len(io.input().len())).sum();
     let buf = fusion.get(total);
     // scaling and casting ride the copies in and out: one pass over the batch each way
-    let Allreduce::Hierarchical(levels) = how else {
+    if let Allreduce::Native = how {
         act(Some("MEMCPY_IN_FUSION_BUFFER"));
         enc.pack(ios, buf, resps)?;
         act(Some(phase));
@@ -313,16 +313,21 @@ pub fn allreduce_batch(
         enc.unpack(buf, ios)?;
         act(None);
         return Ok(());
-    };
-    // the hierarchical allreduce goes in pieces: the copies in and out of the fusion buffer
-    // overlap the transfers across nodes
+    }
+    // the ring and the hierarchical allreduce go in segments or pieces: the copies in and out
+    // of the fusion buffer overlap the transfers
     act(Some(phase));
     let mut lost = vec![0usize; ios.len()];
     let mut stage = |s: Stage| match s {
         Stage::Pack { at, piece } => enc.pack_piece(ios, at, piece, &mut lost),
         Stage::Unpack { at, piece } => enc.unpack_piece(piece, at, ios),
     };
-    hierarchical::allreduce_staged(levels, buf, enc.wire, enc.op, &mut stage)?;
+    match how {
+        Allreduce::Hierarchical(levels) => {
+            hierarchical::allreduce_staged(levels, buf, enc.wire, enc.op, &mut stage)?
+        }
+        _ => ring::allreduce_staged(t, buf, enc.wire, enc.op, &mut stage)?,
+    }
     enc.warn_lost(resps, &lost);
     act(None);
     Ok(())

@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::message::ReduceOp;
 use crate::transport::cuda::{Gpu, Stream};
 use crate::transport::memory::DeviceRange;
-use crate::transport::{DeviceTransport, Transport};
+use crate::transport::{DeviceTransport, Segment, Transport};
 
 /// A working buffer, a scratch buffer of at least one chunk, and point-to-point transfers
 /// between ranks, on one kind of memory. Ranges are bytes of the working buffer.
@@ -95,17 +95,116 @@ pub fn allreduce<W: Workspace + ?Sized>(
     }
     let size = dtype.size();
     let (right, left) = ((r + 1) % n, (r + n - 1) % n);
-    // reduce-scatter: after step s, chunk (r - s - 1) holds s + 2 ranks' contributions here
     for s in 0..n - 1 {
-        let send = chunk(elems, size, n, (r + n - s) % n);
-        let recv = chunk(elems, size, n, (r + 2 * n - s - 1) % n);
+        let (send, recv) = scatter_step(r, n, s);
+        let (send, recv) = (chunk(elems, size, n, send), chunk(elems, size, n, recv));
         ws.exchange_and_reduce(right, send, left, recv, dtype, op)?;
     }
-    // allgather: rank r now owns the reduced chunk r + 1 and passes it around the ring
     for s in 0..n - 1 {
-        let send = chunk(elems, size, n, (r + 1 + n - s) % n);
-        let recv = chunk(elems, size, n, (r + n - s) % n);
+        let (send, recv) = gather_step(r, n, s);
+        let (send, recv) = (chunk(elems, size, n, send), chunk(elems, size, n, recv));
         ws.exchange(right, send, left, recv)?;
+    }
+    Ok(())
+}
+
+/// The chunks rank `r` of `n` sends and receives at reduce-scatter step `s`: after it, chunk
+/// r − s − 1 holds s + 2 ranks' contributions here.
+fn scatter_step(r: usize, n: usize, s: usize) -> (usize, usize) {
+    ((r + n - s) % n, (r + 2 * n - s - 1) % n)
+}
+
+/// The chunks rank `r` of `n` sends and receives at allgather step `s`: after the
+/// reduce-scatter it owns the reduced chunk r + 1 and passes it around the ring.
+fn gather_step(r: usize, n: usize, s: usize) -> (usize, usize) {
+    ((r + 1 + n - s) % n, (r + n - s) % n)
+}
+
+/// A step of a batch's packing around a pipelined allreduce: fill `piece` (the batch's bytes
+/// from `at`) from the tensors, or hand its reduced bytes back to them.
+pub enum Stage<'a> {
+    Pack { at: usize, piece: &'a mut [u8] },
+    Unpack { at: usize, piece: &'a [u8] },
+}
+
+/// The ring allreduce of `data` (whole elements of `dtype`) on host memory with the batch's
+/// packing inside it (`Stage`): every byte is packed just before it is first sent or reduced
+/// into, and unpacked as soon as it is final, segment by segment, so that the copies in and out
+/// of the fusion buffer hide behind the transfers (only the first segment's packing and the
+/// last one's unpacking do not).
+pub fn allreduce_staged(
+    t: &dyn Transport,
+    data: &mut [u8],
+    dtype: DataType,
+    op: ReduceOp,
+    stage: &mut dyn FnMut(Stage) -> Result<()>,
+) -> Result<()> {
+    let (n, r, size) = (t.size(), t.rank(), dtype.size());
+    let elems = data.len() / size;
+    if n <= 1 || elems == 0 {
+        stage(Stage::Pack { at: 0, piece: data })?;
+        return stage(Stage::Unpack { at: 0, piece: data });
+    }
+    let segment = RING_SEGMENT / size * size;
+    let mut scratch = vec![0u8; scratch_bytes(elems, size, n)];
+    let (right, left) = ((r + 1) % n, (r + n - 1) % n);
+    for s in 0..n - 1 {
+        let (send, recv) = scatter_step(r, n, s);
+        let (send, recv) = (chunk(elems, size, n, send), chunk(elems, size, n, recv));
+        let (send_at, recv_at) = (send.start, recv.start);
+        let (send_part, recv_part) = split_disjoint(data, send, recv);
+        let scratch = &mut scratch[..recv_part.len()];
+        t.sendrecv_segments(
+            send_part,
+            right,
+            scratch,
+            left,
+            segment,
+            &mut |seg| match seg {
+                // this rank's own chunk, sent before anything is reduced into it
+                Segment::Send(k, piece) if s == 0 => stage(Stage::Pack {
+                    at: send_at + k * segment,
+                    piece,
+                }),
+                Segment::Send(..) => Ok(()),
+                Segment::Received(k, part) => {
+                    let at = k * segment;
+                    let own = &mut recv_part[at..at + part.len()];
+                    stage(Stage::Pack {
+                        at: recv_at + at,
+                        piece: own,
+                    })?;
+                    reduce_into(own, part, dtype, op)?;
+                    match s == n - 2 {
+                        true => stage(Stage::Unpack {
+                            at: recv_at + at,
+                            piece: own,
+                        }),
+                        false => Ok(()),
+                    }
+                }
+            },
+        )?;
+    }
+    for s in 0..n - 1 {
+        let (send, recv) = gather_step(r, n, s);
+        let (send, recv) = (chunk(elems, size, n, send), chunk(elems, size, n, recv));
+        let recv_at = recv.start;
+        let (send_part, recv_part) = split_disjoint(data, send, recv);
+        t.sendrecv_segments(
+            send_part,
+            right,
+            recv_part,
+            left,
+            segment,
+            &mut |seg| match seg {
+                Segment::Send(..) => Ok(()),
+                Segment::Received(k, piece) => stage(Stage::Unpack {
+                    at: recv_at + k * segment,
+                    piece,
+                }),
+            },
+        )?;
     }
     Ok(())
 }
@@ -219,11 +318,20 @@ impl Workspace for HostWorkspace<'_> {
         disjoint(&send, &recv, self.data.len())?;
         let (send_part, recv_part) = split_disjoint(self.data, send, recv);
         let scratch = &mut self.scratch[..recv_part.len()];
-        self.transport
-            .sendrecv_segments(send_part, to, scratch, from, segment, &mut |k, part| {
-                let at = k * segment;
-                reduce_into(&mut recv_part[at..at + part.len()], part, dtype, op)
-            })
+        self.transport.sendrecv_segments(
+            send_part,
+            to,
+            scratch,
+            from,
+            segment,
+            &mut |seg| match seg {
+                Segment::Send(..) => Ok(()),
+                Segment::Received(k, part) => {
+                    let at = k * segment;
+                    reduce_into(&mut recv_part[at..at + part.len()], part, dtype, op)
+                }
+            },
+        )
     }
 
     fn exchange(
@@ -250,15 +358,18 @@ impl Workspace for HostWorkspace<'_> {
 /// still on the wire (`Workspace::exchange_and_reduce`).
 const RING_SEGMENT: usize = 4 << 20;
 
-/// The two disjoint chunks `send` and `recv` of `data`, the second writable (checked by
-/// `disjoint` first).
-fn split_disjoint(data: &mut [u8], send: Range<usize>, recv: Range<usize>) -> (&[u8], &mut [u8]) {
+/// The two disjoint chunks `send` and `recv` of `data` (checked by `disjoint` first).
+fn split_disjoint(
+    data: &mut [u8],
+    send: Range<usize>,
+    recv: Range<usize>,
+) -> (&mut [u8], &mut [u8]) {
     if send.end <= recv.start {
         let (a, b) = data.split_at_mut(recv.start);
-        (&a[send], &mut b[..recv.len()])
+        (&mut a[send], &mut b[..recv.len()])
     } else {
         let (a, b) = data.split_at_mut(send.start);
-        (&b[..send.len()], &mut a[recv])
+        (&mut b[..send.len()], &mut a[recv])
     }
 }
 

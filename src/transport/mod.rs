@@ -103,20 +103,30 @@ pub trait Transport {
     ) -> Result<()>;
 
     /// `sendrecv` with both buffers split into segments of `segment` bytes (the last one
-    /// shorter): `received(k, part)` runs on segment k of `recv` as soon as it is in, while the
-    /// later ones are still in flight, so that work on what arrived hides behind the rest of the
-    /// transfer. The peer splits its `send` alike (the same `segment`, the same length).
+    /// shorter), each travelling on its own: `on(Segment::Send(k, part))` runs on segment k of
+    /// `send` just before it goes (it may still write it), `on(Segment::Received(k, part))` on
+    /// segment k of `recv` as soon as it is in, while the later ones are on the wire. Work on
+    /// the data so hides behind the transfer of the rest. The peer splits alike (the same
+    /// `segment`, the same length).
     fn sendrecv_segments(
         &self,
-        send: &[u8],
+        send: &mut [u8],
         to: usize,
         recv: &mut [u8],
         from: usize,
         segment: usize,
-        received: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
+        on: &mut dyn FnMut(Segment) -> Result<()>,
     ) -> Result<()>;
 
     fn barrier(&self) -> Result<()>;
+}
+
+/// A segment of `Transport::sendrecv_segments`, by index.
+pub enum Segment<'a> {
+    /// About to be sent: the last moment to fill it.
+    Send(usize, &'a mut [u8]),
+    /// Arrived.
+    Received(usize, &'a [u8]),
 }
 
 /// A device address (CUDA's `CUdeviceptr`).

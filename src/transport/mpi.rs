@@ -13,7 +13,7 @@ use crate::dtype::DataType;
 use crate::elementwise::{reduce_bf16, reduce_f16};
 use crate::error::{Error, Result, Stall};
 use crate::message::ReduceOp;
-use crate::transport::Transport;
+use crate::transport::{Segment, Transport};
 
 unsafe extern "C" {
     static FERROVOD_MPI_IN_PLACE: *mut c_void;
@@ -1320,12 +1320,12 @@ impl Transport for MpiComm {
 
     fn sendrecv_segments(
         &self,
-        send: &[u8],
+        send: &mut [u8],
         to: usize,
         recv: &mut [u8],
         from: usize,
         segment: usize,
-        received: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
+        on: &mut dyn FnMut(Segment) -> Result<()>,
     ) -> Result<()> {
         let _blocked = blocked("MPI_Isend/MPI_Irecv");
         if to >= self.size || from >= self.size {
@@ -1336,16 +1336,37 @@ impl Transport for MpiComm {
         }
         let segment = segment.clamp(1, self.max_count);
         let mut parts: Vec<&mut [u8]> = recv.chunks_mut(segment).collect();
-        let mut transfers = Vec::new();
-        for (k, c) in parts.iter_mut().enumerate() {
-            transfers.push((Direction::Recv, ptr_mut(c), c.len(), from, k));
+        let receives: Vec<_> = (parts.iter_mut().enumerate())
+            .map(|(k, c)| (Direction::Recv, ptr_mut(c), c.len(), from, k))
+            .collect();
+        // SAFETY: each receive's range is one part of `recv`, which outlives the call; a part
+        // is read below only once its receive has completed.
+        let mut reqs = unsafe { self.post_all(&receives) }?;
+        // each send goes as soon as it is ready, so the first travels while the rest are filled
+        let mut failed = None;
+        for (k, c) in send.chunks_mut(segment).enumerate() {
+            if let Err(e) = on(Segment::Send(k, &mut *c)) {
+                failed = Some(e);
+                break;
+            }
+            // SAFETY: `c` lies in `send`, which outlives the call and is not touched again.
+            match unsafe { self.post_all(&[(Direction::Send, ptr_mut(c), c.len(), to, k)]) } {
+                Ok(posted) => reqs.extend(posted),
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
         }
-        for (k, c) in send.chunks(segment).enumerate() {
-            transfers.push((Direction::Send, ptr(c) as *mut c_void, c.len(), to, k));
+        if let Some(e) = failed {
+            // this rank stops half way: its receives may never all be matched
+            for req in &mut reqs[..parts.len()] {
+                // SAFETY: a receive posted above.
+                unsafe { ffi::MPI_Cancel(req) };
+            }
+            let _ = wait_all(&mut reqs);
+            return Err(e);
         }
-        // SAFETY: every range lies in `send` or in one part of `recv`, which outlive the call;
-        // a part is read below only once its receive has completed.
-        let mut reqs = unsafe { self.post_all(&transfers) }?;
         let mut outcome = Ok(());
         for (k, part) in parts.iter().enumerate() {
             // SAFETY: request k is part k's receive, posted above.
@@ -1353,7 +1374,7 @@ impl Transport for MpiComm {
                 unsafe { ffi::MPI_Wait(&mut reqs[k], ffi::RSMPI_STATUS_IGNORE) },
                 "MPI_Wait",
             );
-            outcome = waited.and_then(|_| received(k, part));
+            outcome = waited.and_then(|_| on(Segment::Received(k, part)));
             if outcome.is_err() {
                 break;
             }

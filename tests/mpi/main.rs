@@ -206,6 +206,12 @@ pub(crate) const FP16_HIERARCHICAL: &[(&str, &str)] = &[
 /// Every tensor fused (none reduced directly), however large.
 pub(crate) const FUSE_ALL: &[(&str, &str)] = &[("FERROVOD_FUSION_DIRECT_BYTES", "1073741824")];
 
+/// Fused batches through the ring, packed and unpacked segment by segment inside it.
+pub(crate) const FUSE_ALL_RING: &[(&str, &str)] = &[
+    ("FERROVOD_FUSION_DIRECT_BYTES", "1073741824"),
+    ("FERROVOD_RING_MIN_BYTES", "1"),
+];
+
 /// One rank per node, hierarchical allreduce asked for: it runs (on GPUs: NCCL inside each node,
 /// MPI across).
 pub(crate) const HIERARCHICAL_ONE_PER_NODE: &[(&str, &str)] = &[
@@ -455,6 +461,8 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     ("large_counts", 2, &[], true),
     ("large_fused", 2, FUSE_ALL, true),
     ("large_fused", 3, FUSE_ALL, true),
+    ("large_fused", 2, FUSE_ALL_RING, true),
+    ("large_fused", 3, FUSE_ALL_RING, true),
     ("compressed", 2, FP16, true),
     ("compressed", 3, FP16_RING, true),
     ("compressed", 4, BF16, true),
