@@ -866,6 +866,17 @@ impl MpiComm {
         Ok(reqs)
     }
 
+    /// A sendrecv's two peers, checked against the communicator's ranks.
+    fn peers_exist(&self, to: usize, from: usize) -> Result<()> {
+        if to >= self.size || from >= self.size {
+            return Err(Error::InvalidArgument(format!(
+                "sendrecv with rank {to}/{from} on a communicator of {} ranks",
+                self.size
+            )));
+        }
+        Ok(())
+    }
+
     /// The largest of every rank's `v`.
     fn max_u64(&self, v: u64) -> Result<u64> {
         let _blocked = blocked("MPI_Allreduce(MAX)");
@@ -1300,12 +1311,7 @@ impl Transport for MpiComm {
         meanwhile: &mut dyn FnMut() -> Result<()>,
     ) -> Result<()> {
         let _blocked = blocked("MPI_Isend/MPI_Irecv");
-        if to >= self.size || from >= self.size {
-            return Err(Error::InvalidArgument(format!(
-                "sendrecv with rank {to}/{from} on a communicator of {} ranks",
-                self.size
-            )));
-        }
+        self.peers_exist(to, from)?;
         let mut transfers = Vec::new();
         for (k, c) in recv.chunks_mut(self.max_count).enumerate() {
             transfers.push((Direction::Recv, ptr_mut(c), c.len(), from, k));
@@ -1328,12 +1334,7 @@ impl Transport for MpiComm {
         on: &mut dyn FnMut(Segment) -> Result<()>,
     ) -> Result<()> {
         let _blocked = blocked("MPI_Isend/MPI_Irecv");
-        if to >= self.size || from >= self.size {
-            return Err(Error::InvalidArgument(format!(
-                "sendrecv with rank {to}/{from} on a communicator of {} ranks",
-                self.size
-            )));
-        }
+        self.peers_exist(to, from)?;
         let segment = segment.clamp(1, self.max_count);
         let mut parts: Vec<&mut [u8]> = recv.chunks_mut(segment).collect();
         let receives: Vec<_> = (parts.iter_mut().enumerate())
