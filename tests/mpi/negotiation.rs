@@ -27,20 +27,26 @@ pub(crate) fn online_groups() {
             break;
         }
     }
-    let before = rt.metrics.snapshot();
-    for _ in 0..4 {
-        offline_step(&mut rng, step, 40, &[], 0);
-        step += 1;
+    // four steps in a row vote one word each; a loaded machine may still split a step's
+    // tensors into other cycles now and then, which is re-learned: up to three windows
+    for window in 1..=3 {
+        let before = rt.metrics.snapshot();
+        for _ in 0..4 {
+            offline_step(&mut rng, step, 40, &[], 0);
+            step += 1;
+        }
+        let after = rt.metrics.snapshot();
+        let votes = after.control_collectives - before.control_collectives;
+        let bytes = after.control_bytes - before.control_bytes;
+        assert!(votes > 0);
+        if bytes == 8 * votes {
+            break;
+        }
+        assert!(
+            window < 3,
+            "one word per vote once the batches are groups: {bytes} bytes in {votes} votes in each of 3 windows of 4 steps"
+        );
     }
-    let after = rt.metrics.snapshot();
-    let votes = after.control_collectives - before.control_collectives;
-    let bytes = after.control_bytes - before.control_bytes;
-    assert!(votes > 0);
-    assert_eq!(
-        bytes,
-        8 * votes,
-        "one word per vote once the batches are groups"
-    );
     // every rank leaves out p.3 this step: its group dissolves, the others complete
     let n = size();
     let names = step_tensors(40, &[], 0);
