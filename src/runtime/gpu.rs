@@ -5,8 +5,8 @@
 //! so the background thread never waits for the GPU.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -23,7 +23,7 @@ use crate::message::{OpKind, Response};
 use crate::runtime::Runtime;
 use crate::runtime::entry::{ReadyEvent, TensorEntry};
 use crate::transport::Transport;
-use crate::transport::cuda::{Copy, DeviceMem, Event, Gpu, Stream};
+use crate::transport::cuda::{DeviceMem, Event, Gpu, PinnedMem, Stream};
 use crate::transport::memory::DeviceRange;
 use crate::transport::mpi::MpiComm;
 use crate::transport::nccl::{self, NcclComm};
@@ -45,6 +45,8 @@ pub(crate) struct NcclStreams {
     abort_all: Arc<AtomicBool>,
     /// The u8 codec's residuals (after the streams: freed once their work is done or aborted).
     feedback: DeviceFeedback,
+    /// Page-locked memory for the 16-bit codecs' overflow counters (`Overflows`).
+    pinned: Arc<Mutex<Vec<PinnedMem>>>,
 }
 
 struct NcclStream {
@@ -129,6 +131,7 @@ impl NcclStreams {
             grace,
             abort_all,
             feedback: DeviceFeedback::default(),
+            pinned: Arc::default(),
         })
     }
 
@@ -296,7 +299,7 @@ pub(crate) struct Recorded {
     /// `PERSEUS_ALLREDUCE_NANCHECK`: the batch's counts of non-finite results.
     pub nan: Option<Counts>,
     /// A 16-bit codec's counts of values that left its range (`wire`) while packed.
-    pub overflow: Option<(Counts, DataType)>,
+    pub overflow: Option<Overflows>,
 }
 
 impl Recorded {
@@ -307,10 +310,8 @@ impl Recorded {
                 "the GPU collective was aborted: another rank failed or left before its part, or this rank's NCCL communicators were aborted after a failure".into(),
             ));
         }
-        if let Some((counts, wire)) = self.overflow.take() {
-            for (name, lost) in counts.read(&self.gpu)? {
-                collective::warn_out_of_range(&name, lost, wire);
-            }
+        if let Some(overflows) = self.overflow.take() {
+            overflows.report(&self.event)?;
         }
         match self.nan.take() {
             Some(nan) => {
@@ -324,7 +325,7 @@ impl Recorded {
 
 /// One u32 counter per tensor of a GPU batch, filled by kernels in stream order and read once
 /// the batch is done: the NaN check's non-finite results (the same on every rank, so every
-/// rank fails the same tensors), the 16-bit codecs' overflows (warned about, as on the host).
+/// rank fails the same tensors).
 pub(crate) struct Counts {
     counts: DeviceMem,
     names: Vec<String>,
@@ -357,17 +358,6 @@ impl Counts {
         })
     }
 
-    /// A copy of the counters at `area` (one u32 per response), in stream order.
-    fn copy(gpu: &Gpu, stream: &Stream, area: DeviceRange, resps: &[&Response]) -> Result<Counts> {
-        area.holds(4 * resps.len(), "counters")?;
-        let counts = gpu.alloc_on(stream, area.len())?;
-        gpu.copy_batch(stream, &[Copy::new(area, counts.range(), area.len())?])?;
-        Ok(Counts {
-            counts,
-            names: resps.iter().map(|r| r.name.clone()).collect(),
-        })
-    }
-
     /// Each tensor's name and count; the batch's work must be done.
     fn read(self, gpu: &Gpu) -> Result<Vec<(String, usize)>> {
         let stream = gpu.new_stream()?;
@@ -379,6 +369,60 @@ impl Counts {
             .chunks_exact(4)
             .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize);
         Ok(self.names.into_iter().zip(counts).collect())
+    }
+}
+
+/// A 16-bit batch's overflow counters (one u32 per tensor, `Lane::overflows`), copied in stream
+/// order into page-locked host memory that is read once the batch's event has fired: no CUDA
+/// call and no wait per batch on the finisher's side (a synchronous read there cost more than
+/// the codec saved: BENCHMARKS.md). The memory comes from and returns to the streams' pool.
+pub(crate) struct Overflows {
+    mem: Option<PinnedMem>,
+    pool: Arc<Mutex<Vec<PinnedMem>>>,
+    names: Vec<String>,
+    wire: DataType,
+}
+
+impl Overflows {
+    fn copy(
+        gpu: &Gpu,
+        stream: &Stream,
+        area: DeviceRange,
+        resps: &[&Response],
+        wire: DataType,
+        pool: &Arc<Mutex<Vec<PinnedMem>>>,
+    ) -> Result<Overflows> {
+        area.holds(4 * resps.len(), "overflow counters")?;
+        let free = {
+            let mut p = pool.lock().expect("pinned pool");
+            let fit = p.iter().position(|m| m.len() >= area.len());
+            fit.map(|i| p.swap_remove(i))
+        };
+        let mut mem = match free {
+            Some(m) => m,
+            None => gpu.alloc_pinned(area.len().next_power_of_two().max(4096))?,
+        };
+        gpu.copy_to_pinned(stream, area, &mut mem)?;
+        Ok(Overflows {
+            mem: Some(mem),
+            pool: pool.clone(),
+            names: resps.iter().map(|r| r.name.clone()).collect(),
+            wire,
+        })
+    }
+
+    /// Names each tensor that had values out of the wire type's range; `done` has fired.
+    fn report(mut self, done: &Event) -> Result<()> {
+        let Some(mem) = self.mem.take() else {
+            return Ok(());
+        };
+        let bytes = mem.read(done)?;
+        for (name, c) in self.names.iter().zip(bytes.chunks_exact(4)) {
+            let lost = u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize;
+            collective::warn_out_of_range(name, lost, self.wire);
+        }
+        self.pool.lock().expect("pinned pool").push(mem);
+        Ok(())
     }
 }
 
@@ -580,9 +624,9 @@ fn enqueue_on_streams(
     let replayed = lane_ref.replayed;
     // the packing's overflow counters, kept apart from the stream's next batch
     let overflow = match (how.codec, lane_ref.overflows) {
-        (Codec::Half(wire), Some(area)) => {
-            Some((Counts::copy(&gpu, &w.stream, area, resps)?, wire))
-        }
+        (Codec::Half(wire), Some(area)) => Some(Overflows::copy(
+            &gpu, &w.stream, area, resps, wire, &l.pinned,
+        )?),
         _ => None,
     };
     let nan = match how.nan_check && head.dtype.is_float() {

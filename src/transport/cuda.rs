@@ -205,6 +205,41 @@ impl Gpu {
         Ok(DeviceMem { ptr, len })
     }
 
+    /// `len` bytes of page-locked host memory (`PinnedMem`).
+    pub fn alloc_pinned(&self, len: usize) -> Result<PinnedMem> {
+        self.bind()?;
+        // SAFETY: a plain page-locked allocation in the bound context; freed by Drop.
+        let ptr = unsafe { result::malloc_host(len.max(1), 0) }
+            .map_err(|e| driver("pinned allocation", e))?;
+        Ok(PinnedMem {
+            ptr: ptr.cast(),
+            len,
+        })
+    }
+
+    /// Copies `src` into the start of `dst` in `stream`'s order, without waiting.
+    pub fn copy_to_pinned(
+        &self,
+        stream: &Stream,
+        src: DeviceRange,
+        dst: &mut PinnedMem,
+    ) -> Result<()> {
+        if src.len() > dst.len {
+            return Err(Error::Internal(format!(
+                "{} bytes into {} of pinned memory",
+                src.len(),
+                dst.len
+            )));
+        }
+        // SAFETY: `dst` holds `src.len()` bytes (checked) of page-locked memory that lives
+        // until it is read after an event recorded behind this copy (`PinnedMem::read`).
+        unsafe {
+            let host = std::slice::from_raw_parts_mut(dst.ptr, src.len());
+            result::memcpy_dtoh_async(host, src.ptr(), stream.0)
+        }
+        .map_err(|e| driver("copy to pinned memory", e))
+    }
+
     pub fn alloc(&self, len: usize) -> Result<DeviceMem> {
         self.bind()?;
         if len == 0 {
@@ -706,6 +741,44 @@ impl Drop for DeviceMem {
             // SAFETY: allocated by `Gpu::alloc`; the synchronous free waits for pending use.
             let _ = unsafe { result::free_sync(self.ptr) };
         }
+    }
+}
+
+/// Page-locked host memory: a copy from the device into it runs in stream order without
+/// blocking the thread that enqueues it, and is read once an event after it has fired.
+pub struct PinnedMem {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: host memory owned by this value; the driver allows any thread to use and free it.
+unsafe impl Send for PinnedMem {}
+
+impl PinnedMem {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The bytes, once `done` (recorded after every copy into this memory) has fired.
+    pub fn read(&self, done: &Event) -> Result<&[u8]> {
+        if !done.query()? {
+            return Err(Error::Internal(
+                "pinned memory read before its copy finished".into(),
+            ));
+        }
+        // SAFETY: `len` bytes allocated by `Gpu::alloc_pinned`; the copies into them are over.
+        Ok(unsafe { std::slice::from_raw_parts(self.ptr, self.len) })
+    }
+}
+
+impl Drop for PinnedMem {
+    fn drop(&mut self) {
+        // SAFETY: allocated by `Gpu::alloc_pinned`, not used after this.
+        let _ = unsafe { result::free_host(self.ptr.cast()) };
     }
 }
 

@@ -977,7 +977,18 @@ pub(crate) fn main() {
             Some((status, stdout, stderr)) => {
                 let passes = stdout.matches("RANK-PASSED").count();
                 if *expect_ok {
-                    let good = status.success() && passes == np;
+                    // fp16: every rank's value beyond f16's range is named in its warning
+                    let fp16 = env.contains(&("FERROVOD_COMPRESSION", "fp16"));
+                    let warned = match name {
+                        "compressed" if fp16 => {
+                            stderr
+                                .matches("tensor 'cmp.overflow': 1 values out of")
+                                .count()
+                                >= np
+                        }
+                        _ => true,
+                    };
+                    let good = status.success() && passes == np && warned;
                     (
                         good,
                         format!(
