@@ -149,7 +149,7 @@ impl Encoding {
     }
 
     /// `pack` of the batch's wire bytes `at..at + dst.len()` only (whole elements): one piece
-    /// of the pipelined hierarchical allreduce. Adds to `lost[tensor]` the values that left a 16-bit range.
+    /// of a pipelined allreduce (the ring's segments, the hierarchical pieces). Adds to `lost[tensor]` the values that left a 16-bit range.
     fn pack_piece(
         &self,
         ios: &[&mut dyn TensorIo],
@@ -398,11 +398,8 @@ fn reduce_in_place(
 ) -> Result<()> {
     match how {
         Allreduce::Native => t.allreduce(None, buf, dtype, op),
-        Allreduce::Ring => {
-            let elems = buf.len() / dtype.size();
-            let mut ws = ring::HostWorkspace::new(t, buf, elems, dtype)?;
-            ring::allreduce(&mut ws, elems, dtype, op)
-        }
+        // nothing to pack: the segments only hide the reduction behind the transfers
+        Allreduce::Ring => ring::allreduce_staged(t, buf, dtype, op, &mut |_| Ok(())),
         Allreduce::Hierarchical(l) => hierarchical::allreduce(l, buf, dtype, op),
     }
 }
@@ -805,7 +802,7 @@ mod tests {
         fn set_received_splits(&mut self, _: Vec<i32>) {}
     }
 
-    /// Packing and unpacking a batch piece by piece (the pipelined hierarchical allreduce)
+    /// Packing and unpacking a batch piece by piece (the ring's segments, the hierarchical pieces)
     /// writes the same bytes as the whole batch at once, for plain and 16-bit codecs, with
     /// pieces that cut tensors anywhere, and counts the same values out of range.
     #[test]

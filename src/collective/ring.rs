@@ -40,22 +40,6 @@ pub trait Workspace {
         op: ReduceOp,
     ) -> Result<()>;
 
-    /// Sends `send` to rank `to` while receiving the chunk `recv` from rank `from`, and reduces
-    /// it into the working buffer there; where the workspace can, each segment is reduced as
-    /// soon as it arrives, behind the transfer of the rest.
-    fn exchange_and_reduce(
-        &mut self,
-        to: usize,
-        send: Range<usize>,
-        from: usize,
-        recv: Range<usize>,
-        dtype: DataType,
-        op: ReduceOp,
-    ) -> Result<()> {
-        self.exchange_to_scratch(to, send, from, recv.len())?;
-        self.reduce_from_scratch(recv, dtype, op)
-    }
-
     /// Sends `send` to rank `to` while receiving `recv` (disjoint from `send`) from rank `from`.
     fn exchange(
         &mut self,
@@ -98,7 +82,8 @@ pub fn allreduce<W: Workspace + ?Sized>(
     for s in 0..n - 1 {
         let (send, recv) = scatter_step(r, n, s);
         let (send, recv) = (chunk(elems, size, n, send), chunk(elems, size, n, recv));
-        ws.exchange_and_reduce(right, send, left, recv, dtype, op)?;
+        ws.exchange_to_scratch(right, send, left, recv.len())?;
+        ws.reduce_from_scratch(recv, dtype, op)?;
     }
     for s in 0..n - 1 {
         let (send, recv) = gather_step(r, n, s);
@@ -300,40 +285,6 @@ impl Workspace for HostWorkspace<'_> {
         reduce_into(&mut self.data[range], &self.scratch[..len], dtype, op)
     }
 
-    fn exchange_and_reduce(
-        &mut self,
-        to: usize,
-        send: Range<usize>,
-        from: usize,
-        recv: Range<usize>,
-        dtype: DataType,
-        op: ReduceOp,
-    ) -> Result<()> {
-        let segment = RING_SEGMENT / dtype.size() * dtype.size();
-        // a pipelined algorithm's own work rides the whole transfer instead
-        if self.meanwhile.is_some() || recv.len() < 2 * segment {
-            self.exchange_to_scratch(to, send, from, recv.len())?;
-            return self.reduce_from_scratch(recv, dtype, op);
-        }
-        disjoint(&send, &recv, self.data.len())?;
-        let (send_part, recv_part) = split_disjoint(self.data, send, recv);
-        let scratch = &mut self.scratch[..recv_part.len()];
-        self.transport.sendrecv_segments(
-            send_part,
-            to,
-            scratch,
-            from,
-            segment,
-            &mut |seg| match seg {
-                Segment::Send(..) => Ok(()),
-                Segment::Received(k, part) => {
-                    let at = k * segment;
-                    reduce_into(&mut recv_part[at..at + part.len()], part, dtype, op)
-                }
-            },
-        )
-    }
-
     fn exchange(
         &mut self,
         to: usize,
@@ -354,8 +305,8 @@ impl Workspace for HostWorkspace<'_> {
     }
 }
 
-/// Segments of a reduce-scatter step on host memory: each is reduced while the later ones are
-/// still on the wire (`Workspace::exchange_and_reduce`).
+/// Segments of `allreduce_staged`'s transfers: each is packed, reduced or unpacked while the
+/// later ones are still on the wire.
 const RING_SEGMENT: usize = 4 << 20;
 
 /// The two disjoint chunks `send` and `recv` of `data` (checked by `disjoint` first).

@@ -1335,7 +1335,13 @@ impl Transport for MpiComm {
     ) -> Result<()> {
         let _blocked = blocked("MPI_Isend/MPI_Irecv");
         self.peers_exist(to, from)?;
-        let segment = segment.clamp(1, self.max_count);
+        // the caller's segments are whole elements: cut no other way
+        if segment == 0 || segment > self.max_count {
+            return Err(Error::InvalidArgument(format!(
+                "sendrecv segments of {segment} bytes (1 to {} on this communicator)",
+                self.max_count
+            )));
+        }
         let mut parts: Vec<&mut [u8]> = recv.chunks_mut(segment).collect();
         let receives: Vec<_> = (parts.iter_mut().enumerate())
             .map(|(k, c)| (Direction::Recv, ptr_mut(c), c.len(), from, k))

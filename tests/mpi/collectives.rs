@@ -919,7 +919,7 @@ pub(crate) fn ring_value(dtype: DataType, op: ReduceOp, i: usize, r: usize) -> f
 /// 7-byte messages per call make an oversubscribed machine slow. MPI alone first, with the
 /// runtime (and its background thread's votes) started only for the final barrier.
 pub(crate) fn ring() {
-    use ferrovod::collective::ring::{HostWorkspace, allreduce};
+    use ferrovod::collective::ring::{HostWorkspace, allreduce, allreduce_staged};
     use ferrovod::transport::Transport;
     use ferrovod::transport::mpi::{MpiComm, finalize_mpi, init_mpi};
 
@@ -964,8 +964,7 @@ pub(crate) fn ring() {
             let mut native = encode(dtype, &mine);
             world.allreduce(None, &mut native, dtype, op).unwrap();
             let mut by_ring = encode(dtype, &mine);
-            let mut ws = HostWorkspace::new(&world, &mut by_ring, elems, dtype).unwrap();
-            allreduce(&mut ws, elems, dtype, op).unwrap();
+            allreduce_staged(&world, &mut by_ring, dtype, op, &mut |_| Ok(())).unwrap();
             let what = format!("{} {op:?} {elems} elements in segments", dtype.name());
             assert!(by_ring == native, "ring vs native: {what}");
         }
