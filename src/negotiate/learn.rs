@@ -9,6 +9,7 @@ use crate::compress::Codecs;
 use crate::hashing::HashSet;
 use crate::message::{CPU_DEVICE, Response};
 use crate::negotiate::plan::{Plan, PlanRecorder};
+use crate::negotiate::ready_bitmap::GROUPS_PER_WORD;
 
 /// The largest group of a step of GPU tensors (capped by the fusion threshold): buckets of it
 /// are launched from CUDA graphs while the step's later gradients are still computed. The
@@ -46,7 +47,8 @@ impl Armed {
     }
 }
 
-/// Online mode's learner: which batches the vote carries one bit for.
+/// Online mode's learner: which batches the vote carries one bit for (as many as fit one word
+/// where merging neighbouring cycles allows).
 pub struct GroupLearner {
     recorder: PlanRecorder,
     armed: Option<Armed>,
@@ -93,12 +95,13 @@ impl GroupLearner {
                         &ctx.codecs,
                     )
                 } else {
-                    Plan::from_cycles(
+                    Plan::from_cycles_within(
                         &step,
                         &cycles,
                         ctx.fusion_threshold,
                         ctx.direct_bytes,
                         &ctx.codecs,
+                        GROUPS_PER_WORD,
                     )
                 };
                 self.armed = Some(Armed::new(plan, &r.name));
@@ -261,6 +264,22 @@ mod tests {
         }
         assert_eq!(installed.len(), 1, "installed at steps {installed:?}");
         assert_eq!(current.iter().flatten().count(), 6);
+    }
+
+    #[test]
+    fn a_step_agreed_one_tensor_a_cycle_learns_groups_that_fit_one_vote_word() {
+        let mut g = GroupLearner::new(2);
+        let mut learned = None;
+        for _ in 0..4 {
+            for r in step(100) {
+                learned = learned.or(g.observe(&[r], ctx(), |_| false, &[]));
+            }
+        }
+        let groups = learned.expect("learned after two steps and one more");
+        assert!(groups.len() <= GROUPS_PER_WORD, "{} groups", groups.len());
+        // every tensor once, in the step's order
+        let all: Vec<String> = groups.into_iter().flatten().collect();
+        assert_eq!(all, (0..100).map(|k| format!("t{k}")).collect::<Vec<_>>());
     }
 
     #[test]

@@ -83,6 +83,39 @@ impl Plan {
         Plan { batches }
     }
 
+    /// As `from_cycles`, but with at most `most` batches where merging neighbouring cycles
+    /// gets there: pairs of neighbouring cycles merge, then pairs of those, until the plan
+    /// fits or the step is one cycle. How many cycles a step was agreed in depends on how fast
+    /// votes ran while it was learned (a fast machine votes at nearly every submission): a
+    /// learned group costs each vote two bits, so uncapped groups could make every vote of the
+    /// job longer than the single tensors' bits would.
+    pub fn from_cycles_within(
+        step: &[Response],
+        cycle: &[u64],
+        fusion_threshold: usize,
+        direct_bytes: usize,
+        codecs: &Codecs,
+        most: usize,
+    ) -> Plan {
+        // each response's cycle as the index of its run of equal labels
+        let mut runs = Vec::with_capacity(cycle.len());
+        for (i, c) in cycle.iter().enumerate() {
+            let next = match runs.last() {
+                None => 0,
+                Some(&r) if cycle[i - 1] == *c => r,
+                Some(&r) => r + 1,
+            };
+            runs.push(next);
+        }
+        loop {
+            let plan = Plan::from_cycles(step, &runs, fusion_threshold, direct_bytes, codecs);
+            if plan.batches.len() <= most || runs.last().is_none_or(|&r| r == 0) {
+                return plan;
+            }
+            runs.iter_mut().for_each(|r| *r /= 2);
+        }
+    }
+
     pub fn num_tensors(&self) -> usize {
         self.batches.iter().map(Vec::len).sum()
     }
@@ -585,6 +618,52 @@ mod tests {
             names,
             [vec!["g0", "g1"], vec!["g2", "g3", "g4"], vec!["g5"]]
         );
+    }
+
+    #[test]
+    fn capped_plans_merge_neighbouring_cycles_only_as_far_as_needed() {
+        let step: Vec<Response> = (0..7).map(|k| resp(&format!("g{k}"), 4)).collect();
+        let names = |p: &Plan| -> Vec<Vec<String>> {
+            p.batches
+                .iter()
+                .map(|b| b.iter().map(|r| r.name.clone()).collect())
+                .collect()
+        };
+        let within = |cycles: &[u64], most: usize, direct: usize| {
+            names(&Plan::from_cycles_within(
+                &step,
+                cycles,
+                1 << 20,
+                direct,
+                &Codecs::default(),
+                most,
+            ))
+        };
+        // cycles as a vote counts them (gaps and all): within the cap, exactly from_cycles
+        let cycles = [3, 3, 5, 9, 9, 9, 12];
+        let uncapped = names(&Plan::from_cycles(
+            &step,
+            &cycles,
+            1 << 20,
+            1 << 20,
+            &Codecs::default(),
+        ));
+        assert_eq!(uncapped.len(), 4);
+        assert_eq!(within(&cycles, 4, 1 << 20), uncapped);
+        // one merge of neighbouring pairs: [g0 g1 | g2] [g3 g4 g5 | g6]
+        assert_eq!(
+            within(&cycles, 3, 1 << 20),
+            [vec!["g0", "g1", "g2"], vec!["g3", "g4", "g5", "g6"]]
+        );
+        // one tensor per cycle, at most 2 batches: merged twice, then three times
+        let each: Vec<u64> = (0..7).collect();
+        assert_eq!(
+            within(&each, 2, 1 << 20),
+            [vec!["g0", "g1", "g2", "g3"], vec!["g4", "g5", "g6"]]
+        );
+        assert_eq!(within(&each, 1, 1 << 20).len(), 1);
+        // tensors that each run alone (over the direct size) cannot merge: the one-cycle plan
+        assert_eq!(within(&each, 2, 8).len(), 7);
     }
 
     #[test]

@@ -10,9 +10,13 @@ const FLAG_UNCACHED: usize = 1;
 const FLAG_GPU_MOVED: usize = 2;
 
 /// Status flags in a vote that carries the GPU flag (`gpu`) or not.
-fn flags(gpu: bool) -> usize {
-    2 + usize::from(gpu)
+const fn flags(gpu: bool) -> usize {
+    2 + gpu as usize
 }
+
+/// How many groups a vote with no single tensors carries in one word, with or without the GPU
+/// flag (each group takes a hit bit and an invalid bit).
+pub const GROUPS_PER_WORD: usize = (64 - flags(true)) / 2;
 
 /// One rank's vote before the AND.
 #[derive(Clone, Debug, Default, PartialEq)]

@@ -324,8 +324,8 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     (
         "online_groups",
         3,
-        // a step agreed over a few long cycles learns at most ~20 groups: the vote fits one
-        // word (per-cycle batches of a step spread over 1 ms cycles could need 40 bits or more)
+        // the learned groups fit one vote word however many cycles a step was agreed in (at
+        // most 30 groups, neighbouring cycles merged); 40 single tensors need two words
         &[
             ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
             ("FERROVOD_PLAN_ESCAPE_MS", "200"),
