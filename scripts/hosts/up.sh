@@ -18,12 +18,16 @@
 # one connection would otherwise fill the queue and drop the others' packets there — what a
 # real NIC with small per-connection queues does not do (BENCHMARKS.md, "pipelined
 # hierarchical allreduce").
+# FERROVOD_HOSTS_MTU: the links' MTU (default 1500; 9000: jumbo frames). The token buckets pass
+# packets of up to that size and cut larger ones the kernel batches (GSO) into packets of it,
+# so the headers each packet carries are charged to the rate as on a real link.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 n=${1:?usage: up.sh N [RATE] [DELAY]}
 rate=${2:-}
 delay=${3:-}
 queue=${FERROVOD_HOSTS_QUEUE:-1ms}
+mtu=${FERROVOD_HOSTS_MTU:-1500}
 bash "$here/down.sh"
 ip netns add fvhostsw
 ip -n fvhostsw link add fvhostbr type bridge
@@ -36,6 +40,8 @@ for i in $(seq 0 $((n - 1))); do
   ip link set "fvs$i" netns fvhostsw
   ip -n fvhostsw link set "fvs$i" master fvhostbr
   ip -n fvhostsw link set "fvs$i" up
+  ip -n "$ns" link set "fvh$i" mtu "$mtu"
+  ip -n fvhostsw link set "fvs$i" mtu "$mtu"
   ip -n "$ns" addr add "10.78.0.$((i + 1))/24" dev "fvh$i"
   ip -n "$ns" link set lo up
   # at most 256 KB of each connection in the host's transmit queue (see above)
@@ -47,8 +53,11 @@ for i in $(seq 0 $((n - 1))); do
   fi
   if [ -n "$r" ]; then
     # what host i sends, and what it receives (the bridge's side of its link)
-    ip netns exec "$ns" tc qdisc add dev "fvh$i" root handle 1: tbf rate "$r" burst 256kb latency "$queue"
-    ip netns exec fvhostsw tc qdisc add dev "fvs$i" root tbf rate "$r" burst 256kb latency "$queue"
+    # with another MTU, tbf's largest packet is its Ethernet frame (room for a VLAN tag too)
+    frame=()
+    [ -n "${FERROVOD_HOSTS_MTU:-}" ] && frame=(mtu $((mtu + 18)))
+    ip netns exec "$ns" tc qdisc add dev "fvh$i" root handle 1: tbf rate "$r" burst 256kb latency "$queue" "${frame[@]}"
+    ip netns exec fvhostsw tc qdisc add dev "fvs$i" root tbf rate "$r" burst 256kb latency "$queue" "${frame[@]}"
     if [ -n "$delay" ]; then
       ip netns exec "$ns" tc qdisc add dev "fvh$i" parent 1:1 handle 10: netem delay "$delay"
     else
@@ -56,4 +65,5 @@ for i in $(seq 0 $((n - 1))); do
     fi
   fi
 done
-echo "emulated hosts: $n at ${rate:-unlimited}${delay:+, +$delay}${FERROVOD_HOSTS_SLOW:+ (host ${FERROVOD_HOSTS_SLOW%%:*} at ${FERROVOD_HOSTS_SLOW#*:})}: $(seq -s ' ' -f '10.78.0.%g' 1 "$n")"
+ip -n fvhostsw link set fvhostbr mtu "$mtu"
+echo "emulated hosts: $n at ${rate:-unlimited}${delay:+, +$delay}${FERROVOD_HOSTS_MTU:+, MTU $mtu}${FERROVOD_HOSTS_SLOW:+ (host ${FERROVOD_HOSTS_SLOW%%:*} at ${FERROVOD_HOSTS_SLOW#*:})}: $(seq -s ' ' -f '10.78.0.%g' 1 "$n")"

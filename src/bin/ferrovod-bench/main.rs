@@ -697,6 +697,14 @@ fn main() {
                 gb * bus
             );
         }
+        println!(
+            "# ferrovod steps (ms, the better round): {}",
+            r.fv_steps
+                .iter()
+                .map(|t| format!("{:.1}", t * 1e3))
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
         let mib = |b: u64| b as f64 / (1 << 20) as f64;
         println!(
             "# memory (rank 0): RSS before ferrovod init {:.1} MiB, after {} warm-up steps {:.1} MiB, after {} more steps {:.1} MiB (growth {:+.1} MiB)",
