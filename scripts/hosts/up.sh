@@ -18,9 +18,9 @@
 # one connection would otherwise fill the queue and drop the others' packets there — what a
 # real NIC with small per-connection queues does not do (BENCHMARKS.md, "pipelined
 # hierarchical allreduce").
-# FERROVOD_HOSTS_MTU: the links' MTU (default 1500; 9000: jumbo frames). The token buckets pass
-# packets of up to that size and cut larger ones the kernel batches (GSO) into packets of it,
-# so the headers each packet carries are charged to the rate as on a real link.
+# FERROVOD_HOSTS_MTU: the links' MTU (default 1500; 9000: jumbo frames). The token buckets then
+# shape frames of up to that size, cutting larger batches of the kernel's (GSO) into them; the
+# headers of every frame are charged to the rate at any MTU.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 n=${1:?usage: up.sh N [RATE] [DELAY]}

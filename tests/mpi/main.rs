@@ -588,6 +588,8 @@ pub(crate) struct Hosts {
     pub rate: &'static str,
     /// Ranks round-robin over the hosts (`--map-by node`) rather than in blocks.
     pub round_robin: bool,
+    /// The links' MTU (`FERROVOD_HOSTS_MTU`; 1500 when not set).
+    pub mtu: Option<u32>,
 }
 
 /// (scenario, emulated hosts, extra environment, expect success)
@@ -609,6 +611,20 @@ pub(crate) const HOST_SCENARIOS: &[HostScenario] = &[
             per: 1,
             rate: "1gbit",
             round_robin: false,
+            mtu: None,
+        },
+        &[],
+        true,
+    ),
+    // jumbo frames: the rate still holds, and frames of 9000 bytes pass the token buckets
+    (
+        "link_rate",
+        Hosts {
+            n: 2,
+            per: 1,
+            rate: "1gbit",
+            round_robin: false,
+            mtu: Some(9000),
         },
         &[],
         true,
@@ -620,6 +636,7 @@ pub(crate) const HOST_SCENARIOS: &[HostScenario] = &[
             per: 2,
             rate: "10gbit",
             round_robin: false,
+            mtu: None,
         },
         HIERARCHICAL_HOSTS,
         true,
@@ -632,6 +649,7 @@ pub(crate) const HOST_SCENARIOS: &[HostScenario] = &[
             per: 2,
             rate: "10gbit",
             round_robin: false,
+            mtu: None,
         },
         HIERARCHICAL_HOSTS,
         true,
@@ -644,6 +662,7 @@ pub(crate) const HOST_SCENARIOS: &[HostScenario] = &[
             per: 2,
             rate: "10gbit",
             round_robin: true,
+            mtu: None,
         },
         HIERARCHICAL_HOSTS,
         true,
@@ -655,6 +674,7 @@ pub(crate) const HOST_SCENARIOS: &[HostScenario] = &[
             per: 4,
             rate: "10gbit",
             round_robin: true,
+            mtu: None,
         },
         HIERARCHICAL_SETS,
         true,
@@ -666,6 +686,7 @@ pub(crate) const HOST_SCENARIOS: &[HostScenario] = &[
             per: 2,
             rate: "1gbit",
             round_robin: false,
+            mtu: None,
         },
         AUTO_SKEWED_HOSTS,
         true,
@@ -678,6 +699,7 @@ pub(crate) const HOST_SCENARIOS: &[HostScenario] = &[
             per: 2,
             rate: "10gbit",
             round_robin: false,
+            mtu: None,
         },
         &[],
         true,
@@ -895,11 +917,12 @@ pub(crate) fn main() {
         }
         let label = match hosts {
             Some(h) => format!(
-                "{name} hosts={}x{} at {}{}",
+                "{name} hosts={}x{} at {}{}{}",
                 h.n,
                 h.per,
                 h.rate,
-                if h.round_robin { ", round-robin" } else { "" }
+                if h.round_robin { ", round-robin" } else { "" },
+                h.mtu.map_or(String::new(), |m| format!(", MTU {m}"))
             ),
             None => format!("{name} np={np}"),
         };
@@ -921,6 +944,11 @@ pub(crate) fn main() {
             Some(Ok(up)) => Some(up),
             None => None,
         };
+        if let Some(Err(why)) = hosts.map(mtu_in_force) {
+            println!("scenario {label} ... FAILED: {why}");
+            failed.push(label);
+            continue;
+        }
         ran += 1;
         let start = Instant::now();
         let dir =
@@ -1072,17 +1100,36 @@ struct EmulatedHosts;
 impl EmulatedHosts {
     /// Err: why they cannot be made here (no root, no network namespaces, no tbf).
     fn up(h: Hosts) -> Result<EmulatedHosts, String> {
-        let out = Command::new("bash")
-            .arg(hosts_script("up.sh"))
-            .args([h.n.to_string(), h.rate.to_string()])
-            .output()
-            .map_err(|e| e.to_string())?;
+        let mut up = Command::new("bash");
+        up.arg(hosts_script("up.sh"))
+            .args([h.n.to_string(), h.rate.to_string()]);
+        if let Some(mtu) = h.mtu {
+            up.env("FERROVOD_HOSTS_MTU", mtu.to_string());
+        }
+        let out = up.output().map_err(|e| e.to_string())?;
         if out.status.success() {
             return Ok(EmulatedHosts);
         }
         let _ = Command::new("bash").arg(hosts_script("down.sh")).status();
         let err = String::from_utf8_lossy(&out.stderr);
         Err(err.lines().last().unwrap_or("up.sh failed").to_string())
+    }
+}
+
+/// Whether host 0's link has the MTU the scenario asked for (a scenario that passes at 1500
+/// proves nothing about jumbo frames).
+fn mtu_in_force(h: Hosts) -> Result<(), String> {
+    let Some(mtu) = h.mtu else {
+        return Ok(());
+    };
+    let link = Command::new("ip")
+        .args(["-n", "fvhost0", "-o", "link", "show", "fvh0"])
+        .output()
+        .map_err(|e| e.to_string())?;
+    let shown = String::from_utf8_lossy(&link.stdout);
+    match shown.contains(&format!(" mtu {mtu} ")) {
+        true => Ok(()),
+        false => Err(format!("host 0's link is not at MTU {mtu}: {shown}")),
     }
 }
 
