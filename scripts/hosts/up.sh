@@ -18,6 +18,11 @@
 # one connection would otherwise fill the queue and drop the others' packets there — what a
 # real NIC with small per-connection queues does not do (BENCHMARKS.md, "pipelined
 # hierarchical allreduce").
+# FERROVOD_HOSTS_CC: the hosts' TCP congestion control (default cubic, Linux's own default).
+# Namespaces inherit the machine's, which on our machines is bbr: there two ranks exchanging at
+# once over one connection ran whole steps at half the link's rate, Open MPI's own allreduce in
+# most calls (BENCHMARKS.md, session 22). Where the machine does not allow it for namespaces,
+# it is added to net.ipv4.tcp_allowed_congestion_control.
 # FERROVOD_HOSTS_MTU: the links' MTU (default 1500; 9000: jumbo frames). The token buckets then
 # shape frames of up to that size, cutting larger batches of the kernel's (GSO) into them; the
 # headers of every frame are charged to the rate at any MTU.
@@ -28,6 +33,12 @@ rate=${2:-}
 delay=${3:-}
 queue=${FERROVOD_HOSTS_QUEUE:-1ms}
 mtu=${FERROVOD_HOSTS_MTU:-1500}
+cc=${FERROVOD_HOSTS_CC:-cubic}
+allowed=$(cat /proc/sys/net/ipv4/tcp_allowed_congestion_control)
+case " $allowed " in
+  *" $cc "*) ;;
+  *) sysctl -q -w net.ipv4.tcp_allowed_congestion_control="$allowed $cc" ;;
+esac
 bash "$here/down.sh"
 ip netns add fvhostsw
 ip -n fvhostsw link add fvhostbr type bridge
@@ -46,6 +57,7 @@ for i in $(seq 0 $((n - 1))); do
   ip -n "$ns" link set lo up
   # at most 256 KB of each connection in the host's transmit queue (see above)
   ip netns exec "$ns" sysctl -q -w net.ipv4.tcp_limit_output_bytes=262144
+  ip netns exec "$ns" sysctl -q -w net.ipv4.tcp_congestion_control="$cc"
   ip -n "$ns" link set "fvh$i" up
   r=$rate
   if [ -n "${FERROVOD_HOSTS_SLOW:-}" ] && [ "${FERROVOD_HOSTS_SLOW%%:*}" = "$i" ]; then
@@ -66,4 +78,4 @@ for i in $(seq 0 $((n - 1))); do
   fi
 done
 ip -n fvhostsw link set fvhostbr mtu "$mtu"
-echo "emulated hosts: $n at ${rate:-unlimited}${delay:+, +$delay}${FERROVOD_HOSTS_MTU:+, MTU $mtu}${FERROVOD_HOSTS_SLOW:+ (host ${FERROVOD_HOSTS_SLOW%%:*} at ${FERROVOD_HOSTS_SLOW#*:})}: $(seq -s ' ' -f '10.78.0.%g' 1 "$n")"
+echo "emulated hosts: $n at ${rate:-unlimited}${delay:+, +$delay}${FERROVOD_HOSTS_MTU:+, MTU $mtu}, TCP $cc${FERROVOD_HOSTS_SLOW:+ (host ${FERROVOD_HOSTS_SLOW%%:*} at ${FERROVOD_HOSTS_SLOW#*:})}: $(seq -s ' ' -f '10.78.0.%g' 1 "$n")"

@@ -56,9 +56,10 @@ pub struct CostModel {
 }
 
 /// From this size a flat host allreduce whose ranks span nodes runs the ring over
-/// point-to-point transfers: every link then sends and receives at once, where MPI's own
-/// allreduce over TCP was measured at half the link's rate (BENCHMARKS.md, "issue 18, slow
-/// links").
+/// point-to-point transfers: every link sends and receives at once, and the batch's packing
+/// rides inside the transfers; MPI's own allreduce of the fused batch was slower across
+/// emulated hosts with either TCP congestion control (BENCHMARKS.md, "issue 18, slow links",
+/// and session 22).
 const RING_ACROSS_NODES_BYTES: usize = 4 << 20;
 
 /// The size from which a set's flat host allreduces run the ring (0: never):
