@@ -37,7 +37,12 @@ cc=${FERROVOD_HOSTS_CC:-cubic}
 allowed=$(cat /proc/sys/net/ipv4/tcp_allowed_congestion_control)
 case " $allowed " in
   *" $cc "*) ;;
-  *) sysctl -q -w net.ipv4.tcp_allowed_congestion_control="$allowed $cc" ;;
+  *)
+    if ! sysctl -q -w net.ipv4.tcp_allowed_congestion_control="$allowed $cc" 2>/dev/null; then
+      echo "up.sh: TCP $cc cannot be allowed here; the hosts keep the machine's $(cat /proc/sys/net/ipv4/tcp_congestion_control)" >&2
+      cc=$(cat /proc/sys/net/ipv4/tcp_congestion_control)
+    fi
+    ;;
 esac
 bash "$here/down.sh"
 ip netns add fvhostsw
