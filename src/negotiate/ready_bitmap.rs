@@ -16,7 +16,7 @@ const fn flags(gpu: bool) -> usize {
 
 /// How many groups a vote with no single tensors carries in one word, with or without the GPU
 /// flag (each group takes a hit bit and an invalid bit).
-pub const GROUPS_PER_WORD: usize = (64 - flags(true)) / 2;
+pub(crate) const GROUPS_PER_WORD: usize = (64 - flags(true)) / 2;
 
 /// One rank's vote before the AND.
 #[derive(Clone, Debug, Default, PartialEq)]
