@@ -39,8 +39,9 @@ case " $allowed " in
   *" $cc "*) ;;
   *)
     if ! sysctl -q -w net.ipv4.tcp_allowed_congestion_control="$allowed $cc" 2>/dev/null; then
-      echo "up.sh: TCP $cc cannot be allowed here; the hosts keep the machine's $(cat /proc/sys/net/ipv4/tcp_congestion_control)" >&2
-      cc=$(cat /proc/sys/net/ipv4/tcp_congestion_control)
+      machine=$(cat /proc/sys/net/ipv4/tcp_congestion_control)
+      echo "up.sh: TCP $cc cannot be allowed here; the hosts keep the machine's $machine" >&2
+      cc=$machine
     fi
     ;;
 esac

@@ -600,31 +600,26 @@ pub(crate) type HostScenario = (
     bool,
 );
 
+/// Two hosts of one rank joined at 1 Gbit/s: where the link's rate is checked.
+const LINK_RATE_HOSTS: Hosts = Hosts {
+    n: 2,
+    per: 1,
+    rate: "1gbit",
+    round_robin: false,
+    mtu: None,
+};
+
 /// Scenarios across emulated hosts: they need root and network namespaces. Where namespaces
 /// are not permitted they are skipped with one line, unless `FERROVOD_REQUIRE_HOSTS=1` (the
 /// test command sets it) makes that a failure.
 pub(crate) const HOST_SCENARIOS: &[HostScenario] = &[
-    (
-        "link_rate",
-        Hosts {
-            n: 2,
-            per: 1,
-            rate: "1gbit",
-            round_robin: false,
-            mtu: None,
-        },
-        &[],
-        true,
-    ),
+    ("link_rate", LINK_RATE_HOSTS, &[], true),
     // jumbo frames: the rate still holds, and frames of 9000 bytes pass the token buckets
     (
         "link_rate",
         Hosts {
-            n: 2,
-            per: 1,
-            rate: "1gbit",
-            round_robin: false,
             mtu: Some(9000),
+            ..LINK_RATE_HOSTS
         },
         &[],
         true,
