@@ -63,6 +63,16 @@ pub(crate) fn run(
             return;
         }
     };
+    if let Some(put) = crate::transport::mpi::tcp_put_in_force() {
+        tracing::debug!(
+            "Open MPI's TCP transport sends large messages {}",
+            if put {
+                "with put"
+            } else {
+                "in fragments (no put)"
+            }
+        );
+    }
     let mut bg = match Background::start(rt.clone(), &opts, multiple) {
         Ok(bg) => bg,
         Err(e) => {

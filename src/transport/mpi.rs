@@ -241,6 +241,7 @@ pub fn init_mpi(want_multiple: bool) -> Result<(bool, bool)> {
                 ffi::RSMPI_THREAD_SINGLE
             }
         };
+        tcp_without_put();
         // SAFETY: MPI is not initialised; null argc/argv is allowed.
         let rc = unsafe {
             ffi::MPI_Init_thread(
@@ -264,6 +265,72 @@ pub fn init_mpi(want_multiple: bool) -> Result<(bool, bool)> {
         );
     }
     Ok((ours, multiple))
+}
+
+/// Open MPI's TCP transport flags that ferrovod starts MPI with: Open MPI's defaults (4.x and
+/// 5.x) without `put`. With `put`, a large message's whole payload is queued on its connection
+/// at once, and the reply a receiver owes its peer before that peer may send waits behind it. Two
+/// ranks that exchange at once (every ring step) then send one after the other whenever one of
+/// them started a little earlier, and the step takes twice as long. Without `put`, messages
+/// travel in fragments with room for the replies between them (BENCHMARKS.md, session 23).
+pub const OMPI_TCP_FLAGS: &str = "send,inplace,need-ack,need-csum,hetero-rdma";
+
+/// Sets `OMPI_MCA_btl_tcp_flags` to `OMPI_TCP_FLAGS` before MPI starts, unless the job chose
+/// its own (`mpirun --mca btl_tcp_flags`, which arrives the same way) or this is not Open MPI 4
+/// or 5, whose flag names these are.
+fn tcp_without_put() {
+    if std::env::var_os("OMPI_MCA_btl_tcp_flags").is_some() {
+        return;
+    }
+    let mut buf = vec![0u8; 8192];
+    let mut len: c_int = 0;
+    // SAFETY: MPI_Get_library_version may be called before MPI_Init; buf holds
+    // MPI_MAX_LIBRARY_VERSION_STRING (8192 in Open MPI) bytes.
+    if unsafe { ffi::MPI_Get_library_version(buf.as_mut_ptr().cast(), &mut len) } != 0 {
+        return;
+    }
+    buf.truncate(len.max(0) as usize);
+    let version = String::from_utf8_lossy(&buf);
+    if !(version.starts_with("Open MPI v4.") || version.starts_with("Open MPI v5.")) {
+        return;
+    }
+    // SAFETY: called once, before MPI_Init, while the thread that initialises ferrovod waits;
+    // glibc's setenv neither frees nor rewrites a string another thread's getenv may be reading.
+    unsafe { std::env::set_var("OMPI_MCA_btl_tcp_flags", OMPI_TCP_FLAGS) };
+}
+
+/// Whether Open MPI's TCP transport moves large messages with `put` (its `btl_tcp_flags`, read
+/// through the MPI tool interface once MPI runs); None where MPI has no such variable.
+pub fn tcp_put_in_force() -> Option<bool> {
+    const PUT: u32 = 0x2;
+    let mut provided: c_int = 0;
+    // SAFETY: the tool interface may be started at any time, and is finalised below.
+    if unsafe { ffi::MPI_T_init_thread(ffi::RSMPI_THREAD_SINGLE, &mut provided) } != 0 {
+        return None;
+    }
+    let name = c"btl_tcp_flags";
+    let mut index: c_int = 0;
+    let mut value: Option<u32> = None;
+    // SAFETY: `name` is a C string; the handle is freed before the tool interface ends, and
+    // the variable is one unsigned int (count checked before the read).
+    unsafe {
+        if ffi::MPI_T_cvar_get_index(name.as_ptr(), &mut index) == 0 {
+            let mut handle: ffi::MPI_T_cvar_handle = std::ptr::null_mut();
+            let mut count: c_int = 0;
+            if ffi::MPI_T_cvar_handle_alloc(index, std::ptr::null_mut(), &mut handle, &mut count)
+                == 0
+            {
+                let mut flags: u32 = 0;
+                if count == 1 && ffi::MPI_T_cvar_read(handle, (&mut flags as *mut u32).cast()) == 0
+                {
+                    value = Some(flags);
+                }
+                ffi::MPI_T_cvar_handle_free(&mut handle);
+            }
+        }
+        ffi::MPI_T_finalize();
+    }
+    value.map(|f| f & PUT != 0)
 }
 
 pub fn finalize_mpi() {

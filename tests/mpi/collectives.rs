@@ -732,6 +732,20 @@ pub(crate) fn topology() {
     finish_job();
 }
 
+/// Open MPI's TCP transport runs as ferrovod starts it (without put: `OMPI_TCP_FLAGS`), or as
+/// the job asked (`FERROVOD_TEST_EXPECT_PUT=1` with put in `OMPI_MCA_btl_tcp_flags`), read back
+/// from Open MPI itself.
+pub(crate) fn tcp_flags() {
+    init();
+    let expect = std::env::var("FERROVOD_TEST_EXPECT_PUT").unwrap() == "1";
+    assert_eq!(
+        ferrovod::transport::mpi::tcp_put_in_force(),
+        Some(expect),
+        "btl_tcp_flags' put"
+    );
+    finish_job();
+}
+
 pub(crate) struct FailingAllocator;
 
 impl ferrovod::runtime::entry::OutputAllocator for FailingAllocator {

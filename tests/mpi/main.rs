@@ -409,6 +409,20 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     ("join", 3, &[("HOROVOD_CACHE_CAPACITY", "0")], true),
     ("process_sets", 4, &[], true),
     ("topology", 4, &[("FERROVOD_LOCAL_SIZE", "2")], true),
+    // Open MPI's TCP transport without put, unless the job sets its own flags
+    ("tcp_flags", 2, &[("FERROVOD_TEST_EXPECT_PUT", "0")], true),
+    (
+        "tcp_flags",
+        2,
+        &[
+            (
+                "OMPI_MCA_btl_tcp_flags",
+                "send,put,inplace,need-ack,need-csum,hetero-rdma",
+            ),
+            ("FERROVOD_TEST_EXPECT_PUT", "1"),
+        ],
+        true,
+    ),
     ("mismatches", 2, &[], true),
     ("mismatches", 4, &[], true),
     ("bad_arguments", 2, &[], true),
@@ -1220,6 +1234,7 @@ pub(crate) fn run_rank(name: &str) {
         "stall_cached" => stall_cached(),
         "stall_in_set" => stall_in_set(),
         "topology" => topology(),
+        "tcp_flags" => tcp_flags(),
         "link_rate" => link_rate(),
         "algorithm_agreed" => algorithm_agreed(),
         "alloc_failure" => alloc_failure(),
