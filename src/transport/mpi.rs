@@ -277,8 +277,9 @@ pub const OMPI_TCP_FLAGS: &str = "send,inplace,need-ack,need-csum,hetero-rdma";
 
 /// Sets `OMPI_MCA_btl_tcp_flags` to `OMPI_TCP_FLAGS` before MPI starts, unless the job chose
 /// its own (`mpirun --mca btl_tcp_flags`, which arrives the same way) or this is not Open MPI 4
-/// or 5, whose flag names these are.
-fn tcp_without_put() {
+/// or 5, whose flag names these are. `init_mpi` calls it; a program that starts MPI itself and
+/// wants the same transport (the benchmark, for its MPI baselines) calls it first.
+pub fn tcp_without_put() {
     if std::env::var_os("OMPI_MCA_btl_tcp_flags").is_some() {
         return;
     }

@@ -516,6 +516,8 @@ fn main() {
         cost_model_table();
         return;
     }
+    // MPI's baselines run over the transport ferrovod would have started
+    ferrovod::transport::mpi::tcp_without_put();
     let (universe, threading) = mpi::initialize_with_threading(mpi::Threading::Multiple)
         .expect("MPI initialisation failed");
     if threading != mpi::Threading::Multiple {
