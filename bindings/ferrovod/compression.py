@@ -77,7 +77,7 @@ def compression_for(fw):
     class U8Compressor(NoneCompressor):
         """ferrovod extension: float32 sums and averages travel as 8-bit min-max blocks with
         error feedback (what rounding loses is added to the tensor's next allreduce, kept per
-        tensor name), summed in float32. Host memory only."""
+        tensor name), summed in float32; on host memory and on GPUs."""
 
         core = _core.COMPRESSION_U8
 

@@ -1148,7 +1148,8 @@ pub(crate) fn large_fused() {
 }
 
 /// `FERROVOD_COMPRESSION=fp16|bf16`: f32 sums and averages travel as 16-bit floats, fused and
-/// alone, within the codec's bound of an f64 reference; bits below the 16-bit precision are
+/// alone, over all ranks and (from 3 ranks) a process set of all but the last, within the
+/// codec's bound of an f64 reference; bits below the 16-bit precision are
 /// gone (the wire really was 16-bit); averages divide before the cast (no overflow where one
 /// rank's value fits); f64 sums and f32 maxima stay exact (they travel uncompressed).
 pub(crate) fn compressed() {
@@ -1173,43 +1174,58 @@ pub(crate) fn compressed() {
         (ReduceOp::Average, 1.0, 1.0),
         (ReduceOp::Average, 2.0, 0.25),
     ];
-    for (case, (op, pre, post)) in cases.into_iter().enumerate() {
-        // fused (all tensors in one op) and alone (the first tensor by itself)
-        for fused in [true, false] {
-            let count = if fused { sizes.len() } else { 1 };
-            let tensors: Vec<TensorSpec> = (0..count)
-                .map(|t| {
-                    let vals: Vec<f64> = (0..sizes[t]).map(|i| v(t, i, me)).collect();
-                    tensor(
-                        &format!("cmp.{case}.{fused}.{t}"),
-                        DataType::F32,
-                        &[sizes[t] as i64],
-                        &vals,
-                        false,
-                    )
-                })
-                .collect();
-            let mut spec = OpSpec::new(OpKind::Allreduce, tensors);
-            spec.reduce_op = op;
-            spec.prescale = pre;
-            spec.postscale = post;
-            let results = run(spec).unwrap();
-            for (t, res) in results.iter().enumerate() {
-                let got = output(res, DataType::F32);
-                for (i, g) in got.iter().enumerate() {
-                    let each: Vec<f64> = (0..n).map(|r| v(t, i, r)).collect();
-                    let div = if op == ReduceOp::Average {
-                        n as f64
-                    } else {
-                        1.0
-                    };
-                    let (want, tol) = half_sum(&each, pre * post / div, eps);
-                    assert!(
-                        (g - want).abs() <= tol,
-                        "case {case} fused {fused} tensor {t} element {i}: got {g}, want {want} (tolerance {tol})"
-                    );
+    // every case fused (all tensors in one op) and alone (the first tensor by itself), over
+    // the process set `set` of `members`
+    let check = |set: i32, members: &[usize], tag: &str| {
+        for (case, (op, pre, post)) in cases.into_iter().enumerate() {
+            for fused in [true, false] {
+                let count = if fused { sizes.len() } else { 1 };
+                let tensors: Vec<TensorSpec> = (0..count)
+                    .map(|t| {
+                        let vals: Vec<f64> = (0..sizes[t]).map(|i| v(t, i, me)).collect();
+                        tensor(
+                            &format!("cmp{tag}.{case}.{fused}.{t}"),
+                            DataType::F32,
+                            &[sizes[t] as i64],
+                            &vals,
+                            false,
+                        )
+                    })
+                    .collect();
+                let mut spec = OpSpec::new(OpKind::Allreduce, tensors);
+                spec.reduce_op = op;
+                spec.prescale = pre;
+                spec.postscale = post;
+                spec.process_set = set;
+                let results = run(spec).unwrap();
+                for (t, res) in results.iter().enumerate() {
+                    let got = output(res, DataType::F32);
+                    for (i, g) in got.iter().enumerate() {
+                        let each: Vec<f64> = members.iter().map(|r| v(t, i, *r)).collect();
+                        let div = if op == ReduceOp::Average {
+                            members.len() as f64
+                        } else {
+                            1.0
+                        };
+                        let (want, tol) = half_sum(&each, pre * post / div, eps);
+                        assert!(
+                            (g - want).abs() <= tol,
+                            "set {set} case {case} fused {fused} tensor {t} element {i}: got {g}, want {want} (tolerance {tol})"
+                        );
+                    }
                 }
             }
+        }
+    };
+    check(0, &(0..n).collect::<Vec<_>>(), "");
+    if n >= 3 {
+        // a process set of all ranks but the last
+        let members: Vec<usize> = (0..n - 1).collect();
+        let ranks: Vec<i32> = members.iter().map(|r| *r as i32).collect();
+        let h = runtime::runtime().unwrap().add_process_set(&ranks).unwrap();
+        h.wait(None).unwrap();
+        if me < n - 1 {
+            check(h.value(), &members, ".set");
         }
     }
     // 1 + 2^-12 is exact in f32 and rounds to 1 in either 16-bit type: the sum shows the wire
