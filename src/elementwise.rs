@@ -549,6 +549,47 @@ mod tests {
         assert!(encode_half(&mut wire, &src, DataType::F32, 1.0).is_err());
     }
 
+    /// Infinite inputs travel as infinities of their sign and are not counted as overflows
+    /// (only finite values that left the range are); bf16 keeps f32's subnormals, rounded to
+    /// nearest even.
+    #[test]
+    fn half_codecs_pass_infinities_and_round_bf16_subnormals() {
+        let vals = [
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            2f32.powi(-130),
+            1.5 * 2f32.powi(-133),
+            -(2f32.powi(-140)),
+        ];
+        let src: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut wire = vec![0u8; src.len() / 2];
+        let mut back = vec![0u8; src.len()];
+        let decoded = |back: &[u8]| -> Vec<f32> {
+            back.chunks(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect()
+        };
+        for dtype in [DataType::F16, DataType::BF16] {
+            let lost = encode_half(&mut wire, &src, dtype, 1.0).unwrap();
+            assert_eq!(lost, 0, "{dtype:?}");
+            decode_half(&mut back, &wire, dtype, 1.0).unwrap();
+            let got = decoded(&back);
+            assert_eq!(&got[..2], &[f32::INFINITY, f32::NEG_INFINITY], "{dtype:?}");
+            if dtype == DataType::F16 {
+                // far below f16's smallest subnormal (2^-24): zero, of the value's sign
+                assert_eq!(&got[2..], &[0.0, 0.0, 0.0]);
+                assert!(got[4].is_sign_negative());
+            } else {
+                // bf16's subnormals step by 2^-133: 2^-130 is exact, 1.5 × 2^-133 lies halfway
+                // and goes to the even 2^-132, and 2^-140 is below half a step
+                assert_eq!(got[2], 2f32.powi(-130));
+                assert_eq!(got[3], 2f32.powi(-132));
+                assert_eq!(got[4], 0.0);
+                assert!(got[4].is_sign_negative());
+            }
+        }
+    }
+
     #[test]
     fn copy_scaled_is_a_copy_then_a_scale_across_pieces() {
         // more than one 64 KiB piece, and a length that is not a multiple of it
