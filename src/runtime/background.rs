@@ -49,6 +49,30 @@ struct Background {
     _watchdog: Watchdog,
 }
 
+/// Says how Open MPI's TCP transport moves large messages; where ranks span nodes and it uses
+/// `put` (MPI started before ferrovod, or the job asked for it), at info level with the remedy.
+fn log_tcp_transport(rt: &Runtime) {
+    let Some(put) = crate::transport::mpi::tcp_put_in_force() else {
+        return;
+    };
+    let nodes = rt.topology.get().map_or(1, |t| t.cross_size);
+    if put && nodes > 1 {
+        tracing::info!(
+            "Open MPI's TCP transport sends large messages with put: two ranks exchanging at once may take turns on the link; OMPI_MCA_btl_tcp_flags={} before MPI starts avoids it",
+            crate::transport::mpi::OMPI_TCP_FLAGS
+        );
+    } else {
+        tracing::debug!(
+            "Open MPI's TCP transport sends large messages {}",
+            if put {
+                "with put"
+            } else {
+                "in fragments (no put)"
+            }
+        );
+    }
+}
+
 pub(crate) fn run(
     rt: Arc<Runtime>,
     opts: InitOptions,
@@ -63,16 +87,6 @@ pub(crate) fn run(
             return;
         }
     };
-    if let Some(put) = crate::transport::mpi::tcp_put_in_force() {
-        tracing::debug!(
-            "Open MPI's TCP transport sends large messages {}",
-            if put {
-                "with put"
-            } else {
-                "in fragments (no put)"
-            }
-        );
-    }
     let mut bg = match Background::start(rt.clone(), &opts, multiple) {
         Ok(bg) => bg,
         Err(e) => {
@@ -83,6 +97,7 @@ pub(crate) fn run(
             return;
         }
     };
+    log_tcp_transport(&rt);
     let _ = ready.send(Ok(()));
     // A panic in the loop must still fail this rank's pending operations rather than leave
     // their waiters hanging.
