@@ -304,9 +304,17 @@ pub fn tcp_without_put() {
 /// through the MPI tool interface once MPI runs); None where MPI has no such variable.
 pub fn tcp_put_in_force() -> Option<bool> {
     const PUT: u32 = 0x2;
+    if !mpi_initialized() {
+        return None;
+    }
+    // Open MPI's tool interface sets the library's thread level to the one asked for here: ask
+    // for the level MPI runs at, or a job at MPI_THREAD_MULTIPLE would lose its locking
+    let mut level: c_int = 0;
+    // SAFETY: MPI is initialised.
+    unsafe { ffi::MPI_Query_thread(&mut level) };
     let mut provided: c_int = 0;
     // SAFETY: the tool interface may be started at any time, and is finalised below.
-    if unsafe { ffi::MPI_T_init_thread(ffi::RSMPI_THREAD_SINGLE, &mut provided) } != 0 {
+    if unsafe { ffi::MPI_T_init_thread(level, &mut provided) } != 0 {
         return None;
     }
     let name = c"btl_tcp_flags";

@@ -734,7 +734,7 @@ pub(crate) fn topology() {
 
 /// Open MPI's TCP transport runs as ferrovod starts it (without put: `OMPI_TCP_FLAGS`), or as
 /// the job asked (`FERROVOD_TEST_EXPECT_PUT=1` with put in `OMPI_MCA_btl_tcp_flags`), read back
-/// from Open MPI itself.
+/// from Open MPI itself; reading it does not lower MPI's thread level.
 pub(crate) fn tcp_flags() {
     init();
     let expect = std::env::var("FERROVOD_TEST_EXPECT_PUT").unwrap() == "1";
@@ -742,6 +742,12 @@ pub(crate) fn tcp_flags() {
         ferrovod::transport::mpi::tcp_put_in_force(),
         Some(expect),
         "btl_tcp_flags' put"
+    );
+    // reading it (at init and here) leaves MPI at the thread level it started with
+    assert_eq!(
+        mpi::environment::threading_support(),
+        mpi::Threading::Multiple,
+        "MPI's thread level after reading btl_tcp_flags"
     );
     finish_job();
 }
