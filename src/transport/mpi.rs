@@ -241,7 +241,11 @@ pub fn init_mpi(want_multiple: bool) -> Result<(bool, bool)> {
                 ffi::RSMPI_THREAD_SINGLE
             }
         };
-        tcp_without_put();
+        // SAFETY: before MPI_Init, on ferrovod's background thread while the thread that
+        // initialises ferrovod waits for it, and ferrovod's other threads do not exist yet. A
+        // framework's own thread reading the environment at this instant is the one hazard
+        // left, the same as for any variable set in-process before MPI_Init.
+        unsafe { tcp_without_put() };
         // SAFETY: MPI is not initialised; null argc/argv is allowed.
         let rc = unsafe {
             ffi::MPI_Init_thread(
@@ -277,9 +281,11 @@ pub const OMPI_TCP_FLAGS: &str = "send,inplace,need-ack,need-csum,hetero-rdma";
 
 /// Sets `OMPI_MCA_btl_tcp_flags` to `OMPI_TCP_FLAGS` before MPI starts, unless the job chose
 /// its own (`mpirun --mca btl_tcp_flags`, which arrives the same way) or this is not Open MPI 4
-/// or 5, whose flag names these are. `init_mpi` calls it; a program that starts MPI itself and
-/// wants the same transport (the benchmark, for its MPI baselines) calls it first.
-pub fn tcp_without_put() {
+/// or 5, whose flag names these are.
+///
+/// # Safety
+/// As `std::env::set_var`: no other thread may read or write the environment while it runs.
+unsafe fn tcp_without_put() {
     if std::env::var_os("OMPI_MCA_btl_tcp_flags").is_some() {
         return;
     }
@@ -295,8 +301,7 @@ pub fn tcp_without_put() {
     if !(version.starts_with("Open MPI v4.") || version.starts_with("Open MPI v5.")) {
         return;
     }
-    // SAFETY: called once, before MPI_Init, while the thread that initialises ferrovod waits;
-    // glibc's setenv neither frees nor rewrites a string another thread's getenv may be reading.
+    // SAFETY: the caller's contract, passed on.
     unsafe { std::env::set_var("OMPI_MCA_btl_tcp_flags", OMPI_TCP_FLAGS) };
 }
 

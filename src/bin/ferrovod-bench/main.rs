@@ -510,20 +510,30 @@ fn cost_model_table() {
     }
 }
 
+/// Finalises MPI when the benchmark ends, whichever way `main` returns.
+struct Finalize;
+
+impl Drop for Finalize {
+    fn drop(&mut self) {
+        ferrovod::transport::mpi::finalize_mpi();
+    }
+}
+
 fn main() {
     let a = parse_args();
     if a.mode == "cost-model" {
         cost_model_table();
         return;
     }
-    // MPI's baselines run over the transport ferrovod would have started
-    ferrovod::transport::mpi::tcp_without_put();
-    let (universe, threading) = mpi::initialize_with_threading(mpi::Threading::Multiple)
-        .expect("MPI initialisation failed");
-    if threading != mpi::Threading::Multiple {
+    // MPI starts as ferrovod starts it (its transport settings included), so that the MPI
+    // baselines run over the same transport; it is finalised when main returns
+    let (_, multiple) =
+        ferrovod::transport::mpi::init_mpi(true).expect("MPI initialisation failed");
+    let _finalize = Finalize;
+    if !multiple {
         eprintln!("warning: MPI does not provide MPI_THREAD_MULTIPLE");
     }
-    let world = universe.world();
+    let world = mpi::topology::SimpleCommunicator::world();
     if a.mode == "negotiation" {
         let opts = negotiation::Options {
             steps: a.steps,
