@@ -55,21 +55,30 @@ pub struct CostModel {
     pub nodes: usize,
 }
 
-/// From this size a flat host allreduce whose ranks span nodes runs the ring over
-/// point-to-point transfers: every link sends and receives at once, and the batch's packing
-/// rides inside the transfers; MPI's own allreduce of the fused batch was slower across
-/// emulated hosts with either TCP congestion control (BENCHMARKS.md, "issue 18, slow links",
-/// and session 22).
+/// From this size a flat host allreduce over one rank on each of several nodes runs the ring
+/// over point-to-point transfers: every link sends and receives at once, and the batch's
+/// packing rides inside the transfers; MPI's own allreduce of the fused batch was no faster
+/// across emulated hosts (BENCHMARKS.md, "issue 18, slow links", sessions 22 and 23).
 const RING_ACROSS_NODES_BYTES: usize = 4 << 20;
 
 /// The size from which a set's flat host allreduces run the ring (0: never):
-/// `FERROVOD_RING_MIN_BYTES` when set, else `RING_ACROSS_NODES_BYTES` for a set that spans
-/// nodes and never inside one node. Agreed: rank 0's setting and the job's node map.
-pub fn ring_min_bytes(configured: Option<usize>, spans_nodes: bool) -> usize {
-    match (configured, spans_nodes) {
-        (Some(bytes), _) => bytes,
-        (None, true) => RING_ACROSS_NODES_BYTES,
-        (None, false) => 0,
+/// `FERROVOD_RING_MIN_BYTES` when set, else `RING_ACROSS_NODES_BYTES` for a set of one rank on
+/// each of several nodes, and never otherwise. Inside one node MPI's shared memory is faster,
+/// and where a node holds several of the set's ranks the ring sends 1.5 × the data or more
+/// across each node's link, more than MPI's own allreduce did in every placement measured
+/// (BENCHMARKS.md, session 23). `set_nodes`: the node of each of the set's ranks. Agreed:
+/// rank 0's setting and the job's node map.
+pub fn ring_min_bytes(configured: Option<usize>, set_nodes: &[i32]) -> usize {
+    if let Some(bytes) = configured {
+        return bytes;
+    }
+    let mut distinct = set_nodes.to_vec();
+    distinct.sort_unstable();
+    distinct.dedup();
+    if distinct.len() > 1 && distinct.len() == set_nodes.len() {
+        RING_ACROSS_NODES_BYTES
+    } else {
+        0
     }
 }
 
@@ -150,11 +159,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn across_nodes_large_allreduces_run_the_ring_unless_configured() {
-        assert_eq!(ring_min_bytes(None, false), 0);
-        assert_eq!(ring_min_bytes(None, true), RING_ACROSS_NODES_BYTES);
-        assert_eq!(ring_min_bytes(Some(0), true), 0);
-        assert_eq!(ring_min_bytes(Some(1 << 10), false), 1 << 10);
+    fn one_rank_per_node_across_nodes_runs_the_ring_unless_configured() {
+        // one node; one rank on each of two and of three nodes (any order)
+        assert_eq!(ring_min_bytes(None, &[0, 0]), 0);
+        assert_eq!(ring_min_bytes(None, &[0, 1]), RING_ACROSS_NODES_BYTES);
+        assert_eq!(ring_min_bytes(None, &[2, 0, 1]), RING_ACROSS_NODES_BYTES);
+        assert_eq!(ring_min_bytes(None, &[0]), 0);
+        // several ranks on a node: in blocks, round-robin, uneven
+        assert_eq!(ring_min_bytes(None, &[0, 0, 1, 1]), 0);
+        assert_eq!(ring_min_bytes(None, &[0, 1, 0, 1]), 0);
+        assert_eq!(ring_min_bytes(None, &[0, 0, 1]), 0);
+        // a setting wins everywhere
+        assert_eq!(ring_min_bytes(Some(0), &[0, 1]), 0);
+        assert_eq!(ring_min_bytes(Some(1 << 10), &[0, 0]), 1 << 10);
+        assert_eq!(ring_min_bytes(Some(1 << 10), &[0, 0, 1, 1]), 1 << 10);
     }
 
     fn model(

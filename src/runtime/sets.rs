@@ -60,7 +60,10 @@ impl SetState {
             .iter()
             .any(|r| nodes.get(*r as usize).is_some_and(|n| *n != node));
         let direct_bytes = planner::direct_bytes(settings.fusion_direct_bytes, spans_nodes);
-        let ring_min_bytes = cost::ring_min_bytes(settings.ring_min_bytes, spans_nodes);
+        let set_nodes: Vec<i32> = (ranks.iter())
+            .filter_map(|r| nodes.get(*r as usize).copied())
+            .collect();
+        let ring_min_bytes = cost::ring_min_bytes(settings.ring_min_bytes, &set_nodes);
         let ctrl = comm.dup()?.bounded(
             cfg.stall_limit(),
             cfg.stall_warn,
