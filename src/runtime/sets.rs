@@ -56,13 +56,11 @@ impl SetState {
             .and_then(|r| nodes.get(*r as usize))
             .copied()
             .ok_or_else(|| Error::Internal(format!("no node for rank {set_rank} of set {id}")))?;
-        let spans_nodes = ranks
-            .iter()
-            .any(|r| nodes.get(*r as usize).is_some_and(|n| *n != node));
-        let direct_bytes = planner::direct_bytes(settings.fusion_direct_bytes, spans_nodes);
         let set_nodes: Vec<i32> = (ranks.iter())
             .filter_map(|r| nodes.get(*r as usize).copied())
             .collect();
+        let spans_nodes = set_nodes.iter().any(|n| *n != node);
+        let direct_bytes = planner::direct_bytes(settings.fusion_direct_bytes, spans_nodes);
         let ring_min_bytes = cost::ring_min_bytes(settings.ring_min_bytes, &set_nodes);
         let ctrl = comm.dup()?.bounded(
             cfg.stall_limit(),
