@@ -17,6 +17,88 @@ from horovod.common.process_sets import global_process_set
 from horovod.common.util import split_list
 
 
+def _bucket_bytes():
+    """FERROVOD_TORCH_BUCKET_BYTES: the size of the gradient buckets (default 25 MiB, as DDP's;
+    0: one allreduce per gradient, Horovod's way)."""
+    raw = os.environ.get("FERROVOD_TORCH_BUCKET_BYTES", "").strip()
+    if not raw:
+        return 25 << 20
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError("FERROVOD_TORCH_BUCKET_BYTES=%r is not a number of bytes" % raw)
+    return value
+
+
+# the first bucket (the gradients backward produces first) is small, as DDP's, so that
+# communication starts early in the backward pass
+_FIRST_BUCKET_BYTES = 1 << 20
+
+
+class _Bucket:
+    """Gradients that travel as one allreduce: their `.grad` become views of one flat buffer
+    (from the first step: backward then accumulates into them in place), so the hook of each
+    only counts it ready, and the buffer's allreduce starts when the last of them is (one
+    enqueue and one wait per bucket instead of per gradient). A parameter whose gradient comes
+    sparse keeps it and is reduced alone; its place in the buffer stays zero."""
+
+    __slots__ = ("params", "buffer", "views", "adopted", "sparse", "label", "ready", "started")
+
+    def __init__(self, params, label):
+        self.params = params
+        numel = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
+        self.views, at = [], 0
+        for p in params:
+            self.views.append(self.buffer[at:at + p.numel()].view_as(p))
+            at += p.numel()
+        self.adopted = set()  # indices of parameters whose gradient is its view
+        self.sparse = set()  # indices of parameters with sparse gradients
+        self.label = label
+        self.ready = 0
+        self.started = False
+
+    def adopt(self, index):
+        """The parameter's gradient into its view (one it had, or None: zeros, as Horovod
+        sends for a gradient a rank lacks)."""
+        p, view = self.params[index], self.views[index]
+        g = p.grad
+        if g is not view:
+            if g is not None:
+                view.copy_(g)
+            p.grad = view
+        self.adopted.add(index)
+
+
+def _buckets_of(params, names, cap):
+    """`params` (in the order backward usually produces their gradients: the reverse of the
+    model's) cut into buckets of one device and dtype, at most `cap` bytes each (the first
+    `_FIRST_BUCKET_BYTES`), a parameter larger than the cap alone. The same parameters give the
+    same buckets and names on every rank."""
+    buckets, current, size = [], [], 0
+    limit = min(cap, _FIRST_BUCKET_BYTES)
+
+    def close():
+        nonlocal current, size, limit
+        if current:
+            label = "allreduce.bucket.%d.%s" % (len(current), names[current[0]])
+            buckets.append(_Bucket(current, label))
+            limit = cap
+        current, size = [], 0
+
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if current and (p.dtype != current[0].dtype or p.device != current[0].device
+                        or size + nbytes > limit):
+            close()
+        current.append(p)
+        size += nbytes
+    close()
+    return buckets
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Mixed into the wrapped optimizer's own class by `DistributedOptimizer` (as Horovod does),
     so that `isinstance(opt, torch.optim.SGD)` and the wrapped class's `step` keep working."""
@@ -76,11 +158,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._groups = groups
         self._p_to_group = {}
         self._group_counts = {}
+        self._buckets = []
         if process_set.included() and (_core.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"):
             self._register_hooks()
 
     def load_state_dict(self, *args, **kwargs):
         self._handles.clear()  # (the hooks hold this dict)
+        for bucket in self._buckets:
+            bucket.ready, bucket.started = 0, False
         self._synchronized = False
         self._should_synchronize = True
         for p in self._allreduce_delay:
@@ -116,6 +201,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._group_counts[group] = 0
         for p in trained:
             self._requires_update.add(p)
+        cap = _bucket_bytes()
+        codec_ok = (self._compression is None or self._compression is Compression.none
+                    or (all(p.dtype == torch.float32 for p in trained)
+                        and mpi_ops._compressed([trained[0]], self._compression, self.op)[1][0]
+                        is None)) if trained else False
+        if self._groups is None and cap > 0 and codec_ok:
+            names = {p: self._parameter_names.get(p) for p in trained}
+            self._buckets = _buckets_of(list(reversed(trained)), names, cap)
+            for bucket in self._buckets:
+                for i, p in enumerate(bucket.params):
+                    self._hook_handles.append(p.register_post_accumulate_grad_hook(
+                        self._make_bucket_hook(p, i, bucket)))
+            return
+        for p in trained:
             self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
 
     def _scales(self):
@@ -192,12 +291,49 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         return hook
 
+    def _start_bucket(self, bucket):
+        bucket.started = True
+        pre, post = self._scales()
+        _, _, codec = mpi_ops._compressed([bucket.buffer], self._compression, self.op)
+        self._handles[bucket] = (mpi_ops._allreduce_one_(
+            bucket.buffer, bucket.label, self.op, pre, post, self.process_set, codec), None)
+
+    def _make_bucket_hook(self, p, index, bucket):
+        # the per-gradient work of bucketed mode: count the gradient ready, start the bucket
+        # with its last one (a sparse gradient goes alone, its view in the bucket left at zero)
+        delays, view = self._allreduce_delay, bucket.views[index]
+
+        def hook(*_):
+            delay = delays[p]
+            if delay <= 0:
+                raise AssertionError(
+                    "Gradients were computed more than backward_passes_per_step times before "
+                    "call to step(). Increase backward_passes_per_step to accumulate gradients "
+                    "locally.")
+            delay -= 1
+            delays[p] = delay
+            if delay:
+                return
+            if p.grad is not view:
+                if p.grad.is_sparse:
+                    bucket.sparse.add(index)
+                    self._handles[p] = self._allreduce_grad_async(p)
+                else:
+                    bucket.adopt(index)
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params):
+                self._start_bucket(bucket)
+
+        return hook
+
     def synchronize(self):
         """Waits for every gradient's allreduce (starting those whose hook did not fire) and
         writes the results into `.grad`."""
         if not self.process_set.included():
             self._synchronized = True
             return
+        if self._buckets:
+            return self._synchronize_buckets()
         if self._groups is not None or len(self._handles) != len(self._requires_update):
             started = set()
             for key in self._handles:
@@ -227,6 +363,31 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if isinstance(output, list):
                 (output,), (ctxs,) = output, ctxs
             self._write_grad(p, output, ctxs)
+        self._handles.clear()
+        self._synchronized = True
+
+    def _synchronize_buckets(self):
+        for bucket in self._buckets:
+            if not bucket.started:
+                # a gradient backward did not produce (or not yet as often as
+                # backward_passes_per_step) goes as what it has accumulated, or zeros
+                for i in range(len(bucket.params)):
+                    if i not in bucket.sparse:
+                        bucket.adopt(i)
+                self._start_bucket(bucket)
+        items = list(self._handles.items())
+        outputs = iter(mpi_ops._synchronize_all(
+            [h for _, (h, _) in items if not callable(h)]))
+        for key, (handle, ctx) in items:
+            output = handle() if callable(handle) else next(outputs)
+            if not isinstance(key, _Bucket):  # a sparse gradient
+                if isinstance(output, list):
+                    (output,), (ctx,) = output, ctx
+                self._write_grad(key, output, ctx)
+        for bucket in self._buckets:
+            bucket.ready, bucket.started = 0, False
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
         self._handles.clear()
         self._synchronized = True
 
@@ -265,6 +426,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
                                  "before optimizer.step() or optimizer.synchronize(). This is "
                                  "prohibited as it can cause a race condition.")
+        if self._buckets:
+            # dense gradients stay views of their buckets (one fill per bucket); one that would
+            # be None is zeros, as Horovod's synchronize makes it anyway
+            set_to_none = kwargs.get("set_to_none", args[0] if args else True)
+            for bucket in self._buckets:
+                bucket.buffer.zero_()
+                for i, p in enumerate(bucket.params):
+                    if i in bucket.adopted:
+                        bucket.adopt(i)
+                    elif set_to_none:
+                        p.grad = None
+                    elif p.grad is not None:
+                        p.grad.zero_()
+            return None
         return super(self.__class__, self).zero_grad(*args, **kwargs)
 
 

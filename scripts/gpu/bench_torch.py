@@ -5,6 +5,8 @@
   ddp       torch.nn.parallel.DistributedDataParallel (NCCL, default buckets),
   ddp_hook  the same DDP with ferrovod's communication hook (ferrovod.torch.ddp_comm_hook),
   ferrovod  horovod.torch's DistributedOptimizer on ferrovod (gradient hooks, NCCL),
+  ferrovod_pergrad  the same with one allreduce per gradient (FERROVOD_TORCH_BUCKET_BYTES=0),
+  <mode>_sync  a mode with a host barrier between backward and the step,
 
 in rounds that alternate the modes (so that clock and thermal drift hit each alike), fp32 and
 bf16 autocast. Prints images (or sequences) per second summed over the ranks for each, the
@@ -59,15 +61,27 @@ def make(mode, model_name, device, groups=0):
         opt = torch.optim.SGD(wrapped.parameters(), lr=0.01, momentum=0.9)
         return wrapped, opt
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    if mode == "ferrovod":
+    if mode in ("ferrovod", "ferrovod_pergrad"):
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        # groups > 0: Horovod's `groups`, the gradients enqueued as that many grouped allreduces
+        # groups > 0: Horovod's `groups`, the gradients enqueued as that many grouped allreduces;
+        # ferrovod_pergrad: one allreduce per gradient (no buckets)
+        saved = os.environ.get("FERROVOD_TORCH_BUCKET_BYTES")
+        if mode == "ferrovod_pergrad":
+            os.environ["FERROVOD_TORCH_BUCKET_BYTES"] = "0"
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                        groups=groups or None)
+        if mode == "ferrovod_pergrad":
+            if saved is None:
+                del os.environ["FERROVOD_TORCH_BUCKET_BYTES"]
+            else:
+                os.environ["FERROVOD_TORCH_BUCKET_BYTES"] = saved
     return model, opt
 
 
-def run_steps(model_name, model, opt, x, y, steps, bf16, events=None):
+def run_steps(model_name, model, opt, x, y, steps, bf16, events=None, waits=None, sync=False):
+    """`waits`: a list that gets the host seconds each step spent in ferrovod's synchronize
+    (DistributedOptimizer only); `sync`: a host barrier between backward and the step (the
+    model alone, to see what a per-step agreement of the hosts costs)."""
     for _ in range(steps):
         if events is not None:
             events.append(torch.cuda.Event(enable_timing=True))
@@ -76,7 +90,30 @@ def run_steps(model_name, model, opt, x, y, steps, bf16, events=None):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
             loss = loss_of(model_name, model, x, y)
         loss.backward()
-        opt.step()
+        if sync:
+            hvd.barrier()
+        if waits is not None and hasattr(opt, "skip_synchronize"):
+            t = time.perf_counter()
+            opt.synchronize()
+            waits.append(time.perf_counter() - t)
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+
+
+def host_launch_ms(model_name, model, opt, x, y, bf16, sync, tries=5):
+    """The host's own time for one step, measured from an idle device (nothing queued, so no
+    launch blocks): how far ahead of the GPU the host can run."""
+    got = []
+    for _ in range(tries):
+        torch.cuda.synchronize()
+        hvd.barrier()
+        t = time.perf_counter()
+        run_steps(model_name, model, opt, x, y, 1, bf16, sync=sync)
+        got.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    return 1e3 * sorted(got)[len(got) // 2]
 
 
 def enqueue_cost(device, calls=2000):
@@ -130,6 +167,9 @@ def main():
     ap.add_argument("--groups", type=int, default=0,
                     help="ferrovod mode: DistributedOptimizer's groups (0: one allreduce per "
                          "gradient, Horovod's default)")
+    ap.add_argument("--host-stats", action="store_true",
+                    help="print each mode's host time per step from an idle device, and the "
+                    "host time ferrovod's synchronize blocks per step")
     ap.add_argument("--step-stats", action="store_true",
                     help="print each mode's step times (GPU events on the current stream)")
     args = ap.parse_args()
@@ -145,7 +185,8 @@ def main():
     n = hvd.size()
     x, y = batch_for(args.model, args.batch, device)
     modes = args.modes.split(",")
-    models = {m: make(m, args.model, device, args.groups) for m in modes}
+    models = {m: make(m.replace("_sync", ""), args.model, device, args.groups) for m in modes}
+    synced = {m: m.endswith("_sync") for m in modes}
     if args.gc == "freeze":
         gc.collect()
         gc.freeze()
@@ -155,8 +196,9 @@ def main():
     for precision in args.precisions.split(","):
         bf16 = precision == "bf16"
         for m in modes:
-            run_steps(args.model, *models[m], x, y, args.warmup, bf16)
+            run_steps(args.model, *models[m], x, y, args.warmup, bf16, sync=synced[m])
         torch.cuda.synchronize()
+        waits = {m: [] for m in modes}
         times = {m: [] for m in modes}
         steps_ms = {m: [] for m in modes}
         counters = {m: {} for m in modes}
@@ -167,7 +209,8 @@ def main():
                 t0 = time.perf_counter()
                 events = []
                 before = hvd.metrics()
-                run_steps(args.model, *models[m], x, y, args.steps, bf16, events)
+                run_steps(args.model, *models[m], x, y, args.steps, bf16, events,
+                          waits[m] if args.host_stats else None, synced[m])
                 torch.cuda.synchronize()
                 times[m].append(time.perf_counter() - t0)
                 after = hvd.metrics()
@@ -175,6 +218,16 @@ def main():
                           "graph_launches", "tensors"):
                     counters[m][k] = counters[m].get(k, 0) + after[k] - before[k]
                 steps_ms[m] += [a.elapsed_time(b) for a, b in zip(events, events[1:])]
+        if args.host_stats:
+            launch = {m: host_launch_ms(args.model, *models[m], x, y, bf16, synced[m])
+                      for m in modes}
+            if hvd.rank() == 0:
+                for m in modes:
+                    w = sorted(waits[m])
+                    print("%s %s host ms per step from an idle device: %.1f%s" % (
+                        precision, m, launch[m], "" if not w else
+                        "; blocked in synchronize: median %.2f p90 %.2f" % (
+                            1e3 * w[len(w) // 2], 1e3 * w[int(len(w) * 0.9)])))
         if args.step_stats and hvd.rank() == 0:
             for m in modes:
                 v = sorted(steps_ms[m])
@@ -204,6 +257,10 @@ def main():
                     line = "gpu np=%d %s-train ferrovod/%s = %.3f" % (
                         n, name, label, row["ferrovod"] / row[other])
                     print(line + ("" if precision == "fp32" else " (%s)" % precision))
+            if "ferrovod_pergrad" in row and "ferrovod" in row:
+                print("gpu np=%d %s-train ferrovod/ferrovod-per-gradient = %.3f%s" % (
+                    n, name, row["ferrovod"] / row["ferrovod_pergrad"],
+                    "" if precision == "fp32" else " (%s)" % precision))
             if "ddp_hook" in row and "ddp" in row:
                 print("gpu np=%d %s-train ddp+ferrovod-hook/ddp = %.3f%s" % (
                     n, name, row["ddp_hook"] / row["ddp"],

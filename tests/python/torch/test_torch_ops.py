@@ -374,13 +374,20 @@ def _model(seed=0):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("variant", ["plain", "groups", "groups_list", "predivide", "passes2",
-                                     "fp16"])
-def test_distributed_optimizer_matches_one_process(device, variant):
+                                     "fp16", "per_gradient", "small_buckets", "module_zero_grad",
+                                     "passes2_small_buckets"])
+def test_distributed_optimizer_matches_one_process(device, variant, monkeypatch):
     """Training under DistributedOptimizer equals one process training on the concatenated
-    batch (mean loss over it): same weights after several steps."""
+    batch (mean loss over it): same weights after several steps. By default gradients travel
+    in buckets (one here); also one allreduce per gradient, a bucket per parameter (a 1-byte
+    cap), and gradients dropped between steps by the module's zero_grad (set to None)."""
     r, n = hvd.rank(), hvd.size()
     d = dev(device)
-    passes = 2 if variant == "passes2" else 1
+    passes = 2 if variant.startswith("passes2") else 1
+    if variant == "per_gradient":
+        monkeypatch.setenv("FERROVOD_TORCH_BUCKET_BYTES", "0")
+    if variant.endswith("small_buckets"):
+        monkeypatch.setenv("FERROVOD_TORCH_BUCKET_BYTES", "1")
     model = _model().to(d)
     kwargs = {}
     if variant == "groups":
@@ -397,7 +404,7 @@ def test_distributed_optimizer_matches_one_process(device, variant):
     ref = _model().to(d)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for step in range(3):
-        opt.zero_grad()
+        (model if variant == "module_zero_grad" else opt).zero_grad()
         for p in range(passes):
             x, y = _data(r * 10 + step * passes + p)
             (torch.nn.functional.mse_loss(model(x.to(d)), y.to(d)) / passes).backward()
@@ -410,6 +417,73 @@ def test_distributed_optimizer_matches_one_process(device, variant):
     tol = 2e-3 if variant == "fp16" else 1e-5
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a.detach().cpu(), b.detach().cpu(), rtol=tol, atol=tol)
+
+
+def _storage(t):
+    return t.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bucketed_gradients_unused_mixed_dtypes_and_sparse(device, monkeypatch):
+    """Bucketed gradients (the default): views of one buffer per device and dtype; a parameter
+    that one rank's backward skips counts as zeros there (Horovod's semantics); a sparse
+    gradient keeps its layout and is reduced alone; a second backward without step() is
+    refused as Horovod refuses it; the results equal the per-gradient path's."""
+    r, n = hvd.rank(), hvd.size()
+    d = dev(device)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(3)
+            self.a = torch.nn.Linear(5, 4)
+            self.b = torch.nn.Linear(4, 4).double()
+            self.skip = torch.nn.Linear(4, 2)
+            self.emb = torch.nn.Embedding(6, 4, sparse=True)
+
+        def forward(self, x, i, use_skip):
+            h = self.b(torch.tanh(self.a(x)).double()).float() + self.emb(i).sum(0)
+            return h.sum() + (self.skip(h).sum() if use_skip else 0)
+
+    def train(cap):
+        monkeypatch.setenv("FERROVOD_TORCH_BUCKET_BYTES", cap)
+        net = Net().to(d)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                       named_parameters=net.named_parameters())
+        for step in range(3):
+            opt.zero_grad()
+            x = torch.full((3, 5), 0.1 * (r + 1 + step), device=d)
+            net(x, torch.tensor([r, r + 1], device=d), use_skip=(r == 0)).backward()
+            opt.step()
+        return net, opt
+
+    net, opt = train("1048576")
+    ref, _ = train("0")
+    for (name, a), b in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), msg=name)
+    # the bucketed path was taken: neighbouring dense gradients of one dtype share a buffer
+    # (buckets in reverse order: emb and skip; b, in float64; a)
+    grads = {name: p.grad for name, p in net.named_parameters()}
+    assert _storage(grads["a.weight"]) == _storage(grads["a.bias"])
+    assert _storage(grads["b.weight"]) == _storage(grads["b.bias"])
+    assert _storage(grads["skip.weight"]) == _storage(grads["skip.bias"])
+    assert _storage(grads["b.weight"]) != _storage(grads["a.weight"])
+    assert grads["emb.weight"].is_sparse
+    # Horovod's error for gradients computed twice before step()
+    x = torch.ones(3, 5, device=d)
+    i = torch.tensor([0, 1], device=d)
+    net(x, i, use_skip=True).backward()
+    with pytest.raises(AssertionError):
+        net(x, i, use_skip=True).backward()
+    opt.step()
+
+
+def test_bucket_size_setting_must_be_a_number(monkeypatch):
+    monkeypatch.setenv("FERROVOD_TORCH_BUCKET_BYTES", "25M")
+    model = _model()
+    with pytest.raises(ValueError, match="FERROVOD_TORCH_BUCKET_BYTES"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=model.named_parameters())
 
 
 def test_distributed_optimizer_errors_and_sparse():
