@@ -4,9 +4,10 @@
 //! software included), bandwidth per byte (β) as MPI moves large allreduces (2(n−1)/n of the
 //! bytes over each rank's link). Flat is one call over every rank; hierarchical
 //! (`hierarchical.rs`) is three: a reduce-scatter and an allgather inside the node, an allreduce
-//! across nodes — so small batches, bound by calls, stay flat, and large ones, bound by the
-//! network, go hierarchical. Pure: the parameters are agreed (rank 0's measurement or the
-//! configuration), so every rank picks the same algorithm for every batch.
+//! across nodes, their latency measured together — so small batches, bound by calls, stay flat,
+//! and large ones, bound by the network, go hierarchical. Pure: the parameters are agreed (rank
+//! 0's measurement or the configuration), so every rank picks the same algorithm for every
+//! batch.
 
 /// One level's costs: `alpha` seconds per collective call, `beta` seconds per byte a rank
 /// sends over it.
@@ -51,6 +52,9 @@ pub struct CostModel {
     pub cross: Link,
     /// Seconds of one small allreduce over every rank of the set.
     pub flat_alpha: f64,
+    /// Seconds of one small hierarchical allreduce (its three calls in a row: measured whole,
+    /// so what a call inside a busy node really costs is in it).
+    pub hier_alpha: f64,
     pub per_node: usize,
     pub nodes: usize,
 }
@@ -107,6 +111,7 @@ impl CostModel {
                 beta: cross.beta,
             },
             flat_alpha: steps(per_node) * local.alpha + steps(nodes) * cross.alpha,
+            hier_alpha: 2.0 * steps(per_node) * local.alpha + steps(nodes) * cross.alpha,
             per_node,
             nodes,
         }
@@ -121,8 +126,7 @@ impl CostModel {
     /// bytes there) and an allreduce of a 1/per_node slice across nodes.
     pub fn hierarchical(&self, bytes: usize) -> f64 {
         let b = bytes as f64;
-        2.0 * self.local.alpha
-            + self.cross.alpha
+        self.hier_alpha
             + moved(self.local, self.per_node, b)
             + moved(self.cross, self.nodes, b / self.per_node as f64)
     }
@@ -182,6 +186,8 @@ mod tests {
         per_node: usize,
         nodes: usize,
     ) -> CostModel {
+        // its three calls as the sum of each level's
+        let hier_alpha = 2.0 * local.0 + cross.0;
         CostModel {
             local: Link {
                 alpha: local.0,
@@ -192,6 +198,7 @@ mod tests {
                 beta: cross.1,
             },
             flat_alpha,
+            hier_alpha,
             per_node,
             nodes,
         }
@@ -222,6 +229,20 @@ mod tests {
     }
 
     #[test]
+    fn small_batches_follow_the_measured_hierarchical_call_not_its_parts() {
+        // its parts (2 x 1 us inside the node + 20 us across) undercut one flat call of 30 us,
+        // but the three calls in a row were measured at 40 us: small batches stay flat, and the
+        // crossover moves to where the bandwidth saved pays for the 10 us
+        let mut m = model((1e-6, 1e-10), (20e-6, 8e-9), 30e-6, 2, 2);
+        assert_eq!(m.crossover(), Some(0));
+        m.hier_alpha = 40e-6;
+        assert_eq!(m.choose(1 << 10), Algorithm::Flat);
+        let analytic = (m.hier_alpha - m.flat_alpha) / (8e-9 - 1e-10);
+        let got = m.crossover().expect("hierarchical wins for large batches") as f64;
+        assert!((got - analytic).abs() <= 1.0, "{got} vs {analytic}");
+    }
+
+    #[test]
     fn from_messages_counts_each_levels_steps() {
         let m = CostModel::from_messages(
             Link {
@@ -239,6 +260,7 @@ mod tests {
         assert!((m.local.alpha - 6e-6).abs() < 1e-12);
         assert!((m.cross.alpha - 80e-6).abs() < 1e-12);
         assert!((m.flat_alpha - 86e-6).abs() < 1e-12);
+        assert!((m.hier_alpha - 92e-6).abs() < 1e-12);
         assert_eq!(m.local.beta, 1e-10);
         // large batches: the network's bytes rule, hierarchical sends 1/8 of them
         assert_eq!(m.choose(100 << 20), Algorithm::Hierarchical);

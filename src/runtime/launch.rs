@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use crate::collective::cost::{Algorithm, CostModel, Link, Policy};
 use crate::collective::execute::DeviceHow;
-use crate::collective::hierarchical::{Levels, node_members};
+use crate::collective::hierarchical::{self, Levels, node_members};
 use crate::collective::replay::{ReplayKey, batch_fingerprint};
 use crate::collective::{self, ActivitySink, Algorithms, Allreduce, TensorIo, gossip};
 use crate::compress::{self, Codec, Codecs, Feedback, Wire};
@@ -84,7 +84,7 @@ impl Hierarchy {
             return Ok(None);
         }
         let policy = match choice {
-            AlgorithmChoice::Auto => Policy::Auto(measure(comm, &local, &cross)?),
+            AlgorithmChoice::Auto => Policy::Auto(measure(comm, &local, &cross, &nodes)?),
             AlgorithmChoice::Hierarchical => Policy::Hierarchical,
             AlgorithmChoice::Flat => Policy::Flat,
         };
@@ -92,12 +92,13 @@ impl Hierarchy {
             let (nodes, per) = (cross.size(), local.size());
             match &policy {
                 Policy::Auto(m) => tracing::info!(
-                    "allreduce algorithm auto over {nodes} nodes of {per} ranks: a call inside a node {:.1} us + {:.2} GB/s, across nodes {:.1} us + {:.2} GB/s, over all ranks {:.1} us; hierarchical from {}",
+                    "allreduce algorithm auto over {nodes} nodes of {per} ranks: a call inside a node {:.1} us + {:.2} GB/s, across nodes {:.1} us + {:.2} GB/s; a small allreduce flat {:.1} us, hierarchical {:.1} us; hierarchical from {}",
                     m.local.alpha * 1e6,
                     1e-9 / m.local.beta,
                     m.cross.alpha * 1e6,
                     1e-9 / m.cross.beta,
                     m.flat_alpha * 1e6,
+                    m.hier_alpha * 1e6,
                     m.crossover()
                         .map_or("no size".to_string(), |b| format!("{b} bytes"))
                 ),
@@ -134,46 +135,95 @@ impl Hierarchy {
 /// Bytes of the probe's large message.
 const PROBE_BYTES: usize = 1 << 20;
 
-/// The cost model of the set, measured: each level's small allreduce (8 bytes: the latency of
-/// a call, the median of `CALLS`, as a step meets it, scheduling included) and allreduce of
-/// `PROBE_BYTES` (bandwidth, the best of a few), and the whole set's small allreduce; rank 0's
-/// figures everywhere.
-fn measure(comm: &MpiComm, local: &MpiComm, cross: &MpiComm) -> Result<CostModel> {
+/// The cost model of the set, measured: each level's small allreduce (a few bytes: the latency
+/// of a call, the median of `CALLS`, as a step meets it, scheduling included) and allreduce of
+/// `PROBE_BYTES` (bandwidth, the best of a few), and the whole set's small allreduce, flat and
+/// hierarchical (whose three calls in a row cost more than their parts where a node's ranks
+/// share few cores); rank 0's figures everywhere.
+fn measure(
+    comm: &MpiComm,
+    local: &MpiComm,
+    cross: &MpiComm,
+    nodes: &[Vec<usize>],
+) -> Result<CostModel> {
     // a rank whose own measurement differs must still choose as the others do: with this
     // test fault, rank N sees its node's level a thousand times slower
     let skewed = crate::config::test_fault("slow_probe", comm.rank() as i32);
-    let time = |level: &MpiComm, bytes: usize, rounds: usize, slow: bool| -> Result<f64> {
-        let mut buf = vec![0u8; bytes];
-        // untimed first calls: MPI connects a level's ranks on first use
+    // seconds of each of `rounds` calls of `call`, after two untimed ones (MPI connects a
+    // level's ranks on first use), sorted
+    let timed = |rounds: usize, call: &mut dyn FnMut() -> Result<()>| -> Result<Vec<f64>> {
         for _ in 0..2 {
-            level.allreduce(None, &mut buf, DataType::U8, ReduceOp::Max)?;
+            call()?;
         }
         let mut times = Vec::with_capacity(rounds);
         for _ in 0..rounds {
             let t = Instant::now();
-            level.allreduce(None, &mut buf, DataType::U8, ReduceOp::Max)?;
+            call()?;
             times.push(t.elapsed().as_secs_f64());
         }
         times.sort_by(f64::total_cmp);
-        // a call's latency as steps meet it; bandwidth as the link gives it at best
-        let got = if bytes == PROBE_BYTES {
-            times[0]
-        } else {
-            times[rounds / 2]
-        };
-        // as if this rank saw a network a thousand times slower
-        Ok(if slow { got * 1000.0 } else { got })
+        Ok(times)
+    };
+    // a small call's latency as steps meet it (the median); every probe of latency moves the
+    // same few bytes, a whole u8 per rank of the node
+    let small = 8 * local.size();
+    let latency = |level: &MpiComm| -> Result<f64> {
+        let mut buf = vec![0u8; small];
+        let times = timed(CALLS, &mut || {
+            level.allreduce(None, &mut buf, DataType::U8, ReduceOp::Max)
+        })?;
+        Ok(times[CALLS / 2])
     };
     let link = |level: &MpiComm, slow: bool| -> Result<Link> {
         let n = level.size();
-        let alpha = time(level, 8, CALLS, slow)?;
+        let alpha = latency(level)?;
+        // bandwidth as the link gives it at best
+        let mut buf = vec![0u8; PROBE_BYTES];
+        let best = timed(3, &mut || {
+            level.allreduce(None, &mut buf, DataType::U8, ReduceOp::Max)
+        })?[0];
         let moved = 2.0 * (n - 1) as f64 / n as f64 * PROBE_BYTES as f64;
-        let beta = ((time(level, PROBE_BYTES, 3, slow)? - alpha) / moved).max(1e-13);
-        Ok(Link { alpha, beta })
+        let beta = ((best - alpha) / moved).max(1e-13);
+        // as if this rank saw a network a thousand times slower
+        let k = if slow { 1000.0 } else { 1.0 };
+        Ok(Link {
+            alpha: alpha * k,
+            beta: beta * k,
+        })
     };
     let (l, c) = (link(local, skewed)?, link(cross, false)?);
-    let flat = time(comm, 8, CALLS, false)?;
-    let mine: Vec<u8> = [l.alpha, l.beta, c.alpha, c.beta, flat]
+    // flat and hierarchical in alternating blocks of calls, so that both meet the same
+    // conditions; a block's mean, since one call's time depends on how late this rank came
+    let levels = Levels {
+        local,
+        cross,
+        nodes,
+    };
+    let mut buf = vec![0u8; small];
+    let (mut flat, mut hier) = (Vec::new(), Vec::new());
+    for round in 0..BLOCKS + 1 {
+        let t = Instant::now();
+        for _ in 0..BLOCK_CALLS {
+            comm.allreduce(None, &mut buf, DataType::U8, ReduceOp::Max)?;
+        }
+        let t_flat = t.elapsed().as_secs_f64() / BLOCK_CALLS as f64;
+        let t = Instant::now();
+        for _ in 0..BLOCK_CALLS {
+            hierarchical::allreduce(&levels, &mut buf, DataType::U8, ReduceOp::Max)?;
+        }
+        // the first block untimed: MPI connects on first use
+        if round > 0 {
+            flat.push(t_flat);
+            hier.push(t.elapsed().as_secs_f64() / BLOCK_CALLS as f64);
+        }
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (flat, hier) = (median(flat), median(hier));
+
+    let mine: Vec<u8> = [l.alpha, l.beta, c.alpha, c.beta, flat, hier]
         .iter()
         .flat_map(|v| v.to_le_bytes())
         .collect();
@@ -186,7 +236,7 @@ fn measure(comm: &MpiComm, local: &MpiComm, cross: &MpiComm) -> Result<CostModel
             f64::from_le_bytes(a)
         })
         .collect();
-    if v.len() != 5 {
+    if v.len() != 6 {
         return Err(Error::Internal(
             "the cost model came as the wrong size".into(),
         ));
@@ -201,6 +251,7 @@ fn measure(comm: &MpiComm, local: &MpiComm, cross: &MpiComm) -> Result<CostModel
             beta: v[3],
         },
         flat_alpha: v[4],
+        hier_alpha: v[5],
         per_node: local.size(),
         nodes: cross.size(),
     })
@@ -208,6 +259,11 @@ fn measure(comm: &MpiComm, local: &MpiComm, cross: &MpiComm) -> Result<CostModel
 
 /// Small allreduces timed per level for the model's latencies.
 const CALLS: usize = 21;
+
+/// Blocks of small flat and hierarchical allreduces timed for the two algorithms' latencies,
+/// and calls per block.
+const BLOCKS: usize = 5;
+const BLOCK_CALLS: usize = 8;
 
 /// What a process set's communicators carry from one step to the next, whichever runs a
 /// tensor's batch.
