@@ -1,8 +1,9 @@
 """`DistributedOptimizer`: Horovod's PyTorch optimizer wrapper on ferrovod.
 
-A hook on each parameter's gradient accumulation starts the gradient's allreduce as soon as
-backward has produced it, so communication overlaps the rest of the backward pass; `step()`
-(or `synchronize()`) waits for them and writes the averages into `.grad`."""
+A hook on each parameter's gradient accumulation starts the allreduce as soon as backward has
+produced the gradient (by default that of its bucket, once the bucket's last gradient is
+there), so communication overlaps the rest of the backward pass; `step()` (or
+`synchronize()`) waits for them and writes the averages into `.grad`."""
 
 import os
 import warnings
@@ -11,6 +12,7 @@ from contextlib import contextmanager
 import torch
 
 from ferrovod import _core
+from ferrovod.compression import core_codec
 from ferrovod.torch import mpi_ops
 from ferrovod.torch.mpi_ops import Average, Compression
 from horovod.common.process_sets import global_process_set
@@ -202,11 +204,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in trained:
             self._requires_update.add(p)
         cap = _bucket_bytes()
-        codec_ok = (self._compression is None or self._compression is Compression.none
-                    or (all(p.dtype == torch.float32 for p in trained)
-                        and mpi_ops._compressed([trained[0]], self._compression, self.op)[1][0]
-                        is None)) if trained else False
-        if self._groups is None and cap > 0 and codec_ok:
+        if cap > 0 and self._bucketable(trained):
             names = {p: self._parameter_names.get(p) for p in trained}
             self._buckets = _buckets_of(list(reversed(trained)), names, cap)
             for bucket in self._buckets:
@@ -216,6 +214,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         for p in trained:
             self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
+
+    def _bucketable(self, trained):
+        """Whether the gradients can travel in buckets: no `groups` (Horovod's grouping
+        stands), and no compressor that must run in Python on each gradient (the core's codecs
+        take float32 buffers whole)."""
+        if self._groups is not None or not trained:
+            return False
+        if self._compression is None or self._compression is Compression.none:
+            return True
+        return (all(p.dtype == torch.float32 for p in trained)
+                and core_codec(self._compression, True, self.op) is not None)
 
     def _scales(self):
         if self.op == Average:
@@ -448,7 +457,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          num_groups=0, groups=None, sparse_as_dense=False,
                          process_set=global_process_set):
     """Wraps `optimizer` so that gradients are averaged (`op`) over the process set before each
-    `step()`. Each gradient's allreduce starts from a hook as soon as backward produces it.
+    `step()`. Allreduces start from hooks as backward produces the gradients: by default one
+    per bucket of gradients (FERROVOD_TORCH_BUCKET_BYTES; 0: one per gradient).
     `backward_passes_per_step`: backward passes accumulated locally before each allreduce;
     `groups`: a number of groups, or lists of parameters, reduced as grouped allreduces;
     `gradient_predivide_factor`: the average is split into 1/f before the sum and f/size after;
