@@ -164,8 +164,8 @@ fn measure(
         times.sort_by(f64::total_cmp);
         Ok(times)
     };
-    // a small call's latency as steps meet it (the median); every probe of latency moves the
-    // same few bytes, a whole u8 per rank of the node
+    // a small call's latency as steps meet it (the median); every latency probe moves the
+    // same few bytes, 8 for each rank of the node (each gets a part of the reduce-scatter)
     let small = 8 * local.size();
     let latency = |level: &MpiComm| -> Result<f64> {
         let mut buf = vec![0u8; small];
@@ -222,7 +222,6 @@ fn measure(
         v[v.len() / 2]
     };
     let (flat, hier) = (median(flat), median(hier));
-
     let mine: Vec<u8> = [l.alpha, l.beta, c.alpha, c.beta, flat, hier]
         .iter()
         .flat_map(|v| v.to_le_bytes())
