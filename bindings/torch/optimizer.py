@@ -34,6 +34,11 @@ def _bucket_bytes():
     return value
 
 
+# Horovod's error for a gradient computed again before step()
+_TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before "
+                    "call to step(). Increase backward_passes_per_step to accumulate gradients "
+                    "locally.")
+
 # the first bucket (the gradients backward produces first) is small, as DDP's, so that
 # communication starts early in the backward pass
 _FIRST_BUCKET_BYTES = 1 << 20
@@ -270,10 +275,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         def hook(*_):
             delay = delays[p]
             if delay <= 0 and handles.get(p, (None,))[0] is not None:
-                raise AssertionError(
-                    "Gradients were computed more than backward_passes_per_step times before "
-                    "call to step(). Increase backward_passes_per_step to accumulate gradients "
-                    "locally.")
+                raise AssertionError(_TOO_MANY_PASSES)
             grad = p.grad
             assert not grad.requires_grad
             assert delay > 0
@@ -315,10 +317,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         def hook(*_):
             delay = delays[p]
             if delay <= 0:
-                raise AssertionError(
-                    "Gradients were computed more than backward_passes_per_step times before "
-                    "call to step(). Increase backward_passes_per_step to accumulate gradients "
-                    "locally.")
+                raise AssertionError(_TOO_MANY_PASSES)
             delay -= 1
             delays[p] = delay
             if delay:
@@ -352,13 +351,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p, (handle, ctx) in list(self._handles.items()):
             if handle is None:
                 self._handles[p] = self._allreduce_grad_async(p)
-        # every handle waited for at once (a sparse allreduce's is a function that waits, as
-        # Horovod's)
-        items = list(self._handles.items())
-        outputs = iter(mpi_ops._synchronize_all(
-            [h for _, (h, _) in items if not callable(h)]))
-        for key, (handle, ctxs) in items:
-            output = handle() if callable(handle) else next(outputs)
+        for key, output, ctxs in self._waited():
             if isinstance(key, tuple):
                 for p, out, ctx in zip(key, output, ctxs):
                     self._allreduce_delay[p] = self.backward_passes_per_step
@@ -369,9 +362,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._allreduce_delay[p] = self.backward_passes_per_step
             if self._groups is not None:
                 self._group_counts[self._p_to_group[p]] = 0
-            if isinstance(output, list):
-                (output,), (ctxs,) = output, ctxs
-            self._write_grad(p, output, ctxs)
+            self._write_alone(p, output, ctxs)
         self._handles.clear()
         self._synchronized = True
 
@@ -384,21 +375,31 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     if i not in bucket.sparse:
                         bucket.adopt(i)
                 self._start_bucket(bucket)
-        items = list(self._handles.items())
-        outputs = iter(mpi_ops._synchronize_all(
-            [h for _, (h, _) in items if not callable(h)]))
-        for key, (handle, ctx) in items:
-            output = handle() if callable(handle) else next(outputs)
+        for key, output, ctx in self._waited():
             if not isinstance(key, _Bucket):  # a sparse gradient
-                if isinstance(output, list):
-                    (output,), (ctx,) = output, ctx
-                self._write_grad(key, output, ctx)
+                self._write_alone(key, output, ctx)
         for bucket in self._buckets:
             bucket.ready, bucket.started = 0, False
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
         self._handles.clear()
         self._synchronized = True
+
+    def _waited(self):
+        """Every handle in flight waited for at once (a sparse allreduce's is a function that
+        waits, as Horovod's): (key, output, contexts) in the handles' order."""
+        items = list(self._handles.items())
+        outputs = iter(mpi_ops._synchronize_all(
+            [h for _, (h, _) in items if not callable(h)]))
+        return [(key, handle() if callable(handle) else next(outputs), ctx)
+                for key, (handle, ctx) in items]
+
+    def _write_alone(self, p, output, ctx):
+        """`_write_grad` of a gradient reduced on its own (its output and context may come as
+        one-element lists)."""
+        if isinstance(output, list):
+            (output,), (ctx,) = output, ctx
+        self._write_grad(p, output, ctx)
 
     def _write_grad(self, p, output, ctx):
         value = self._compression.decompress(output, ctx) if ctx is not None else output
