@@ -9,18 +9,6 @@
 #include <stdint.h>
 
 /*
- Tensors below this many bytes stay f32 under `mixed` unless `FERROVOD_COMPRESSION_MIN_BYTES`
- says otherwise: above every bias and norm parameter of common models (ResNet-50's largest is
- 8 KiB), below their weights.
- */
-#define MIXED_MIN_BYTES (32 << 10)
-
-/*
- Bytes before a block's values: its minimum and step, little-endian f32.
- */
-#define HEADER 8
-
-/*
  Default for `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`. Horovod's default (0) waits forever;
  ferrovod turns a stall into an error on every rank after ten minutes.
  */

@@ -326,7 +326,14 @@ pub unsafe extern "C" fn fv_init(opts: *const fv_init_options) -> Status {
             // SAFETY: as above.
             let sizes =
                 unsafe { slice(o.process_set_sizes, o.num_process_sets, "process_set_sizes") }?;
-            let total: i32 = sizes.iter().map(|s| (*s).max(0)).sum();
+            let total = (sizes.iter())
+                .try_fold(0i32, |t, s| t.checked_add((*s).max(0)))
+                .ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "the {} process_set_sizes add up to more ranks than an int holds",
+                        sizes.len()
+                    ))
+                })?;
             // SAFETY: as above.
             let ranks = unsafe { slice(o.process_set_ranks, total, "process_set_ranks") }?;
             let mut off = 0usize;
@@ -800,9 +807,18 @@ fn with_handle<R>(
     if let Some(handle) = runtime::handle::in_callback(h) {
         return f(&handle);
     }
-    let rt = runtime::runtime()?;
-    let handle = rt.handles.get(h)?;
-    f(&handle)
+    f(&*known_handle(h)?)
+}
+
+/// Handle `h` of any runtime of this process (it outlives a shutdown until released); before
+/// any init, not initialized.
+fn known_handle(h: fv_handle) -> Result<std::sync::Arc<runtime::handle::Handle>> {
+    runtime::handle::HANDLES
+        .get(h)
+        .map_err(|e| match runtime::is_initialized() {
+            false if runtime::handle::HANDLES.is_empty() => Error::NotInitialized,
+            _ => e,
+        })
 }
 
 /// `*done` = 1 if the operation has completed (successfully or not), else 0.
@@ -818,10 +834,7 @@ pub extern "C" fn fv_poll(h: fv_handle, done: *mut i32) -> Status {
 pub extern "C" fn fv_wait(h: fv_handle, timeout_seconds: f64) -> Status {
     guard(|| {
         let timeout = wait_limit(timeout_seconds)?;
-        let rt = runtime::runtime()?;
-        let handle = rt.handles.get(h)?;
-        drop(rt);
-        handle.wait(timeout)
+        known_handle(h)?.wait(timeout)
     })
 }
 
@@ -842,7 +855,7 @@ fn wait_limit(seconds: f64) -> Result<Option<Duration>> {
 /// Forgets a handle (and any output ferrovod allocated for it). Unknown handles are an error.
 #[unsafe(no_mangle)]
 pub extern "C" fn fv_release(h: fv_handle) -> Status {
-    guard(|| runtime::runtime()?.handles.release(h))
+    guard(|| known_handle(h).and_then(|_| runtime::handle::HANDLES.release(h)))
 }
 
 /// Copies the error message of a completed operation (empty if it succeeded).

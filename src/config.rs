@@ -181,56 +181,85 @@ fn env_str(key: &str) -> Option<String> {
     std::env::var(key).ok().filter(|v| !v.trim().is_empty())
 }
 
-fn env_bool(key: &str) -> bool {
-    env_str(key).is_some_and(|v| {
+fn flag(v: Option<&str>) -> bool {
+    v.is_some_and(|v| {
         let v = v.trim().to_ascii_lowercase();
         !(v == "0" || v == "false" || v == "no" || v == "off")
     })
 }
 
-/// A duration given in `unit` (seconds per unit, e.g. 0.001 for milliseconds). Negative, NaN,
-/// infinite or too large values are refused with a warning, and `default` (in units) is used.
-fn env_duration(key: &str, default: f64, unit: f64) -> Duration {
-    duration_of(key, env_str(key).as_deref(), default, unit)
+/// The longest duration any setting may hold: every deadline and period derived from one
+/// (several cycle times, a stall limit added to now) stays far inside what the clock holds.
+pub const MAX_SECONDS: f64 = 30.0 * 24.0 * 3600.0;
+
+/// The settings' source: a lookup of a variable's value (unset and blank are `None`), and the
+/// warnings for values refused, each with the default used instead.
+struct Source<'a> {
+    get: &'a dyn Fn(&str) -> Option<String>,
 }
 
-fn duration_of(key: &str, raw: Option<&str>, default: f64, unit: f64) -> Duration {
+impl Source<'_> {
+    fn str(&self, key: &str) -> Option<String> {
+        (self.get)(key).filter(|v| !v.trim().is_empty())
+    }
+
+    fn bool(&self, key: &str) -> bool {
+        flag(self.str(key).as_deref())
+    }
+
+    /// A duration given in `unit` (seconds per unit, e.g. 0.001 for milliseconds), at most
+    /// `max` units (and `MAX_SECONDS`). Negative, NaN, infinite or too large values are refused
+    /// with a warning, and `default` (in units) is used.
+    fn duration(&self, key: &str, default: f64, unit: f64, max: f64) -> Duration {
+        duration_of(key, self.str(key).as_deref(), default, unit, max)
+    }
+
+    /// A whole number in `[lo, hi]`; anything else is refused with a warning naming the range,
+    /// and `default` is used.
+    fn num<T>(&self, key: &str, default: T, lo: T, hi: T) -> T
+    where
+        T: std::str::FromStr + PartialOrd + Copy + std::fmt::Display,
+    {
+        self.opt_num(key, lo, hi).unwrap_or(default)
+    }
+
+    /// `num` for a setting without a default: `None` when unset or refused (warned).
+    fn opt_num<T>(&self, key: &str, lo: T, hi: T) -> Option<T>
+    where
+        T: std::str::FromStr + PartialOrd + Copy + std::fmt::Display,
+    {
+        let v = self.str(key)?;
+        match v.trim().parse::<T>() {
+            Ok(n) if n >= lo && n <= hi => Some(n),
+            _ => {
+                tracing::warn!(
+                    "ignoring {key}={v}: expected a whole number from {lo} to {hi}; using the default"
+                );
+                None
+            }
+        }
+    }
+}
+
+fn duration_of(key: &str, raw: Option<&str>, default: f64, unit: f64, max: f64) -> Duration {
     let fallback = Duration::from_secs_f64(default * unit);
     let Some(raw) = raw else {
         return fallback;
     };
-    let v = match raw.trim().parse::<f64>() {
-        Ok(v) if v.is_finite() && v >= 0.0 => v,
+    let max = max.min(MAX_SECONDS / unit);
+    match raw.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && (0.0..=max).contains(&v) => Duration::from_secs_f64(v * unit),
         _ => {
-            tracing::warn!("ignoring {key}={raw}: expected a finite number >= 0");
-            return fallback;
+            tracing::warn!(
+                "ignoring {key}={raw}: expected a number from 0 to {max}; using {default}"
+            );
+            fallback
         }
-    };
-    Duration::try_from_secs_f64(v * unit).unwrap_or_else(|_| {
-        tracing::warn!("ignoring {key}={raw}: too large");
-        fallback
-    })
-}
-
-fn env_num<T: std::str::FromStr>(key: &str, default: T) -> T {
-    match env_str(key) {
-        None => default,
-        Some(v) => v.trim().parse().unwrap_or_else(|_| {
-            tracing::warn!("ignoring {key}={v}: not a number");
-            default
-        }),
     }
 }
 
-/// A number, or `None` when the variable is unset or not a number (warned).
-fn env_opt_num<T: std::str::FromStr>(key: &str) -> Option<T> {
-    let v = env_str(key)?;
-    let parsed = v.trim().parse().ok();
-    if parsed.is_none() {
-        tracing::warn!("ignoring {key}={v}: not a number");
-    }
-    parsed
-}
+/// Sizes in bytes: up to 2^50 (a petabyte), beyond any buffer.
+const MAX_BYTES: usize = 1 << 50;
 
 impl Config {
     /// How long a wait for other ranks may last before this rank gives up on them: the stall
@@ -241,11 +270,20 @@ impl Config {
     }
 
     pub fn from_env() -> Config {
-        let warn = env_duration("HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0, 1.0);
-        let mut shutdown = env_duration(
+        Config::from_lookup(&|key| env_str(key))
+    }
+
+    /// The settings from `get` (a variable's value by name): each parsed here, once, against
+    /// its valid range; a value outside it is refused with a warning and the default used.
+    /// Never panics, whatever the values.
+    pub fn from_lookup(get: &dyn Fn(&str) -> Option<String>) -> Config {
+        let src = Source { get };
+        let warn = src.duration("HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0, 1.0, MAX_SECONDS);
+        let mut shutdown = src.duration(
             "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
             DEFAULT_STALL_SHUTDOWN_SECONDS as f64,
             1.0,
+            MAX_SECONDS,
         );
         if shutdown > Duration::ZERO && shutdown < warn {
             tracing::warn!(
@@ -253,20 +291,26 @@ impl Config {
             );
             shutdown = warn;
         }
+        let max_count = crate::transport::mpi::MAX_COUNT;
         Config {
-            cycle_time: env_duration("HOROVOD_CYCLE_TIME", 1.0, 1e-3),
-            fusion_threshold: env_num("HOROVOD_FUSION_THRESHOLD", 128usize * 1024 * 1024),
-            fusion_direct_bytes: env_opt_num("FERROVOD_FUSION_DIRECT_BYTES"),
-            cache_capacity: env_num("HOROVOD_CACHE_CAPACITY", 1024usize),
-            stall_check: !env_bool("HOROVOD_STALL_CHECK_DISABLE"),
+            cycle_time: src.duration("HOROVOD_CYCLE_TIME", 1.0, 1e-3, MAX_CYCLE_MS),
+            fusion_threshold: src.num("HOROVOD_FUSION_THRESHOLD", 128 << 20, 0, MAX_BYTES),
+            fusion_direct_bytes: src.opt_num("FERROVOD_FUSION_DIRECT_BYTES", 0, MAX_BYTES),
+            cache_capacity: src.num("HOROVOD_CACHE_CAPACITY", 1024, 0, 1 << 20),
+            stall_check: !src.bool("HOROVOD_STALL_CHECK_DISABLE"),
             stall_warn: warn,
             stall_shutdown: shutdown,
-            mpi_threads_disable: env_bool("HOROVOD_MPI_THREADS_DISABLE"),
-            timeline: env_str("HOROVOD_TIMELINE").filter(|t| t != "DYNAMIC"),
-            timeline_mark_cycles: env_bool("HOROVOD_TIMELINE_MARK_CYCLES"),
-            local_size_override: env_str("FERROVOD_LOCAL_SIZE").and_then(|v| v.parse().ok()),
-            mpi_max_count: env_num("FERROVOD_MPI_MAX_COUNT", crate::transport::mpi::MAX_COUNT),
-            negotiation: match env_str("FERROVOD_NEGOTIATION") {
+            mpi_threads_disable: src.bool("HOROVOD_MPI_THREADS_DISABLE"),
+            timeline: src.str("HOROVOD_TIMELINE").filter(|t| t != "DYNAMIC"),
+            timeline_mark_cycles: src.bool("HOROVOD_TIMELINE_MARK_CYCLES"),
+            local_size_override: src.opt_num("FERROVOD_LOCAL_SIZE", 1, 1 << 20),
+            mpi_max_count: src.num(
+                "FERROVOD_MPI_MAX_COUNT",
+                max_count,
+                MIN_MPI_COUNT,
+                max_count,
+            ),
+            negotiation: match src.str("FERROVOD_NEGOTIATION") {
                 None => NegotiationMode::Online,
                 Some(v) => NegotiationMode::parse(&v).unwrap_or_else(|| {
                     tracing::warn!(
@@ -275,50 +319,58 @@ impl Config {
                     NegotiationMode::Online
                 }),
             },
-            plan_file: env_str("FERROVOD_PLAN_FILE"),
-            plan_warmup_steps: env_num("FERROVOD_PLAN_WARMUP_STEPS", 5usize).max(1),
-            plan_escape: env_duration("FERROVOD_PLAN_ESCAPE_MS", 1000.0, 1e-3),
-            channels: env_num(
+            plan_file: src.str("FERROVOD_PLAN_FILE"),
+            plan_warmup_steps: src.num("FERROVOD_PLAN_WARMUP_STEPS", 5, 1, 1 << 20),
+            plan_escape: src.duration("FERROVOD_PLAN_ESCAPE_MS", 1000.0, 1e-3, 3.6e6),
+            channels: src.num(
                 "FERROVOD_CHANNELS",
-                env_num("PERSEUS_ALLREDUCE_STREAMS", 1usize),
-            )
-            .clamp(1, 64),
-            autotune: env_bool("HOROVOD_AUTOTUNE"),
-            autotune_log: env_str("HOROVOD_AUTOTUNE_LOG"),
-            autotune_warmup: env_num("HOROVOD_AUTOTUNE_WARMUP_SAMPLES", 3usize),
-            autotune_window: env_num("FERROVOD_AUTOTUNE_WINDOW_CYCLES", 200usize).max(1),
-            async_completion: env_bool("HOROVOD_ENABLE_ASYNC_COMPLETION"),
-            nccl_streams: env_num("HOROVOD_NUM_NCCL_STREAMS", 2usize).clamp(1, 8),
-            gpu_graphs: env_str("FERROVOD_GPU_GRAPHS").is_none() || env_bool("FERROVOD_GPU_GRAPHS"),
-            algorithm: match env_str("FERROVOD_ALGORITHM") {
+                src.num("PERSEUS_ALLREDUCE_STREAMS", 1, 1, 64),
+                1,
+                64,
+            ),
+            autotune: src.bool("HOROVOD_AUTOTUNE"),
+            autotune_log: src.str("HOROVOD_AUTOTUNE_LOG"),
+            autotune_warmup: src.num("HOROVOD_AUTOTUNE_WARMUP_SAMPLES", 3, 0, 1 << 20),
+            autotune_window: src.num("FERROVOD_AUTOTUNE_WINDOW_CYCLES", 200, 1, 1 << 30),
+            async_completion: src.bool("HOROVOD_ENABLE_ASYNC_COMPLETION"),
+            nccl_streams: src.num("HOROVOD_NUM_NCCL_STREAMS", 2, 1, 8),
+            gpu_graphs: src.str("FERROVOD_GPU_GRAPHS").is_none() || src.bool("FERROVOD_GPU_GRAPHS"),
+            algorithm: match src.str("FERROVOD_ALGORITHM") {
                 Some(v) => AlgorithmChoice::parse(&v).unwrap_or_else(|| {
                     tracing::warn!(
                         "FERROVOD_ALGORITHM={v} is not auto, flat or hierarchical; using auto"
                     );
                     AlgorithmChoice::Auto
                 }),
-                None if env_bool("HOROVOD_HIERARCHICAL_ALLREDUCE") => AlgorithmChoice::Hierarchical,
+                None if src.bool("HOROVOD_HIERARCHICAL_ALLREDUCE") => AlgorithmChoice::Hierarchical,
                 None => AlgorithmChoice::Auto,
             },
-            ring_min_bytes: env_opt_num("FERROVOD_RING_MIN_BYTES"),
-            compression: compression_from_env(),
-            compression_min_bytes: env_opt_num("FERROVOD_COMPRESSION_MIN_BYTES"),
-            nan_check: env_bool("PERSEUS_ALLREDUCE_NANCHECK"),
-            multistep: env_num("FERROVOD_MULTISTEP", 1u32).max(1),
-            gossip_sync_every: env_num("FERROVOD_GOSSIP_SYNC_EVERY", 10u32),
-            hierarchical_allgather: env_bool("HOROVOD_HIERARCHICAL_ALLGATHER"),
-            poll: env_str("FERROVOD_POLL").map(|_| env_bool("FERROVOD_POLL")),
+            ring_min_bytes: src.opt_num("FERROVOD_RING_MIN_BYTES", 0, MAX_BYTES),
+            compression: compression_from(&src),
+            compression_min_bytes: src.opt_num("FERROVOD_COMPRESSION_MIN_BYTES", 0, MAX_BYTES),
+            nan_check: src.bool("PERSEUS_ALLREDUCE_NANCHECK"),
+            multistep: src.num("FERROVOD_MULTISTEP", 1, 1, 1 << 20),
+            gossip_sync_every: src.num("FERROVOD_GOSSIP_SYNC_EVERY", 10, 0, 1 << 20),
+            hierarchical_allgather: src.bool("HOROVOD_HIERARCHICAL_ALLGATHER"),
+            poll: src.str("FERROVOD_POLL").map(|_| src.bool("FERROVOD_POLL")),
         }
     }
 }
 
+/// The longest cycle time (ms): a cycle is the negotiation's heartbeat; ten seconds is
+/// already far past any use.
+pub const MAX_CYCLE_MS: f64 = 10_000.0;
+
+/// The smallest `FERROVOD_MPI_MAX_COUNT`: a segment must hold a whole element of any dtype.
+pub const MIN_MPI_COUNT: usize = 16;
+
 /// `FERROVOD_COMPRESSION`, else `PERSEUS_ALLREDUCE_DTYPE` (AIACC's: 0 fp16, 1 none, 2 mixed),
 /// else none.
-fn compression_from_env() -> crate::message::Compression {
+fn compression_from(src: &Source) -> crate::message::Compression {
     use crate::message::Compression;
     match (
-        env_str("FERROVOD_COMPRESSION"),
-        env_str("PERSEUS_ALLREDUCE_DTYPE"),
+        src.str("FERROVOD_COMPRESSION"),
+        src.str("PERSEUS_ALLREDUCE_DTYPE"),
     ) {
         (Some(v), _) => Compression::parse(&v).unwrap_or_else(|| {
             tracing::warn!(
@@ -339,7 +391,8 @@ fn compression_from_env() -> crate::message::Compression {
 /// Fault injection for the tests of failure paths: `FERROVOD_TEST_FAULT=<point>:<rank>` makes
 /// `point` fail on that global rank. Points: `panic` (the background thread panics before a
 /// batch it agreed to run), `stop_in_batch` (the process stops itself with SIGSTOP there, as a
-/// hung rank), `negotiation_error` (a vote fails locally before it is sent), `decode` (rank
+/// hung rank), `slow_in_batch` (the rank spends the stall limit and two seconds inside the
+/// batch, as a slow link would), `negotiation_error` (a vote fails locally before it is sent), `decode` (rank
 /// 0 cannot decode a request list), `stop_in_round` (stops itself between the vote and the
 /// coordinator round), `autotune`, `freeze` and `offline` (autotune, freezing an offline plan
 /// or running one fails locally), `nccl_init` (a rank fails before creating its NCCL
@@ -397,16 +450,59 @@ mod tests {
 
     #[test]
     fn durations_refuse_what_cannot_be_a_duration() {
-        let d = |raw| duration_of("X", raw, 2.0, 1e-3);
+        let d = |raw| duration_of("X", raw, 2.0, 1e-3, MAX_CYCLE_MS);
         assert_eq!(d(None), Duration::from_millis(2));
         assert_eq!(d(Some("5")), Duration::from_millis(5));
         assert_eq!(d(Some(" 0.5 ")), Duration::from_micros(500));
-        for bad in ["inf", "-inf", "NaN", "-1", "1e300", "abc"] {
+        assert_eq!(d(Some("10000")), Duration::from_secs(10));
+        for bad in ["inf", "-inf", "NaN", "-1", "1e300", "1e22", "10001", "abc"] {
             assert_eq!(d(Some(bad)), Duration::from_millis(2), "{bad}");
         }
         assert_eq!(
-            duration_of("X", Some("1e20"), 60.0, 1.0),
+            duration_of("X", Some("1e20"), 60.0, 1.0, MAX_SECONDS),
             Duration::from_secs(60)
         );
+    }
+
+    fn config_of(vars: &[(&str, &str)]) -> Config {
+        let vars: Vec<(String, String)> = (vars.iter())
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Config::from_lookup(&move |key| vars.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone()))
+    }
+
+    #[test]
+    fn every_setting_outside_its_range_gets_its_default() {
+        let d = config_of(&[]);
+        let bad = config_of(&[
+            ("HOROVOD_CYCLE_TIME", "1e22"),
+            ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1e19"),
+            ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "-3"),
+            ("FERROVOD_PLAN_ESCAPE_MS", "nan"),
+            ("FERROVOD_MPI_MAX_COUNT", "4"),
+            ("HOROVOD_FUSION_THRESHOLD", "-1"),
+            ("FERROVOD_CHANNELS", "1000"),
+            ("FERROVOD_MULTISTEP", "0"),
+            ("FERROVOD_LOCAL_SIZE", "0"),
+            ("HOROVOD_NUM_NCCL_STREAMS", "99999999999999999999999"),
+        ]);
+        assert_eq!(bad.cycle_time, d.cycle_time);
+        assert_eq!(bad.stall_warn, d.stall_warn);
+        assert_eq!(bad.stall_shutdown, d.stall_shutdown);
+        assert_eq!(bad.plan_escape, d.plan_escape);
+        assert_eq!(bad.mpi_max_count, d.mpi_max_count);
+        assert_eq!(bad.fusion_threshold, d.fusion_threshold);
+        assert_eq!(bad.channels, d.channels);
+        assert_eq!(bad.multistep, d.multistep);
+        assert_eq!(bad.local_size_override, None);
+        assert_eq!(bad.nccl_streams, d.nccl_streams);
+        let good = config_of(&[
+            ("HOROVOD_CYCLE_TIME", "2.5"),
+            ("FERROVOD_MPI_MAX_COUNT", "1048576"),
+            ("FERROVOD_CHANNELS", "4"),
+        ]);
+        assert_eq!(good.cycle_time, Duration::from_micros(2500));
+        assert_eq!(good.mpi_max_count, 1 << 20);
+        assert_eq!(good.channels, 4);
     }
 }

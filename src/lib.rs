@@ -15,6 +15,7 @@ mod hashing;
 pub mod message;
 pub mod negotiate;
 pub mod runtime;
+pub mod store;
 
 #[allow(unsafe_code)]
 pub mod capi;

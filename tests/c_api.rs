@@ -63,3 +63,20 @@ fn c_program_runs_collectives_under_mpirun() {
     }
     let _ = std::fs::remove_file(&bin);
 }
+
+/// The header names only the C API: every macro it defines carries the API's prefix, so that
+/// including it cannot clash with a program's own names.
+#[test]
+fn header_macros_are_prefixed() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let header = std::fs::read_to_string(root.join("include/ferrovod.h")).unwrap();
+    let stray: Vec<&str> = (header.lines())
+        .filter_map(|l| l.trim_start().strip_prefix("#define "))
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|name| !name.starts_with("FV_") && !name.starts_with("FERROVOD_"))
+        .collect();
+    assert!(
+        stray.is_empty(),
+        "unprefixed macros in ferrovod.h: {stray:?}"
+    );
+}

@@ -25,6 +25,7 @@ use crate::error::{Error, Result};
 use crate::fusion::FusionBuffer;
 use crate::hashing::HashMap;
 use crate::message::{ReduceOp, Response};
+use crate::store::{self, Recent};
 use crate::transport::cuda;
 use crate::transport::{DeviceTransport, Transport};
 
@@ -62,27 +63,46 @@ pub fn syncs(round: u64, sync_every: u32) -> bool {
 }
 
 /// Each tensor's round, per name, within one process set: advanced as its batches run, which
-/// is in the same order on every rank (a name is never in flight twice).
+/// is in the same order on every rank (a name is never in flight twice). Bounded as `store`
+/// says; since batches run in the agreed order, every rank evicts the same names at the same
+/// batch, and with a name's round go its public copies (`Replicas`). An unnamed tensor is
+/// always at round 0.
 #[derive(Default)]
-pub struct Rounds(Mutex<HashMap<String, u64>>);
+pub struct Rounds(Mutex<Recent<String, u64>>);
 
 impl Rounds {
-    /// The rounds of a batch's tensors, each advanced by one.
-    pub fn advance(&self, resps: &[&Response]) -> Vec<u64> {
+    /// The rounds of a batch's tensors, each advanced by one; the names unused for the store's
+    /// window leave `replicas` too.
+    pub fn advance(&self, resps: &[&Response], replicas: &Replicas) -> Vec<u64> {
         let mut map = self.0.lock().expect("gossip rounds");
-        resps
-            .iter()
-            .map(|r| match map.get_mut(&r.name) {
+        let rounds = (resps.iter())
+            .map(|r| match map.touch(&r.name) {
                 Some(t) => {
                     *t += 1;
                     *t - 1
                 }
+                None if store::is_unnamed(&r.name) => 0,
                 None => {
-                    map.insert(r.name.clone(), 1);
+                    map.put(r.name.clone(), 1);
                     0
                 }
             })
-            .collect()
+            .collect();
+        let gone = map.sweep_keys();
+        if !gone.is_empty() {
+            let mut pairs = replicas.0.lock().expect("gossip replicas");
+            pairs.retain(|(name, _), _| !gone.iter().any(|(g, _)| g == name));
+        }
+        rounds
+    }
+
+    /// Names with a round.
+    pub fn len(&self) -> usize {
+        self.0.lock().expect("gossip rounds").len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -106,6 +126,17 @@ struct Pair {
 /// meeting, or after the tensor's size changed).
 #[derive(Default)]
 pub struct Replicas(Mutex<HashMap<(String, usize), Pair>>);
+
+impl Replicas {
+    /// Pairs held.
+    pub fn len(&self) -> usize {
+        self.0.lock().expect("gossip replicas").len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
 
 /// Values per block of a compressed difference (an 8-bit block's scale covers this many).
 const BLOCK: usize = 1024;
@@ -470,7 +501,10 @@ fn exchange_compressed(
     }
     let mut replicas = how.replicas.0.lock().expect("gossip replicas");
     for (name, pair) in how.names.iter().zip(pairs) {
-        replicas.insert((name.to_string(), how.peer), pair);
+        // an unnamed tensor never meets its peer again
+        if !store::is_unnamed(name) {
+            replicas.insert((name.to_string(), how.peer), pair);
+        }
     }
     act(None);
     Ok(())

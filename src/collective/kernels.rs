@@ -656,9 +656,14 @@ extern "C" __global__ void fv_u8_encode(const Ranges a) {
   const unsigned* b = (const unsigned*)a.at[3] + 3 * blockIdx.y;
   u64 start, len; fv_chunk(a.arg[0], a.arg[1], blockIdx.y, &start, &len);
   const bool finite = len == 0 || b[2] == 0;
-  float min = 0.0f, step = 0.0f;
+  float min = 0.0f, step = 0.0f, cap = 0.0f;
   if (!finite) { min = __int_as_float(0x7fc00000); step = min; }
-  else if (len > 0) { min = fv_unkey(~b[0]); step = __fdiv_rn(__fsub_rn(fv_unkey(b[1]), min), 255.0f); }
+  else if (len > 0) {
+    // as the host's quantize::top: a range beyond f32 stops at min + FLT_MAX
+    min = fv_unkey(~b[0]); cap = fv_unkey(b[1]);
+    if (isinf(__fsub_rn(cap, min))) cap = __fadd_rn(min, 3.40282347e38f);
+    step = __fdiv_rn(__fsub_rn(cap, min), 255.0f);
+  }
   if (blockIdx.x == 0 && threadIdx.x == 0) { ((float*)out)[0] = min; ((float*)out)[1] = step; }
   const float inv = step > 0.0f ? __fdiv_rn(1.0f, step) : 0.0f;
   const float round = 12582912.0f;
@@ -666,7 +671,7 @@ extern "C" __global__ void fv_u8_encode(const Ranges a) {
   FV_CHUNK_LOOP {
     float v = x[start + i], l = 0.0f;
     if (finite) {
-      float sh = __fadd_rn(__fmul_rn(__fsub_rn(v, min), inv), round);
+      float sh = __fadd_rn(__fmul_rn(__fsub_rn(fminf(v, cap), min), inv), round);
       q[i] = (unsigned char)(__float_as_uint(sh) & 0xffu);
       l = __fsub_rn(v, __fadd_rn(min, __fmul_rn(__fsub_rn(sh, round), step)));
     } else {

@@ -130,7 +130,9 @@ pub fn allreduce_staged(
         stage(Stage::Pack { at: 0, piece: data })?;
         return stage(Stage::Unpack { at: 0, piece: data });
     }
-    let segment = RING_SEGMENT / size * size;
+    // whole elements, within what one transfer may carry (at least one element: the
+    // smallest count limit holds any dtype)
+    let segment = (RING_SEGMENT.min(t.max_transfer_bytes()) / size * size).max(size);
     let mut scratch = vec![0u8; scratch_bytes(elems, size, n)];
     let (right, left) = ((r + 1) % n, (r + n - 1) % n);
     for s in 0..n - 1 {

@@ -10,9 +10,9 @@ use std::sync::Mutex;
 
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
-use crate::hashing::HashMap;
 pub use crate::message::Compression;
 use crate::message::{OpKind, ReduceOp, Response};
+use crate::store::{self, Recent};
 use crate::transport::cuda::{DeviceMem, Gpu, Stream};
 use crate::transport::memory::DeviceRange;
 
@@ -125,40 +125,54 @@ impl Codec {
 
 /// What the `u8` codec's rounding lost, per tensor name: added to the tensor's next
 /// contribution, so the error does not accumulate over steps (error feedback). Shared by a
-/// process set's communicators, whichever runs a tensor's batch.
+/// process set's communicators, whichever runs a tensor's batch. Bounded as `store` says:
+/// unnamed tensors keep no residual, and names unused for the store's window are dropped.
 #[derive(Default)]
-pub struct Feedback(Mutex<HashMap<String, Vec<f32>>>);
+pub struct Feedback(Mutex<Recent<String, Vec<f32>>>);
 
 impl Feedback {
     /// The residual of `name` (zeros if none, or if the tensor's size changed), taken out; its
     /// entry stays, so that a steady step allocates neither the name nor the values again.
     pub fn take(&self, name: &str, len: usize) -> Vec<f32> {
         let mut map = self.0.lock().expect("feedback");
-        match map.get_mut(name).map(std::mem::take) {
+        match map.take(&name.to_owned()).0 {
             Some(r) if r.len() == len => r,
             _ => vec![0.0; len],
         }
     }
 
     pub fn put(&self, name: &str, residual: Vec<f32>) {
-        let mut map = self.0.lock().expect("feedback");
-        match map.get_mut(name) {
-            Some(slot) => *slot = residual,
-            None => {
-                map.insert(name.to_owned(), residual);
-            }
+        if store::is_unnamed(name) {
+            return;
         }
+        let mut map = self.0.lock().expect("feedback");
+        match map.touch(&name.to_owned()) {
+            Some(slot) => *slot = residual,
+            None => map.put(name.to_owned(), residual),
+        }
+    }
+
+    /// Names holding a residual.
+    pub fn len(&self) -> usize {
+        self.0.lock().expect("feedback").len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
 /// The `u8` codec's residuals of GPU tensors, per tensor name, in device memory (`Feedback`'s
-/// counterpart): read and written in stream order by the batches of one process set.
+/// counterpart, bounded alike): read and written in stream order by the batches of one
+/// process set.
 #[derive(Default)]
-pub struct DeviceFeedback(HashMap<String, (DeviceMem, usize)>);
+pub struct DeviceFeedback(Recent<String, (Option<DeviceMem>, usize)>);
 
 impl DeviceFeedback {
     /// The residual of `name`, `bytes` long: zeros (set on `stream`) the first time, or if the
-    /// tensor's size changed.
+    /// tensor's size changed. An unnamed tensor's lives until the next sweep. Residuals
+    /// evicted meanwhile are freed on `stream`, which must be ordered after every earlier use
+    /// of them.
     pub fn get(
         &mut self,
         gpu: &Gpu,
@@ -166,16 +180,43 @@ impl DeviceFeedback {
         name: &str,
         bytes: usize,
     ) -> Result<DeviceRange> {
-        if let Some((m, _)) = self.0.get(name).filter(|(_, b)| *b == bytes) {
+        let key = name.to_owned();
+        if let Some((Some(m), _)) = self.0.touch(&key).filter(|(_, b)| *b == bytes) {
             return m.range().first(bytes);
         }
         let m = gpu.alloc_on(stream, bytes)?;
         gpu.memset_zero(stream, m.range())?;
         let range = m.range().first(bytes)?;
-        if let Some((old, _)) = self.0.insert(name.to_owned(), (m, bytes)) {
+        if let Some((Some(old), _)) = self.0.remove(&key) {
             old.free_on(stream)?;
         }
+        self.0.put(key, (Some(m), bytes));
         Ok(range)
+    }
+
+    /// Frees the residuals unused for the store's window, and those of unnamed tensors, on
+    /// `stream` (ordered after every earlier use of them).
+    pub fn sweep(&mut self, stream: &Stream, names: &[&str]) -> Result<()> {
+        for name in names.iter().filter(|n| store::is_unnamed(n)) {
+            if let Some((Some(m), _)) = self.0.remove(&name.to_string()) {
+                m.free_on(stream)?;
+            }
+        }
+        for (m, _) in self.0.sweep() {
+            if let Some(m) = m {
+                m.free_on(stream)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Names holding a residual.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
     }
 }
 

@@ -12,6 +12,10 @@ use crate::elementwise;
 use crate::error::{Error, Result};
 use crate::hashing::HashMap;
 use crate::message::{Multistep, ReduceOp};
+use crate::store;
+
+/// Tensor names of one process set that may be partway through their schedules at once.
+pub const MAX_NAMES: usize = 1 << 16;
 
 /// The type a tensor's inputs are summed in between communications.
 fn sum_dtype(dtype: DataType) -> DataType {
@@ -58,6 +62,18 @@ pub enum Call {
 pub struct Steps(Mutex<HashMap<i32, HashMap<String, Slot>>>);
 
 impl Steps {
+    /// Names partway through their schedules, over every set.
+    pub fn len(&self) -> usize {
+        let sets = self.0.lock().expect("multistep");
+        sets.values().map(|m| m.len()).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl Steps {
     /// Records one call of an operation's tensors (`(name, dtype, input)`, in set `set`) and
     /// says, per tensor, what travels. The tensors of one operation communicate together: if
     /// their call counts differ (a name also used alone), nothing is recorded and the call
@@ -68,8 +84,19 @@ impl Steps {
         m: Multistep,
         tensors: impl Iterator<Item = (&'a str, DataType, &'a [u8])> + Clone,
     ) -> Result<Vec<Call>> {
+        if let Some((name, _, _)) = tensors.clone().find(|(n, _, _)| store::is_unnamed(n)) {
+            return Err(Error::InvalidArgument(format!(
+                "multistep: tensor '{name}' is unnamed, and an unnamed operation's name never repeats, so its calls could never be summed; name the tensor, or communicate on every call (multistep 1)"
+            )));
+        }
         let mut sets = self.0.lock().expect("multistep");
         let map = sets.entry(set).or_default();
+        let new_names = tensors.clone().filter(|(n, _, _)| !map.contains_key(*n));
+        if map.len() + new_names.count() > MAX_NAMES {
+            return Err(Error::InvalidArgument(format!(
+                "multistep: more than {MAX_NAMES} tensor names of process set {set} are partway through their schedules; a name's state is dropped once it has communicated (without a warm-up), so this many names in flight at once means names that never repeat"
+            )));
+        }
         let count = |name: &str| map.get(name).map_or(0, |s| s.calls);
         let mut names = tensors.clone().map(|(n, _, _)| n);
         let first = names.next().map_or(0, count);
@@ -81,7 +108,7 @@ impl Steps {
         }
         let communicates = m.communicates(first);
         let mut calls = Vec::new();
-        for (name, dtype, input) in tensors {
+        for (name, dtype, input) in tensors.clone() {
             if !map.contains_key(name) {
                 map.insert(name.to_owned(), Slot::default());
             }
@@ -132,6 +159,15 @@ impl Steps {
                 }
                 _ => sum,
             }));
+        }
+        if communicates && m.warmup == 0 {
+            // back where a tensor never seen starts: nothing summed, the schedule at its
+            // beginning; dropping the state changes nothing on any rank
+            for (name, _, _) in tensors {
+                if map.get(name).is_some_and(|s| s.sum.is_empty()) {
+                    map.remove(name);
+                }
+            }
         }
         Ok(calls)
     }
@@ -189,6 +225,45 @@ mod tests {
         let b = f32s(&[5.0, 6.0]);
         let next = steps.call(0, m, [("g", DataType::F32, &b[..])].into_iter());
         assert_eq!(next.unwrap(), vec![Call::Skip]);
+    }
+
+    /// A name's state goes once it has communicated (no warm-up: a fresh name behaves the
+    /// same), so many names leave nothing behind; with a warm-up it must stay.
+    #[test]
+    fn state_goes_once_a_name_is_back_at_its_start() {
+        let steps = Steps::default();
+        let b = f32s(&[1.0]);
+        for k in 0..1000 {
+            let name = format!("g{k}");
+            for _ in 0..3 {
+                let t = [(name.as_str(), DataType::F32, &b[..])];
+                steps.call(0, every(3, 0, true), t.into_iter()).unwrap();
+            }
+        }
+        assert_eq!(steps.len(), 0);
+        let t = [("w", DataType::F32, &b[..])];
+        for _ in 0..3 {
+            steps.call(0, every(3, 1, true), t.into_iter()).unwrap();
+        }
+        assert_eq!(steps.len(), 1);
+        // after the state went, the schedule goes on as if it had stayed
+        let t = [("g0", DataType::F32, &b[..])];
+        let m = every(3, 0, true);
+        let calls: Vec<_> = (0..3)
+            .map(|_| steps.call(0, m, t.into_iter()).unwrap())
+            .collect();
+        assert_eq!(calls[0], vec![Call::Skip]);
+        assert_eq!(calls[2], vec![Call::Sum(f32s(&[3.0]))]);
+    }
+
+    #[test]
+    fn unnamed_tensors_are_refused() {
+        let steps = Steps::default();
+        let b = f32s(&[1.0]);
+        let t = [("allreduce.noname.3", DataType::F32, &b[..])];
+        let e = steps.call(0, every(2, 0, true), t.into_iter()).unwrap_err();
+        assert!(e.to_string().contains("unnamed"), "{e}");
+        assert_eq!(steps.len(), 0);
     }
 
     #[test]

@@ -16,10 +16,11 @@ pub fn encoded_len(values: usize) -> usize {
 pub fn encode(x: &[f32], out: &mut [u8], lost: &mut [f32]) {
     debug_assert_eq!(out.len(), encoded_len(x.len()));
     let (lo, hi, finite) = bounds(x);
+    let cap = top(lo, hi);
     let (min, step) = match (finite, x.is_empty()) {
         (_, true) => (0.0, 0.0),
         (false, _) => (f32::NAN, f32::NAN),
-        (true, _) => (lo, (hi - lo) / 255.0),
+        (true, _) => (lo, (cap - lo) / 255.0),
     };
     out[..4].copy_from_slice(&min.to_le_bytes());
     out[4..HEADER].copy_from_slice(&step.to_le_bytes());
@@ -32,9 +33,20 @@ pub fn encode(x: &[f32], out: &mut [u8], lost: &mut [f32]) {
     for ((v, q), l) in x.iter().zip(&mut out[HEADER..]).zip(lost) {
         // (v - min) * inv lies in [0, 255]: adding 1.5 * 2^23 rounds it to the nearest integer,
         // which then sits in the low mantissa bits (no float-to-int conversion per value)
-        let shifted = (v - min) * inv + ROUND;
+        let shifted = (v.min(cap) - min) * inv + ROUND;
         *q = (shifted.to_bits() & 0xff) as u8;
         *l = v - (min + (shifted - ROUND) * step);
+    }
+}
+
+/// The largest value a block from `lo` to `hi` encodes: `hi`, unless the range exceeds what
+/// an f32 holds (then `lo + f32::MAX`: larger values come back as that, and the rest stays in
+/// their residuals, finite). The GPU's `fv_u8_encode` computes the same.
+fn top(lo: f32, hi: f32) -> f32 {
+    if (hi - lo).is_finite() {
+        hi
+    } else {
+        lo + f32::MAX
     }
 }
 
@@ -141,5 +153,22 @@ mod tests {
         let (back, lost) = round_trip(&[1.0, f32::INFINITY]);
         assert!(back.iter().all(|v| !v.is_finite()));
         assert_eq!(lost, vec![0.0; 2]);
+    }
+
+    /// A finite block whose range exceeds f32::MAX: values and residuals stay finite, and
+    /// what came back plus what was lost is the input.
+    #[test]
+    fn a_range_beyond_f32_stays_finite() {
+        let x = [-3.0e38f32, 3.0e38, 0.0, 1.0e38, -1.0];
+        let (back, lost) = round_trip(&x);
+        for ((v, b), l) in x.iter().zip(&back).zip(&lost) {
+            assert!(
+                b.is_finite() && l.is_finite(),
+                "{v} came back {b}, lost {l}"
+            );
+            let rel = ((b + l) as f64 - *v as f64).abs() / 3.0e38;
+            assert!(rel < 1e-6, "{v}: {b} + {l}");
+        }
+        assert_eq!(back[0], -3.0e38);
     }
 }

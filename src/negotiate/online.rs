@@ -13,8 +13,8 @@ use crate::negotiate::ready_bitmap::{self, Vote};
 use crate::negotiate::wire::{self, RequestList, ResponseList};
 use crate::transport::Transport;
 
-/// Stall settings (Horovod's `HOROVOD_STALL_*`).
-#[derive(Clone, Debug)]
+/// Stall settings (Horovod's `HOROVOD_STALL_*`), agreed from rank 0 at init.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StallPolicy {
     pub enabled: bool,
     pub warn_after: Duration,
@@ -28,6 +28,11 @@ impl StallPolicy {
             warn_after: cfg.stall_warn,
             shutdown_after: cfg.stall_shutdown,
         }
+    }
+
+    /// How long a wait for other ranks may last (None: for ever, as the user asked).
+    pub fn limit(&self) -> Option<Duration> {
+        (self.enabled && self.shutdown_after > Duration::ZERO).then_some(self.shutdown_after)
     }
 }
 

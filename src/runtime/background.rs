@@ -161,7 +161,7 @@ impl Background {
         }
         let size = topo.size;
         let bg_world = world.dup()?;
-        let watchdog = Watchdog::start(rt.config.stall_limit(), world.dup()?, multiple);
+        let watchdog = Watchdog::start(settings.stall.limit(), world.dup()?, multiple);
         let mut sets = Sets::new(world, job.nodes, &rt, &settings)?;
         for ranks in &opts.process_sets {
             // identical lists on every rank (checked above): every rank fails alike

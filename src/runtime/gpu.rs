@@ -470,9 +470,9 @@ pub(crate) fn run_device_batch(
             None => rt.process_gpu(),
         };
         let cfg = &rt.config;
-        let grace = match cfg.stall_shutdown.is_zero() {
+        let grace = match rt.stall().shutdown_after.is_zero() {
             true => SHUTDOWN_GRACE,
-            false => cfg.stall_shutdown.min(SHUTDOWN_GRACE),
+            false => rt.stall().shutdown_after.min(SHUTDOWN_GRACE),
         };
         *streams = Some(NcclStreams::open(
             gpu,
@@ -640,6 +640,12 @@ fn enqueue_on_streams(
         )?),
         false => None,
     };
+    if how.codec == Codec::U8 {
+        // every earlier use of a residual is ordered before this stream's work (the waits
+        // above), so the residuals this batch leaves unused for good are freed on it
+        let names: Vec<&str> = resps.iter().map(|r| r.name.as_str()).collect();
+        l.feedback.sweep(&w.stream, &names)?;
+    }
     super::probe::mark("collective enqueued", n);
     let event = Arc::new(gpu.new_event()?);
     event.record(&w.stream)?;
@@ -787,8 +793,7 @@ fn stage(mut f: Finish) -> Finish {
 
 fn finish_loop(rt: Arc<Runtime>, rx: Receiver<Finish>) {
     super::ON_BACKGROUND_THREAD.with(|f| f.set(true));
-    let limit = (rt.config.stall_check && !rt.config.stall_shutdown.is_zero())
-        .then_some(rt.config.stall_shutdown);
+    let limit = rt.stall().limit();
     // batches sent and staged, oldest first: their events fire in this order
     let mut queue: VecDeque<Finish> = VecDeque::new();
     // entries of completed batches, freed when the next batch arrives (when the last batch of

@@ -229,7 +229,8 @@ impl Handle {
             ));
         }
         let start = Instant::now();
-        let deadline = timeout.map(|t| start + t);
+        // a timeout past what the clock can hold is a wait for ever
+        let deadline = timeout.and_then(|t| start.checked_add(t));
         let poll = if polling() { WAIT_POLL } else { Duration::ZERO };
         let poll_until = start + timeout.map_or(poll, |t| t.min(poll));
         while !self.done.load(Ordering::Acquire) && Instant::now() < poll_until {
@@ -295,6 +296,13 @@ impl Handle {
             .map(f)
     }
 }
+
+/// Every live handle of this process, by id, whichever runtime made it: ids never restart
+/// (a binding's registry from before a shutdown and init cannot meet a new operation under an
+/// old id), and an operation still in flight while its runtime shuts down stays reachable
+/// until it completes.
+pub static HANDLES: std::sync::LazyLock<HandleTable> =
+    std::sync::LazyLock::new(HandleTable::default);
 
 /// Live handles by id. Ids are never reused within a process.
 #[derive(Default)]

@@ -2,8 +2,11 @@
 //! (topology), and the settings that change which collectives run, taken from rank 0 so that a
 //! rank launched with a different environment cannot make the ranks disagree.
 
+use std::time::Duration;
+
 use crate::config::{AlgorithmChoice, NegotiationMode};
 use crate::error::{Error, Result};
+use crate::negotiate::online::StallPolicy;
 use crate::runtime::{Communicator, Runtime, Topology};
 use crate::transport::Transport;
 use crate::transport::mpi::MpiComm;
@@ -45,6 +48,7 @@ pub(crate) fn open_job(rt: &Runtime, comm: &Communicator, multiple: bool) -> Res
     };
     let mut settings = JobSettings::from_rank0(&world, &rt.config)?;
     let _ = rt.job_multistep.set(settings.multistep);
+    let _ = rt.stall.set(settings.stall);
     let world = world.with_max_count(settings.mpi_max_count);
     let local = world.split_local(Some(settings.local_size_override).filter(|n| *n > 0))?;
     let cross = world.split(local.rank() as i32)?;
@@ -140,6 +144,10 @@ pub(crate) struct JobSettings {
     pub multistep: u32,
     /// `FERROVOD_GOSSIP_SYNC_EVERY`.
     pub gossip_sync_every: u32,
+    /// `HOROVOD_STALL_CHECK_DISABLE`, `HOROVOD_STALL_CHECK_TIME_SECONDS` and
+    /// `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`: one rank giving up before the others would
+    /// report them missing while they still wait.
+    pub stall: StallPolicy,
 }
 
 /// An optional setting's "not set" on the wire.
@@ -169,6 +177,9 @@ impl JobSettings {
             usize::from(cfg.nan_check),
             cfg.multistep as usize,
             cfg.gossip_sync_every as usize,
+            usize::from(cfg.stall_check),
+            cfg.stall_warn.as_nanos() as usize,
+            cfg.stall_shutdown.as_nanos() as usize,
         ];
         let bytes: Vec<u8> = mine
             .iter()
@@ -181,7 +192,7 @@ impl JobSettings {
             .collect();
         if v[..] != mine[..] {
             tracing::warn!(
-                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS / HOROVOD_AUTOTUNE / FERROVOD_GPU_GRAPHS / FERROVOD_ALGORITHM / HOROVOD_HIERARCHICAL_ALLREDUCE / FERROVOD_RING_MIN_BYTES / HOROVOD_HIERARCHICAL_ALLGATHER / FERROVOD_COMPRESSION / FERROVOD_COMPRESSION_MIN_BYTES / PERSEUS_ALLREDUCE_NANCHECK / FERROVOD_MULTISTEP / FERROVOD_GOSSIP_SYNC_EVERY differ from rank 0's; using rank 0's values {v:?}"
+                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS / HOROVOD_AUTOTUNE / FERROVOD_GPU_GRAPHS / FERROVOD_ALGORITHM / HOROVOD_HIERARCHICAL_ALLREDUCE / FERROVOD_RING_MIN_BYTES / HOROVOD_HIERARCHICAL_ALLGATHER / FERROVOD_COMPRESSION / FERROVOD_COMPRESSION_MIN_BYTES / PERSEUS_ALLREDUCE_NANCHECK / FERROVOD_MULTISTEP / FERROVOD_GOSSIP_SYNC_EVERY / HOROVOD_STALL_CHECK_DISABLE / HOROVOD_STALL_CHECK_TIME_SECONDS / HOROVOD_STALL_SHUTDOWN_TIME_SECONDS differ from rank 0's; using rank 0's values {v:?}"
             );
         }
         Ok(JobSettings {
@@ -205,6 +216,11 @@ impl JobSettings {
             nan_check: v[15] != 0,
             multistep: v[16] as u32,
             gossip_sync_every: v[17] as u32,
+            stall: StallPolicy {
+                enabled: v[18] != 0,
+                warn_after: Duration::from_nanos(v[19] as u64),
+                shutdown_after: Duration::from_nanos(v[20] as u64),
+            },
         })
     }
 }

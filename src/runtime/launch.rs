@@ -19,7 +19,6 @@ use crate::fusion::planner::plan_segments;
 use crate::hashing::HashMap;
 use crate::message::ReduceOp;
 use crate::message::{OpKind, Request, Response};
-use crate::negotiate::online::StallPolicy;
 use crate::negotiate::set::PlanBatch;
 use crate::runtime::Runtime;
 use crate::runtime::channel::{self, Job};
@@ -362,7 +361,7 @@ impl Executor {
                 nan_check: self.nan_check && head.kind == OpKind::Allreduce,
                 codec,
                 gossip: (head.kind == OpKind::Gossip).then(|| gossip::Schedule {
-                    rounds: self.carried.rounds.advance(resps),
+                    rounds: self.carried.rounds.advance(resps, &self.carried.replicas),
                     sync_every: self.gossip_sync_every,
                     codec: Codec::None,
                     replicas: &self.carried.replicas,
@@ -393,7 +392,7 @@ impl Executor {
                 .map(Hierarchy::levels),
             allreduce,
             gossip: (head.kind == OpKind::Gossip).then(|| gossip::Schedule {
-                rounds: self.carried.rounds.advance(resps),
+                rounds: self.carried.rounds.advance(resps, &self.carried.replicas),
                 sync_every: self.gossip_sync_every,
                 codec,
                 replicas: &self.carried.replicas,
@@ -521,6 +520,13 @@ impl Launcher {
             {
                 // as a hung rank: the whole process stops, mid-step
                 crate::config::stop_this_process();
+            }
+            if head.kind == OpKind::Allreduce && crate::config::test_fault("slow_in_batch", self.me)
+            {
+                // a collective that outlasts the stall limit with every rank inside it
+                let _inside = crate::transport::mpi::blocked("a slow collective (test fault)");
+                let limit = rt.stall().limit().unwrap_or_default();
+                std::thread::sleep(limit + std::time::Duration::from_secs(2));
             }
             // the channel is chosen before anything local can skip the batch, so that the
             // numbering stays identical on every rank
@@ -788,7 +794,7 @@ pub(crate) fn run_plan_batch(
     if crate::config::test_fault("offline", me) {
         return Err(Error::Internal("test fault: offline".into()));
     }
-    let stall = StallPolicy::from_config(&rt.config);
+    let stall = rt.stall();
     let resps = &batch.responses;
     let have = batch.have;
     let mut entries: Vec<TensorEntry> = match have {
@@ -825,7 +831,7 @@ pub(crate) fn run_plan_batch(
             }
         };
         let wait = collective::Wait {
-            limit: rt.config.stall_limit(),
+            limit: stall.limit(),
             slow: &mut slow,
         };
         collective::allreduce_flagged(

@@ -137,7 +137,7 @@ pub(crate) enum Command {
 pub struct Runtime {
     pub config: Config,
     topology: OnceLock<Topology>,
-    pub handles: HandleTable,
+    pub handles: &'static HandleTable,
     inbox: Mutex<Option<Sender<Command>>>,
     /// Process set id → member ranks; identical on every rank.
     sets: RwLock<BTreeMap<i32, Vec<i32>>>,
@@ -162,6 +162,8 @@ pub struct Runtime {
     pub(crate) allreduce_policy: OnceLock<crate::collective::cost::Policy>,
     /// The job's `FERROVOD_MULTISTEP` (set at init, agreed).
     pub(crate) job_multistep: OnceLock<u32>,
+    /// The job's stall settings (set at init, agreed).
+    stall: OnceLock<crate::negotiate::online::StallPolicy>,
     /// Multistep allreduces' call counts and sums.
     steps: crate::compress::multistep::Steps,
 }
@@ -242,7 +244,7 @@ pub fn init(opts: InitOptions) -> Result<()> {
     let rt = Arc::new(Runtime {
         config: config.clone(),
         topology: OnceLock::new(),
-        handles: HandleTable::default(),
+        handles: &handle::HANDLES,
         inbox: Mutex::new(Some(tx)),
         sets: RwLock::new(BTreeMap::new()),
         in_flight: Mutex::new(in_flight::InFlight::default()),
@@ -257,6 +259,7 @@ pub fn init(opts: InitOptions) -> Result<()> {
         gpu_device: OnceLock::new(),
         allreduce_policy: OnceLock::new(),
         job_multistep: OnceLock::new(),
+        stall: OnceLock::new(),
         steps: Default::default(),
     });
     let (ready_tx, ready_rx) = crossbeam::channel::bounded(1);
@@ -309,6 +312,12 @@ impl Runtime {
         (self.allreduce_policy.get()).map_or(crate::collective::cost::Algorithm::Flat, |p| {
             p.choose(bytes)
         })
+    }
+
+    /// The stall settings every rank uses: rank 0's, once init agreed them.
+    pub(crate) fn stall(&self) -> crate::negotiate::online::StallPolicy {
+        (self.stall.get().copied())
+            .unwrap_or_else(|| crate::negotiate::online::StallPolicy::from_config(&self.config))
     }
 
     pub fn topology(&self) -> &Topology {

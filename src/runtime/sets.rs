@@ -9,7 +9,7 @@ use crate::collective::cost::{self, Policy};
 use crate::error::{Error, Result};
 use crate::fusion::planner;
 use crate::message::{OpKind, Response};
-use crate::negotiate::online::{Negotiator, StallPolicy};
+use crate::negotiate::online::Negotiator;
 use crate::negotiate::set::SetNegotiation;
 use crate::runtime::Runtime;
 use crate::runtime::channel::{self, Channel};
@@ -63,8 +63,8 @@ impl SetState {
         let direct_bytes = planner::direct_bytes(settings.fusion_direct_bytes, spans_nodes);
         let ring_min_bytes = cost::ring_min_bytes(settings.ring_min_bytes, &set_nodes);
         let ctrl = comm.dup()?.bounded(
-            cfg.stall_limit(),
-            cfg.stall_warn,
+            settings.stall.limit(),
+            settings.stall.warn_after,
             ranks.clone(),
             format!("process set {id}"),
         )?;
@@ -73,7 +73,7 @@ impl SetState {
             ranks,
             settings.cache_capacity,
             settings.negotiation,
-            StallPolicy::from_config(cfg),
+            settings.stall,
         );
         let hierarchy = Hierarchy::open(&comm, node, settings, true)?;
         if id == 0 {

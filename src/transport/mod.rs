@@ -119,6 +119,12 @@ pub trait Transport {
     ) -> Result<()>;
 
     fn barrier(&self) -> Result<()>;
+
+    /// The most bytes one point-to-point transfer may carry (`sendrecv_segments`' largest
+    /// segment): MPI's count limit, lowered by `FERROVOD_MPI_MAX_COUNT`.
+    fn max_transfer_bytes(&self) -> usize {
+        usize::MAX
+    }
 }
 
 /// A segment of `Transport::sendrecv_segments`, by index.

@@ -68,6 +68,12 @@ pub(crate) const STOP_IN_BATCH: &[(&str, &str)] = &[
     ("FERROVOD_TEST_FAULT", "stop_in_batch:1"),
 ];
 
+pub(crate) const SLOW_IN_BATCH: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+    ("FERROVOD_TEST_FAULT", "slow_in_batch:1"),
+];
+
 pub(crate) const NCCL_INIT_FAULT: &[(&str, &str)] = &[
     ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
     ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
@@ -440,6 +446,9 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     ("rank_stopped", 3, STALL_FAST_HOROVOD, false),
     ("rank_stopped_in_batch", 2, STOP_IN_BATCH, false),
     ("rank_stopped_in_batch", 3, STOP_IN_BATCH, false),
+    // a collective that outlasts the stall limit with every rank inside it is not a stall
+    ("slow_collective", 2, SLOW_IN_BATCH, true),
+    ("slow_collective", 3, SLOW_IN_BATCH, true),
     // local failures after the ranks agreed
     (
         "fault_panic",
@@ -1029,6 +1038,8 @@ pub(crate) fn main() {
                                 .count()
                                 >= np
                         }
+                        // the waiting ranks asked, and found every rank inside
+                        "slow_collective" => stderr.contains("slow, not stalled"),
                         _ => true,
                     };
                     let good = status.success() && passes == np && warned;
@@ -1250,6 +1261,7 @@ pub(crate) fn run_rank(name: &str) {
         "rank_killed" => rank_killed(),
         "rank_stopped" => rank_stopped(),
         "rank_stopped_in_batch" => rank_stopped_in_batch(),
+        "slow_collective" => shutdown::slow_collective(),
         "fault_panic" => fault_panic(),
         "fault_negotiation" => fault_negotiation(),
         "fault_decode" => fault_decode(),

@@ -145,6 +145,15 @@ pub(crate) fn rank_killed() {
     std::thread::sleep(Duration::from_secs(120));
 }
 
+/// Rank 1 spends longer than the stall limit inside a batch (`slow_in_batch`) while the
+/// others wait in its collective: every rank is present, so the watchdog waits on and the
+/// step gives the right sum.
+pub(crate) fn slow_collective() {
+    init();
+    steps_together(1);
+    pass();
+}
+
 /// A few steps every rank runs together.
 pub(crate) fn steps_together(n: usize) {
     for step in 0..n {

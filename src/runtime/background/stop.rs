@@ -10,24 +10,36 @@ use super::Background;
 use crate::error::Error;
 use crate::runtime::Command;
 
-/// How long shutdown waits for the batches channels still hold.
-const DRAIN_LIMIT: Duration = Duration::from_secs(30);
+/// After this long, shutdown says that it still waits for the batches channels hold.
+const DRAIN_WARN: Duration = Duration::from_secs(30);
 
 impl Background {
-    /// Closes every channel and waits (at most 30 s) for the batches they still hold; tensors
-    /// of batches that never come back fail with `err`.
+    /// Closes every channel and waits for the batches they still hold. A channel's batch may
+    /// be inside MPI on its tensors' buffers, so its tensors cannot fail before it returns:
+    /// the wait is bounded by the watchdog, which ends the job when a rank is missing from
+    /// that collective. Only batches whose threads are gone (they can no longer return)
+    /// fail with `err`.
     fn drain_channels(&mut self, rx: &Receiver<Command>, err: &Error) {
         for set in self.sets.member.values_mut() {
             for c in &mut set.channels {
                 c.close();
             }
         }
-        let deadline = Instant::now() + DRAIN_LIMIT;
+        let start = Instant::now();
+        let mut warned = false;
         while self.launcher.on_channels() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match rx.recv_timeout(left) {
+            match rx.recv_timeout(Duration::from_secs(1)) {
                 Ok(cmd) => self.receive(cmd),
-                Err(_) => break,
+                Err(crossbeam::channel::RecvTimeoutError::Timeout) => {
+                    if !warned && start.elapsed() >= DRAIN_WARN {
+                        warned = true;
+                        tracing::warn!(
+                            "shutdown has waited {} s for batches still running on channels; waiting on (a rank missing from their collectives ends the job at the stall limit)",
+                            start.elapsed().as_secs()
+                        );
+                    }
+                }
+                Err(crossbeam::channel::RecvTimeoutError::Disconnected) => break,
             }
         }
         if !self.launcher.on_channels() {
