@@ -78,13 +78,15 @@ def _push(kind, tensors, outputs, names, reduce_op=Sum, prescale=1.0, postscale=
     c_in = (ctypes.c_void_p * n)(*[t.handle.value for t in tensors])
     c_out = (ctypes.c_void_p * n)(*[o.handle.value for o in outputs])
     c_splits = None if splits is None else (ctypes.c_int32 * len(splits))(*splits)
-    err = ctypes.create_string_buffer(1024)
+    err = ctypes.create_string_buffer(4096)
     rc = _LIB.fvmx_push(kind, reduce_op, prescale, postscale, root_rank,
                         process_set.process_set_id, compression, c_splits,
                         0 if splits is None else len(splits), n, c_names, c_in, c_out,
                         priority, err, len(err))
     if rc != 0:
-        raise RuntimeError(err.value.decode())
+        # refused at the call (e.g. outputs that overlap), or run and failed inside the push
+        # (NaiveEngine): MXNetError, as where the engine raises a failure
+        raise mx.base.MXNetError(err.value.decode(errors="replace"))
     return outputs
 
 

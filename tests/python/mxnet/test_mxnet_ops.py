@@ -202,6 +202,136 @@ def test_grouped_allreduce(inplace):
     assert hvd.grouped_allreduce([], name="empty") == []
 
 
+@pytest.mark.parametrize("case", ["same array", "overlapping views", "array and its view",
+                                  "group comm"])
+def test_grouped_in_place_refuses_overlapping_outputs(case):
+    """Outputs of one in-place grouped operation that overlap (the same NDArray twice, or
+    overlapping views of one) raise MXNetError at the call on every rank, before anything is
+    pushed: nothing waits forever on the engine variable they share, and the job goes on."""
+    r, n = hvd.rank(), hvd.size()
+    x = mx.nd.arange(8) * (r + 1)
+    fn = hvd.grouped_allreduce_
+    tensors = {"same array": [x, x], "overlapping views": [x[0:4], x[2:6]],
+               "array and its view": [x, x[4:8]], "group comm": [x[0:4], x[3:8]]}[case]
+    if case == "group comm":
+        fn = hvd.GroupComm.grid(1)[0].grouped_allreduce_  # this rank's own process set
+    try:
+        with pytest.raises(mx.base.MXNetError, match="overlap in memory that it writes.*the "
+                           "outputs of one operation must not overlap"):
+            fn(tensors, op=hvd.Sum, name="overlap.%s" % case)
+    finally:
+        hvd.GroupComm.free_all()
+    np.testing.assert_array_equal(x.asnumpy(), np.arange(8) * (r + 1))
+    np.testing.assert_array_equal(hvd.allreduce(x, op=hvd.Sum, name="overlap.after.%s" % case)
+                                  .asnumpy(), np.arange(8) * sum(q + 1 for q in range(n)))
+
+
+def test_grouped_ops_over_disjoint_views_of_one_array():
+    """Views of one NDArray that do not overlap share its engine variable: one grouped
+    operation over them waits for the op writing the array and is waited for by the op reading
+    it, in place and out of place; the allgather's inputs too."""
+    r, n = hvd.rank(), hvd.size()
+    base = np.arange(12, dtype=np.float32).reshape(3, 4)
+    total = base * sum(q + 1 for q in range(n))
+    produced = mx.nd.Custom(mx.nd.array(base * (r + 1)), op_type="ferrovod_test_slow")
+    other = mx.nd.ones((2,)) * (r + 1)
+    outs = hvd.grouped_allreduce_([produced[0], other, produced[1:3]], op=hvd.Sum,
+                                  name="views.inplace")
+    consumed = produced * 2
+    assert [o.shape for o in outs] == [(4,), (2,), (2, 4)]
+    np.testing.assert_allclose(consumed.asnumpy(), total * 2)
+    np.testing.assert_allclose(other.asnumpy(), np.full(2, sum(q + 1 for q in range(n))))
+    x = mx.nd.array(base * (r + 1))
+    a, b = hvd.grouped_allreduce([x[0], x[1:3]], op=hvd.Sum, name="views.outofplace")
+    np.testing.assert_allclose(a.asnumpy(), total[0])
+    np.testing.assert_allclose(b.asnumpy(), total[1:3])
+    np.testing.assert_array_equal(x.asnumpy(), base * (r + 1))
+    g, h = hvd.grouped_allgather([x[0:1], x[1:3]], name="views.gather")
+    np.testing.assert_array_equal(g.asnumpy(), np.stack([base[0] * (q + 1) for q in range(n)]))
+    np.testing.assert_array_equal(h.asnumpy(), np.concatenate([base[1:3] * (q + 1) for q in range(n)]))
+
+
+def test_a_failure_is_raised_whatever_the_engine():
+    """A mismatch raises MXNetError on every rank under any engine: where the result is waited
+    for, or at the call under NaiveEngine, which runs each operation inside its push and drops
+    the error given to the engine's completion callback."""
+    r, n = hvd.rank(), hvd.size()
+    x = mx.nd.ones((3 + int(r == n - 1),))
+    with pytest.raises(mx.base.MXNetError, match="Mismatched ALLREDUCE tensor shapes"):
+        hvd.allreduce(x, name="any_engine.mismatch").asnumpy()
+    np.testing.assert_allclose(hvd.allreduce(mx.nd.ones((2,)), op=hvd.Sum,
+                                             name="any_engine.after").asnumpy(), np.full(2, n))
+
+
+# Interposes MXEnginePushAsyncND to fail the push of "*push.fails*" as MXNet fails one: after
+# it took the parameter and its deleter (a negative variable count is refused only then).
+_FAILING_PUSH = r"""
+#include <dlfcn.h>
+#include <cstdlib>
+#include <cstring>
+using Push = int (*)(void*, void*, void (*)(void*), const void*, void*, int, void*, int,
+                     const void*, int, const char*, bool);
+using PushND = int (*)(void*, void*, void (*)(void*), const void*, void**, int, void**, int,
+                       const void*, int, const char*, bool);
+static void* Mxnet(const char* symbol) {
+  static void* lib = dlopen(std::getenv("TEST_LIBMXNET"), RTLD_NOW | RTLD_NOLOAD);
+  return dlsym(lib, symbol);
+}
+extern "C" int MXEnginePushAsyncND(void* f, void* param, void (*deleter)(void*), const void* ctx,
+                                   void** reads, int nreads, void** writes, int nwrites,
+                                   const void* prop, int priority, const char* name, bool wait) {
+  if (name != nullptr && std::strstr(name, "push.fails") != nullptr) {
+    return reinterpret_cast<Push>(Mxnet("MXEnginePushAsync"))(
+        f, param, deleter, ctx, nullptr, -1, nullptr, 0, prop, priority, name, wait);
+  }
+  return reinterpret_cast<PushND>(Mxnet("MXEnginePushAsyncND"))(
+      f, param, deleter, ctx, reads, nreads, writes, nwrites, prop, priority, name, wait);
+}
+"""
+
+_FAILING_PUSH_SCRIPT = """
+import gc
+import mxnet as mx
+import horovod.mxnet as hvd
+x = mx.nd.ones((4,))
+try:
+    hvd.allreduce_(x, name="push.fails")
+except mx.base.MXNetError as e:
+    print("raised:", str(e).splitlines()[0])
+gc.collect()
+print("x:", (x + 1).asnumpy().tolist())
+"""
+
+
+def test_a_failed_push_frees_its_operation_once(tmp_path):
+    """When MXNet refuses the push it has already freed the operation (its deleter runs): the
+    call raises MXNetError and the process goes on, rather than freeing it a second time. In a
+    process of its own, without MPI (the push fails before ferrovod is reached), with MXNet's
+    push interposed to fail."""
+    import os
+    import subprocess
+    import sys
+
+    shim = tmp_path / "failing_push.so"
+    (tmp_path / "failing_push.cc").write_text(_FAILING_PUSH)
+    subprocess.run([os.environ.get("CXX", "g++"), "-shared", "-fPIC", "-O1",
+                    str(tmp_path / "failing_push.cc"), "-o", str(shim), "-ldl"], check=True)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "OPAL_", "HYDRA_"))}
+    env["LD_PRELOAD"] = str(shim)
+    env["TEST_LIBMXNET"] = os.path.join(os.path.dirname(mx.__file__), "libmxnet.so")
+    run = subprocess.run([sys.executable, "-c", _FAILING_PUSH_SCRIPT], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "raised: MXEnginePushAsyncND failed: MXNetError: Check failed: num_const_vars" \
+        in run.stdout, run.stdout + run.stderr
+    assert "x: [2.0, 2.0, 2.0, 2.0]" in run.stdout, run.stdout + run.stderr
+    # this job goes on too
+    np.testing.assert_allclose(hvd.allreduce(mx.nd.ones((2,)), op=hvd.Sum,
+                                             name="failed_push.after").asnumpy(),
+                               np.full(2, hvd.size()))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "int64", "uint8"])
 def test_allgather_uneven_first_dimensions(dtype):
     r, n = hvd.rank(), hvd.size()
