@@ -661,8 +661,12 @@ extern "C" __global__ void fv_u8_encode(const Ranges a) {
   else if (len > 0) {
     // as the host's quantize::top: a range beyond f32 stops at min + FLT_MAX
     min = fv_unkey(~b[0]); cap = fv_unkey(b[1]);
-    if (isinf(__fsub_rn(cap, min))) cap = __fadd_rn(min, 3.40282347e38f);
-    step = __fdiv_rn(__fsub_rn(cap, min), 255.0f);
+    if (isinf(__fsub_rn(cap, min))) {
+      step = 3.40282347e38f / 256.0f;
+      cap = __fadd_rn(min, __fmul_rn(255.0f, step));
+    } else {
+      step = __fdiv_rn(__fsub_rn(cap, min), 255.0f);
+    }
   }
   if (blockIdx.x == 0 && threadIdx.x == 0) { ((float*)out)[0] = min; ((float*)out)[1] = step; }
   const float inv = step > 0.0f ? __fdiv_rn(1.0f, step) : 0.0f;
@@ -671,7 +675,9 @@ extern "C" __global__ void fv_u8_encode(const Ranges a) {
   FV_CHUNK_LOOP {
     float v = x[start + i], l = 0.0f;
     if (finite) {
-      float sh = __fadd_rn(__fmul_rn(__fsub_rn(fminf(v, cap), min), inv), round);
+      const float d = __fsub_rn(fminf(v, cap), min);
+      // as the host's quantize::encode: a subnormal step's inverse overflows, so divide
+      float sh = __fadd_rn(isinf(inv) ? __fdiv_rn(d, step) : __fmul_rn(d, inv), round);
       q[i] = (unsigned char)(__float_as_uint(sh) & 0xffu);
       l = __fsub_rn(v, __fadd_rn(min, __fmul_rn(__fsub_rn(sh, round), step)));
     } else {

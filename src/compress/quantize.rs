@@ -16,11 +16,11 @@ pub fn encoded_len(values: usize) -> usize {
 pub fn encode(x: &[f32], out: &mut [u8], lost: &mut [f32]) {
     debug_assert_eq!(out.len(), encoded_len(x.len()));
     let (lo, hi, finite) = bounds(x);
-    let cap = top(lo, hi);
+    let (cap, wide_step) = top(lo, hi);
     let (min, step) = match (finite, x.is_empty()) {
         (_, true) => (0.0, 0.0),
         (false, _) => (f32::NAN, f32::NAN),
-        (true, _) => (lo, (cap - lo) / 255.0),
+        (true, _) => (lo, wide_step),
     };
     out[..4].copy_from_slice(&min.to_le_bytes());
     out[4..HEADER].copy_from_slice(&step.to_le_bytes());
@@ -30,23 +30,43 @@ pub fn encode(x: &[f32], out: &mut [u8], lost: &mut [f32]) {
         return;
     }
     let inv = if step > 0.0 { 1.0 / step } else { 0.0 };
-    for ((v, q), l) in x.iter().zip(&mut out[HEADER..]).zip(lost) {
-        // (v - min) * inv lies in [0, 255]: adding 1.5 * 2^23 rounds it to the nearest integer,
-        // which then sits in the low mantissa bits (no float-to-int conversion per value)
-        let shifted = (v.min(cap) - min) * inv + ROUND;
+    if inv.is_finite() {
+        quantize_block(x, &mut out[HEADER..], lost, min, cap, step, |d| d * inv);
+    } else {
+        // a step so small (subnormal) that its inverse overflows: divide instead
+        quantize_block(x, &mut out[HEADER..], lost, min, cap, step, |d| d / step);
+    }
+}
+
+/// One block's values, `scale` taking a value's distance from `min` to steps.
+fn quantize_block(
+    x: &[f32],
+    out: &mut [u8],
+    lost: &mut [f32],
+    min: f32,
+    cap: f32,
+    step: f32,
+    scale: impl Fn(f32) -> f32,
+) {
+    for ((v, q), l) in x.iter().zip(out).zip(lost) {
+        // (v - min) / step lies in [0, 255]: adding 1.5 * 2^23 rounds it to the nearest
+        // integer, which then sits in the low mantissa bits (no float-to-int conversion)
+        let shifted = scale(v.min(cap) - min) + ROUND;
         *q = (shifted.to_bits() & 0xff) as u8;
         *l = v - (min + (shifted - ROUND) * step);
     }
 }
 
-/// The largest value a block from `lo` to `hi` encodes: `hi`, unless the range exceeds what
-/// an f32 holds (then `lo + f32::MAX`: larger values come back as that, and the rest stays in
+/// The largest value a block from `lo` to `hi` encodes, and its step: `hi` and a 255th of the
+/// range, unless the range exceeds what an f32 holds (then `lo` (negative) plus 255 steps of
+/// `f32::MAX / 256`, exact and finite: larger values come back as that, and the rest stays in
 /// their residuals, finite). The GPU's `fv_u8_encode` computes the same.
-fn top(lo: f32, hi: f32) -> f32 {
+fn top(lo: f32, hi: f32) -> (f32, f32) {
     if (hi - lo).is_finite() {
-        hi
+        (hi, (hi - lo) / 255.0)
     } else {
-        lo + f32::MAX
+        let step = f32::MAX / 256.0;
+        (lo + 255.0 * step, step)
     }
 }
 
@@ -159,7 +179,7 @@ mod tests {
     /// what came back plus what was lost is the input.
     #[test]
     fn a_range_beyond_f32_stays_finite() {
-        let x = [-3.0e38f32, 3.0e38, 0.0, 1.0e38, -1.0];
+        let x = [-3.0e38f32, 3.0e38, 0.0, 1.0e38, -1.0, -1.4222479e38];
         let (back, lost) = round_trip(&x);
         for ((v, b), l) in x.iter().zip(&back).zip(&lost) {
             assert!(
@@ -170,5 +190,19 @@ mod tests {
             assert!(rel < 1e-6, "{v}: {b} + {l}");
         }
         assert_eq!(back[0], -3.0e38);
+    }
+
+    /// Subnormal ranges: a step whose inverse overflows still encodes (found by fuzzing).
+    #[test]
+    fn a_subnormal_step_stays_finite() {
+        let x = [f32::from_bits(0x20f6), f32::from_bits(0x009d_0400)];
+        let (back, lost) = round_trip(&x);
+        for ((v, b), l) in x.iter().zip(&back).zip(&lost) {
+            assert!(
+                b.is_finite() && l.is_finite(),
+                "{v} came back {b}, lost {l}"
+            );
+            assert_eq!(b + l, *v);
+        }
     }
 }

@@ -218,6 +218,20 @@ pub(crate) const FUSE_ALL_RING: &[(&str, &str)] = &[
     ("FERROVOD_RING_MIN_BYTES", "1"),
 ];
 
+/// The ring under a count limit below its 4 MiB segments.
+pub(crate) const FUSE_ALL_RING_SMALL_COUNT: &[(&str, &str)] = &[
+    ("FERROVOD_FUSION_DIRECT_BYTES", "1073741824"),
+    ("FERROVOD_RING_MIN_BYTES", "1"),
+    ("FERROVOD_MPI_MAX_COUNT", "1048576"),
+];
+
+/// Durations past what a clock holds: refused with a warning, defaults used.
+pub(crate) const HUGE_SETTINGS: &[(&str, &str)] = &[
+    ("HOROVOD_CYCLE_TIME", "1e22"),
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1e19"),
+    ("FERROVOD_PLAN_ESCAPE_MS", "1e300"),
+];
+
 /// One rank per node, hierarchical allreduce asked for: it runs (on GPUs: NCCL inside each node,
 /// MPI across).
 pub(crate) const HIERARCHICAL_ONE_PER_NODE: &[(&str, &str)] = &[
@@ -439,7 +453,8 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     ("callbacks", 2, &[], true),
     ("shutdown_pending", 2, &[], true),
     ("rank_exits", 2, &[], true),
-    ("rank_killed", 2, &[], false),
+    ("rank_killed", 2, STALL_FAST, false),
+    ("rank_killed", 3, STALL_FAST, false),
     // a rank that hangs (stops) rather than dies: in a vote, inside a data collective
     ("rank_stopped", 2, STALL_FAST, false),
     ("rank_stopped", 3, STALL_FAST, false),
@@ -486,6 +501,8 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     ("large_fused", 3, FUSE_ALL, true),
     ("large_fused", 2, FUSE_ALL_RING, true),
     ("large_fused", 3, FUSE_ALL_RING, true),
+    ("large_fused", 3, FUSE_ALL_RING_SMALL_COUNT, true),
+    ("huge_settings", 2, HUGE_SETTINGS, true),
     ("compressed", 2, FP16, true),
     ("compressed", 3, FP16_RING, true),
     ("compressed", 4, FP16, true),
@@ -878,6 +895,7 @@ const FAILURES: &[&str] = &[
     "offline_stall",
     "rank_stopped",
     "rank_stopped_in_batch",
+    "rank_killed",
     "fault_panic",
     "fault_negotiation",
     "fault_decode",
@@ -992,6 +1010,10 @@ pub(crate) fn main() {
                 let mut c = Command::new("mpirun");
                 c.args(["-np", &np.to_string(), "--allow-run-as-root"])
                     .args(["--mca", "mpi_yield_when_idle", "1", "--bind-to", "none"]);
+                if name == "rank_killed" {
+                    // the survivors run on after a death, to report it themselves
+                    c.arg("--enable-recovery");
+                }
                 c
             }
         };
@@ -1055,6 +1077,7 @@ pub(crate) fn main() {
                     let (marker, count) = match name {
                         "offline_stall" => ("OFFLINE-STALL-REPORTED", 1),
                         "rank_stopped" | "fault_negotiation" => ("STALL-REPORTED", np - 1),
+                        "rank_killed" => ("KILLED-REPORTED", np - 1),
                         _ => ("", 0),
                     };
                     let reported = match name {
@@ -1071,8 +1094,11 @@ pub(crate) fn main() {
                         }
                         _ => true,
                     };
+                    // with --enable-recovery mpirun's own status says nothing: the survivors'
+                    // reports are what counts
+                    let ended = !status.success() || name == "rank_killed";
                     (
-                        !status.success() && stdout.matches(marker).count() >= count && reported,
+                        ended && stdout.matches(marker).count() >= count && reported,
                         format!("expected the job to fail, exit {status}\n{stdout}\n{stderr}"),
                     )
                 }
@@ -1262,6 +1288,7 @@ pub(crate) fn run_rank(name: &str) {
         "rank_stopped" => rank_stopped(),
         "rank_stopped_in_batch" => rank_stopped_in_batch(),
         "slow_collective" => shutdown::slow_collective(),
+        "huge_settings" => shutdown::huge_settings(),
         "fault_panic" => fault_panic(),
         "fault_negotiation" => fault_negotiation(),
         "fault_decode" => fault_decode(),

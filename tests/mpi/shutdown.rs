@@ -131,18 +131,23 @@ pub(crate) fn rank_exits() {
     pass();
 }
 
-/// A rank that dies: mpirun ends the job (non-zero exit) rather than leaving rank 0 hanging.
+/// A rank that dies while the others wait for it. Launched so that mpirun lets the others run
+/// on (`--enable-recovery`): each survivor's operation fails within the stall limit, naming
+/// the dead rank.
 pub(crate) fn rank_killed() {
     init();
     if rank() == 1 {
         std::thread::sleep(Duration::from_millis(200));
         std::process::abort();
     }
-    let _ = run(OpSpec::new(
+    let err = run(OpSpec::new(
         OpKind::Allreduce,
         vec![tensor("pending", DataType::F32, &[1], &[1.0], false)],
-    ));
-    std::thread::sleep(Duration::from_secs(120));
+    ))
+    .expect_err("an allreduce with a dead rank succeeded");
+    let msg = err.to_string();
+    assert!(msg.contains("Missing ranks: 1."), "{msg}");
+    report_and_exit("KILLED-REPORTED", &msg);
 }
 
 /// Rank 1 spends longer than the stall limit inside a batch (`slow_in_batch`) while the
@@ -151,7 +156,29 @@ pub(crate) fn rank_killed() {
 pub(crate) fn slow_collective() {
     init();
     steps_together(1);
-    pass();
+    finish_job();
+}
+
+/// Settings too large for a clock are refused (the job runs on defaults), and a wait with a
+/// timeout past what the clock holds waits for the operation, as one with none does.
+pub(crate) fn huge_settings() {
+    init();
+    steps_together(3);
+    let rt = runtime::runtime().unwrap();
+    assert_eq!(rt.config.cycle_time, Duration::from_millis(1));
+    assert_eq!(rt.config.stall_warn, Duration::from_secs(60));
+    let h = rt
+        .enqueue(OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor("huge.wait", DataType::F32, &[2], &[1.0, 2.0], false)],
+        ))
+        .unwrap();
+    h.wait(Some(Duration::from_secs_f64(1e19))).unwrap();
+    let got = h.result(0).unwrap();
+    let n = size() as f64;
+    assert_eq!(output(&got, DataType::F32), vec![n, 2.0 * n]);
+    rt.handles.release(h.id).unwrap();
+    finish_job();
 }
 
 /// A few steps every rank runs together.
