@@ -58,6 +58,10 @@ for np in 2 4; do
   timeout 600 mpirun -np "$np" --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 \
     "${py[@]}" tests/python/torch
 done
+# Horovod's PyTorch ops (collectives, DistributedOptimizer, the DDP hook) communicate on every
+# call whatever FERROVOD_MULTISTEP says
+FERROVOD_MULTISTEP=2 timeout 600 mpirun -np 2 --oversubscribe --bind-to none \
+  --mca mpi_yield_when_idle 1 -x FERROVOD_MULTISTEP "${py[@]}" tests/python/torch
 timeout 600 "${py[@]}" tests/python/single
 # MXNet in its own environment (NumPy < 1.24): the engine-asynchronous ops under mpirun
 mx=(.venv-mxnet/bin/python -m pytest -q -p no:cacheprovider --color=no)

@@ -2,11 +2,14 @@
 //! gossip's rounds and public copies) would otherwise grow by one entry for every name ever
 //! seen: unnamed operations get a fresh name on every call. Two rules keep them bounded:
 //! - an unnamed operation's name (`is_unnamed`) never repeats, so its state is never kept;
-//! - an entry unused for a window of the store's uses is evicted. The window is at least
-//!   `MIN_WINDOW` uses and four times the entries that recur, so a model's tensors (each used
-//!   once a step) are never evicted between their steps however many there are. A name that
-//!   comes back after its eviction (a first step longer than the window) recurs too: the
-//!   store remembers the latest `REMEMBERED` evicted names, by hash.
+//! - an entry unused for a window of the store's uses is evicted. For an entry that recurs
+//!   the window is at least `MIN_WINDOW` uses and four times the entries that recur, so a
+//!   model's tensors (each used once a step) are never evicted between their steps however
+//!   many there are; an entry used once so far goes sooner (`ONCE_WINDOW`, or twice the
+//!   entries that recur), so that names used once (distinct names, each its own residual)
+//!   hold little. A name that comes back after its eviction (a first step longer than that
+//!   window) recurs from then on: the store remembers the latest `REMEMBERED` evicted names,
+//!   by hash.
 //!
 //! Eviction depends only on the order of uses: a store used in the agreed batch order evicts
 //! alike on every rank.
@@ -15,8 +18,11 @@ use std::hash::Hash;
 
 use crate::hashing::HashMap;
 
-/// Uses of a store below which nothing is evicted.
+/// Uses of a store without which an entry that recurs is never evicted.
 pub const MIN_WINDOW: u64 = 4096;
+
+/// Uses without which an entry used once so far is evicted (unless more entries recur).
+pub const ONCE_WINDOW: u64 = 128;
 
 /// Evicted names remembered (8 bytes each), to recognise one that comes back.
 const REMEMBERED: usize = 1 << 16;
@@ -30,10 +36,24 @@ fn fingerprint<K: Hash>(key: &K) -> u64 {
     h.finish()
 }
 
-/// Horovod's convention for the names the bindings give unnamed operations
-/// (`<op>.noname.<n>`): such a name is used once.
+/// Horovod's convention for the names the bindings give unnamed operations: `<op>.noname.<n>`,
+/// a grouped one's tensors `<op>.noname.<n>_<i>of<k>`; such a name is used once. (Names that
+/// only contain `.noname.`, as `DistributedOptimizer`'s `allreduce.noname.<i>.<j>` for
+/// parameters without names, recur every step.)
 pub fn is_unnamed(name: &str) -> bool {
-    name.contains(".noname.")
+    let Some((_, tail)) = name.rsplit_once(".noname.") else {
+        return false;
+    };
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    match tail.split_once('_') {
+        None => digits(tail),
+        Some((n, part)) => {
+            digits(n)
+                && part
+                    .split_once("of")
+                    .is_some_and(|(i, k)| digits(i) && digits(k))
+        }
+    }
 }
 
 struct Entry<V> {
@@ -75,6 +95,11 @@ impl<K: Hash + Eq + Clone, V> Recent<K, V> {
     /// Uses without which an entry is evicted.
     pub fn window(&self) -> u64 {
         MIN_WINDOW.max(4 * self.recurring as u64)
+    }
+
+    /// Uses without which an entry used once so far is evicted.
+    pub fn once_window(&self) -> u64 {
+        ONCE_WINDOW.max(2 * self.recurring as u64)
     }
 
     pub fn len(&self) -> usize {
@@ -136,21 +161,24 @@ impl<K: Hash + Eq + Clone, V> Recent<K, V> {
         Some(e.value)
     }
 
-    /// Evicts the entries unused for the window, every half window of uses (so the scan costs
-    /// at most two lookups per use). Returns their values.
+    /// Evicts the entries unused for their window, scanning every half `once_window` of uses
+    /// or every quarter of the entries' count, whichever is more (a few lookups per use).
+    /// Returns their values.
     pub fn sweep(&mut self) -> Vec<V> {
         self.sweep_keys().into_iter().map(|(_, v)| v).collect()
     }
 
     /// `sweep`, with the evicted keys, for stores whose keys name state elsewhere.
     pub fn sweep_keys(&mut self) -> Vec<(K, V)> {
-        let window = self.window();
-        if self.clock - self.swept < window / 2 {
+        let (window, once) = (self.window(), self.once_window());
+        // every so many uses that a scan costs at most a few lookups per use
+        if self.clock - self.swept < (once / 2).max(self.map.len() as u64 / 4) {
             return Vec::new();
         }
         self.swept = self.clock;
+        let clock = self.clock;
         let stale: Vec<K> = (self.map.iter())
-            .filter(|(_, e)| self.clock - e.last > window)
+            .filter(|(_, e)| clock - e.last > if e.recurs { window } else { once })
             .map(|(k, _)| k.clone())
             .collect();
         for k in &stale {
@@ -192,7 +220,7 @@ mod tests {
         let recurring = (0..300).filter(|t| s.touch(&format!("grad.{t}")).is_some());
         assert_eq!(recurring.count(), 300, "a recurring name was evicted");
         assert!(
-            s.len() <= 300 + 3 * MIN_WINDOW as usize / 2 + 1,
+            s.len() <= 300 + 3 * 600 + 1,
             "{} entries: names used once were kept",
             s.len()
         );
@@ -225,7 +253,12 @@ mod tests {
     #[test]
     fn unnamed_is_horovods_noname() {
         assert!(is_unnamed("allreduce.noname.17"));
+        assert!(is_unnamed("grouped_allreduce.noname.5_1of2"));
         assert!(!is_unnamed("allreduce.grad.0"));
         assert!(!is_unnamed("noname"));
+        // a parameter's gradient without a name recurs every step
+        assert!(!is_unnamed("allreduce.allreduce.noname.0.1"));
+        assert!(!is_unnamed("allreduce.bucket.3.allreduce.noname.0.5"));
+        assert!(!is_unnamed("allreduce.noname.3_x"));
     }
 }

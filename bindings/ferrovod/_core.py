@@ -5,7 +5,9 @@ the collectives live in the Rust library; framework layers (TensorFlow, Keras, t
 package) build on the functions here.
 """
 
+import collections
 import ctypes
+import itertools
 import os
 import threading
 
@@ -263,7 +265,12 @@ def init(ranks=None, fortran_comm=None, process_sets=None):
 
 
 def shutdown():
-    check(LIB.fv_shutdown())
+    status = LIB.fv_shutdown()
+    if not LIB.fv_is_initialized():
+        # fv_shutdown joined the runtime's threads (called from one of them, it only asks,
+        # and the runtime stays): nothing writes the old operations' buffers any more
+        _end_generation()
+    check(status)
 
 
 def is_initialized():
@@ -371,37 +378,65 @@ def remove_process_set(set_id):
     check(LIB.fv_remove_process_set(int(set_id)))
 
 
-# Operations in flight: handle id -> the buffers (numpy arrays, ctypes structs) that ferrovod
-# may still read or write. They stay here until the handle is released, whatever happens to
-# the Python objects, as Horovod's _handle_map does. Handles dropped before release are
-# "orphans": released (and their buffers freed) by a later enqueue once they have completed.
-# Shared by every framework binding.
+# Operations in flight: a key of the handle's (unique in the process, never reused) -> the
+# runtime generation and ferrovod id of the handle and the buffers (numpy arrays, ctypes
+# structs, tensors) ferrovod may still read or write. They stay here until the operation is
+# known to be over and its handle released, whatever happens to the Python objects, as
+# Horovod's _handle_map does. Handles dropped before release, and operations whose wait failed
+# before they were known to be over, are "orphans": released (and their buffers freed) by a
+# later enqueue once ferrovod says they completed, or by `shutdown()` once it has joined the
+# runtime. Shared by every framework binding.
 _in_flight = {}
 _orphans = set()
-_in_flight_lock = threading.Lock()
+# reentrant: a Handle's __del__ takes it and may run (from the garbage collector) where it is held
+_in_flight_lock = threading.RLock()
+# the runtimes this process has shut down: an id means something only to the runtime that gave
+# it (a runtime started after a shutdown may number its handles from 1 again)
+_generation = 0
+_keys = itertools.count(1)
 
 
-def _register(hid, keep):
+def _register(key, generation, hid, keep):
     with _in_flight_lock:
-        _in_flight[hid] = keep
+        _in_flight[key] = (generation, hid, keep)
 
 
-def _forget(hid):
+def _forget(key):
     with _in_flight_lock:
-        _in_flight.pop(hid, None)
-        _orphans.discard(hid)
+        _in_flight.pop(key, None)
+        _orphans.discard(key)
+
+
+def _end_generation():
+    """After `fv_shutdown` joined the runtime's threads: its operations are over, their buffers
+    go, and handles still held learn that their ids are meaningless now."""
+    global _generation
+    with _in_flight_lock:
+        ended = _generation
+        _generation += 1
+        for key in [k for k, entry in _in_flight.items() if entry[0] <= ended]:
+            del _in_flight[key]
+        _orphans.clear()
 
 
 def _sweep_orphans():
     if not _orphans:  # the common case, without the lock
         return
     with _in_flight_lock:
-        orphans = list(_orphans)
-    for hid in orphans:
+        orphans = [(key,) + _in_flight[key][:2] for key in _orphans if key in _in_flight]
+    for key, generation, hid in orphans:
+        if generation != _generation:
+            continue  # its runtime is gone: shutdown() frees it
         done = ctypes.c_int32()
-        if LIB.fv_poll(hid, ctypes.byref(done)) != OK or done.value:
+        status = LIB.fv_poll(hid, ctypes.byref(done))
+        if status == OK and done.value:
             LIB.fv_release(hid)
-            _forget(hid)
+            _forget(key)
+        elif status != OK:
+            # when it ends cannot be learnt any more (the runtime is shutting down): its
+            # buffers stay until shutdown() has joined the runtime, or for good
+            with _in_flight_lock:
+                _orphans.discard(key)
 
 
 def in_flight_count():
@@ -435,31 +470,78 @@ class Later:
 
 class Handle:
     """An enqueued operation. Its numpy inputs and outputs stay alive in the in-flight
-    registry until it is released, even if this object is dropped first."""
+    registry until it is released, even if this object is dropped first. `key` names it in the
+    registry and to framework bindings (an integer never reused in the process); `id` is
+    ferrovod's, meaningful only while the runtime that gave it runs."""
 
-    def __init__(self, hid, keep, outputs, kind):
+    def __init__(self, hid, keep, outputs, kind, generation):
         self.id = hid
-        _register(hid, keep)
+        self.key = next(_keys)
+        # read before the enqueue: a shutdown that ends it after has joined this operation too
+        self.generation = generation
+        _register(self.key, self.generation, hid, keep)
         self._outputs = outputs
         self._kind = kind
         self.communicated = None
         # join: the last rank to join, after `wait`
         self.last_joined = None
         self._released = False
+        self._done = False  # seen to be over: its buffers may go
 
     def __del__(self):
         if not getattr(self, "_released", True):
             with _in_flight_lock:
-                if self.id in _in_flight:
-                    _orphans.add(self.id)
+                if self.key in _in_flight:
+                    _orphans.add(self.key)
+
+    def _current(self):
+        """Whether the runtime that gave this handle still runs (a shutdown since ends it)."""
+        return self.generation == _generation
+
+    def _gone(self):
+        return ShutDownError("operation %d was started before ferrovod was shut down; it did not"
+                             " complete, or its result was not collected before" % self.key)
+
+    def _over(self):
+        """Whether the operation is known to be over: ferrovod says it completed, or its
+        runtime's threads were joined by shutdown()."""
+        if not self._current():
+            return True
+        done = ctypes.c_int32()
+        return LIB.fv_poll(self.id, ctypes.byref(done)) == OK and bool(done.value)
+
+    def _abandon(self):
+        """Lets go of an operation not known to be over (a wait that failed without it
+        completing, e.g. one that found the runtime taken down by a shutdown on another thread
+        while the runtime's thread still runs it): its buffers stay in the registry, as an
+        orphan's, rather than being freed while MPI or NCCL may still write them."""
+        self._released = True
+        with _in_flight_lock:
+            if self.key in _in_flight:
+                _orphans.add(self.key)
 
     def poll(self):
+        if not self._current():
+            raise self._gone()
         done = ctypes.c_int32()
         check(LIB.fv_poll(self.id, ctypes.byref(done)))
         return bool(done.value)
 
     def _error(self):
-        return handle_error(self.id)
+        return handle_error(self.id) if self._current() else ""
+
+    def _failure(self, status):
+        """After a wait: None if it succeeded, else the exception to raise. An operation that
+        is not known to be over after a failed wait is abandoned (`_abandon`)."""
+        if status == OK:
+            self._done = True
+            return None
+        message = last_error()  # before the calls below overwrite it
+        self._done = self._over()
+        if not self._done:
+            self._abandon()
+            return error_for(status, message)
+        return error_for(status, self._error() or message)
 
     def event(self):
         """The CUevent recorded after a GPU operation's work (None for host operations)."""
@@ -496,12 +578,18 @@ class Handle:
         """Blocks (without holding the GIL) until completion; returns the outputs.
         `before_release(handle)` runs once the operation succeeded, while the handle (and its
         GPU event) is still valid."""
+        if not self._current():
+            self.release()
+            raise self._gone()
         status = LIB.fv_wait(self.id, -1.0 if timeout is None else float(timeout))
         if status == TIMEOUT:
             raise TimeoutError("operation %d did not complete in %s s" % (self.id, timeout))
+        failure = self._failure(status)
+        if self._released:  # abandoned
+            raise failure
         try:
-            if status != OK:
-                raise error_for(status, self._error() or last_error())
+            if failure is not None:
+                raise failure
             if self._kind == ALLREDUCE:
                 # False for a multistep call that only summed its input
                 self.communicated = self.value() != 0
@@ -527,10 +615,17 @@ class Handle:
         return results
 
     def release(self):
-        if not self._released:
-            self._released = True
+        """Forgets the handle; its buffers go once the operation is known to be over (until
+        then it is an orphan)."""
+        if self._released:
+            return
+        if not (self._done or self._over()):
+            self._abandon()
+            return
+        self._released = True
+        if self._current():
             LIB.fv_release(self.id)
-            _forget(self.id)
+        _forget(self.key)
 
 
 def wait_all(handles, device_waits):
@@ -544,10 +639,10 @@ def wait_all(handles, device_waits):
     held, last_event = None, None
     try:
         for h, device_wait in zip(handles, device_waits):
-            status = LIB.fv_wait(h.id, -1.0)
+            failure = h._failure(LIB.fv_wait(h.id, -1.0)) if h._current() else h._gone()
             event = None
-            if status != OK:
-                error = error or error_for(status, h._error() or last_error())
+            if failure is not None:
+                error = error or failure
                 results.append(None)
             else:
                 if device_wait is not None:
@@ -580,13 +675,15 @@ def auto_name(prefix):
 
 def enqueue(kind, arrays, names, reduce_op=SUM, prescale=1.0, postscale=1.0, root_rank=0,
             process_set=0, splits=None, inplace=False, compression=COMPRESSION_JOB,
-            multistep=0, multistep_mode=MULTISTEP_ACCUMULATE, multistep_warmup=0):
+            multistep=1, multistep_mode=MULTISTEP_ACCUMULATE, multistep_warmup=0):
     """Enqueues one operation over numpy `arrays` (one name each) and returns a Handle.
 
     Allreduce/broadcast write a new array (or the input itself with `inplace=True`);
     allgather/alltoall/reducescatter outputs are allocated by ferrovod and copied out on wait.
-    Allreduce: `multistep` k > 1 communicates on every k-th call of each name only (0: as
-    FERROVOD_MULTISTEP says); the handle's `communicated` tells, after `wait`.
+    Allreduce: `multistep` k > 1 communicates on every k-th call of each name only (0: as the
+    job's FERROVOD_MULTISTEP says; the default, 1, communicates on every call, as Horovod's
+    collectives must: they cannot report a call that only summed); the handle's
+    `communicated` tells, after `wait`.
     """
     arrays = [np.ascontiguousarray(a) for a in arrays]
     specs, keep, outputs = [], list(arrays), []
@@ -623,16 +720,17 @@ class Spec:
 
 
 def submit(kind, specs, keep, outputs, reduce_op=SUM, prescale=1.0, postscale=1.0, root_rank=0,
-           process_set=0, splits=None, compression=COMPRESSION_JOB, multistep=0,
+           process_set=0, splits=None, compression=COMPRESSION_JOB, multistep=1,
            multistep_mode=MULTISTEP_ACCUMULATE, multistep_warmup=0, device=CPU_DEVICE,
            stream=None, alloc=None, done=None, done_user_data=None):
     """Enqueues one operation over `specs` and returns a Handle whose `wait` returns `outputs`
     (a `Later` item: converted from ferrovod's buffer). `keep`: objects that own the memory the
     specs point at, held until the handle is released. GPU ops (`device` >= 0) name the
     caller's CUstream, whose work so far produces the inputs, and an ALLOC_FN for the outputs
-    ferrovod sizes. `done`: a DONE_FN ferrovod calls on its own thread at completion, with
-    `done_user_data`; it must outlive every operation that names it (a module-level one), since
-    a completed handle may be released while its callback is still returning."""
+    ferrovod sizes. `multistep`: as `enqueue`'s (1: every call communicates). `done`: a
+    DONE_FN ferrovod calls on its own thread at completion, with `done_user_data`; it must
+    outlive every operation that names it (a module-level one), since a completed handle may be
+    released while its callback is still returning."""
     _sweep_orphans()
     n = len(specs)
     tensors = (_Tensor * max(n, 1))()
@@ -677,8 +775,9 @@ def submit(kind, specs, keep, outputs, reduce_op=SUM, prescale=1.0, postscale=1.
     op.tensors = tensors
     op.num_tensors = n
     hid = ctypes.c_uint64()
+    generation = _generation
     check(LIB.fv_enqueue(ctypes.byref(op), ctypes.byref(hid)))
-    return Handle(hid.value, keep, outputs, kind)
+    return Handle(hid.value, keep, outputs, kind, generation)
 
 
 class _InPlaceAllreduce:
@@ -700,10 +799,18 @@ class _InPlaceAllreduce:
         op = self.op = _Op()
         op.kind, op.reduce_op, op.prescale, op.postscale = ALLREDUCE, reduce_op, prescale, postscale
         op.process_set, op.device, op.compression = process_set, device, compression
+        # every call communicates, whatever the job's FERROVOD_MULTISTEP: the callers are
+        # Horovod's ops, which cannot report a call that only summed
+        op.multistep = 1
         op.tensors, op.num_tensors = self.tensors, 1
 
 
-_in_place_allreduces = {}
+# `allreduce_in_place`'s structs by name, least recently used first; beyond the capacity the
+# oldest go (a training step brings back one name per gradient it reduces alone; names that
+# never come back, such as unnamed operations', are not kept at all)
+IN_PLACE_CACHE_CAPACITY = 4096
+_in_place_allreduces = collections.OrderedDict()
+_in_place_lock = threading.Lock()
 
 
 def allreduce_in_place(name, dtype, shape, address, owner, reduce_op=SUM, prescale=1.0,
@@ -711,19 +818,27 @@ def allreduce_in_place(name, dtype, shape, address, owner, reduce_op=SUM, presca
                        device=CPU_DEVICE, stream=None, reuse=True):
     """`submit` of an in-place allreduce of one contiguous tensor at `address` (fv_dtype
     `dtype`, `shape`), kept alive by `owner` until the handle is released; its structs are
-    reused from the last call of `name` (`reuse`: kept for the next one; names that never come
-    back, such as unnamed operations', should not be). The handle's `wait` returns `[owner]`."""
+    reused from the last call of `name` (`reuse`: kept for the next one, up to
+    IN_PLACE_CACHE_CAPACITY names; names that never come back, such as unnamed operations',
+    should not be). The handle's `wait` returns `[owner]`."""
     key = (dtype, tuple(shape), device, reduce_op, prescale, postscale, process_set, compression)
-    prepared = _in_place_allreduces.get(name)
-    if prepared is None or prepared.key != key:
-        prepared = _InPlaceAllreduce(key, name, dtype, shape, reduce_op, prescale, postscale,
-                                     process_set, compression, device)
-        if reuse:
-            _in_place_allreduces[name] = prepared
+    with _in_place_lock:
+        prepared = _in_place_allreduces.get(name)
+        if prepared is not None and prepared.key == key:
+            _in_place_allreduces.move_to_end(name)
+        else:
+            prepared = _InPlaceAllreduce(key, name, dtype, shape, reduce_op, prescale,
+                                         postscale, process_set, compression, device)
+            if reuse:
+                _in_place_allreduces[name] = prepared
+                _in_place_allreduces.move_to_end(name)
+                while len(_in_place_allreduces) > IN_PLACE_CACHE_CAPACITY:
+                    _in_place_allreduces.popitem(last=False)
     t = prepared.tensor
     t.input = t.output = address
     prepared.op.stream = stream
     _sweep_orphans()
     hid = ctypes.c_uint64()
+    generation = _generation
     check(LIB.fv_enqueue(ctypes.byref(prepared.op), ctypes.byref(hid)))
-    return Handle(hid.value, [owner], [owner], ALLREDUCE)
+    return Handle(hid.value, [owner], [owner], ALLREDUCE, generation)

@@ -152,9 +152,28 @@ def _from_bytes(dtype):
     return convert
 
 
+_alloc_streams = {}
+
+
+def _alloc_stream(device):
+    """The stream ferrovod's GPU outputs are allocated on, one per device, on which no work ever
+    runs. The caching allocator hands a block to an allocation on its stream at once, as
+    ordered after that stream's work: allocated on the caller's stream (or ferrovod's thread's,
+    the default stream), an output could get a block whose tensor the caller freed while work
+    queued on that stream after the enqueue still uses it, and ferrovod's stream would write it
+    meanwhile. On this stream a block comes back only from a freed output of ours, whose users
+    were recorded (`record_stream` at synchronize)."""
+    stream = _alloc_streams.get(device.index)
+    if stream is None:
+        stream = _alloc_streams.setdefault(device.index, torch.cuda.Stream(device))
+    return stream
+
+
 def _gpu_alloc(dtype, device, made):
     """An ALLOC_FN that allocates ferrovod's GPU outputs as torch tensors (kept in `made` by
-    index). It runs on ferrovod's thread; a failure returns NULL, which fails the operation."""
+    index) on `_alloc_stream(device)`. It runs on ferrovod's thread; a failure returns NULL,
+    which fails the operation."""
+    stream = _alloc_stream(device)
 
     def alloc(_user_data, index, ndim, shape, _nbytes):
         dims = tuple(shape[i] for i in range(ndim))
@@ -162,11 +181,22 @@ def _gpu_alloc(dtype, device, made):
         for d in dims:
             numel *= d
         # never a NULL address, also for an empty output
-        buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
+        with torch.cuda.stream(stream):
+            buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
         made[index] = buf[:numel].view(dims)
         return buf.data_ptr()
 
     return _core.ALLOC_FN(alloc)
+
+
+def _record_consumer(tensors, device):
+    """Marks ferrovod-allocated outputs as used by the current stream, which `synchronize` has
+    made wait for the collective: the caching allocator then reuses their memory only after the
+    work queued there by the time they are freed (and so after ferrovod's writes)."""
+    consumer = torch.cuda.current_stream(device)
+    for t in tensors:
+        if t is not None and t.is_cuda:
+            t.record_stream(consumer)
 
 
 def _enqueue(kind, tensors, names, outputs=None, finish=None, process_set=global_process_set,
@@ -213,14 +243,17 @@ def _enqueue(kind, tensors, names, outputs=None, finish=None, process_set=global
         for out, target in copies:
             out.copy_(target)
         if made:
+            _record_consumer(made.values(), device)
             # alltoall's results are (output, received splits)
             values = [(made.get(i), v[1]) if isinstance(v, tuple) else made.get(i, v)
                       for i, v in enumerate(values)]
         return finish(values) if finish is not None else values
 
+    # keyed by the core's handle key, never reused in the process (ferrovod's ids may start
+    # again after a shutdown)
     with _handle_lock:
-        _handle_map[handle.id] = _Pending(handle, device, done)
-    return handle.id
+        _handle_map[handle.key] = _Pending(handle, device, done)
+    return handle.key
 
 
 def _allreduce_one_(tensor, name, op, prescale, postscale, process_set, codec, finish=list,
@@ -238,8 +271,8 @@ def _allreduce_one_(tensor, name, op, prescale, postscale, process_set, codec, f
         _core.CPU_DEVICE if device is None else device.index,
         None if device is None else _current_stream(device), reuse)
     with _handle_lock:
-        _handle_map[handle.id] = _Pending(handle, device, finish)
-    return handle.id
+        _handle_map[handle.key] = _Pending(handle, device, finish)
+    return handle.key
 
 
 def poll(handle):

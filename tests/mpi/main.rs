@@ -461,6 +461,13 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     ("rank_stopped", 3, STALL_FAST_HOROVOD, false),
     ("rank_stopped_in_batch", 2, STOP_IN_BATCH, false),
     ("rank_stopped_in_batch", 3, STOP_IN_BATCH, false),
+    // the stall limits are rank 0's, whatever the other ranks' environments say
+    (
+        "stall_env_differs",
+        2,
+        &[("FERROVOD_TEST_FAULT", "stop_in_batch:0")],
+        false,
+    ),
     // a collective that outlasts the stall limit with every rank inside it is not a stall
     ("slow_collective", 2, SLOW_IN_BATCH, true),
     ("slow_collective", 3, SLOW_IN_BATCH, true),
@@ -896,6 +903,7 @@ const FAILURES: &[&str] = &[
     "rank_stopped",
     "rank_stopped_in_batch",
     "rank_killed",
+    "stall_env_differs",
     "fault_panic",
     "fault_negotiation",
     "fault_decode",
@@ -1085,6 +1093,10 @@ pub(crate) fn main() {
                         "rank_stopped_in_batch" => {
                             stderr.matches("Missing ranks: 1.").count() >= np - 1
                                 || stdout.matches("STALL-REPORTED").count() >= np - 1
+                        }
+                        "stall_env_differs" => {
+                            stderr.contains("Missing ranks: 0.")
+                                || stdout.contains("STALL-REPORTED rank=1")
                         }
                         "fault_panic" => stderr.contains("background thread panicked"),
                         "fault_negotiation" => stdout.contains("FAULT-REPORTED rank=1"),
@@ -1288,6 +1300,7 @@ pub(crate) fn run_rank(name: &str) {
         "rank_stopped" => rank_stopped(),
         "rank_stopped_in_batch" => rank_stopped_in_batch(),
         "slow_collective" => shutdown::slow_collective(),
+        "stall_env_differs" => shutdown::stall_env_differs(),
         "huge_settings" => shutdown::huge_settings(),
         "fault_panic" => fault_panic(),
         "fault_negotiation" => fault_negotiation(),

@@ -287,6 +287,28 @@ pub(crate) fn rank_stopped_in_batch() {
     report_and_exit("STALL-REPORTED", &msg);
 }
 
+/// Only rank 0's environment sets short stall limits, and rank 0 stops inside a batch: the
+/// limits are agreed from rank 0, so rank 1's watchdog (60 s / 600 s in its own environment)
+/// reports rank 0 missing after 2 s and ends the job.
+pub(crate) fn stall_env_differs() {
+    if std::env::var("OMPI_COMM_WORLD_RANK").as_deref() == Ok("0") {
+        // SAFETY: set before any thread of this process reads the environment.
+        unsafe {
+            std::env::set_var("HOROVOD_STALL_CHECK_TIME_SECONDS", "1");
+            std::env::set_var("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2");
+        }
+    }
+    init();
+    let err = run(OpSpec::new(
+        OpKind::Allreduce,
+        vec![tensor("stopped.rank0", DataType::F32, &[1], &[1.0], false)],
+    ))
+    .unwrap_err();
+    // host memory: the watchdog aborted the job before this
+    assert!(gpu_mode(), "the blocking collective returned: {err}");
+    report_and_exit("STALL-REPORTED", &err.to_string());
+}
+
 /// Rank 1's background thread panics before a batch every rank agreed to run: it aborts the
 /// job at once with a message (the others may already wait inside the batch's collective).
 pub(crate) fn fault_panic() {

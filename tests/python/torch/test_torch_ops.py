@@ -270,6 +270,41 @@ def test_cuda_stream_ordering_without_host_sync():
         assert torch.all(got == 3.0 * n).item()
 
 
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs CUDA")
+def test_cuda_outputs_ferrovod_sizes_never_share_memory_in_use():
+    """ferrovod's GPU outputs (allgather's here) come from PyTorch's caching allocator, called
+    on ferrovod's thread. (1) A tensor the caller freed while kernels queued after the enqueue
+    still use it must not become the output (ferrovod's stream would write it meanwhile). (2) An
+    output freed while a side stream that synchronized it still reads it must not become the
+    next output before that stream's work is done (record_stream)."""
+    r, n = hvd.rank(), hvd.size()
+    rows = 1 << 18  # 1 MiB per rank: outputs from the large-block pool, reused by size
+    want = [torch.cat([torch.full((rows,), float(10 * k + q + 1)) for q in range(n)])
+            for k in range(2)]
+
+    def gather_async(k):
+        return hvd.allgather_async(torch.full((rows,), float(10 * k + r + 1), device="cuda"),
+                                   name="cuda.outputs.%d" % k)
+
+    for _ in range(3):
+        h = gather_async(0)
+        y = torch.empty(rows * n, device="cuda")  # the output's size, on the current stream
+        torch.cuda._sleep(100_000_000)
+        y.fill_(-1.0)  # runs after ferrovod's collective unless ordered before it
+        del y
+        assert torch.equal(hvd.synchronize(h).cpu(), want[0])
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            got = hvd.synchronize(gather_async(0))  # the side stream waits for the collective
+            torch.cuda._sleep(100_000_000)
+            doubled = got * 2  # reads the output long after it was freed below
+            del got
+        nxt = hvd.synchronize(gather_async(1))  # allocated while the side stream still reads
+        side.synchronize()
+        assert torch.equal(doubled.cpu(), 2 * want[0])
+        assert torch.equal(nxt.cpu(), want[1])
+
+
 def test_nccl_built_says_whether_cuda_tensors_use_nccl():
     """Horovod's `nccl_built()` is the NCCL version code of a build with NCCL, else 0."""
     version = hvd.nccl_built()
@@ -699,3 +734,174 @@ def test_in_place_reuses_a_name_across_shapes_dtypes_and_addresses(device):
         values = [q + k + 1 for q in range(n)]
         want = float(sum(values) if op == hvd.Sum else max(values))
         close(x, torch.full(shape, want), dtype)
+
+
+# The job's FERROVOD_MULTISTEP (scripts/test.sh runs this file with 2 too): Horovod's ops must
+# communicate on every call whatever it says.
+JOB_MULTISTEP = int(os.environ.get("FERROVOD_MULTISTEP", "1") or 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_horovod_ops_communicate_on_every_call(device, monkeypatch):
+    """Every call of Horovod's allreduces reduces exactly its own inputs, whatever the job's
+    FERROVOD_MULTISTEP: named and unnamed, sum and average, grouped, in place (named: its
+    C structs are reused; unnamed), async; DistributedOptimizer's first step equals one process
+    on the concatenated batch."""
+    r, n, d = hvd.rank(), hvd.size(), dev(device)
+
+    def exact(got, want):
+        if n & (n - 1):  # an average is not exact in float32 then
+            torch.testing.assert_close(got.cpu(), want)
+        else:
+            assert torch.equal(got.cpu(), want), (got, want)
+
+    for call in range(3):
+        x = torch.full((6,), float(r + 1 + call), device=d)
+        want_sum = torch.full((6,), float(sum(q + 1 + call for q in range(n))))
+        want_avg = want_sum / n
+        tag = device
+        exact(hvd.allreduce(x, op=hvd.Sum, name="every.sum." + tag), want_sum)
+        exact(hvd.allreduce(x, name="every.avg." + tag), want_avg)
+        exact(hvd.allreduce(x, op=hvd.Sum), want_sum)
+        exact(hvd.allreduce(x), want_avg)
+        for name_ in ("every.grouped." + tag, None):
+            a, b = hvd.grouped_allreduce([x, 2 * x], op=hvd.Sum, name=name_)
+            exact(a, want_sum)
+            exact(b, 2 * want_sum)
+            a, b = hvd.grouped_allreduce([x, 2 * x], name=name_)
+            exact(b, 2 * want_avg)
+        for name_ in ("every.inplace." + tag, None):
+            y = x.clone()
+            assert hvd.allreduce_(y, op=hvd.Sum, name=name_) is y
+            exact(y, want_sum)
+            y = x.clone()
+            hvd.synchronize(hvd.allreduce_async_(y, name=name_))
+            exact(y, want_avg)
+        ys = [x.clone(), 3 * x]
+        hvd.grouped_allreduce_(ys, op=hvd.Sum, name="every.grouped_." + tag)
+        exact(ys[0], want_sum)
+        exact(ys[1], 3 * want_sum)
+        exact(hvd.synchronize(hvd.allreduce_async(x, op=hvd.Sum)), want_sum)
+    for cap in ("0", "1048576"):  # one allreduce per gradient, and buckets
+        monkeypatch.setenv("FERROVOD_TORCH_BUCKET_BYTES", cap)
+        model, ref = _model().to(d), _model().to(d)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters())
+        x, y = _data(r * 10)
+        torch.nn.functional.mse_loss(model(x.to(d)), y.to(d)).backward()
+        opt.step()
+        xs, ys = zip(*[_data(q * 10) for q in range(n)])
+        torch.nn.functional.mse_loss(ref(torch.cat(xs).to(d)), torch.cat(ys).to(d)).backward()
+        torch.optim.SGD(ref.parameters(), lr=0.1).step()
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a.detach().cpu(), b.detach().cpu(), rtol=1e-5, atol=1e-6)
+
+
+def test_core_callers_get_the_job_multistep_only_when_they_ask():
+    """The Python core's collectives communicate on every call by default; `multistep=0` asks
+    for the job's FERROVOD_MULTISTEP (here: proof that the setting is live in this run)."""
+    from ferrovod import _core
+
+    r, n = hvd.rank(), hvd.size()
+    x = np.full(5, r + 1.0, np.float32)
+    (got,) = _core.enqueue(_core.ALLREDUCE, [x], ["core.default.ms"]).wait()
+    np.testing.assert_array_equal(got, np.full(5, n * (n + 1) / 2, np.float32))
+    for call in range(1, JOB_MULTISTEP + 1):
+        h = _core.enqueue(_core.ALLREDUCE, [x], ["core.job.ms"], multistep=0)
+        (got,) = h.wait()
+        assert h.communicated == (call == JOB_MULTISTEP)
+    # the last call reduced the sum of this rank's inputs over the job's k calls
+    np.testing.assert_array_equal(got, np.full(5, JOB_MULTISTEP * n * (n + 1) / 2, np.float32))
+
+
+def _rss_bytes():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+# RSS may grow this much between op 200 and op 1000 (allocator noise, not per-name state)
+_RSS_SLACK = 50 << 20
+
+
+@pytest.mark.parametrize("codec", ["none", "u8"])
+def test_in_place_allreduces_keep_bounded_state(codec, monkeypatch):
+    """1,000 unnamed and 1,000 distinct-named in-place allreduces (128 KiB each): the in-place
+    struct cache keeps no unnamed operation and at most its capacity of names (the most
+    recently used), and the process's RSS stays flat after a warm-up. `codec`: the core's
+    codec for every call (none; u8, as FERROVOD_COMPRESSION=u8 would give)."""
+    from ferrovod import _core
+    from ferrovod.torch import mpi_ops
+
+    r, n = hvd.rank(), hvd.size()
+    capacity = 100
+    monkeypatch.setattr(_core, "IN_PLACE_CACHE_CAPACITY", capacity)
+    fv_codec = {"none": _core.COMPRESSION_NONE, "u8": _core.COMPRESSION_U8}[codec]
+    wire_u8 = hvd.metrics()["wire_u8"]
+    x = torch.empty(1 << 15)
+    cached = len(_core._in_place_allreduces)
+
+    def reduce(name):
+        # allreduce_async_ with the codec made explicit: what FERROVOD_COMPRESSION sets
+        x.fill_(r + 1.0)
+        hvd.synchronize(mpi_ops._allreduce_one_(
+            x, mpi_ops._name("allreduce", name), hvd.Sum, 1.0, 1.0, hvd.global_process_set,
+            fv_codec, mpi_ops._single, reuse=name is not None))
+
+    for named in (False, True):
+        for i in range(1, 1001):
+            reduce("bounded.%s.%d" % (codec, i) if named else None)
+            if i == 200:
+                warm = _rss_bytes()
+        grown = _rss_bytes() - warm
+        if named:
+            assert len(_core._in_place_allreduces) == capacity
+            assert list(_core._in_place_allreduces)[-1] == "allreduce.bounded.%s.1000" % codec
+            assert "allreduce.bounded.%s.1" % codec not in _core._in_place_allreduces
+        else:
+            assert len(_core._in_place_allreduces) == cached
+        assert grown < _RSS_SLACK, ("named" if named else "unnamed", grown >> 20, "MiB")
+    torch.testing.assert_close(x, torch.full_like(x, n * (n + 1) / 2.0), rtol=2e-2, atol=2e-2)
+    if codec == "u8":
+        assert hvd.metrics()["wire_u8"] > wire_u8
+
+
+def test_wait_that_fails_before_completion_keeps_the_buffers(monkeypatch):
+    """A wait that fails while the operation is still in flight (as `fv_wait` does once a
+    shutdown on another thread has taken the runtime down, before its thread has finished)
+    must not free the buffers MPI may still read or write: they stay in the registry until the
+    operation is known to be over, then go."""
+    import gc
+    import time
+    import weakref
+
+    from ferrovod import _core
+
+    r, n = hvd.rank(), hvd.size()
+    before = _core.in_flight_count()
+    x = torch.full((1 << 16,), float(r + 1))
+    if r == 0:
+        handle = hvd.allreduce_async_(x, op=hvd.Sum, name="wait.fails")
+        alive = weakref.ref(x)
+        with monkeypatch.context() as m:
+            m.setattr(_core.LIB, "fv_wait", lambda hid, timeout: _core.NOT_INITIALIZED)
+            with pytest.raises(ValueError):
+                hvd.synchronize(handle)
+        del x
+        gc.collect()
+        assert alive() is not None, "the buffers of an operation in flight were freed"
+        assert _core.in_flight_count() == before + 1
+        hvd.barrier()  # the others submit only now: it was in flight all along
+        deadline = time.time() + 30
+        while alive() is not None and time.time() < deadline:
+            _core._sweep_orphans()
+            gc.collect()
+            time.sleep(0.01)
+        assert alive() is None, "the buffers stayed after the operation completed"
+        assert _core.in_flight_count() == before
+    else:
+        hvd.barrier()
+        got = hvd.allreduce_(x, op=hvd.Sum, name="wait.fails")
+        assert torch.equal(got, torch.full((1 << 16,), n * (n + 1) / 2.0))
