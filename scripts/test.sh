@@ -69,6 +69,10 @@ for np in 2 4; do
   timeout 600 mpirun -np "$np" --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 \
     "${mx[@]}" tests/python/mxnet
 done
+# the combination matrix's sample: each framework, codec, mode and naming at least once, at np 2
+# and 4, values against NumPy and RSS flat over 1,000 operations (the full matrix:
+# bash scripts/matrix.sh; tests/matrix/README.md)
+bash scripts/matrix.sh --sample
 # MXNet's NaiveEngine runs each op inside its push: ops complete and fail at the call (the
 # mismatch test that waits for the error later does not apply there)
 MXNET_ENGINE_TYPE=NaiveEngine timeout 600 mpirun -np 2 --oversubscribe --bind-to none \

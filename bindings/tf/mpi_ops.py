@@ -31,6 +31,14 @@ def _name(prefix, tensor, name):
     return name
 
 
+def _eager_name(name):
+    """The `tensor_name` attr: an eager kernel's node name is its op type whatever `name` says,
+    so a name given in eager mode travels as the attr (graph mode keeps node names, scoped as
+    Horovod does). Without it every eager allreduce would share one name, and the state the
+    core keeps per name (the u8 codec's residuals) with it."""
+    return name if name is not None and _executing_eagerly() else ""
+
+
 def _group_name(prefix, tensors, name):
     """Graph mode default name of a grouped op: from its first and last tensor."""
     if name is None and not _executing_eagerly():
@@ -47,7 +55,7 @@ def _allreduce(tensor, name=None, op=Sum, prescale_factor=1.0, postscale_factor=
         tensor, name=_name("HorovodAllreduce", tensor, name), reduce_op=op,
         prescale_factor=prescale_factor, postscale_factor=postscale_factor,
         ignore_name_scope=ignore_name_scope, process_set_id=process_set.process_set_id,
-        compression=compression)
+        compression=compression, tensor_name=_eager_name(name))
 
 
 @ops.RegisterGradient("HorovodAllreduce")
@@ -87,11 +95,13 @@ def _process_set(op):
 def _grouped_allreduce(tensors, name=None, op=Sum, prescale_factor=1.0, postscale_factor=1.0,
                        ignore_name_scope=False, process_set=global_process_set,
                        compression=_core.COMPRESSION_JOB):
+    given = name
     name = _group_name("HorovodGroupedAllreduce", tensors, name)
     return MPI_LIB.horovod_grouped_allreduce(
         tensors, name=name, reduce_op=op, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, ignore_name_scope=ignore_name_scope,
-        process_set_id=process_set.process_set_id, compression=compression)
+        process_set_id=process_set.process_set_id, compression=compression,
+        tensor_name=_eager_name(given))
 
 
 def _output_dtype_grads(op, grads):
