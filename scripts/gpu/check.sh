@@ -3,7 +3,8 @@
 # scripts/gpu/prepare.sh on the development machine first and carry .gpu/):
 #   1. the MPI scenarios in GPU mode: every op x dtype on GPU memory at np 2 (and 4 where there
 #      are 4 GPUs) against host-computed references, mismatch errors, join, process sets,
-#      channels, asynchronous completion, caller streams/events, the NVRTC kernels;
+#      channels, asynchronous completion, caller streams/events, the NVRTC kernels; then a
+#      sample of the combination matrix on GPU memory;
 #   2. the allreduce benchmark: ferrovod vs raw NCCL in one process, 1 MiB - 1 GiB, and the
 #      ResNet-50 gradient set vs one NCCL allreduce of the same bytes;
 #   3. NCCL through PyTorch (torch.distributed.all_reduce) at the same sizes;
@@ -18,6 +19,9 @@ echo "# $(date -u +%F) $(nvidia-smi --query-gpu=name --format=csv,noheader | hea
 rc=0
 if [ "$what" != bench ]; then
   FERROVOD_TEST_GPU=1 ./.gpu/mpi-tests 2>&1 | tee "$out/tests.log" || rc=1
+  # the combination matrix on GPU memory (torch CUDA tensors, the C API on device memory), a
+  # sample; `bash scripts/matrix.sh --gpu` runs every cell
+  bash scripts/matrix.sh --gpu --sample --logdir "$out/matrix" 2>&1 | tee "$out/matrix.log" || rc=1
 fi
 if [ "$what" != tests ]; then
   : > "$out/bench.jsonl"
