@@ -104,7 +104,9 @@ fn codecs(data: &[u8]) {
             );
             let err = (*b as f64 + *l as f64 - *v as f64).abs();
             let scale = v.abs() as f64 + b.abs() as f64;
-            assert!(err <= 1e-6 * scale + 1e-30, "{v}: {b} + {l}");
+            // a residual saturates at f32::MAX where the range exceeds what an f32 holds
+            let saturated = l.abs() == f32::MAX;
+            assert!(saturated || err <= 1e-6 * scale + 1e-30, "{v}: {b} + {l}");
         }
     }
     let bytes = &data[..data.len() / 4 * 4];

@@ -680,6 +680,8 @@ extern "C" __global__ void fv_u8_encode(const Ranges a) {
       float sh = __fadd_rn(isinf(inv) ? __fdiv_rn(d, step) : __fmul_rn(d, inv), round);
       q[i] = (unsigned char)(__float_as_uint(sh) & 0xffu);
       l = __fsub_rn(v, __fadd_rn(min, __fmul_rn(__fsub_rn(sh, round), step)));
+      // as the host's: saturated, only a range beyond f32 leaves more than FLT_MAX behind
+      l = fminf(fmaxf(l, -3.40282347e38f), 3.40282347e38f);
     } else {
       q[i] = 0;
     }

@@ -53,7 +53,8 @@ fn quantize_block(
         // integer, which then sits in the low mantissa bits (no float-to-int conversion)
         let shifted = scale(v.min(cap) - min) + ROUND;
         *q = (shifted.to_bits() & 0xff) as u8;
-        *l = v - (min + (shifted - ROUND) * step);
+        // saturated: only a range beyond f32 can leave more than f32::MAX behind
+        *l = (v - (min + (shifted - ROUND) * step)).clamp(-f32::MAX, f32::MAX);
     }
 }
 
@@ -180,6 +181,9 @@ mod tests {
     #[test]
     fn a_range_beyond_f32_stays_finite() {
         let x = [-3.0e38f32, 3.0e38, 0.0, 1.0e38, -1.0, -1.4222479e38];
+        // the widest range: what is left of the top value saturates, finite
+        let (back, lost) = round_trip(&[-f32::MAX, f32::MAX, 3.3961512e38]);
+        assert!(back.iter().chain(&lost).all(|v| v.is_finite()), "{back:?} {lost:?}");
         let (back, lost) = round_trip(&x);
         for ((v, b), l) in x.iter().zip(&back).zip(&lost) {
             assert!(
