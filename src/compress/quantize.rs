@@ -183,7 +183,10 @@ mod tests {
         let x = [-3.0e38f32, 3.0e38, 0.0, 1.0e38, -1.0, -1.4222479e38];
         // the widest range: what is left of the top value saturates, finite
         let (back, lost) = round_trip(&[-f32::MAX, f32::MAX, 3.3961512e38]);
-        assert!(back.iter().chain(&lost).all(|v| v.is_finite()), "{back:?} {lost:?}");
+        assert!(
+            back.iter().chain(&lost).all(|v| v.is_finite()),
+            "{back:?} {lost:?}"
+        );
         let (back, lost) = round_trip(&x);
         for ((v, b), l) in x.iter().zip(&back).zip(&lost) {
             assert!(
