@@ -27,7 +27,8 @@ FERROVOD_POLL=1 cargo test --release --test mpi -- join
 fuzz_log=$(mktemp)
 for target in wire enqueue settings live; do
   # fuzz/seeds/<target>: inputs that once failed, replayed first (regressions)
-  mkdir -p "fuzz/corpus/$target"
+  # (git keeps no empty folder, so both are made here)
+  mkdir -p "fuzz/corpus/$target" "fuzz/seeds/$target"
   if ! cargo fuzz run -s none -O "$target" "fuzz/corpus/$target" "fuzz/seeds/$target" -- \
     -max_total_time="${FUZZ_SECONDS:-60}" >"$fuzz_log" 2>&1; then
     tail -n 80 "$fuzz_log"
