@@ -6,11 +6,13 @@
 # against a NumPy float64 reference within the codec's documented error, and that resident
 # memory stays flat; it prints one table and exits 1 if any cell fails (tests/matrix/README.md).
 # Usage: bash scripts/matrix.sh [--sample] [--gpu] [--filter REGEX] [--logdir DIR]
-#   (default) every host cell (about an hour on 2 cores);
-#   --sample  each framework, codec, mode and naming at least once at np 2 and 4 (CI, ~4 min);
+#   (default) every host cell (35-65 min on 2 cores, by load);
+#   --sample  each framework, codec, mode and naming at least once at np 2 and 4 (CI, about
+#             100 s on an idle 2-core machine);
 #   --gpu     torch CUDA tensors and the C API on device memory, at np 2 and 4 where there are
 #             that many GPUs (the GPU machine; skipped where there is none). With --sample, a
 #             sample of those.
+#   --table RESULTS_JSONL...  the table of earlier runs (logdir/results.jsonl), joined.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1

@@ -32,6 +32,9 @@ class Adapter:
     def shutdown(self):
         pass
 
+    def barrier(self):
+        self.hvd.barrier()
+
     # op: "sum" or "avg". Each returns (outputs, communicated) for allreduces (communicated: None
     # where the API cannot tell), the output array otherwise.
     def allreduce(self, x, op, name):
@@ -83,6 +86,9 @@ class CApi(Adapter):
 
     def shutdown(self):
         self.c.shutdown()
+
+    def barrier(self):
+        self.c.enqueue(self.c.BARRIER, [], []).wait()
 
     def _names(self, kind, name, n):
         if name is None:

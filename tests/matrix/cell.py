@@ -37,9 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import plan as P  # noqa: E402
 from adapters import ADAPTERS  # noqa: E402
 
-OPS = 1000
-RSS_FROM_OP = 200
-GROWTH_BOUND_MIB = 32.0
+OPS, RSS_FROM_OP, GROWTH_BOUND_MIB = P.OPS, P.RSS_FROM_OP, P.GROWTH_BOUND_MIB
 
 # Tensor sizes (elements). L and L2 exceed mixed's 32 KiB (they travel as fp16 there), S and S2
 # stay f32; L is large enough that a per-name leak of its size shows in RSS within the cell.
@@ -155,7 +153,8 @@ class Cell:
         bad = ~(err <= tol)  # NaN counts as bad
         if bad.any():
             i = int(np.argmax(np.where(bad, np.nan_to_num(err, nan=np.inf), -1)))
-            self.fail("%s step %d: %d of %d values off, worst at %d: got %r want %r (|err| %.3g > tol %.3g)"
+            self.fail("%s step %d: %d of %d values off, worst at %d: got %r want %r "
+                      "(|err| %.3g > tol %.3g)"
                       % (what, step, int(bad.sum()), bad.size, i, got.flat[i].item(),
                          want.flat[i].item(), err.flat[i], tol))
 
@@ -242,7 +241,8 @@ class Cell:
             # documented: a call that does not communicate completes at once, reports 0, and
             # leaves the output as it was (the C API binding's output starts as the input)
             if communicated is not None and communicated:
-                self.fail("%s step %d: call %d of multistep %d communicated" % (label, step, call_no, P.MULTISTEP))
+                self.fail("%s step %d: call %d of multistep %d communicated"
+                          % (label, step, call_no, P.MULTISTEP))
             for j, (o, x) in enumerate(zip(outs, mine)):
                 self.check("%s[%d] skipped call" % (label, j), o, x.astype(np.float64), 0.0, step)
             if self.named:
@@ -275,20 +275,25 @@ class Cell:
 
     def collectives_step(self, step):
         n, r = self.n, self.rank
-        rows = lambda q: values(q, step, 4, (q + 1) * GATHER_COLS).reshape(q + 1, GATHER_COLS)  # noqa: E731
+        def rows(q):
+            return values(q, step, 4, (q + 1) * GATHER_COLS).reshape(q + 1, GATHER_COLS)
+
         self.allreduce("ar_sum_L", "sum", [[values(q, step, 1, L) for q in range(n)]], step)
         self.allreduce("ar_avg_S", "avg", [[values(q, step, 2, S) for q in range(n)]], step)
         self.allreduce("grouped_avg", "avg", [[values(q, step, 3, S2) for q in range(n)],
                                                [values(q, step, 5, L2) for q in range(n)]], step)
         try:
             got = self.call("allgather", lambda: self.ad.allgather(rows(r), self.name("gather")))
-            self.check("allgather", got, np.concatenate([rows(q) for q in range(n)]).astype(np.float64), 0.0, step)
+            want = np.concatenate([rows(q) for q in range(n)]).astype(np.float64)
+            self.check("allgather", got, want, 0.0, step)
         except Expected:
             pass
         root = step % n
         try:
-            got = self.call("broadcast", lambda: self.ad.broadcast(values(r, step, 6, B), root, self.name("bcast")))
-            self.check("broadcast root %d" % root, got, values(root, step, 6, B).astype(np.float64), 0.0, step)
+            got = self.call("broadcast", lambda: self.ad.broadcast(values(r, step, 6, B), root,
+                                                                   self.name("bcast")))
+            want = values(root, step, 6, B).astype(np.float64)
+            self.check("broadcast root %d" % root, got, want, 0.0, step)
         except Expected:
             pass
         # codecs leave other dtypes alone: exact
@@ -399,7 +404,8 @@ class Cell:
         wire = {k: m1[k] - m0[k] for k in ("wire_fp16", "wire_bf16", "wire_u8")}
         counter = {"fp16": "wire_fp16", "mixed": "wire_fp16", "bf16": "wire_bf16", "u8": "wire_u8"}
         if self.compressed_ops and self.codec in counter and wire[counter[self.codec]] == 0:
-            self.fail("codec %s was not used: %s stayed 0 (metrics %s)" % (self.codec, counter[self.codec], wire))
+            self.fail("codec %s was not used: %s stayed 0 (metrics %s)"
+                      % (self.codec, counter[self.codec], wire))
         if not self.compressed_ops and any(wire.values()):
             self.fail("no operation was to be compressed, yet the metrics count %s" % wire)
 
@@ -424,8 +430,9 @@ class Cell:
             "detail": detail[:1500], "ops": self.ops, "steps": steps, "checks": self.checks,
             "rss_mib": [round(rss0, 1), round(rss1, 1), round(rss1 - rss0, 1)],
             "gpu_mib": None, "secs": round(secs, 2),
-            "metrics": {k: m1[k] - m0[k] for k in ("control_collectives", "data_collectives",
-                                                   "wire_uncompressed", "wire_fp16", "wire_bf16", "wire_u8")},
+            "metrics": {k: m1[k] - m0[k] for k in (
+                "control_collectives", "data_collectives", "wire_uncompressed", "wire_fp16",
+                "wire_bf16", "wire_u8")},
         }
         if self.gpu0 is not None and gpu1 is not None:
             out["gpu_mib"] = [round(self.gpu0 / 2.0 ** 20, 1), round(gpu1 / 2.0 ** 20, 1),
@@ -470,6 +477,9 @@ def main():
         emit(res)
         rc |= res["result"] not in ("PASS", "ERROR-AS-EXPECTED")
     try:
+        # a rank that shuts down while another still runs its last ops (those refused at the
+        # call need no peer) would turn the other's refusals into shut-down errors
+        ad.barrier()
         ad.shutdown()
     except Exception as e:
         print("shutdown: %s" % e, file=sys.stderr)

@@ -167,11 +167,13 @@ def table(results, na, launches, gpu):
     counts = collections.Counter(r["result"] for r in got.values())
     rows.append("")
     rows.append("cells: " + ", ".join("%s %d" % (k, v) for k, v in sorted(counts.items())))
-    growth = [(r.get("rss_growth_mib"), r["cell"]) for r in results if r.get("rss_growth_mib") is not None]
+    growth = [(r["rss_growth_mib"], r["cell"]) for r in results
+              if r.get("rss_growth_mib") is not None]
     if growth:
         lo, hi = min(growth), max(growth)
-        rows.append("RSS growth op %d -> last op, worst rank per cell: min %.1f MiB (%s), max %.1f MiB (%s); bound %.0f MiB"
-                    % (200, lo[0], lo[1], hi[0], hi[1], 32))
+        rows.append("RSS growth op %d -> last op, worst rank per cell: min %.1f MiB (%s), "
+                    "max %.1f MiB (%s); bound %.0f MiB"
+                    % (P.RSS_FROM_OP, lo[0], lo[1], hi[0], hi[1], P.GROWTH_BOUND_MIB))
     by_group = collections.defaultdict(list)
     for r in results:
         if r.get("rss_growth_mib") is not None:
@@ -179,7 +181,8 @@ def table(results, na, launches, gpu):
     if by_group:
         rows.append("RSS growth by framework/memory/np (max over its cells): " + ", ".join(
             "%s %.1f" % ("/".join(k), max(v)) for k, v in sorted(by_group.items())) + " MiB")
-    gpu_growth = [(r.get("gpu_growth_mib"), r["cell"]) for r in results if r.get("gpu_growth_mib") is not None]
+    gpu_growth = [(r["gpu_growth_mib"], r["cell"]) for r in results
+                  if r.get("gpu_growth_mib") is not None]
     if gpu_growth:
         hi = max(gpu_growth)
         rows.append("GPU memory growth: max %.1f MiB (%s)" % hi)
@@ -189,7 +192,8 @@ def table(results, na, launches, gpu):
         rows.append("Not passing (detail from the first failing rank; rerun with the command shown):")
         for r in sorted(bad, key=lambda r: r["cell"]):
             rows.append("  %s  %s  (RSS growth %s MiB)\n      %s\n      repro: %s\n      log: %s"
-                        % (r["cell"], r["result"], r.get("rss_growth_mib"), r["detail"], r["repro"], r["log"]))
+                        % (r["cell"], r["result"], r.get("rss_growth_mib"), r["detail"],
+                           r["repro"], r["log"]))
     expected = [r for r in results if r["result"] == "ERROR-AS-EXPECTED"]
     if expected:
         rows.append("")
@@ -221,7 +225,20 @@ def main():
     p.add_argument("--logdir", default=None)
     p.add_argument("--timeout", type=int, default=None, help="seconds per mpirun")
     p.add_argument("--list", action="store_true", help="print the launches and exit")
+    p.add_argument("--table", nargs="+", metavar="RESULTS_JSONL",
+                   help="print the table of earlier runs' results.jsonl (later files win) and exit")
     args = p.parse_args()
+    if args.table:
+        got = {}
+        for path in args.table:
+            with open(path) as f:
+                for line in f:
+                    r = json.loads(line)
+                    got[r["cell"]] = r
+        results = list(got.values())
+        _, na = P.plan("gpu" if args.gpu else "host")
+        print(table(results, na, None, args.gpu))
+        return 1 if any(r["result"] not in GOOD for r in results) else 0
     max_np = None
     if args.gpu:
         max_np = gpu_count()

@@ -13,6 +13,12 @@ NAMINGS = ("named", "unnamed")
 PROBE_NAMINGS = ("unique",)
 NPS = (2, 4)
 
+# every cell issues at least OPS operations; resident memory may grow by at most
+# GROWTH_BOUND_MIB between operation RSS_FROM_OP (after warm-up) and the last
+OPS = 1000
+RSS_FROM_OP = 200
+GROWTH_BOUND_MIB = 32.0
+
 # the job's multistep in the multistep cells, and offline mode's warm-up
 MULTISTEP = 2
 PLAN_WARMUP_STEPS = 2
