@@ -258,6 +258,29 @@ fn duration_of(key: &str, raw: Option<&str>, default: f64, unit: f64, max: f64) 
     }
 }
 
+/// Stall settings (Horovod's `HOROVOD_STALL_*`), agreed from rank 0 at init.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StallPolicy {
+    pub enabled: bool,
+    pub warn_after: Duration,
+    pub shutdown_after: Duration,
+}
+
+impl StallPolicy {
+    pub fn from_config(cfg: &Config) -> StallPolicy {
+        StallPolicy {
+            enabled: cfg.stall_check,
+            warn_after: cfg.stall_warn,
+            shutdown_after: cfg.stall_shutdown,
+        }
+    }
+
+    /// How long a wait for other ranks may last (None: for ever, as the user asked).
+    pub fn limit(&self) -> Option<Duration> {
+        (self.enabled && self.shutdown_after > Duration::ZERO).then_some(self.shutdown_after)
+    }
+}
+
 /// Sizes in bytes: up to 2^50 (a petabyte), beyond any buffer.
 const MAX_BYTES: usize = 1 << 50;
 
@@ -291,7 +314,7 @@ impl Config {
             );
             shutdown = warn;
         }
-        let max_count = crate::transport::mpi::MAX_COUNT;
+        let max_count = crate::message::MPI_MAX_COUNT;
         Config {
             cycle_time: src.duration("HOROVOD_CYCLE_TIME", 1.0, 1e-3, MAX_CYCLE_MS),
             fusion_threshold: src.num("HOROVOD_FUSION_THRESHOLD", 128 << 20, 0, MAX_BYTES),
@@ -397,7 +420,7 @@ fn compression_from(src: &Source) -> crate::message::Compression {
 /// coordinator round), `autotune`, `freeze` and `offline` (autotune, freezing an offline plan
 /// or running one fails locally), `nccl_init` (a rank fails before creating its NCCL
 /// communicator), `nccl_peers` (a rank cannot prepare its NCCL send/recv connections), `gpu_alltoall` (a GPU alltoall fails before its host-MPI split exchange),
-/// `gpu_staged` (a GPU allreduce of a dtype NCCL cannot reduce fails before its host-MPI
+/// `gpu_staged` (a GPU reducescatter of a dtype NCCL cannot reduce fails before its host-MPI
 /// reduction), `slow_probe` (the rank's measurement of its node's level for the allreduce cost
 /// model reads a thousand times slower; rank 0's figures must still rule). Ranks are global ranks (set ranks for the last three, the same in the tests'
 /// global set).

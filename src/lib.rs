@@ -14,6 +14,7 @@ pub mod fusion;
 mod hashing;
 pub mod message;
 pub mod negotiate;
+pub mod probe;
 pub mod runtime;
 pub mod store;
 

@@ -118,6 +118,15 @@ impl ReduceOp {
 /// Host memory, as Horovod's `CPU_DEVICE_ID`.
 pub const CPU_DEVICE: i32 = -1;
 
+/// Reserved tensor names, as in Horovod: the runtime submits them and the coordinator answers
+/// a join with one, so they live below both.
+pub const JOIN_NAME: &str = "join.noname";
+pub const BARRIER_NAME: &str = "barrier.noname";
+
+/// Largest element count passed to one MPI call (MPI counts are C ints); larger transfers are
+/// split into several calls. Settings bound `FERROVOD_MPI_MAX_COUNT` by it.
+pub const MPI_MAX_COUNT: usize = 1 << 30;
+
 /// One rank's description of one tensor it submitted.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Request {

@@ -11,7 +11,7 @@ use crate::collective::{
     ActivitySink, Encoding, allgather_contributions, allgather_shape, alltoall_counts, backend_op,
     reducescatter_segments, reducescatter_shape,
 };
-use crate::collective::{kernels, layout, ring};
+use crate::collective::{kernels, layout, quantized, ring};
 use crate::compress::{Codec, DeviceFeedback};
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
@@ -232,13 +232,11 @@ fn half_buffer(
     Ok((whole.first(total + extra)?, overflows))
 }
 
-/// An f32 sum or average travelling as 8-bit blocks, computed as the host's `quantized`
-/// allreduce computes it, bit for bit: every tensor's contribution (prescaled, plus its residual
-/// from `lane.feedback`) packed into the fusion buffer and encoded chunk by chunk; each chunk's
-/// blocks sent to its owner (NCCL alltoall), summed there in f32 and encoded again; the owners'
-/// blocks gathered by every rank (NCCL allgather), decoded (postscaled) and unpacked. What
-/// rounding lost becomes the tensors' residuals. Never replayed from a graph: residuals of a
-/// tensor whose size changes move.
+/// An f32 sum or average travelling as 8-bit blocks, by the host's algorithm
+/// (`quantized::allreduce`, bit for bit): every tensor's contribution (prescaled, plus its
+/// residual from `lane.feedback`) packed into the fusion buffer, reduced over `DeviceBlocks`,
+/// decoded (postscaled) and unpacked. What rounding lost becomes the tensors' residuals. Never
+/// replayed from a graph: residuals of a tensor whose size changes move.
 pub fn allreduce_u8(
     t: &dyn DeviceTransport,
     lane: &mut Lane,
@@ -254,15 +252,14 @@ pub fn allreduce_u8(
     let residuals = (resps.iter().zip(&counts))
         .map(|(r, c)| lane.feedback.get(gpu, stream, &r.name, c * 4))
         .collect::<Result<Vec<_>>>()?;
-    // the same chunks and blocks on every rank: functions of the agreed length only
-    let stride = kernels::u8_stride(total.div_ceil(n));
-    let own = ring::chunk(total, 4, n, me);
+    let layout = quantized::Layout::new(total, n, me);
+    let own = layout.chunk(me).len() * 4;
     let parts = [
         total * 4,
         total * 4,
-        n * stride,
-        n * stride,
-        own.len(),
+        layout.blocks_bytes(),
+        layout.blocks_bytes(),
+        own,
         kernels::u8_bounds_bytes(n),
     ];
     let places: Vec<usize> = (parts.iter())
@@ -274,8 +271,18 @@ pub fn allreduce_u8(
         .collect();
     let whole = lane.fusion(places[5] + parts[5])?;
     let part = |i: usize| whole.sub(places[i], parts[i]);
-    let (x, lost, blocks, recv, sum, bounds) =
-        (part(0)?, part(1)?, part(2)?, part(3)?, part(4)?, part(5)?);
+    let mut blocks = DeviceBlocks {
+        t,
+        gpu,
+        stream,
+        x: part(0)?,
+        lost: part(1)?,
+        blocks: part(2)?,
+        recv: part(3)?,
+        sum: part(4)?,
+        bounds: part(5)?,
+    };
+    let (x, lost) = (blocks.x, blocks.lost);
     let pieces = layout::consecutive(counts.iter().map(|c| c * 4));
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
     copy_consecutive(gpu, stream, x, &inputs(ios), true)?;
@@ -285,21 +292,19 @@ pub fn allreduce_u8(
         .collect::<Result<Vec<_>>>()?;
     kernels::add_batch(gpu, stream, &adds)?;
     act(Some("U8_ALLREDUCE"));
-    kernels::u8_encode(
-        gpu, stream, x, lost, blocks, bounds, total, n, stride, false,
-    )?;
-    let each = vec![stride; n];
-    t.alltoallv(blocks, &each, recv, &each, stream)?;
-    let mine = own.len() / 4;
-    kernels::u8_sum(gpu, stream, recv, sum, n, stride, mine)?;
-    let own_lost = lost.sub(own.start, own.len())?;
-    let own_block = blocks.sub(me * stride, stride)?;
-    kernels::u8_encode(
-        gpu, stream, sum, own_lost, own_block, bounds, mine, 1, stride, true,
-    )?;
-    t.allgatherv_in_place(blocks, &each, stream)?;
+    quantized::allreduce(&mut blocks, &layout)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-    kernels::u8_decode(gpu, stream, blocks, x, total, n, stride, enc.post as f32)?;
+    let stride = layout.stride;
+    kernels::u8_decode(
+        gpu,
+        stream,
+        blocks.blocks,
+        x,
+        total,
+        n,
+        stride,
+        enc.post as f32,
+    )?;
     copy_consecutive(gpu, stream, x, &outputs(ios), false)?;
     let keep = (pieces.iter())
         .map(|p| Copy::new(lost.sub(p.place, p.len)?, residuals[p.tensor], p.len))
@@ -307,6 +312,74 @@ pub fn allreduce_u8(
     gpu.copy_batch(stream, &keep)?;
     act(None);
     Ok(())
+}
+
+/// GPU memory over NCCL for the u8 allreduce: the encoding and summing run as kernels, the
+/// blocks move by NCCL send/recv (alltoall) and allgather, all enqueued on `stream`.
+struct DeviceBlocks<'a> {
+    t: &'a dyn DeviceTransport,
+    gpu: &'a Gpu,
+    stream: &'a Stream,
+    x: DeviceRange,
+    lost: DeviceRange,
+    blocks: DeviceRange,
+    recv: DeviceRange,
+    sum: DeviceRange,
+    /// Scratch of the encoding kernels: each chunk's extremes.
+    bounds: DeviceRange,
+}
+
+impl quantized::Blocks for DeviceBlocks<'_> {
+    fn encode_batch(&mut self, l: &quantized::Layout) -> Result<()> {
+        let (x, lost, blocks, bounds) = (self.x, self.lost, self.blocks, self.bounds);
+        kernels::u8_encode(
+            self.gpu,
+            self.stream,
+            x,
+            lost,
+            blocks,
+            bounds,
+            l.values,
+            l.ranks,
+            l.stride,
+            false,
+        )
+    }
+
+    fn exchange(&mut self, l: &quantized::Layout) -> Result<()> {
+        let each = vec![l.stride; l.ranks];
+        (self.t).alltoallv(self.blocks, &each, self.recv, &each, self.stream)
+    }
+
+    fn sum_received(&mut self, l: &quantized::Layout) -> Result<()> {
+        let mine = l.chunk(l.rank).len();
+        let (recv, sum) = (self.recv, self.sum);
+        kernels::u8_sum(self.gpu, self.stream, recv, sum, l.ranks, l.stride, mine)
+    }
+
+    fn encode_sum(&mut self, l: &quantized::Layout) -> Result<()> {
+        let own = l.chunk(l.rank);
+        let own_lost = self.lost.sub(own.start * 4, own.len() * 4)?;
+        let own_block = self.blocks.sub(l.rank * l.stride, l.stride)?;
+        let (sum, bounds) = (self.sum, self.bounds);
+        kernels::u8_encode(
+            self.gpu,
+            self.stream,
+            sum,
+            own_lost,
+            own_block,
+            bounds,
+            own.len(),
+            1,
+            l.stride,
+            true,
+        )
+    }
+
+    fn gather(&mut self, l: &quantized::Layout) -> Result<()> {
+        let each = vec![l.stride; l.ranks];
+        (self.t).allgatherv_in_place(self.blocks, &each, self.stream)
+    }
 }
 
 /// The `(source, destination, elements)` of a batched cast between each tensor (its input
@@ -379,7 +452,6 @@ impl Launches for HalfAllreduce<'_, '_> {
 /// captured into a graph and replayed as `replay` decides.
 pub fn allreduce_batch(
     t: &dyn DeviceTransport,
-    host: &dyn Transport,
     lane: &mut Lane,
     resps: &[&Response],
     ios: &mut [&mut dyn DeviceIo],
@@ -388,7 +460,7 @@ pub fn allreduce_batch(
     let head = resps[0];
     let dtype = head.dtype;
     if !t.reduces(dtype) {
-        return allreduce_staged(host, lane, resps, ios, act);
+        return allreduce_ring(t, lane, resps, ios, act);
     }
     let (op, post) = device_op(head, t.size())?;
     let sizes: Vec<usize> = ios.iter().map(|io| io.input().len()).collect();
@@ -560,35 +632,35 @@ pub(crate) fn reduced_in_place(sizes: &[usize]) -> Vec<bool> {
     direct
 }
 
-/// Allreduce through host memory for dtypes the device backend cannot reduce: waits for the
-/// inputs, reduces on the host transport and copies the result back (finished on return).
-fn allreduce_staged(
-    host: &dyn Transport,
+/// Allreduce by the ring (`collective::ring`, the host's algorithm) over NCCL send/recv, all
+/// enqueued on the lane's stream: for dtypes NCCL cannot reduce, where NCCL's own allreduce
+/// is not a choice. Packed, prescaled, reduced with the ring's kernels, postscaled, unpacked.
+fn allreduce_ring(
+    t: &dyn DeviceTransport,
     lane: &mut Lane,
     resps: &[&Response],
     ios: &mut [&mut dyn DeviceIo],
     act: ActivitySink,
 ) -> Result<()> {
     let head = resps[0];
-    let (op, post) = backend_op(head.reduce_op, host.size(), head.postscale)?;
+    let dtype = head.dtype;
+    let (op, post) = backend_op(head.reduce_op, t.size(), head.postscale)?;
     let total: usize = ios.iter().map(|io| io.input().len()).sum();
-    let mut buf = vec![0u8; total];
-    act(Some("MEMCPY_DEVICE_TO_HOST"));
-    for p in layout::consecutive(ios.iter().map(|io| io.input().len())) {
-        let into = &mut buf[p.place..p.place + p.len];
-        lane.gpu
-            .download(lane.stream, ios[p.tensor].input(), into)?;
-    }
-    if crate::config::test_fault("gpu_staged", host.rank() as i32) {
-        // as a failed download: the other ranks wait in the host allreduce below
-        return Err(Error::Internal("test fault: gpu_staged".into()));
-    }
-    act(Some("MPI_ALLREDUCE"));
-    crate::elementwise::scale(&mut buf, head.dtype, head.prescale)?;
-    host.allreduce(None, &mut buf, head.dtype, op)?;
-    crate::elementwise::scale(&mut buf, head.dtype, post)?;
-    act(Some("MEMCPY_HOST_TO_DEVICE"));
-    upload_outputs(lane, &buf, ios)?;
+    let elems = total / dtype.size();
+    let scratch_len = ring::scratch_bytes(elems, dtype.size(), t.size());
+    let at = total.next_multiple_of(16);
+    let whole = lane.fusion(at + scratch_len)?;
+    let (data, scratch) = (whole.first(total)?, whole.sub(at, scratch_len)?);
+    let (gpu, stream) = (lane.gpu, lane.stream);
+    act(Some("MEMCPY_IN_FUSION_BUFFER"));
+    copy_consecutive(gpu, stream, data, &inputs(ios), true)?;
+    kernels::scale(gpu, stream, data, data, elems, dtype, head.prescale)?;
+    act(Some("RING_ALLREDUCE"));
+    let mut ws = ring::DeviceWorkspace::new(t, gpu, stream, data, scratch, elems, dtype)?;
+    ring::allreduce(&mut ws, elems, dtype, op)?;
+    kernels::scale(gpu, stream, data, data, elems, dtype, post)?;
+    act(Some("MEMCPY_OUT_FUSION_BUFFER"));
+    copy_consecutive(gpu, stream, data, &outputs(ios), false)?;
     act(None);
     Ok(())
 }
@@ -829,6 +901,10 @@ fn reducescatter_staged(
         let at = ios[p.tensor].input().sub(p.offset, p.len)?;
         lane.gpu
             .download(lane.stream, at, &mut send[p.place..p.place + p.len])?;
+    }
+    if crate::config::test_fault("gpu_staged", host.rank() as i32) {
+        // as a failed download: the other ranks wait in the host reduce-scatter below
+        return Err(Error::Internal("test fault: gpu_staged".into()));
     }
     act(Some("MPI_REDUCESCATTER"));
     crate::elementwise::scale(&mut send, head.dtype, head.prescale)?;

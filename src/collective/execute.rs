@@ -100,7 +100,7 @@ pub fn device(
         }
     };
     match head.kind {
-        OpKind::Allreduce => device::allreduce_batch(t, host, lane, resps, ios, sink),
+        OpKind::Allreduce => device::allreduce_batch(t, lane, resps, ios, sink),
         OpKind::Allgather => device::allgather_batch(t, lane, resps, ios, sink),
         OpKind::Reducescatter => device::reducescatter_batch(t, host, lane, resps, ios, sink),
         OpKind::Broadcast => device::broadcast(t, lane, head, &mut *ios[0], sink),

@@ -335,17 +335,11 @@ fn blocks_for(len: usize) -> u32 {
     len.div_ceil(256 * 4).clamp(1, 512) as u32
 }
 
-/// The bytes of a u8 batch's block stride for chunks of up to `values` values: header and
-/// values, rounded up so that every block's header is aligned.
-pub fn u8_stride(values: usize) -> usize {
-    (crate::compress::quantize::encoded_len(values)).next_multiple_of(16)
-}
-
 /// The values of the largest of `chunks` chunks of `values` values, checked to fit blocks
 /// `stride` bytes apart.
 fn u8_chunk_values(values: usize, chunks: usize, stride: usize) -> Result<usize> {
     let largest = values.div_ceil(chunks.max(1));
-    if stride < u8_stride(largest) {
+    if stride < crate::collective::quantized::stride(largest) {
         return Err(Error::Internal("u8 block stride too small".into()));
     }
     Ok(largest)

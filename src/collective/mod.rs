@@ -367,7 +367,10 @@ fn allreduce_u8(
         residuals.push(residual);
     }
     act(Some("U8_ALLREDUCE"));
-    let reduced = quantized::allreduce(t, x, lost, scratch, bytes)?;
+    let layout = quantized::Layout::new(total, t.size(), t.rank());
+    let mut blocks = quantized::HostBlocks::new(t, x, lost, scratch, bytes)?;
+    quantized::allreduce(&mut blocks, &layout)?;
+    let reduced = blocks.reduced(&layout);
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));
     for (p, mut residual) in pieces.iter().zip(residuals) {
         residual.copy_from_slice(&lost[p.place..p.place + p.len]);

@@ -16,38 +16,31 @@ use crate::transport::cuda::{Gpu, Stream};
 use crate::transport::memory::DeviceRange;
 use crate::transport::{DeviceTransport, Segment, Transport};
 
-/// A working buffer, a scratch buffer of at least one chunk, and point-to-point transfers
-/// between ranks, on one kind of memory. Ranges are bytes of the working buffer.
+/// One step of the ring on one rank: send the bytes `send` of the working buffer to rank `to`
+/// while the same chunk of rank `from` arrives for `recv` (disjoint from `send`).
+#[derive(Clone, Debug)]
+pub struct Step {
+    pub to: usize,
+    pub send: Range<usize>,
+    pub from: usize,
+    pub recv: Range<usize>,
+    /// `send` is this rank's own chunk, not yet reduced into (the first reduce-scatter step).
+    pub first: bool,
+    /// `recv` holds its final value after this step.
+    pub last: bool,
+}
+
+/// A working buffer and point-to-point transfers between ranks, on one kind of memory (host:
+/// `HostWorkspace`; GPU: `DeviceWorkspace`). Ranges are bytes of the working buffer.
 pub trait Workspace {
     fn rank(&self) -> usize;
     fn size(&self) -> usize;
 
-    /// Sends `send` to rank `to` while receiving `recv_len` bytes from rank `from` into the
-    /// start of the scratch buffer.
-    fn exchange_to_scratch(
-        &mut self,
-        to: usize,
-        send: Range<usize>,
-        from: usize,
-        recv_len: usize,
-    ) -> Result<()>;
+    /// A reduce-scatter step: `working[recv] = op(working[recv], what arrives)`.
+    fn reduce_step(&mut self, step: Step, dtype: DataType, op: ReduceOp) -> Result<()>;
 
-    /// `working[range] = op(working[range], scratch[..range.len()])`.
-    fn reduce_from_scratch(
-        &mut self,
-        range: Range<usize>,
-        dtype: DataType,
-        op: ReduceOp,
-    ) -> Result<()>;
-
-    /// Sends `send` to rank `to` while receiving `recv` (disjoint from `send`) from rank `from`.
-    fn exchange(
-        &mut self,
-        to: usize,
-        send: Range<usize>,
-        from: usize,
-        recv: Range<usize>,
-    ) -> Result<()>;
+    /// An allgather step: what arrives replaces `working[recv]`.
+    fn copy_step(&mut self, step: Step) -> Result<()>;
 }
 
 /// Bytes of chunk `c` when `elems` elements of `elem_size` bytes are split into `n` chunks that
@@ -78,17 +71,30 @@ pub fn allreduce<W: Workspace + ?Sized>(
         return Ok(());
     }
     let size = dtype.size();
-    let (right, left) = ((r + 1) % n, (r + n - 1) % n);
+    let (to, from) = ((r + 1) % n, (r + n - 1) % n);
     for s in 0..n - 1 {
         let (send, recv) = scatter_step(r, n, s);
-        let (send, recv) = (chunk(elems, size, n, send), chunk(elems, size, n, recv));
-        ws.exchange_to_scratch(right, send, left, recv.len())?;
-        ws.reduce_from_scratch(recv, dtype, op)?;
+        let step = Step {
+            to,
+            send: chunk(elems, size, n, send),
+            from,
+            recv: chunk(elems, size, n, recv),
+            first: s == 0,
+            last: s == n - 2,
+        };
+        ws.reduce_step(step, dtype, op)?;
     }
     for s in 0..n - 1 {
         let (send, recv) = gather_step(r, n, s);
-        let (send, recv) = (chunk(elems, size, n, send), chunk(elems, size, n, recv));
-        ws.exchange(right, send, left, recv)?;
+        let step = Step {
+            to,
+            send: chunk(elems, size, n, send),
+            from,
+            recv: chunk(elems, size, n, recv),
+            first: false,
+            last: true,
+        };
+        ws.copy_step(step)?;
     }
     Ok(())
 }
@@ -124,76 +130,22 @@ pub fn allreduce_staged(
     op: ReduceOp,
     stage: &mut dyn FnMut(Stage) -> Result<()>,
 ) -> Result<()> {
-    let (n, r, size) = (t.size(), t.rank(), dtype.size());
-    let elems = data.len() / size;
-    if n <= 1 || elems == 0 {
+    let elems = data.len() / dtype.size();
+    if t.size() <= 1 || elems == 0 {
         stage(Stage::Pack { at: 0, piece: data })?;
         return stage(Stage::Unpack { at: 0, piece: data });
     }
-    // whole elements, within what one transfer may carry (at least one element: the
-    // smallest count limit holds any dtype)
-    let segment = (RING_SEGMENT.min(t.max_transfer_bytes()) / size * size).max(size);
-    let mut scratch = vec![0u8; scratch_bytes(elems, size, n)];
-    let (right, left) = ((r + 1) % n, (r + n - 1) % n);
-    for s in 0..n - 1 {
-        let (send, recv) = scatter_step(r, n, s);
-        let (send, recv) = (chunk(elems, size, n, send), chunk(elems, size, n, recv));
-        let (send_at, recv_at) = (send.start, recv.start);
-        let (send_part, recv_part) = split_disjoint(data, send, recv);
-        let scratch = &mut scratch[..recv_part.len()];
-        t.sendrecv_segments(
-            send_part,
-            right,
-            scratch,
-            left,
-            segment,
-            &mut |seg| match seg {
-                // this rank's own chunk, sent before anything is reduced into it
-                Segment::Send(k, piece) if s == 0 => stage(Stage::Pack {
-                    at: send_at + k * segment,
-                    piece,
-                }),
-                Segment::Send(..) => Ok(()),
-                Segment::Received(k, part) => {
-                    let at = k * segment;
-                    let own = &mut recv_part[at..at + part.len()];
-                    stage(Stage::Pack {
-                        at: recv_at + at,
-                        piece: own,
-                    })?;
-                    reduce_into(own, part, dtype, op)?;
-                    match s == n - 2 {
-                        true => stage(Stage::Unpack {
-                            at: recv_at + at,
-                            piece: own,
-                        }),
-                        false => Ok(()),
-                    }
-                }
-            },
-        )?;
-    }
-    for s in 0..n - 1 {
-        let (send, recv) = gather_step(r, n, s);
-        let (send, recv) = (chunk(elems, size, n, send), chunk(elems, size, n, recv));
-        let recv_at = recv.start;
-        let (send_part, recv_part) = split_disjoint(data, send, recv);
-        t.sendrecv_segments(
-            send_part,
-            right,
-            recv_part,
-            left,
-            segment,
-            &mut |seg| match seg {
-                Segment::Send(..) => Ok(()),
-                Segment::Received(k, piece) => stage(Stage::Unpack {
-                    at: recv_at + k * segment,
-                    piece,
-                }),
-            },
-        )?;
-    }
-    Ok(())
+    let mut ws = HostWorkspace::new(t, data, elems, dtype)?.staged(stage);
+    allreduce(&mut ws, elems, dtype, op)
+}
+
+/// What a host workspace does besides the transfers.
+enum Around<'a> {
+    /// Transfers in segments (whole elements, at most `max_transfer_bytes`), with the batch's
+    /// packing.
+    Staged(&'a mut dyn FnMut(Stage) -> Result<()>),
+    /// Whole transfers, with work on another level while each is in flight.
+    Overlapping(&'a mut dyn FnMut() -> Result<()>),
 }
 
 /// Host memory over a `Transport`'s point-to-point transfers; reductions run on the CPU.
@@ -201,8 +153,10 @@ pub struct HostWorkspace<'a> {
     transport: &'a dyn Transport,
     data: &'a mut [u8],
     scratch: Vec<u8>,
-    /// Run while each transfer is in flight (a pipelined algorithm's work on another level).
-    meanwhile: Option<&'a mut dyn FnMut() -> Result<()>>,
+    /// Bytes of one segment: whole elements, within what one transfer may carry.
+    segment: usize,
+    /// None: whole transfers, split only where MPI's count limit requires.
+    around: Option<Around<'a>>,
 }
 
 impl<'a> HostWorkspace<'a> {
@@ -213,41 +167,36 @@ impl<'a> HostWorkspace<'a> {
         elems: usize,
         dtype: DataType,
     ) -> Result<HostWorkspace<'a>> {
-        if data.len() < elems * dtype.size() {
+        let size = dtype.size();
+        if data.len() < elems * size {
             return Err(Error::Internal(format!(
                 "ring allreduce of {elems} {} elements over {} bytes",
                 dtype.name(),
                 data.len()
             )));
         }
-        let scratch = vec![0u8; scratch_bytes(elems, dtype.size(), transport.size())];
+        let scratch = vec![0u8; scratch_bytes(elems, size, transport.size())];
+        // at least one element: the smallest count limit holds any dtype
+        let segment = (RING_SEGMENT.min(transport.max_transfer_bytes()) / size * size).max(size);
         Ok(HostWorkspace {
             transport,
             data,
             scratch,
-            meanwhile: None,
+            segment,
+            around: None,
         })
+    }
+
+    /// Packs and unpacks the batch with `stage` inside the transfers.
+    pub fn staged(mut self, stage: &'a mut dyn FnMut(Stage) -> Result<()>) -> Self {
+        self.around = Some(Around::Staged(stage));
+        self
     }
 
     /// Runs `meanwhile` while each of the ring's transfers is in flight.
     pub fn overlapping(mut self, meanwhile: &'a mut dyn FnMut() -> Result<()>) -> Self {
-        self.meanwhile = Some(meanwhile);
+        self.around = Some(Around::Overlapping(meanwhile));
         self
-    }
-}
-
-/// One of a host ring's transfers, with the workspace's `meanwhile` work if it has any.
-fn transfer(
-    transport: &dyn Transport,
-    meanwhile: &mut Option<&mut dyn FnMut() -> Result<()>>,
-    send: &[u8],
-    to: usize,
-    recv: &mut [u8],
-    from: usize,
-) -> Result<()> {
-    match meanwhile {
-        Some(f) => transport.sendrecv_while(send, to, recv, from, *f),
-        None => transport.sendrecv(send, to, recv, from),
     }
 }
 
@@ -260,50 +209,96 @@ impl Workspace for HostWorkspace<'_> {
         self.transport.size()
     }
 
-    fn exchange_to_scratch(
-        &mut self,
-        to: usize,
-        send: Range<usize>,
-        from: usize,
-        recv_len: usize,
-    ) -> Result<()> {
-        transfer(
-            self.transport,
-            &mut self.meanwhile,
-            &self.data[send],
+    fn reduce_step(&mut self, step: Step, dtype: DataType, op: ReduceOp) -> Result<()> {
+        disjoint(&step.send, &step.recv, self.data.len())?;
+        let Step {
             to,
-            &mut self.scratch[..recv_len],
+            send,
             from,
-        )
-    }
-
-    fn reduce_from_scratch(
-        &mut self,
-        range: Range<usize>,
-        dtype: DataType,
-        op: ReduceOp,
-    ) -> Result<()> {
-        let len = range.len();
-        reduce_into(&mut self.data[range], &self.scratch[..len], dtype, op)
-    }
-
-    fn exchange(
-        &mut self,
-        to: usize,
-        send: Range<usize>,
-        from: usize,
-        recv: Range<usize>,
-    ) -> Result<()> {
-        disjoint(&send, &recv, self.data.len())?;
+            recv,
+            first,
+            last,
+        } = step;
+        let (send_at, recv_at, len) = (send.start, recv.start, recv.len());
         let (send_part, recv_part) = split_disjoint(self.data, send, recv);
-        transfer(
-            self.transport,
-            &mut self.meanwhile,
+        let scratch = &mut self.scratch[..len];
+        let stage = match &mut self.around {
+            Some(Around::Staged(stage)) => stage,
+            Some(Around::Overlapping(f)) => {
+                self.transport
+                    .sendrecv_while(send_part, to, scratch, from, *f)?;
+                return reduce_into(recv_part, scratch, dtype, op);
+            }
+            None => {
+                self.transport.sendrecv(send_part, to, scratch, from)?;
+                return reduce_into(recv_part, scratch, dtype, op);
+            }
+        };
+        let segment = self.segment;
+        self.transport.sendrecv_segments(
             send_part,
             to,
-            recv_part,
+            scratch,
             from,
+            segment,
+            &mut |seg| match seg {
+                // this rank's own chunk, sent before anything is reduced into it
+                Segment::Send(k, piece) if first => stage(Stage::Pack {
+                    at: send_at + k * segment,
+                    piece,
+                }),
+                Segment::Send(..) => Ok(()),
+                Segment::Received(k, part) => {
+                    let at = k * segment;
+                    let own = &mut recv_part[at..at + part.len()];
+                    stage(Stage::Pack {
+                        at: recv_at + at,
+                        piece: own,
+                    })?;
+                    reduce_into(own, part, dtype, op)?;
+                    match last {
+                        true => stage(Stage::Unpack {
+                            at: recv_at + at,
+                            piece: own,
+                        }),
+                        false => Ok(()),
+                    }
+                }
+            },
         )
+    }
+
+    fn copy_step(&mut self, step: Step) -> Result<()> {
+        disjoint(&step.send, &step.recv, self.data.len())?;
+        let Step {
+            to,
+            send,
+            from,
+            recv,
+            ..
+        } = step;
+        let recv_at = recv.start;
+        let (send_part, recv_part) = split_disjoint(self.data, send, recv);
+        match &mut self.around {
+            Some(Around::Overlapping(f)) => self
+                .transport
+                .sendrecv_while(send_part, to, recv_part, from, *f),
+            Some(Around::Staged(stage)) => self.transport.sendrecv_segments(
+                send_part,
+                to,
+                recv_part,
+                from,
+                self.segment,
+                &mut |seg| match seg {
+                    Segment::Send(..) => Ok(()),
+                    Segment::Received(k, piece) => stage(Stage::Unpack {
+                        at: recv_at + k * self.segment,
+                        piece,
+                    }),
+                },
+            ),
+            None => self.transport.sendrecv(send_part, to, recv_part, from),
+        }
     }
 }
 
@@ -386,40 +381,21 @@ impl Workspace for DeviceWorkspace<'_> {
         self.transport.size()
     }
 
-    fn exchange_to_scratch(
-        &mut self,
-        to: usize,
-        send: Range<usize>,
-        from: usize,
-        recv_len: usize,
-    ) -> Result<()> {
-        let recv = self.scratch.first(recv_len)?;
+    fn reduce_step(&mut self, step: Step, dtype: DataType, op: ReduceOp) -> Result<()> {
+        disjoint(&step.send, &step.recv, self.data.len())?;
+        let x = self.scratch.first(step.recv.len())?;
+        let acc = self.part(&step.recv)?;
         self.transport
-            .sendrecv(self.part(&send)?, to, recv, from, self.stream)
-    }
-
-    fn reduce_from_scratch(
-        &mut self,
-        range: Range<usize>,
-        dtype: DataType,
-        op: ReduceOp,
-    ) -> Result<()> {
-        let x = self.scratch.first(range.len())?;
-        let n = range.len() / dtype.size();
-        let acc = self.part(&range)?;
+            .sendrecv(self.part(&step.send)?, step.to, x, step.from, self.stream)?;
+        let n = step.recv.len() / dtype.size();
         crate::collective::kernels::reduce_into(self.gpu, self.stream, acc, x, n, dtype, op)
     }
 
-    fn exchange(
-        &mut self,
-        to: usize,
-        send: Range<usize>,
-        from: usize,
-        recv: Range<usize>,
-    ) -> Result<()> {
-        disjoint(&send, &recv, self.data.len())?;
+    fn copy_step(&mut self, step: Step) -> Result<()> {
+        disjoint(&step.send, &step.recv, self.data.len())?;
+        let (send, recv) = (self.part(&step.send)?, self.part(&step.recv)?);
         self.transport
-            .sendrecv(self.part(&send)?, to, self.part(&recv)?, from, self.stream)
+            .sendrecv(send, step.to, recv, step.from, self.stream)
     }
 }
 

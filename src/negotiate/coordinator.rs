@@ -98,7 +98,7 @@ impl Coordinator {
                 rank: 0,
                 kind: OpKind::Join,
                 dtype: crate::dtype::DataType::I32,
-                name: crate::runtime::JOIN_NAME.into(),
+                name: crate::message::JOIN_NAME.into(),
                 shape: vec![],
                 root: 0,
                 device: crate::message::CPU_DEVICE,

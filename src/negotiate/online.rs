@@ -13,28 +13,7 @@ use crate::negotiate::ready_bitmap::{self, Vote};
 use crate::negotiate::wire::{self, RequestList, ResponseList};
 use crate::transport::Transport;
 
-/// Stall settings (Horovod's `HOROVOD_STALL_*`), agreed from rank 0 at init.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct StallPolicy {
-    pub enabled: bool,
-    pub warn_after: Duration,
-    pub shutdown_after: Duration,
-}
-
-impl StallPolicy {
-    pub fn from_config(cfg: &crate::config::Config) -> StallPolicy {
-        StallPolicy {
-            enabled: cfg.stall_check,
-            warn_after: cfg.stall_warn,
-            shutdown_after: cfg.stall_shutdown,
-        }
-    }
-
-    /// How long a wait for other ranks may last (None: for ever, as the user asked).
-    pub fn limit(&self) -> Option<Duration> {
-        (self.enabled && self.shutdown_after > Duration::ZERO).then_some(self.shutdown_after)
-    }
-}
+use crate::config::StallPolicy;
 
 /// What one cycle decided.
 #[derive(Debug, Default)]
@@ -456,9 +435,9 @@ impl Negotiator {
             NegotiationMode::Online | NegotiationMode::Offline => {
                 let (n, g) = (singles.len(), self.groups.len());
                 let mut words = ready_bitmap::encode_grouped(&vote, n, g);
-                crate::runtime::probe::mark("vote sent", keep.len() + to_send.len());
+                crate::probe::mark("vote sent", keep.len() + to_send.len());
                 ctrl.and_words(&mut words)?;
-                crate::runtime::probe::mark("vote reduced", words.len());
+                crate::probe::mark("vote reduced", words.len());
                 out.control_collectives += 1;
                 out.control_bytes += 8 * words.len() as u64;
                 ready_bitmap::decode_grouped(&words, n, g, carried)

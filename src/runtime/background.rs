@@ -364,7 +364,7 @@ impl Background {
                 return ControlFlow::Continue(false);
             };
             let started = Instant::now();
-            super::probe::mark("vote", set.entries.len());
+            crate::probe::mark("vote", set.entries.len());
             let abort = want && self.rt.gpu_aborting();
             let moved = self.rt.gpu_moved();
             let batch = match set.negotiation.next(&set.ctrl, want, abort, moved, started) {
@@ -405,7 +405,7 @@ impl Background {
         outcome: Result<CycleOutcome>,
         started: Instant,
     ) -> ControlFlow<Option<String>, bool> {
-        super::probe::mark("voted", outcome.as_ref().map_or(0, |o| o.responses.len()));
+        crate::probe::mark("voted", outcome.as_ref().map_or(0, |o| o.responses.len()));
         if let Ok(o) = &outcome {
             self.rt.metrics.add_negotiation(
                 o.control_collectives.into(),
@@ -454,7 +454,7 @@ impl Background {
         }
         let progressed = !outcome.responses.is_empty();
         if progressed {
-            super::probe::mark("agreed", outcome.responses.len());
+            crate::probe::mark("agreed", outcome.responses.len());
             let changes = self.launcher.launch(
                 &self.rt,
                 &self.settings,

@@ -519,12 +519,12 @@ pub(crate) fn run_device_batch(
 }
 
 /// Whether a flat GPU batch sends to single peers (NCCL send/recv) rather than through NCCL's
-/// collectives: alltoall, gossip, and the u8 codec's exchange of blocks. The same on every
-/// rank: a function of the agreed response and settings.
+/// collectives: alltoall, gossip, the u8 codec's exchange of blocks, and the ring of dtypes
+/// NCCL cannot reduce. The same on every rank: a function of the agreed response and settings.
 fn uses_peers(how: &DeviceHow, head: &Response) -> bool {
     match head.kind {
         OpKind::Alltoall | OpKind::Gossip => true,
-        OpKind::Allreduce => how.codec == Codec::U8,
+        OpKind::Allreduce => how.codec == Codec::U8 || !crate::transport::nccl::reduces(head.dtype),
         _ => false,
     }
 }
@@ -583,11 +583,11 @@ fn enqueue_on_streams(
         }
     }
     let n = entries.len();
-    super::probe::mark("waits enqueued", n);
+    crate::probe::mark("waits enqueued", n);
     // each stage of the collective's launch (packing, NCCL, unpacking) marked as it starts
     let sink = &mut |a: Option<&'static str>| {
         if let Some(stage) = a {
-            super::probe::mark(stage, n);
+            crate::probe::mark(stage, n);
         }
         sink(a)
     };
@@ -646,11 +646,11 @@ fn enqueue_on_streams(
         let names: Vec<&str> = resps.iter().map(|r| r.name.as_str()).collect();
         l.feedback.sweep(&w.stream, &names)?;
     }
-    super::probe::mark("collective enqueued", n);
+    crate::probe::mark("collective enqueued", n);
     let event = Arc::new(gpu.new_event()?);
     event.record(&w.stream)?;
     w.last = Some(event.clone());
-    super::probe::mark("launched", entries.len());
+    crate::probe::mark("launched", entries.len());
     let recorded = Recorded {
         gpu,
         event,
@@ -844,10 +844,10 @@ fn finish_loop(rt: Arc<Runtime>, rx: Receiver<Finish>) {
                 entries,
             } => {
                 let outcome = fired.and_then(|()| recorded.outcome());
-                super::probe::mark("fired", entries.len());
+                crate::probe::mark("fired", entries.len());
                 let n = entries.len();
                 spent.push(complete_staged(entries, outcome));
-                super::probe::mark("completed", n);
+                crate::probe::mark("completed", n);
             }
             Finish::Release { memory, .. } => {
                 if let Err(e) = fired {

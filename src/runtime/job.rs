@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
+use crate::config::StallPolicy;
 use crate::config::{AlgorithmChoice, NegotiationMode};
 use crate::error::{Error, Result};
-use crate::negotiate::online::StallPolicy;
 use crate::runtime::{Communicator, Runtime, Topology};
 use crate::transport::Transport;
 use crate::transport::mpi::MpiComm;

@@ -10,7 +10,6 @@ pub(crate) mod in_flight;
 pub(crate) mod job;
 pub(crate) mod launch;
 pub mod metrics;
-pub mod probe;
 pub(crate) mod schedule;
 pub(crate) mod sets;
 pub mod timeline;
@@ -25,13 +24,11 @@ use crossbeam::channel::{Sender, unbounded};
 use crate::config::Config;
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
-use crate::message::{CPU_DEVICE, Compression, Multistep, OpKind, ReduceOp, Request};
+use crate::message::{
+    BARRIER_NAME, CPU_DEVICE, Compression, JOIN_NAME, Multistep, OpKind, ReduceOp, Request,
+};
 use entry::{InputMem, OutputMem, SharedAllocator, TensorEntry};
 use handle::{DoneCallback, Handle, HandleTable};
-
-/// Reserved tensor names, as in Horovod.
-pub const JOIN_NAME: &str = "join.noname";
-pub const BARRIER_NAME: &str = "barrier.noname";
 
 /// Where this process sits in the job.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -163,7 +160,7 @@ pub struct Runtime {
     /// The job's `FERROVOD_MULTISTEP` (set at init, agreed).
     pub(crate) job_multistep: OnceLock<u32>,
     /// The job's stall settings (set at init, agreed).
-    stall: OnceLock<crate::negotiate::online::StallPolicy>,
+    stall: OnceLock<crate::config::StallPolicy>,
     /// Multistep allreduces' call counts and sums.
     steps: crate::compress::multistep::Steps,
 }
@@ -315,9 +312,9 @@ impl Runtime {
     }
 
     /// The stall settings every rank uses: rank 0's, once init agreed them.
-    pub(crate) fn stall(&self) -> crate::negotiate::online::StallPolicy {
+    pub(crate) fn stall(&self) -> crate::config::StallPolicy {
         (self.stall.get().copied())
-            .unwrap_or_else(|| crate::negotiate::online::StallPolicy::from_config(&self.config))
+            .unwrap_or_else(|| crate::config::StallPolicy::from_config(&self.config))
     }
 
     pub fn topology(&self) -> &Topology {

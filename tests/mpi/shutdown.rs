@@ -398,22 +398,23 @@ pub(crate) fn gpu_alltoall_fault() {
     std::thread::sleep(Duration::from_secs(120));
 }
 
-/// GPU: rank 1's allreduce of a dtype NCCL cannot reduce (u16, staged through a host-MPI
-/// reduction) fails before the host reduction that rank 0 waits in.
+/// GPU: rank 1's reducescatter of a dtype NCCL cannot reduce (u16, staged through a host-MPI
+/// reduce-scatter) fails before the host reduction that rank 0 waits in.
 pub(crate) fn gpu_staged_fault() {
     init();
+    let rows = 2 * size();
     let got = run(OpSpec::new(
-        OpKind::Allreduce,
+        OpKind::Reducescatter,
         vec![tensor(
             "staged.fault",
             DataType::U16,
-            &[4],
-            &[1.0; 4],
+            &[rows as i64],
+            &vec![1.0; rows],
             false,
         )],
     ));
     eprintln!(
-        "rank {}: staged allreduce returned {:?}",
+        "rank {}: staged reducescatter returned {:?}",
         rank(),
         got.map(|_| ())
     );

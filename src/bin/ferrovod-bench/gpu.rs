@@ -290,11 +290,11 @@ fn resnet(
     // inside three more steps: when the runtime's stages happened (us from the first submit)
     let mut inside = Vec::new();
     for _ in 0..3 {
-        runtime::probe::take();
-        runtime::probe::set_enabled(true);
+        ferrovod::probe::take();
+        ferrovod::probe::set_enabled(true);
         let (t, done, submitted) = step();
-        runtime::probe::set_enabled(false);
-        let marks: Vec<String> = runtime::probe::take()
+        ferrovod::probe::set_enabled(false);
+        let marks: Vec<String> = ferrovod::probe::take()
             .iter()
             .map(|m| {
                 let us = m.at.saturating_duration_since(t).as_secs_f64() * 1e6;
