@@ -51,12 +51,10 @@ pub enum DeviceRoute<'a> {
     Hierarchical(device::Levels<'a>),
 }
 
-/// How a GPU batch travels (agreed): its codec, for gossip its rounds, and whether its results
-/// are checked for NaN and infinite values (`PERSEUS_ALLREDUCE_NANCHECK`, allreduces).
+/// How a GPU batch runs (agreed): its plan, and for gossip its rounds.
 pub struct DeviceHow<'a> {
-    pub codec: Codec,
+    pub plan: crate::collective::plan::BatchPlan,
     pub gossip: Option<gossip::Schedule<'a>>,
-    pub nan_check: bool,
 }
 
 /// Enqueues one batch of GPU tensors on `lane` over `route`; `host` carries what must be agreed
@@ -71,7 +69,7 @@ pub fn device(
     sink: ActivitySink,
 ) -> Result<()> {
     let head = resps[0];
-    let codec = how.codec;
+    let codec = how.plan.codec;
     match (codec, &route) {
         (Codec::None, _) => {}
         (_, DeviceRoute::Hierarchical(_)) if head.kind == OpKind::Allreduce => {}

@@ -339,7 +339,7 @@ fn blocks_for(len: usize) -> u32 {
 /// `stride` bytes apart.
 fn u8_chunk_values(values: usize, chunks: usize, stride: usize) -> Result<usize> {
     let largest = values.div_ceil(chunks.max(1));
-    if stride < crate::collective::quantized::stride(largest) {
+    if stride < crate::compress::quantize::block_stride(largest) {
         return Err(Error::Internal("u8 block stride too small".into()));
     }
     Ok(largest)

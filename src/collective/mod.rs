@@ -9,6 +9,7 @@ pub mod gossip;
 pub mod hierarchical;
 pub mod kernels;
 pub mod layout;
+pub mod plan;
 pub mod quantized;
 pub mod replay;
 pub mod ring;

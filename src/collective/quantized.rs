@@ -24,8 +24,7 @@ pub struct Layout {
     pub values: usize,
     pub ranks: usize,
     pub rank: usize,
-    /// Bytes from one block to the next: the largest chunk's encoding, rounded up so that
-    /// every block's header is 16-byte aligned (what the GPU kernels read).
+    /// Bytes from one block to the next (`quantize::block_stride` of the largest chunk).
     pub stride: usize,
 }
 
@@ -35,7 +34,7 @@ impl Layout {
             values,
             ranks,
             rank,
-            stride: stride(values.div_ceil(ranks.max(1))),
+            stride: quantize::block_stride(values.div_ceil(ranks.max(1))),
         }
     }
 
@@ -48,12 +47,6 @@ impl Layout {
     pub fn blocks_bytes(&self) -> usize {
         self.ranks * self.stride
     }
-}
-
-/// The bytes of a block for chunks of up to `values` values: header and values, rounded up so
-/// that every block's header is aligned.
-pub fn stride(values: usize) -> usize {
-    encoded_len(values).next_multiple_of(16)
 }
 
 /// The memory a u8 allreduce works in and the transfers between ranks. Its areas: the batch's

@@ -10,6 +10,13 @@ pub fn encoded_len(values: usize) -> usize {
     HEADER + values
 }
 
+/// The bytes from one block to the next in a batch of blocks of up to `values` values: the
+/// encoding rounded up so that every block's header is 16-byte aligned (what the GPU kernels
+/// read; the host lays batches out alike, so the wire carries the same bytes).
+pub fn block_stride(values: usize) -> usize {
+    encoded_len(values).next_multiple_of(16)
+}
+
 /// Encodes `x` into `out` (`encoded_len(x.len())` bytes) and writes `x - decoded` into `lost`.
 /// A block holding NaN or an infinity encodes as NaN throughout, so it stays visible in sums,
 /// and loses nothing (a NaN kept for the next step would spoil every later one).

@@ -14,7 +14,7 @@ use crossbeam::channel::{Receiver, Sender, unbounded};
 use crate::error::{Error, Result};
 use crate::message::{OpKind, Response};
 use crate::runtime::entry::TensorEntry;
-use crate::runtime::launch::Executor;
+use crate::runtime::executor::Executor;
 use crate::runtime::{Command, Runtime};
 
 /// One batch for a channel.
@@ -134,7 +134,7 @@ fn run(
     // this channel's own communicator, fusion buffer and NCCL streams
     for mut job in rx {
         let refs: Vec<&Response> = job.resps.iter().collect();
-        let on_device = super::gpu::on_device(refs[0]);
+        let on_device = crate::collective::plan::on_device(refs[0]);
         turn.wait_for(job.seq);
         if !on_device {
             turn.done(job.seq);

@@ -19,7 +19,7 @@ use crate::collective::{self, ActivitySink, kernels};
 use crate::compress::{Codec, DeviceFeedback};
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
-use crate::message::{OpKind, Response};
+use crate::message::Response;
 use crate::runtime::Runtime;
 use crate::runtime::entry::{ReadyEvent, TensorEntry};
 use crate::transport::Transport;
@@ -426,20 +426,6 @@ impl Overflows {
     }
 }
 
-/// Whether a batch of `head`'s kind runs on the GPU path.
-pub(crate) fn on_device(head: &Response) -> bool {
-    head.device != crate::message::CPU_DEVICE
-        && matches!(
-            head.kind,
-            OpKind::Allreduce
-                | OpKind::Allgather
-                | OpKind::Reducescatter
-                | OpKind::Broadcast
-                | OpKind::Alltoall
-                | OpKind::Gossip
-        )
-}
-
 /// A hierarchical batch's two levels: this node's ranks, and this node rank on every node.
 #[derive(Clone, Copy)]
 pub(crate) struct NodeLevels<'a> {
@@ -493,7 +479,7 @@ pub(crate) fn run_device_batch(
         Some(h) => l.connect(Level::Local, h.local)?,
         None => {
             l.connect(Level::Flat, data)?;
-            if uses_peers(how, resps[0]) {
+            if how.plan.peers {
                 l.connect_peers(data)?;
             }
         }
@@ -518,17 +504,6 @@ pub(crate) fn run_device_batch(
     Ok(recorded)
 }
 
-/// Whether a flat GPU batch sends to single peers (NCCL send/recv) rather than through NCCL's
-/// collectives: alltoall, gossip, the u8 codec's exchange of blocks, and the ring of dtypes
-/// NCCL cannot reduce. The same on every rank: a function of the agreed response and settings.
-fn uses_peers(how: &DeviceHow, head: &Response) -> bool {
-    match head.kind {
-        OpKind::Alltoall | OpKind::Gossip => true,
-        OpKind::Allreduce => how.codec == Codec::U8 || !crate::transport::nccl::reduces(head.dtype),
-        _ => false,
-    }
-}
-
 /// How long shutdown waits for GPU work still running before it aborts the communicators
 /// (capped further by `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`).
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
@@ -550,7 +525,7 @@ fn enqueue_on_streams(
     gpu.bind()?;
     let k = l.batches % l.streams.len();
     l.batches += 1;
-    if how.codec == Codec::U8 {
+    if how.plan.codec == Codec::U8 {
         // a tensor's residual was last used by a batch on any stream
         let others: Vec<Arc<Event>> = (l.streams.iter().enumerate())
             .filter(|(i, _)| *i != k)
@@ -599,11 +574,7 @@ fn enqueue_on_streams(
         stream: &w.stream,
         fusion: &mut w.fusion,
         graphs: &mut w.graphs,
-        // a hierarchical batch waits for the stream on the host: it cannot be a graph; nor a
-        // u8 batch (`device::allreduce_u8`)
-        replay: replay.filter(|_| {
-            head.kind == OpKind::Allreduce && levels.is_none() && how.codec != Codec::U8
-        }),
+        replay: replay.filter(|_| how.plan.replayable),
         replayed: false,
         feedback: &mut l.feedback,
         overflows: None,
@@ -623,13 +594,13 @@ fn enqueue_on_streams(
     execute::device(route, data, &mut lane_ref, how, resps, &mut ios, sink)?;
     let replayed = lane_ref.replayed;
     // the packing's overflow counters, kept apart from the stream's next batch
-    let overflow = match (how.codec, lane_ref.overflows) {
+    let overflow = match (how.plan.codec, lane_ref.overflows) {
         (Codec::Half(wire), Some(area)) => Some(Overflows::copy(
             &gpu, &w.stream, area, resps, wire, &l.pinned,
         )?),
         _ => None,
     };
-    let nan = match how.nan_check && head.dtype.is_float() {
+    let nan = match how.plan.nan_check && head.dtype.is_float() {
         true => Some(Counts::launch(
             &gpu,
             &w.stream,
@@ -640,7 +611,7 @@ fn enqueue_on_streams(
         )?),
         false => None,
     };
-    if how.codec == Codec::U8 {
+    if how.plan.codec == Codec::U8 {
         // every earlier use of a residual is ordered before this stream's work (the waits
         // above), so the residuals this batch leaves unused for good are freed on it
         let names: Vec<&str> = resps.iter().map(|r| r.name.as_str()).collect();

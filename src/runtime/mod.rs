@@ -4,6 +4,7 @@
 pub mod background;
 pub(crate) mod channel;
 pub mod entry;
+pub(crate) mod executor;
 pub(crate) mod gpu;
 pub mod handle;
 pub(crate) mod in_flight;

@@ -14,8 +14,8 @@ use crate::negotiate::set::SetNegotiation;
 use crate::runtime::Runtime;
 use crate::runtime::channel::{self, Channel};
 use crate::runtime::entry::PendingEntries;
+use crate::runtime::executor::{Carried, Executor, Hierarchy};
 use crate::runtime::job::JobSettings;
-use crate::runtime::launch::{Carried, Executor, Hierarchy};
 use crate::transport::Transport;
 use crate::transport::mpi::MpiComm;
 

@@ -1,0 +1,281 @@
+//! What runs a batch, chosen in one place: the memory it lives in, the route its allreduce or
+//! allgather takes, its codec, and on GPUs whether it needs NCCL's point-to-point connections
+//! and may be replayed from a graph. A pure function of agreed data (the batch's first
+//! response and size, the job's agreed settings, the set's levels and cost model), so every
+//! rank chooses alike; the runtime binds communicators and streams to the plan and runs it.
+
+use crate::collective::cost::{Algorithm, Policy};
+use crate::compress::{Codec, Codecs};
+use crate::message::{CPU_DEVICE, OpKind, Response};
+use crate::transport::nccl;
+
+/// Where a batch's tensors live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Memory {
+    Host,
+    Device,
+}
+
+/// How an allreduce (or allgather) crosses the set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Route {
+    /// The engine's own collective (MPI's, NCCL's).
+    Native,
+    /// The ring over point-to-point transfers (`collective::ring`).
+    Ring,
+    /// Inside each node, across nodes, inside each node again.
+    Hierarchical,
+}
+
+/// The choice for one batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchPlan {
+    pub memory: Memory,
+    pub route: Route,
+    /// How the values travel (`Codec::None` for kinds a codec does not apply to).
+    pub codec: Codec,
+    /// The results are checked for NaN and infinite values.
+    pub nan_check: bool,
+    /// GPU: the batch sends to single peers, whose NCCL connections must exist first.
+    pub peers: bool,
+    /// GPU: the batch may be captured into a graph and replayed.
+    pub replayable: bool,
+}
+
+/// The job's agreed settings a choice reads.
+#[derive(Clone, Copy, Debug)]
+pub struct Settings {
+    pub codecs: Codecs,
+    /// Flat host allreduces of at least this many bytes run the ring (0: never).
+    pub ring_min_bytes: usize,
+    pub nan_check: bool,
+}
+
+/// A set with two levels: how its allreduces choose, and whether its allgathers go
+/// hierarchical.
+#[derive(Clone, Copy, Debug)]
+pub struct Levels {
+    pub policy: Policy,
+    pub allgather: bool,
+}
+
+/// Whether a batch of `head`'s kind runs on GPU memory (the other kinds carry no data, or run
+/// on the host whatever their device).
+pub fn on_device(head: &Response) -> bool {
+    head.device != CPU_DEVICE
+        && matches!(
+            head.kind,
+            OpKind::Allreduce
+                | OpKind::Allgather
+                | OpKind::Reducescatter
+                | OpKind::Broadcast
+                | OpKind::Alltoall
+                | OpKind::Gossip
+        )
+}
+
+/// The plan of a batch led by `head` of `bytes` bytes (agreed: the planner fused batches of
+/// one kind, dtype, device and codec).
+pub fn choose(head: &Response, bytes: usize, s: &Settings, levels: Option<&Levels>) -> BatchPlan {
+    let allreduce = head.kind == OpKind::Allreduce;
+    let hierarchical = levels.is_some_and(|l| l.policy.choose(bytes) == Algorithm::Hierarchical);
+    let codec = s.codecs.of(head);
+    let nan_check = s.nan_check && allreduce;
+    if !on_device(head) {
+        let route = match head.kind {
+            OpKind::Allreduce if hierarchical => Route::Hierarchical,
+            OpKind::Allreduce if s.ring_min_bytes > 0 && bytes >= s.ring_min_bytes => Route::Ring,
+            OpKind::Allgather if levels.is_some_and(|l| l.allgather) => Route::Hierarchical,
+            _ => Route::Native,
+        };
+        return BatchPlan {
+            memory: Memory::Host,
+            route,
+            codec,
+            nan_check,
+            peers: false,
+            replayable: false,
+        };
+    }
+    // on GPUs every codec applies to allreduces only (gossip travels uncompressed); dtypes
+    // NCCL cannot reduce run the ring; u8's blocks cannot be summed on the way, so they never
+    // go hierarchical
+    let codec = if allreduce { codec } else { Codec::None };
+    let reduces = nccl::reduces(head.dtype);
+    let route = match allreduce {
+        true if !reduces => Route::Ring,
+        true if hierarchical && codec != Codec::U8 => Route::Hierarchical,
+        _ => Route::Native,
+    };
+    let peers = match head.kind {
+        OpKind::Alltoall | OpKind::Gossip => true,
+        OpKind::Allreduce => codec == Codec::U8 || route == Route::Ring,
+        _ => false,
+    };
+    BatchPlan {
+        memory: Memory::Device,
+        route,
+        codec,
+        nan_check,
+        peers,
+        // a hierarchical batch waits for the stream on the host, and a u8 batch's residuals
+        // move with its tensors' sizes: neither can be a graph; nor the ring, not captured yet
+        replayable: allreduce && route == Route::Native && codec != Codec::U8,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::collective::cost::{CostModel, Link};
+    use crate::dtype::DataType;
+    use crate::message::{Compression, ReduceOp};
+
+    fn head(kind: OpKind, dtype: DataType, device: i32) -> Response {
+        Response {
+            kind,
+            name: "t".into(),
+            dtype,
+            shape: vec![1024],
+            first_dims: Vec::new(),
+            root: 0,
+            device,
+            reduce_op: ReduceOp::Sum,
+            prescale: 1.0,
+            postscale: 1.0,
+            compression: None,
+            multistep: crate::message::Multistep::EVERY_CALL,
+            result: 0,
+            error: None,
+        }
+    }
+
+    fn settings(compression: Compression, ring_min_bytes: usize) -> Settings {
+        Settings {
+            codecs: Codecs {
+                setting: compression,
+                min_bytes: 0,
+            },
+            ring_min_bytes,
+            nan_check: true,
+        }
+    }
+
+    const HIER: Levels = Levels {
+        policy: Policy::Hierarchical,
+        allgather: true,
+    };
+
+    #[test]
+    fn host_allreduces_go_hierarchical_then_ring_then_native() {
+        let r = head(OpKind::Allreduce, DataType::F32, CPU_DEVICE);
+        let s = settings(Compression::None, 4096);
+        let plan = |bytes, levels| choose(&r, bytes, &s, levels).route;
+        assert_eq!(plan(100, Some(&HIER)), Route::Hierarchical);
+        assert_eq!(plan(100, None), Route::Native);
+        assert_eq!(plan(4096, None), Route::Ring);
+        let flat = Levels {
+            policy: Policy::Flat,
+            allgather: false,
+        };
+        assert_eq!(plan(4096, Some(&flat)), Route::Ring);
+        let p = choose(&r, 100, &s, None);
+        assert_eq!(
+            (p.memory, p.nan_check, p.peers, p.replayable),
+            (Memory::Host, true, false, false)
+        );
+        // other kinds: no NaN check; allgathers follow the set's allgather setting
+        let g = head(OpKind::Allgather, DataType::F32, CPU_DEVICE);
+        assert_eq!(choose(&g, 100, &s, Some(&HIER)).route, Route::Hierarchical);
+        assert_eq!(choose(&g, 100, &s, Some(&flat)).route, Route::Native);
+        assert!(!choose(&g, 100, &s, None).nan_check);
+        // a ring threshold of 0 never rings
+        assert_eq!(
+            choose(&r, 1 << 30, &settings(Compression::None, 0), None).route,
+            Route::Native
+        );
+    }
+
+    #[test]
+    fn auto_follows_the_cost_model_by_size() {
+        let slow_cross = CostModel {
+            local: Link {
+                alpha: 1e-6,
+                beta: 1e-11,
+            },
+            cross: Link {
+                alpha: 1e-5,
+                beta: 1e-9,
+            },
+            flat_alpha: 1e-5,
+            hier_alpha: 3e-5,
+            per_node: 4,
+            nodes: 2,
+        };
+        let auto = Levels {
+            policy: Policy::Auto(slow_cross),
+            allgather: false,
+        };
+        let r = head(OpKind::Allreduce, DataType::F32, CPU_DEVICE);
+        let s = settings(Compression::None, 0);
+        let at = slow_cross.crossover().expect("a crossover");
+        assert_eq!(choose(&r, at / 2, &s, Some(&auto)).route, Route::Native);
+        assert_eq!(
+            choose(&r, at * 2, &s, Some(&auto)).route,
+            Route::Hierarchical
+        );
+    }
+
+    #[test]
+    fn gpu_batches_pick_routes_and_connections_by_dtype_and_codec() {
+        let s = settings(Compression::None, 1);
+        let f32_ar = head(OpKind::Allreduce, DataType::F32, 0);
+        let p = choose(&f32_ar, 1 << 20, &s, Some(&HIER));
+        assert_eq!(
+            (p.memory, p.route, p.peers, p.replayable),
+            (Memory::Device, Route::Hierarchical, false, false)
+        );
+        // the host's ring threshold is not the GPU's: NCCL's own allreduce, replayable
+        let p = choose(&f32_ar, 1 << 20, &s, None);
+        assert_eq!(
+            (p.route, p.peers, p.replayable),
+            (Route::Native, false, true)
+        );
+        // dtypes NCCL cannot reduce: the ring over send/recv, even with levels
+        for dtype in [DataType::U16, DataType::I16, DataType::Bool] {
+            let p = choose(&head(OpKind::Allreduce, dtype, 0), 64, &s, Some(&HIER));
+            assert_eq!(
+                (p.route, p.peers, p.replayable),
+                (Route::Ring, true, false),
+                "{dtype:?}"
+            );
+        }
+        // u8: flat, over send/recv, never a graph
+        let u8s = settings(Compression::U8, 0);
+        let p = choose(&f32_ar, 1 << 20, &u8s, Some(&HIER));
+        assert_eq!(
+            (p.route, p.codec, p.peers, p.replayable),
+            (Route::Native, Codec::U8, true, false)
+        );
+        // codecs apply to GPU allreduces only; alltoall and gossip need peers
+        for kind in [
+            OpKind::Gossip,
+            OpKind::Alltoall,
+            OpKind::Allgather,
+            OpKind::Broadcast,
+        ] {
+            let p = choose(&head(kind, DataType::F32, 0), 1 << 20, &u8s, Some(&HIER));
+            assert_eq!(p.codec, Codec::None, "{kind:?}");
+            assert_eq!(p.route, Route::Native, "{kind:?}");
+            assert_eq!(
+                p.peers,
+                matches!(kind, OpKind::Gossip | OpKind::Alltoall),
+                "{kind:?}"
+            );
+            assert!(!p.nan_check && !p.replayable, "{kind:?}");
+        }
+        // kinds without data stay on the host whatever their device
+        let b = choose(&head(OpKind::Barrier, DataType::U8, 0), 0, &s, None);
+        assert_eq!(b.memory, Memory::Host);
+    }
+}
