@@ -18,11 +18,11 @@ use crate::runtime::Runtime;
 use crate::runtime::channel::{self, Job};
 use crate::runtime::entry::{InputMem, OutputMem, TensorEntry};
 use crate::runtime::executor::check_finite;
-use crate::runtime::gpu;
 use crate::runtime::handle::Handle;
 use crate::runtime::job::JobSettings;
 use crate::runtime::sets::SetState;
 use crate::runtime::timeline::Timeline;
+use crate::runtime::{finisher, gpu};
 use crate::transport::Transport;
 
 /// A tensor a channel holds.
@@ -40,7 +40,7 @@ pub(crate) struct Launcher {
     in_channels: HashMap<u64, Vec<Pending>>,
     next_job: u64,
     /// Completes GPU tensors once their events fire (started with the first GPU batch).
-    finisher: Option<gpu::Finisher>,
+    finisher: Option<finisher::Finisher>,
 }
 
 impl Launcher {
@@ -199,7 +199,7 @@ impl Launcher {
         recorded: gpu::Recorded,
     ) {
         if self.finisher.is_none() {
-            match gpu::Finisher::spawn(rt.clone()) {
+            match finisher::Finisher::spawn(rt.clone()) {
                 Ok(f) => self.finisher = Some(f),
                 Err(e) => {
                     tracing::error!("{e}; waiting for the GPU on the background thread");
@@ -208,7 +208,7 @@ impl Launcher {
                         .event
                         .synchronize()
                         .and_then(|()| recorded.outcome());
-                    gpu::complete(entries, outcome, Some(&recorded));
+                    finisher::complete(entries, outcome, Some(&recorded));
                     return;
                 }
             }
@@ -220,13 +220,13 @@ impl Launcher {
                 .iter_mut()
                 .flat_map(|e| e.take_device_memory())
                 .collect();
-            gpu::complete(entries, Ok(()), Some(&recorded));
+            finisher::complete(entries, Ok(()), Some(&recorded));
             if !memory.is_empty() {
-                f.send(gpu::Finish::Release { recorded, memory });
+                f.send(finisher::Finish::Release { recorded, memory });
             }
             return;
         }
-        f.send(gpu::Finish::Complete { recorded, entries });
+        f.send(finisher::Finish::Complete { recorded, entries });
     }
 
     /// A channel's batch came back: account for it and complete its tensors.
