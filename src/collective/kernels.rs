@@ -653,13 +653,12 @@ extern "C" __global__ void fv_u8_encode(const Ranges a) {
   float min = 0.0f, step = 0.0f, cap = 0.0f;
   if (!finite) { min = __int_as_float(0x7fc00000); step = min; }
   else if (len > 0) {
-    // as the host's quantize::top: a range beyond f32 stops at min + FLT_MAX
+    // as the host's quantize::top: a range, or a top, beyond f32 stops short of FLT_MAX
     min = fv_unkey(~b[0]); cap = fv_unkey(b[1]);
-    if (isinf(__fsub_rn(cap, min))) {
-      step = 3.40282347e38f / 256.0f;
+    step = __fdiv_rn(__fsub_rn(cap, min), 255.0f);
+    if (isinf(__fsub_rn(cap, min)) || isinf(__fadd_rn(min, __fmul_rn(255.0f, step)))) {
+      step = (min < 0.0f ? 3.40282347e38f : __fsub_rn(3.40282347e38f, min)) / 256.0f;
       cap = __fadd_rn(min, __fmul_rn(255.0f, step));
-    } else {
-      step = __fdiv_rn(__fsub_rn(cap, min), 255.0f);
     }
   }
   if (blockIdx.x == 0 && threadIdx.x == 0) { ((float*)out)[0] = min; ((float*)out)[1] = step; }

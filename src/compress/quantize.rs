@@ -66,16 +66,18 @@ fn quantize_block(
 }
 
 /// The largest value a block from `lo` to `hi` encodes, and its step: `hi` and a 255th of the
-/// range, unless the range exceeds what an f32 holds (then `lo` (negative) plus 255 steps of
-/// `f32::MAX / 256`, exact and finite: larger values come back as that, and the rest stays in
-/// their residuals, finite). The GPU's `fv_u8_encode` computes the same.
+/// range, unless the range, or the top that 255 steps reach, exceeds what an f32 holds (then
+/// `lo` plus 255 steps of a 256th of the room up to f32::MAX from `lo`, or from 0 where `lo` is
+/// negative: exact and finite. Larger values come back as that, and the rest stays in their
+/// residuals, finite). The GPU's `fv_u8_encode` computes the same.
 fn top(lo: f32, hi: f32) -> (f32, f32) {
-    if (hi - lo).is_finite() {
-        (hi, (hi - lo) / 255.0)
-    } else {
-        let step = f32::MAX / 256.0;
-        (lo + 255.0 * step, step)
+    let step = (hi - lo) / 255.0;
+    if (hi - lo).is_finite() && (lo + 255.0 * step).is_finite() {
+        return (hi, step);
     }
+    let room = if lo < 0.0 { f32::MAX } else { f32::MAX - lo };
+    let step = room / 256.0;
+    (lo + 255.0 * step, step)
 }
 
 /// 1.5 * 2^23: floats from it to 2^24 are integers one apart.
@@ -204,6 +206,31 @@ mod tests {
             assert!(rel < 1e-6, "{v}: {b} + {l}");
         }
         assert_eq!(back[0], -3.0e38);
+    }
+
+    /// A finite range whose 255 steps, rounded, reach past f32::MAX (values near f32::MAX
+    /// above a large positive minimum, found by fuzzing): what comes back stays finite, and
+    /// what came back plus what was lost is the input.
+    #[test]
+    fn a_top_near_f32_max_stays_finite() {
+        let x = [
+            3.4028235e38f32,
+            3.396118e38,
+            1.4588146e38,
+            3.3961514e38,
+            3.3296642e38,
+            3.396135e38,
+        ];
+        let (back, lost) = round_trip(&x);
+        for ((v, b), l) in x.iter().zip(&back).zip(&lost) {
+            assert!(
+                b.is_finite() && l.is_finite(),
+                "{v} came back {b}, lost {l}"
+            );
+            let rel = ((*b as f64 + *l as f64) - *v as f64).abs() / 3.4e38;
+            assert!(rel < 1e-6, "{v}: {b} + {l}");
+        }
+        assert_eq!(back[2], 1.4588146e38);
     }
 
     /// Subnormal ranges: a step whose inverse overflows still encodes (found by fuzzing).
