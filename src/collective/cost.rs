@@ -62,7 +62,8 @@ pub struct CostModel {
 /// From this size a flat host allreduce over one rank on each of several nodes runs the ring
 /// over point-to-point transfers: every link sends and receives at once, and the batch's
 /// packing rides inside the transfers; MPI's own allreduce of the fused batch was no faster
-/// across emulated hosts (BENCHMARKS.md, "issue 18, slow links", sessions 22 and 23).
+/// across emulated hosts (BENCHMARKS.md, 2026-11-25 to 2026-11-27, the slow-link
+/// measurements on 2 hosts × 1 rank).
 const RING_ACROSS_NODES_BYTES: usize = 4 << 20;
 
 /// The size from which a set's flat host allreduces run the ring (0: never):
@@ -70,8 +71,8 @@ const RING_ACROSS_NODES_BYTES: usize = 4 << 20;
 /// each of several nodes, and never otherwise. Inside one node MPI's shared memory is faster,
 /// and where a node holds several of the set's ranks the ring sends 1.5 × the data or more
 /// across each node's link, more than MPI's own allreduce did in every placement measured
-/// (BENCHMARKS.md, session 23). `set_nodes`: the node of each of the set's ranks. Agreed:
-/// rank 0's setting and the job's node map.
+/// (BENCHMARKS.md, 2026-11-27, flat's algorithm by placement). `set_nodes`: the node of each
+/// of the set's ranks. Agreed: rank 0's setting and the job's node map.
 pub fn ring_min_bytes(configured: Option<usize>, set_nodes: &[i32]) -> usize {
     if let Some(bytes) = configured {
         return bytes;

@@ -406,7 +406,7 @@ fn exchange(
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
     group.pack(mine);
     // one message each way: over TCP, MPI moves data only inside its calls, so work between
-    // pieces in flight stalls them (BENCHMARKS.md, "issue 20")
+    // pieces in flight stalls them (BENCHMARKS.md, 2026-11-26, gossip on 4 hosts × 1 rank)
     act(Some("GOSSIP_SENDRECV"));
     t.sendrecv(mine, peer, theirs, peer)?;
     act(Some("MEMCPY_OUT_FUSION_BUFFER"));

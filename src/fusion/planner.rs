@@ -39,7 +39,7 @@ const HOST_DIRECT_BYTES: usize = 64 << 10;
 /// The host size from which a set's tensors run alone, in place (`FERROVOD_FUSION_DIRECT_BYTES`
 /// when set). Inside a node the copy through the fusion buffer costs more than an extra
 /// collective call. Across nodes the network bounds an allreduce and one large message moves at
-/// its rate where many medium ones do not (BENCHMARKS.md, "issue 18, slow links"), so every
+/// its rate where many medium ones do not (BENCHMARKS.md, 2026-11-25, slow links), so every
 /// tensor is fused up to the threshold there. Agreed: from rank 0's setting and the job's
 /// node map.
 pub fn direct_bytes(configured: Option<usize>, spans_nodes: bool) -> usize {

@@ -81,7 +81,8 @@ pub fn init_mpi(want_multiple: bool) -> Result<(bool, bool)> {
 /// at once, and the reply a receiver owes its peer before that peer may send waits behind it. Two
 /// ranks that exchange at once (every ring step) then send one after the other whenever one of
 /// them started a little earlier, and the step takes twice as long. Without `put`, messages
-/// travel in fragments with room for the replies between them (BENCHMARKS.md, session 23).
+/// travel in fragments with room for the replies between them (BENCHMARKS.md, 2026-11-27,
+/// Open MPI's TCP `put`).
 pub const OMPI_TCP_FLAGS: &str = "send,inplace,need-ack,need-csum,hetero-rdma";
 
 /// Sets `OMPI_MCA_btl_tcp_flags` to `OMPI_TCP_FLAGS` before MPI starts, unless the job chose
