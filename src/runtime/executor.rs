@@ -310,17 +310,12 @@ impl Executor {
 
     /// The plan of a batch (agreed: from its responses, the job's settings and the set's
     /// levels).
-    pub fn plan(&self, resps: &[&Response]) -> BatchPlan {
+    pub fn plan(&self, resps: &[&Response], bytes: usize) -> BatchPlan {
         let levels = (self.hierarchy.as_ref()).map(|h| plan::Levels {
             policy: h.policy,
             allgather: h.allgather,
         });
-        plan::choose(
-            resps[0],
-            batch_bytes(resps),
-            &self.settings,
-            levels.as_ref(),
-        )
+        plan::choose(resps[0], bytes, &self.settings, levels.as_ref())
     }
 
     /// Runs a batch; a GPU batch is only enqueued, and what it recorded comes back.
@@ -335,7 +330,7 @@ impl Executor {
         let head = resps[0];
         // decided from agreed values only: the batch's size, the set's policy and settings
         let bytes = batch_bytes(resps);
-        let plan = self.plan(resps);
+        let plan = self.plan(resps, bytes);
         if plan.route == Route::Hierarchical {
             rt.metrics.add_hierarchical_batch();
         }

@@ -17,7 +17,7 @@ use crate::negotiate::set::PlanBatch;
 use crate::runtime::Runtime;
 use crate::runtime::channel::{self, Job};
 use crate::runtime::entry::{InputMem, OutputMem, TensorEntry};
-use crate::runtime::executor::check_finite;
+use crate::runtime::executor::{batch_bytes, check_finite};
 use crate::runtime::handle::Handle;
 use crate::runtime::job::JobSettings;
 use crate::runtime::sets::SetState;
@@ -378,10 +378,9 @@ pub(crate) fn run_plan_batch(
             t.begin(n, "ALLREDUCE");
         }
     }
-    let plan = {
-        let refs: Vec<&Response> = resps.iter().collect();
-        set.executor.plan(&refs)
-    };
+    let refs: Vec<&Response> = resps.iter().collect();
+    let bytes = batch_bytes(&refs);
+    let plan = set.executor.plan(&refs, bytes);
     let codec = plan.codec;
     let flagged = {
         // a rank without the batch's tensors has no spans to mark
@@ -458,15 +457,10 @@ pub(crate) fn run_plan_batch(
         }
         return Ok(true);
     }
-    let bytes: usize = resps
-        .iter()
-        .map(|r| r.num_elements() as usize * r.dtype.size())
-        .sum();
     rt.metrics.add_batch(entries.len() as u64, bytes as u64);
     rt.metrics.add_wire(codec, resps[0].dtype, bytes as u64);
     let outcome = match plan.nan_check {
         true => {
-            let refs: Vec<&Response> = resps.iter().collect();
             let mut ios: Vec<&mut dyn TensorIo> =
                 entries.iter_mut().map(|e| e as &mut dyn TensorIo).collect();
             check_finite(&refs, &mut ios)
