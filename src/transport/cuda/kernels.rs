@@ -191,8 +191,8 @@ pub(super) fn compile(ctx: &Arc<CudaContext>, name: &str, source: &str) -> Resul
 /// The batched copy, in CUDA C without headers.
 pub(super) const COPY_SOURCE: &str = r#"
 typedef unsigned long long u64;
-pub(super) struct CopyDesc { const unsigned char* src; unsigned char* dst; u64 len; };
-pub(super) struct CopyBatch { CopyDesc d[128]; int n; };
+struct CopyDesc { const unsigned char* src; unsigned char* dst; u64 len; };
+struct CopyBatch { CopyDesc d[128]; int n; };
 
 extern "C" __global__ void fv_batched_copy(const CopyBatch b) {
   if ((int)blockIdx.y >= b.n) return;
