@@ -1054,5 +1054,23 @@ pub(crate) fn gpu_u8() {
             "NaN block: GPU {g:?}, host {h:?}"
         );
     }
+    // a block near f32::MAX above a large positive minimum (its top, 255 steps up, would
+    // round past f32::MAX) decodes finite, the same on the GPU as on the host
+    let x = if me == 0 {
+        vec![1.0e38, 3.0e38, 3.4e38, 2.0e38, 3.4028e38]
+    } else {
+        vec![0.0; 5]
+    };
+    let on_gpu =
+        finish(gpu::submit(spec("gpu.u8.top", &[x.clone()], ReduceOp::Sum, 1.0, 1.0)).unwrap())
+            .unwrap();
+    let host = spec("host.u8.top", &[x], ReduceOp::Sum, 1.0, 1.0);
+    let on_host = finish(runtime::runtime().unwrap().enqueue(host).unwrap()).unwrap();
+    let (g, h) = (
+        output(&on_gpu[0], DataType::F32),
+        output(&on_host[0], DataType::F32),
+    );
+    assert!(h.iter().all(|v| v.is_finite()), "host: {h:?}");
+    assert_eq!(g, h, "block near f32::MAX: GPU vs host");
     finish_job();
 }
