@@ -430,11 +430,24 @@ pub enum Flagged {
     TimedOut,
 }
 
-/// Allreduce of one offline-plan batch with an escape flag appended to the fusion buffer: the
-/// flag is reduced with the data, so every rank learns whether any rank raised it. `ios` None:
-/// this rank lacks the batch's tensors and contributes zeros (and must raise the flag). A `u8`
-/// batch cannot carry a flag among its blocks: the flag is allreduced alone (an i32, which
-/// cannot wrap), then the blocks travel if no rank raised it.
+/// How an offline-plan batch's escape flag travels (`plan::flag_alone` chooses).
+pub enum Flag<'r> {
+    /// Appended to the batch in the fusion buffer and reduced with it by the transport's own
+    /// allreduce: every rank learns in the same call whether any rank raised it.
+    WithData,
+    /// Allreduced alone first (an i32, which cannot wrap); if no rank raised it, `run` moves the
+    /// batch as its plan says (the ring, hierarchical, u8 blocks: routes that cannot carry a
+    /// flag among their values, or whose wait is the watchdog's rather than `Wait`'s).
+    Alone(&'r mut BatchRun<'r>),
+}
+
+/// Runs a batch as its plan says, through the fusion buffer it is given.
+pub type BatchRun<'r> =
+    dyn FnMut(&mut FusionBuffer, &mut [&mut dyn TensorIo], ActivitySink) -> Result<()> + 'r;
+
+/// Allreduce of one offline-plan batch with an escape flag: every rank learns whether any rank
+/// raised it, and the batch's values count only if none did. `ios` None: this rank lacks the
+/// batch's tensors and contributes zeros (and must raise the flag).
 #[allow(clippy::too_many_arguments)] // the batch, how it travels, its flag, where and how long
 pub fn allreduce_flagged(
     t: &dyn Transport,
@@ -443,12 +456,16 @@ pub fn allreduce_flagged(
     ios: Option<&mut [&mut dyn TensorIo]>,
     fusion: &mut FusionBuffer,
     raise: bool,
+    flag: Flag,
     wait: Wait,
     act: ActivitySink,
 ) -> Result<Flagged> {
     let refs: Vec<&Response> = resps.iter().collect();
     let enc = Encoding::of(wire.codec, &resps[0], t.size())?;
-    let alone = wire.codec == Codec::U8;
+    let (alone, mut run) = match flag {
+        Flag::WithData => (false, None),
+        Flag::Alone(run) => (true, Some(run)),
+    };
     let (data, flag_dtype) = match alone {
         true => (0, DataType::I32),
         false => {
@@ -493,13 +510,13 @@ pub fn allreduce_flagged(
     let buf = fusion.get(total);
     let zero = buf[data..].iter().all(|b| *b == 0);
     if zero == one_means_raised {
-        match ios {
-            Some(ios) if alone => allreduce_u8(t, &enc, wire.feedback, &refs, ios, fusion, act)?,
-            Some(ios) => {
+        match (ios, run.as_mut()) {
+            (Some(ios), Some(run)) => run(fusion, ios, act)?,
+            (Some(ios), None) => {
                 act(Some("MEMCPY_OUT_FUSION_BUFFER"));
                 enc.unpack(&buf[..data], ios)?;
             }
-            None => {}
+            (None, _) => {}
         }
         act(None);
         return Ok(Flagged::Done { raised: false });

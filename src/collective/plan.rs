@@ -124,6 +124,15 @@ pub fn choose(head: &Response, bytes: usize, s: &Settings, levels: Option<&Level
     }
 }
 
+/// Whether an offline-plan batch's escape flag must travel alone before the batch
+/// (`collective::Flag`): u8 blocks cannot carry it among their values, and the ring's and the
+/// hierarchical route's transfers wait under the watchdog, not under the plan's bounded wait, so
+/// every rank must know the batch runs before any starts it. Native allreduces carry the flag in
+/// the same bounded call.
+pub fn flag_alone(plan: &BatchPlan) -> bool {
+    plan.codec == Codec::U8 || plan.route != Route::Native
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -193,6 +202,22 @@ mod tests {
         assert_eq!(
             choose(&r, 1 << 30, &settings(Compression::None, 0), None).route,
             Route::Native
+        );
+    }
+
+    #[test]
+    fn offline_flags_travel_alone_except_beside_a_native_uncompressed_or_16_bit_batch() {
+        let r = head(OpKind::Allreduce, DataType::F32, CPU_DEVICE);
+        let alone = |c, bytes, levels| flag_alone(&choose(&r, bytes, &settings(c, 4096), levels));
+        assert!(!alone(Compression::None, 100, None));
+        assert!(!alone(Compression::Fp16, 100, None));
+        assert!(!alone(Compression::Bf16, 100, None));
+        assert!(alone(Compression::U8, 100, None));
+        assert!(alone(Compression::None, 4096, None), "the ring");
+        assert!(alone(Compression::None, 100, Some(&HIER)), "hierarchical");
+        assert!(
+            alone(Compression::Fp16, 100, Some(&HIER)),
+            "hierarchical fp16"
         );
     }
 

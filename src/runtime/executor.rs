@@ -365,17 +365,7 @@ impl Executor {
             )
             .map(Some);
         }
-        let how = Algorithms {
-            allgather: hierarchy
-                .filter(|_| head.kind == OpKind::Allgather)
-                .map(Hierarchy::levels),
-            allreduce: match (plan.route, hierarchy) {
-                (Route::Hierarchical, Some(h)) => Allreduce::Hierarchical(h.levels()),
-                (Route::Ring, _) => Allreduce::Ring,
-                _ => Allreduce::Native,
-            },
-            gossip,
-        };
+        let how = host_algorithms(&plan, head.kind, hierarchy, gossip);
         let wire = Wire {
             codec,
             feedback: &self.carried.feedback,
@@ -406,6 +396,75 @@ impl Executor {
             check_finite(resps, &mut ios)?;
         }
         Ok(None)
+    }
+}
+
+impl Executor {
+    /// Runs one batch of the offline plan with its escape flag (`collective::allreduce_flagged`)
+    /// over the route its plan (`Executor::plan`) chooses, as an online batch would run.
+    #[allow(clippy::too_many_arguments)] // the batch, its plan, its flag, how long, who hears
+    pub fn run_flagged(
+        &mut self,
+        rt: &Runtime,
+        resps: &[Response],
+        plan: &BatchPlan,
+        ios: Option<&mut [&mut dyn TensorIo]>,
+        raise: bool,
+        wait: collective::Wait,
+        sink: ActivitySink,
+    ) -> Result<collective::Flagged> {
+        let refs: Vec<&Response> = resps.iter().collect();
+        let hierarchy = self.hierarchy.as_ref();
+        let how = host_algorithms(plan, resps[0].kind, hierarchy, None);
+        let (data, feedback) = (&self.data, &self.carried.feedback);
+        let wire = Wire {
+            codec: plan.codec,
+            feedback,
+        };
+        // counted where it runs: a batch whose flag travels with it never takes the hierarchy
+        let mut run =
+            |fusion: &mut FusionBuffer, ios: &mut [&mut dyn TensorIo], act: ActivitySink| {
+                if let Allreduce::Hierarchical(_) = how.allreduce {
+                    rt.metrics.add_hierarchical_batch();
+                }
+                collective::execute::host(data, &how, fusion, wire, &refs, ios, act)
+            };
+        let flag = match plan::flag_alone(plan) {
+            true => collective::Flag::Alone(&mut run),
+            false => collective::Flag::WithData,
+        };
+        collective::allreduce_flagged(
+            data,
+            resps,
+            wire,
+            ios,
+            &mut self.fusion,
+            raise,
+            flag,
+            wait,
+            sink,
+        )
+    }
+}
+
+/// The host algorithms a plan names, over the set's levels where its route is hierarchical.
+fn host_algorithms<'a>(
+    plan: &BatchPlan,
+    kind: OpKind,
+    hierarchy: Option<&'a Hierarchy>,
+    gossip: Option<gossip::Schedule<'a>>,
+) -> Algorithms<'a> {
+    let hierarchy = hierarchy.filter(|_| plan.route == Route::Hierarchical);
+    Algorithms {
+        allgather: hierarchy
+            .filter(|_| kind == OpKind::Allgather)
+            .map(Hierarchy::levels),
+        allreduce: match (plan.route, hierarchy) {
+            (Route::Hierarchical, Some(h)) => Allreduce::Hierarchical(h.levels()),
+            (Route::Ring, _) => Allreduce::Ring,
+            _ => Allreduce::Native,
+        },
+        gossip,
     }
 }
 

@@ -8,7 +8,6 @@ use std::time::Duration;
 use crate::collective::plan::{self};
 use crate::collective::replay::{ReplayKey, batch_fingerprint};
 use crate::collective::{self, TensorIo};
-use crate::compress::Wire;
 use crate::error::{Error, Result, Stall};
 use crate::fusion::planner::plan_segments;
 use crate::hashing::HashMap;
@@ -405,19 +404,7 @@ pub(crate) fn run_plan_batch(
             limit: stall.limit(),
             slow: &mut slow,
         };
-        collective::allreduce_flagged(
-            &set.executor.data,
-            resps,
-            Wire {
-                codec,
-                feedback: &set.executor.carried.feedback,
-            },
-            ios,
-            &mut set.executor.fusion,
-            batch.raise,
-            wait,
-            &mut sink,
-        )
+        (set.executor).run_flagged(rt, resps, &plan, ios, batch.raise, wait, &mut sink)
     };
     if have && let Some(t) = timeline.as_mut() {
         for (n, r) in names.iter().zip(resps) {

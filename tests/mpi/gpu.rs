@@ -1061,9 +1061,17 @@ pub(crate) fn gpu_u8() {
     } else {
         vec![0.0; 5]
     };
-    let on_gpu =
-        finish(gpu::submit(spec("gpu.u8.top", &[x.clone()], ReduceOp::Sum, 1.0, 1.0)).unwrap())
-            .unwrap();
+    let on_gpu = finish(
+        gpu::submit(spec(
+            "gpu.u8.top",
+            std::slice::from_ref(&x),
+            ReduceOp::Sum,
+            1.0,
+            1.0,
+        ))
+        .unwrap(),
+    )
+    .unwrap();
     let host = spec("host.u8.top", &[x], ReduceOp::Sum, 1.0, 1.0);
     let on_host = finish(runtime::runtime().unwrap().enqueue(host).unwrap()).unwrap();
     let (g, h) = (

@@ -12,6 +12,14 @@ pub(crate) fn offline_steps() {
         offline_step(&mut rng, step, 24, &[], 0);
     }
     let before = control_collectives();
+    let hierarchical = || {
+        runtime::runtime()
+            .unwrap()
+            .metrics
+            .snapshot()
+            .hierarchical_batches
+    };
+    let hierarchical_before = hierarchical();
     for step in 5..15 {
         offline_step(&mut rng, step, 24, &[], 0);
     }
@@ -20,6 +28,13 @@ pub(crate) fn offline_steps() {
         0,
         "steady-state steps negotiated"
     );
+    if std::env::var("HOROVOD_HIERARCHICAL_ALLREDUCE").is_ok_and(|v| v == "1") {
+        // the frozen plan's batches take the route their plan chooses, as online ones do
+        assert!(
+            hierarchical() > hierarchical_before,
+            "the frozen steps ran no hierarchical batch"
+        );
+    }
     finish_job();
 }
 

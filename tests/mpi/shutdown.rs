@@ -421,7 +421,10 @@ pub(crate) fn gpu_staged_fault() {
     // is a wrong setup, said at once rather than as a hang
     match (rank(), got) {
         (1, Err(e)) if e.to_string().contains("test fault: gpu_staged") => {}
-        (r, got) => panic!("rank {r}: staged reducescatter returned {:?}", got.map(|_| ())),
+        (r, got) => panic!(
+            "rank {r}: staged reducescatter returned {:?}",
+            got.map(|_| ())
+        ),
     }
     std::thread::sleep(Duration::from_secs(120));
 }

@@ -524,7 +524,9 @@ mod tests {
     fn batched_copy_parameter_matches_the_kernel() {
         // whole lines, so that nothing but CUDA C stands before a declaration
         assert!(COPY_SOURCE.contains("\nstruct CopyDesc { const unsigned char* src;"));
-        assert!(COPY_SOURCE.contains(&format!("\nstruct CopyBatch {{ CopyDesc d[{COPY_BATCH}]; int n; }};")));
+        assert!(COPY_SOURCE.contains(&format!(
+            "\nstruct CopyBatch {{ CopyDesc d[{COPY_BATCH}]; int n; }};"
+        )));
         // the parameter as the kernel sees it fits the 4 KiB every CUDA device accepts
         assert!(std::mem::size_of::<CopyBatch>() <= 4096);
         assert_eq!(std::mem::size_of::<Copy>(), 24);
