@@ -1052,11 +1052,13 @@ pub(crate) fn main() {
         let out = run_with_timeout(cmd, limit);
         let secs = start.elapsed().as_secs_f64();
         let (ok, why) = match &out {
-            None => (
+            Err(said) => (
                 false,
-                format!("did not end within {limit:?}: a hang, or an end that came too late"),
+                format!(
+                    "did not end within {limit:?}: a hang, or an end that came too late\n{said}"
+                ),
             ),
-            Some((status, stdout, stderr)) => {
+            Ok((status, stdout, stderr)) => {
                 let passes = stdout.matches("RANK-PASSED").count();
                 if *expect_ok {
                     // fp16: every rank's value beyond f16's range is named in its warning
@@ -1203,32 +1205,56 @@ impl Drop for EmulatedHosts {
     }
 }
 
+/// Runs `cmd` to its end, or kills it after `limit`: then Err with what its ranks had written
+/// so far (a hang's last words), read without waiting for the pipes to close, since ranks
+/// orphaned by the kill may still hold them.
 pub(crate) fn run_with_timeout(
     mut cmd: Command,
     limit: Duration,
-) -> Option<(std::process::ExitStatus, String, String)> {
+) -> Result<(std::process::ExitStatus, String, String), String> {
+    use std::sync::{Arc, Mutex};
     let mut child = cmd.spawn().expect("mpirun");
-    let mut stdout = child.stdout.take().unwrap();
-    let mut stderr = child.stderr.take().unwrap();
-    let t_out = std::thread::spawn(move || {
-        let mut s = String::new();
-        std::io::Read::read_to_string(&mut stdout, &mut s).ok();
-        s
-    });
-    let t_err = std::thread::spawn(move || {
-        let mut s = String::new();
-        std::io::Read::read_to_string(&mut stderr, &mut s).ok();
-        s
-    });
+    let reader = |pipe: Box<dyn std::io::Read + Send>| {
+        let text = Arc::new(Mutex::new(Vec::new()));
+        let into = text.clone();
+        let thread = std::thread::spawn(move || {
+            let mut pipe = pipe;
+            let mut chunk = [0u8; 4096];
+            while let Ok(n) = pipe.read(&mut chunk) {
+                if n == 0 {
+                    break;
+                }
+                into.lock().unwrap().extend_from_slice(&chunk[..n]);
+            }
+        });
+        (text, thread)
+    };
+    let (out, t_out) = reader(Box::new(child.stdout.take().unwrap()));
+    let (err, t_err) = reader(Box::new(child.stderr.take().unwrap()));
+    let text = |t: &Arc<Mutex<Vec<u8>>>| String::from_utf8_lossy(&t.lock().unwrap()).into_owned();
     let start = Instant::now();
     loop {
         if let Some(status) = child.try_wait().unwrap() {
-            return Some((status, t_out.join().unwrap(), t_err.join().unwrap()));
+            let _ = (t_out.join(), t_err.join());
+            return Ok((status, text(&out), text(&err)));
         }
         if start.elapsed() > limit {
             let _ = child.kill();
             let _ = child.wait();
-            return None;
+            // what arrives within a moment more, then whatever is there
+            std::thread::sleep(Duration::from_millis(200));
+            let tail = |s: String| {
+                let cut = s.len().saturating_sub(4000);
+                let cut = (cut..s.len())
+                    .find(|i| s.is_char_boundary(*i))
+                    .unwrap_or(s.len());
+                s[cut..].to_string()
+            };
+            return Err(format!(
+                "--- stdout (last 4000 bytes) ---\n{}\n--- stderr (last 4000 bytes) ---\n{}",
+                tail(text(&out)),
+                tail(text(&err))
+            ));
         }
         std::thread::sleep(Duration::from_millis(50));
     }
