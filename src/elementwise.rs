@@ -336,8 +336,9 @@ pub fn reduce_into(acc: &mut [u8], x: &[u8], dtype: DataType, op: ReduceOp) -> R
 }
 
 /// `reduce_into` of f16 bytes (any alignment): `F16_BLOCK` values at a time copied out of the
-/// bytes and reduced as `reduce_f16` does. A value at a time cost ten times as much (BENCHMARKS.md,
-/// 2026-11-26, the f16 reduction on the host), and a host ring reduces half of an fp16 batch this way on every step.
+/// bytes and reduced as `reduce_f16` does. A value at a time cost ten times as much
+/// (BENCHMARKS.md, 2026-11-26, the f16 reduction on the host), and a host ring reduces half of
+/// an fp16 batch this way on every step.
 fn reduce_f16_bytes(acc: &mut [u8], x: &[u8], op: ReduceOp) {
     let (mut ha, mut hx) = ([f16::ZERO; F16_BLOCK], [f16::ZERO; F16_BLOCK]);
     let mut wide = ([0f32; F16_BLOCK], [0f32; F16_BLOCK]);

@@ -462,10 +462,11 @@ pub fn allreduce_flagged(
 ) -> Result<Flagged> {
     let refs: Vec<&Response> = resps.iter().collect();
     let enc = Encoding::of(wire.codec, &resps[0], t.size())?;
-    let (alone, mut run) = match flag {
-        Flag::WithData => (false, None),
-        Flag::Alone(run) => (true, Some(run)),
+    let mut run = match flag {
+        Flag::WithData => None,
+        Flag::Alone(run) => Some(run),
     };
+    let alone = run.is_some();
     let (data, flag_dtype) = match alone {
         true => (0, DataType::I32),
         false => {

@@ -397,9 +397,7 @@ impl Executor {
         }
         Ok(None)
     }
-}
 
-impl Executor {
     /// Runs one batch of the offline plan with its escape flag (`collective::allreduce_flagged`)
     /// over the route its plan (`Executor::plan`) chooses, as an online batch would run.
     #[allow(clippy::too_many_arguments)] // the batch, its plan, its flag, how long, who hears

@@ -1033,20 +1033,29 @@ pub(crate) fn gpu_u8() {
             "case {case}: the mean over {steps} steps is off by {off} (one step's bound {bound})"
         );
     }
+    // one tensor's u8 sum on the GPU and on the host: (GPU, host)
+    let both = |what: &str, x: Vec<f64>| {
+        let gpu_spec = spec(
+            &format!("gpu.u8.{what}"),
+            std::slice::from_ref(&x),
+            ReduceOp::Sum,
+            1.0,
+            1.0,
+        );
+        let on_gpu = finish(gpu::submit(gpu_spec).unwrap()).unwrap();
+        let host = spec(&format!("host.u8.{what}"), &[x], ReduceOp::Sum, 1.0, 1.0);
+        let on_host = finish(runtime::runtime().unwrap().enqueue(host).unwrap()).unwrap();
+        (
+            output(&on_gpu[0], DataType::F32),
+            output(&on_host[0], DataType::F32),
+        )
+    };
     // a block holding NaN travels as NaN throughout, on the GPU as on the host
     let mut x = vec![1.0, 2.0, 3.0, -4.0, 5.0];
     if me == 0 {
         x[2] = f64::NAN;
     }
-    let on_gpu =
-        finish(gpu::submit(spec("gpu.u8.nan", &[x.clone()], ReduceOp::Sum, 1.0, 1.0)).unwrap())
-            .unwrap();
-    let host = spec("host.u8.nan", &[x], ReduceOp::Sum, 1.0, 1.0);
-    let on_host = finish(runtime::runtime().unwrap().enqueue(host).unwrap()).unwrap();
-    let (g, h) = (
-        output(&on_gpu[0], DataType::F32),
-        output(&on_host[0], DataType::F32),
-    );
+    let (g, h) = both("nan", x);
     assert!(h.iter().any(|v| v.is_nan()), "host: {h:?}");
     for (a, b) in g.iter().zip(&h) {
         assert!(
@@ -1061,23 +1070,7 @@ pub(crate) fn gpu_u8() {
     } else {
         vec![0.0; 5]
     };
-    let on_gpu = finish(
-        gpu::submit(spec(
-            "gpu.u8.top",
-            std::slice::from_ref(&x),
-            ReduceOp::Sum,
-            1.0,
-            1.0,
-        ))
-        .unwrap(),
-    )
-    .unwrap();
-    let host = spec("host.u8.top", &[x], ReduceOp::Sum, 1.0, 1.0);
-    let on_host = finish(runtime::runtime().unwrap().enqueue(host).unwrap()).unwrap();
-    let (g, h) = (
-        output(&on_gpu[0], DataType::F32),
-        output(&on_host[0], DataType::F32),
-    );
+    let (g, h) = both("top", x);
     assert!(h.iter().all(|v| v.is_finite()), "host: {h:?}");
     assert_eq!(g, h, "block near f32::MAX: GPU vs host");
     finish_job();
