@@ -2,6 +2,7 @@
 
 use super::codecs::{cast_items, half_buffer};
 use super::*;
+use crate::collective::hierarchical::{self, Piece, Step, Tiers};
 
 /// The two levels of a hierarchical GPU allreduce (Horovod's shape with NCCL): NCCL among this
 /// node's ranks, the host transport among the same node rank of every node.
@@ -10,11 +11,13 @@ pub struct Levels<'a> {
     pub cross: &'a dyn Transport,
 }
 
-/// Hierarchical allreduce of a batch: the tensors packed into the fusion buffer (prescaled; under
-/// a 16-bit codec cast on the way, as `allreduce_half` does), an NCCL reduce-scatter inside the
-/// node, this rank's slice allreduced across nodes through host memory, an NCCL allgather inside
-/// the node, postscaled and unpacked. Only the slice crosses nodes. The host step waits for the
-/// stream's work before it; the rest is enqueued.
+/// Hierarchical allreduce of a batch, by the host's schedule (`hierarchical::allreduce_with`,
+/// the same pieces in the same order): the tensors packed into the fusion buffer (prescaled;
+/// under a 16-bit codec cast on the way, as `allreduce_half` does), each piece reduce-scattered
+/// inside the node by NCCL, this rank's part allreduced across nodes through host memory,
+/// allgathered inside the node by NCCL; then postscaled and unpacked. Only the parts cross
+/// nodes. A piece's host step waits for the stream's work before it; the next piece's node
+/// work is enqueued before that host step runs, so the device works while the host transfers.
 pub fn allreduce_hierarchical(
     levels: &Levels,
     lane: &mut Lane,
@@ -47,60 +50,146 @@ pub fn allreduce_hierarchical(
         .collect();
     let elems: usize = counts.iter().sum();
     let total = elems * size;
-    let (n, me) = (local.size(), local.rank());
-    // the same split on every rank of the node: a function of agreed sizes only
-    let slices: Vec<Range<usize>> = (0..n).map(|c| ring::chunk(elems, size, n, c)).collect();
-    let mine = slices[me].clone();
-    // the fusion buffer holds the batch, then this rank's reduced slice (then the 16-bit
-    // codecs' overflow counters)
+    let me = local.rank();
+    let pieces = hierarchical::pieces(total, size, local.size(), cross.size());
+    // the fusion buffer holds the batch, then this rank's reduced part of each piece (then the
+    // 16-bit codecs' overflow counters)
+    let parts: usize = pieces.iter().map(|p| p.parts[me]).sum();
     let (whole, overflows) = match codec {
         Codec::Half(_) => {
-            let (whole, o) = half_buffer(lane, total, mine.len(), ios.len())?;
+            let (whole, o) = half_buffer(lane, total, parts, ios.len())?;
             (whole, Some(o))
         }
-        _ => (lane.fusion(total + mine.len())?, None),
+        _ => (lane.fusion(total + parts)?, None),
     };
-    let (buf, slice) = (whole.first(total)?, whole.sub(total, mine.len())?);
-    let (gpu, stream) = (lane.gpu, lane.stream);
-    let pieces = layout::consecutive(counts.iter().map(|c| c * size));
-    act(Some("MEMCPY_IN_FUSION_BUFFER"));
-    match codec {
-        Codec::Half(w) => {
-            let into = cast_items(ios, buf, &pieces, &counts, true)?;
-            if let Some(o) = overflows {
-                gpu.memset_zero(stream, o)?;
-            }
-            kernels::cast_batch(gpu, stream, &into, w, true, pre, overflows)?
-        }
-        _ => {
-            copy_consecutive(gpu, stream, buf, &inputs(ios), true)?;
-            kernels::scale(gpu, stream, buf, buf, elems, dtype, pre)?;
-        }
-    }
-    act(Some("NCCL_REDUCESCATTER"));
-    let slice_counts: Vec<usize> = slices.iter().map(|s| s.len() / size).collect();
-    local.reduce_scatter(buf, slice, &slice_counts, dtype, op, stream)?;
-    act(Some("MEMCPY_DEVICE_TO_HOST"));
-    let mut host = vec![0u8; mine.len()];
-    gpu.download(stream, slice, &mut host)?;
-    act(Some("MPI_ALLREDUCE"));
-    cross.allreduce(None, &mut host, dtype, op)?;
-    act(Some("MEMCPY_HOST_TO_DEVICE"));
-    gpu.upload(stream, &host, buf.sub(mine.start, mine.len())?)?;
-    act(Some("NCCL_ALLGATHER"));
-    let bytes: Vec<usize> = slices.iter().map(Range::len).collect();
-    local.allgatherv_in_place(buf, &bytes, stream)?;
-    act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-    match codec {
-        Codec::Half(w) => {
-            let out = cast_items(ios, buf, &pieces, &counts, false)?;
-            kernels::cast_batch(gpu, stream, &out, w, false, post, None)?
-        }
-        _ => {
-            kernels::scale(gpu, stream, buf, buf, elems, dtype, post)?;
-            copy_consecutive(gpu, stream, buf, &outputs(ios), false)?;
-        }
-    }
+    let mut tiers = DeviceTiers {
+        levels,
+        buf: whole.first(total)?,
+        mine: whole.sub(total, parts)?,
+        lane,
+        ios,
+        codec,
+        dtype,
+        op,
+        scales: (pre, post),
+        counts,
+        overflows,
+        act,
+    };
+    hierarchical::allreduce_with(&mut tiers, &pieces)?;
     act(None);
     Ok(())
+}
+
+/// GPU memory: NCCL inside the node, the host transport across nodes.
+struct DeviceTiers<'l, 'a, 'i, 'o> {
+    levels: &'l Levels<'l>,
+    /// The packed batch (in the wire dtype).
+    buf: DeviceRange,
+    /// This rank's reduced part of each piece, piece after piece.
+    mine: DeviceRange,
+    lane: &'l mut Lane<'a>,
+    ios: &'i mut [&'o mut dyn DeviceIo],
+    codec: Codec,
+    dtype: DataType,
+    op: ReduceOp,
+    /// Prescale on the way in, postscale on the way out.
+    scales: (f64, f64),
+    /// Each tensor's elements.
+    counts: Vec<usize>,
+    overflows: Option<DeviceRange>,
+    act: ActivitySink<'l>,
+}
+
+impl DeviceTiers<'_, '_, '_, '_> {
+    /// Where this rank's reduced part of piece `k` waits in device memory.
+    fn mine(&self, k: usize, pieces: &[Piece]) -> Result<DeviceRange> {
+        let me = self.levels.local.rank();
+        let at: usize = pieces[..k].iter().map(|p| p.parts[me]).sum();
+        self.mine.sub(at, pieces[k].parts[me])
+    }
+
+    /// Packs (`into`) or unpacks the whole batch: one batched kernel each way, so it runs at
+    /// the first piece's packing and the last piece's unpacking.
+    fn whole(&mut self, into: bool) -> Result<()> {
+        let (gpu, stream) = (self.lane.gpu, self.lane.stream);
+        let size = self.dtype.size();
+        let pieces = layout::consecutive(self.counts.iter().map(|c| c * size));
+        let elems: usize = self.counts.iter().sum();
+        let (buf, (pre, post)) = (self.buf, self.scales);
+        match (self.codec, into) {
+            (Codec::Half(w), true) => {
+                let items = cast_items(self.ios, buf, &pieces, &self.counts, true)?;
+                if let Some(o) = self.overflows {
+                    gpu.memset_zero(stream, o)?;
+                }
+                kernels::cast_batch(gpu, stream, &items, w, true, pre, self.overflows)
+            }
+            (Codec::Half(w), false) => {
+                let items = cast_items(self.ios, buf, &pieces, &self.counts, false)?;
+                kernels::cast_batch(gpu, stream, &items, w, false, post, None)
+            }
+            (_, true) => {
+                copy_consecutive(gpu, stream, buf, &inputs(self.ios), true)?;
+                kernels::scale(gpu, stream, buf, buf, elems, self.dtype, pre)
+            }
+            (_, false) => {
+                kernels::scale(gpu, stream, buf, buf, elems, self.dtype, post)?;
+                copy_consecutive(gpu, stream, buf, &outputs(self.ios), false)
+            }
+        }
+    }
+}
+
+impl Tiers for DeviceTiers<'_, '_, '_, '_> {
+    fn step(&mut self, s: Step, pieces: &[Piece]) -> Result<()> {
+        let k = s.piece();
+        let p = &pieces[k];
+        let data = self.buf.sub(p.at, p.len)?;
+        let stream = self.lane.stream;
+        match s {
+            Step::Pack(0) => {
+                (self.act)(Some("MEMCPY_IN_FUSION_BUFFER"));
+                self.whole(true)
+            }
+            Step::Unpack(k) if k + 1 == pieces.len() => {
+                (self.act)(Some("MEMCPY_OUT_FUSION_BUFFER"));
+                self.whole(false)
+            }
+            Step::Pack(_) | Step::Unpack(_) => Ok(()),
+            Step::Scatter(_) => {
+                (self.act)(Some("NCCL_REDUCESCATTER"));
+                let elems: Vec<usize> = p.parts.iter().map(|b| b / self.dtype.size()).collect();
+                let mine = self.mine(k, pieces)?;
+                (self.levels.local).reduce_scatter(data, mine, &elems, self.dtype, self.op, stream)
+            }
+            Step::Gather(_) => {
+                (self.act)(Some("NCCL_ALLGATHER"));
+                self.levels
+                    .local
+                    .allgatherv_in_place(data, &p.parts, stream)
+            }
+        }
+    }
+
+    fn cross(&mut self, k: usize, pieces: &[Piece], riders: &[Vec<Step>]) -> Result<()> {
+        let p = &pieces[k];
+        let me = self.levels.local.rank();
+        let mine = self.mine(k, pieces)?;
+        (self.act)(Some("MEMCPY_DEVICE_TO_HOST"));
+        let mut host = vec![0u8; mine.len()];
+        self.lane.gpu.download(self.lane.stream, mine, &mut host)?;
+        // the next piece's node work and the last one's go on the stream before the host
+        // transfer, and run while it does
+        for s in riders.iter().flatten() {
+            self.step(*s, pieces)?;
+        }
+        (self.act)(Some("MPI_ALLREDUCE"));
+        self.levels
+            .cross
+            .allreduce(None, &mut host, self.dtype, self.op)?;
+        (self.act)(Some("MEMCPY_HOST_TO_DEVICE"));
+        let place = self.buf.sub(p.at + p.part(me).start, p.parts[me])?;
+        self.lane.gpu.upload(self.lane.stream, &host, place)
+    }
 }

@@ -4,8 +4,6 @@
 //! tensors (and a batch of one) are reduced in the tensor's own memory. Allreduces of dtypes
 //! NCCL cannot reduce (16-bit integers, bool) run the ring over NCCL send/recv.
 
-use std::ops::Range;
-
 use crate::collective::replay::{Launch, LaunchGraphs, ReplayKey};
 use crate::collective::{
     ActivitySink, Encoding, allgather_contributions, allgather_shape, alltoall_counts, backend_op,
