@@ -104,7 +104,7 @@ pub fn device(
         OpKind::Broadcast => device::broadcast(t, lane, head, &mut *ios[0], sink),
         OpKind::Alltoall => device::alltoall(t, host, lane, head, &mut *ios[0], sink),
         OpKind::Gossip => match &how.gossip {
-            Some(s) => gossip::device_batch(t, lane, s, resps, ios, sink),
+            Some(s) => device::gossip_batch(t, lane, s, resps, ios, sink),
             None => Err(Error::Internal("a gossip batch without its rounds".into())),
         },
         other => Err(Error::Internal(format!(

@@ -16,8 +16,7 @@ use std::sync::Mutex;
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
-use crate::collective::device::{self, DeviceIo, Lane};
-use crate::collective::{ActivitySink, TensorIo, kernels, layout};
+use crate::collective::{ActivitySink, TensorIo};
 use crate::compress::{Codec, quantize};
 use crate::dtype::DataType;
 use crate::elementwise;
@@ -26,8 +25,7 @@ use crate::fusion::FusionBuffer;
 use crate::hashing::HashMap;
 use crate::message::{ReduceOp, Response};
 use crate::store::{self, Recent};
-use crate::transport::cuda;
-use crate::transport::{DeviceTransport, Transport};
+use crate::transport::Transport;
 
 /// Rank `rank`'s peer among `size` in round `round` (itself: it sits the round out).
 ///
@@ -208,8 +206,41 @@ fn decode_block(codec: Codec, src: &[u8], out: &mut [f32]) {
     }
 }
 
-/// Gossip of one batch: tensors of one floating dtype, grouped by round (in rising order, so
-/// every rank meets its peers in the same order); each group travels as one message.
+/// The memory a gossip batch works in and its transfers: host memory over MPI (`HostMixing`),
+/// GPU memory over NCCL (`collective::device`). Each call works on one round's members.
+pub trait Mixing {
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+    /// The members' exact average over every rank.
+    fn average(&mut self, members: &[usize]) -> Result<()>;
+    /// The members' own values (a round whose peer is this rank).
+    fn keep(&mut self, members: &[usize]) -> Result<()>;
+    /// The members averaged with `peer`'s, one message each way.
+    fn exchange(&mut self, peer: usize, members: &[usize]) -> Result<()>;
+}
+
+/// Gossip of one batch, written once for every memory: tensors of one floating dtype, grouped
+/// by round (in rising order, so every rank meets its peers in the same order); each group
+/// travels as one message, to the round's peer or, on a sync round, to every rank.
+pub fn mix<M: Mixing + ?Sized>(m: &mut M, schedule: &Schedule, dtype: DataType) -> Result<()> {
+    if !dtype.is_float() {
+        return Err(Error::Internal(format!("gossip of {}", dtype.name())));
+    }
+    for (round, members) in by_round(&schedule.rounds) {
+        let peer = peer(m.rank(), m.size(), round);
+        if syncs(round, schedule.sync_every) {
+            m.average(&members)?;
+        } else if peer == m.rank() {
+            m.keep(&members)?;
+        } else {
+            m.exchange(peer, &members)?;
+        }
+    }
+    Ok(())
+}
+
+/// Gossip of one batch of host tensors; under a codec (f32 only) the exchanges travel
+/// compressed against the pair's public copies.
 pub fn batch(
     t: &dyn Transport,
     schedule: &Schedule,
@@ -225,31 +256,80 @@ pub fn batch(
             dtype.name()
         )));
     }
-    if !dtype.is_float() {
-        return Err(Error::Internal(format!("gossip of {}", dtype.name())));
+    let mut host = HostMixing {
+        t,
+        dtype,
+        schedule,
+        resps,
+        ios,
+        fusion,
+        act,
+    };
+    mix(&mut host, schedule, dtype)
+}
+
+/// Host memory over a `Transport`.
+struct HostMixing<'h, 'a> {
+    t: &'h dyn Transport,
+    dtype: DataType,
+    schedule: &'h Schedule<'h>,
+    resps: &'h [&'h Response],
+    ios: &'h mut [&'a mut dyn TensorIo],
+    fusion: &'h mut FusionBuffer,
+    act: ActivitySink<'h>,
+}
+
+impl Mixing for HostMixing<'_, '_> {
+    fn rank(&self) -> usize {
+        self.t.rank()
     }
-    for (round, members) in by_round(&schedule.rounds) {
+
+    fn size(&self) -> usize {
+        self.t.size()
+    }
+
+    fn average(&mut self, members: &[usize]) -> Result<()> {
+        let (t, dtype, act) = (self.t, self.dtype, &mut *self.act);
+        let fusion = &mut *self.fusion;
         let group = Group {
-            ios: &mut *ios,
-            members: &members,
+            ios: &mut *self.ios,
+            members,
         };
-        let peer = peer(t.rank(), t.size(), round);
-        if syncs(round, schedule.sync_every) {
-            average(t, dtype, group, fusion, act)?;
-        } else if schedule.codec == Codec::None || peer == t.rank() {
-            exchange(t, dtype, peer, group, fusion, act)?;
-        } else {
-            let names: Vec<&str> = members.iter().map(|i| resps[*i].name.as_str()).collect();
-            let pairs = Exchange {
-                codec: schedule.codec,
-                peer,
-                replicas: schedule.replicas,
-                names: &names,
-            };
-            exchange_compressed(t, &pairs, group, fusion, act)?;
-        }
+        average(t, dtype, group, fusion, act)
     }
-    Ok(())
+
+    fn keep(&mut self, members: &[usize]) -> Result<()> {
+        for i in members {
+            if let (Some(input), out) = self.ios[*i].split_io() {
+                out.copy_from_slice(input);
+            }
+        }
+        Ok(())
+    }
+
+    fn exchange(&mut self, peer: usize, members: &[usize]) -> Result<()> {
+        let (t, dtype, act) = (self.t, self.dtype, &mut *self.act);
+        let codec = self.schedule.codec;
+        let replicas = self.schedule.replicas;
+        let names: Vec<&str> = (members.iter())
+            .map(|i| self.resps[*i].name.as_str())
+            .collect();
+        let fusion = &mut *self.fusion;
+        let group = Group {
+            ios: &mut *self.ios,
+            members,
+        };
+        if codec == Codec::None {
+            return exchange(t, dtype, peer, group, fusion, act);
+        }
+        let pairs = Exchange {
+            codec,
+            peer,
+            replicas,
+            names: &names,
+        };
+        exchange_compressed(t, &pairs, group, fusion, act)
+    }
 }
 
 /// A batch's members grouped by round, rounds rising (the order every rank meets its peers in).
@@ -263,68 +343,6 @@ fn by_round(rounds: &[u64]) -> Vec<(u64, Vec<usize>)> {
             (round, members.collect())
         })
         .collect()
-}
-
-/// Gossip of one batch of GPU tensors: the host batch's rounds and peers. Each round's group
-/// is packed into the lane's fusion buffer and sent whole while the peer's arrives beside it
-/// (one NCCL send/recv: many small ones in a group are far slower); one batched kernel then
-/// averages into the outputs, which hold this rank's values, as `mean_of_two` does on the host.
-/// The values travel uncompressed (the job's codec does not apply to GPU gossip).
-pub fn device_batch(
-    t: &dyn DeviceTransport,
-    lane: &mut Lane,
-    schedule: &Schedule,
-    resps: &[&Response],
-    ios: &mut [&mut dyn DeviceIo],
-    act: ActivitySink,
-) -> Result<()> {
-    let dtype = resps[0].dtype;
-    if !dtype.is_float() {
-        return Err(Error::Internal(format!("gossip of {}", dtype.name())));
-    }
-    let (gpu, stream) = (lane.gpu, lane.stream);
-    for (round, members) in by_round(&schedule.rounds) {
-        let io = |i: &usize| (ios[*i].input(), ios[*i].output(), ios[*i].input().len());
-        let tensors: Vec<_> = members.iter().map(io).collect();
-        let total: usize = tensors.iter().map(|(_, _, len)| len).sum();
-        let buf = lane.fusion(2 * total)?;
-        let (mine, theirs) = (buf.first(total)?, buf.sub(total, total)?);
-        act(Some("MEMCPY_IN_FUSION_BUFFER"));
-        let inputs: Vec<_> = tensors.iter().map(|(i, _, len)| (*i, *len)).collect();
-        device::copy_consecutive(gpu, stream, mine, &inputs, true)?;
-        let peer = peer(t.rank(), t.size(), round);
-        let n = total / dtype.size();
-        if syncs(round, schedule.sync_every) {
-            act(Some("NCCL_ALLREDUCE"));
-            t.allreduce(mine, mine, n, dtype, ReduceOp::Sum, stream)?;
-            kernels::scale(gpu, stream, mine, mine, n, dtype, 1.0 / t.size() as f64)?;
-            act(Some("MEMCPY_OUT_FUSION_BUFFER"));
-            let outputs: Vec<_> = tensors.iter().map(|(_, o, len)| (*o, *len)).collect();
-            device::copy_consecutive(gpu, stream, mine, &outputs, false)?;
-            continue;
-        }
-        // this rank's values into the outputs (the average is taken in place there)
-        let copies = (tensors.iter())
-            .filter(|(input, output, _)| input.ptr() != output.ptr())
-            .map(|(input, output, len)| cuda::Copy::new(*input, *output, *len))
-            .collect::<Result<Vec<_>>>()?;
-        gpu.copy_batch(stream, &copies)?;
-        if peer == t.rank() {
-            continue;
-        }
-        act(Some("GOSSIP_SENDRECV"));
-        t.sendrecv(mine, peer, theirs, peer, stream)?;
-        act(Some("GOSSIP_AVERAGE"));
-        let places = layout::consecutive(tensors.iter().map(|(_, _, len)| *len));
-        let means = (places.iter().zip(&tensors))
-            .map(|(p, (_, output, len))| {
-                Ok((theirs.sub(p.place, p.len)?, *output, len / dtype.size()))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        kernels::mean_batch(gpu, stream, &means, dtype)?;
-    }
-    act(None);
-    Ok(())
 }
 
 /// The tensors of one round among a batch's.
@@ -393,14 +411,6 @@ fn exchange(
     fusion: &mut FusionBuffer,
     act: ActivitySink,
 ) -> Result<()> {
-    if peer == t.rank() {
-        for i in group.members {
-            if let (Some(input), out) = group.ios[*i].split_io() {
-                out.copy_from_slice(input);
-            }
-        }
-        return Ok(());
-    }
     let total = group.input_bytes();
     let (mine, theirs) = fusion.get(2 * total).split_at_mut(total);
     act(Some("MEMCPY_IN_FUSION_BUFFER"));

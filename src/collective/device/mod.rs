@@ -19,10 +19,12 @@ use crate::transport::memory::DeviceRange;
 use crate::transport::{DeviceTransport, Transport};
 
 mod codecs;
+mod gossip;
 mod hierarchical;
 mod native;
 
 pub use codecs::{allreduce_half, allreduce_u8};
+pub use gossip::gossip_batch;
 pub use hierarchical::{Levels, allreduce_hierarchical};
 pub use native::{allgather_batch, alltoall, broadcast, reducescatter_batch};
 
