@@ -2,8 +2,10 @@
 //! The runtime hands a batch here with its memory and its transport; which algorithm runs is a
 //! function of the agreed responses only, identical on every rank.
 
-use crate::collective::device::{self, DeviceIo, Lane};
-use crate::collective::{self, ActivitySink, Algorithms, TensorIo, gossip};
+use crate::collective::device::{self, DeviceBatch, DeviceIo, Lane};
+use crate::collective::{
+    self, ActivitySink, Algorithms, BatchMemory, HostBatch, TensorIo, gossip, native,
+};
 use crate::compress::{Codec, Wire};
 use crate::error::{Error, Result};
 use crate::fusion::FusionBuffer;
@@ -26,20 +28,19 @@ pub fn host(
         OpKind::Allreduce => {
             collective::allreduce_batch(t, &how.allreduce, wire, resps, ios, fusion, sink)
         }
-        OpKind::Allgather => {
-            collective::allgather_batch(t, how.allgather.as_ref(), resps, ios, fusion, sink)
-        }
-        OpKind::Reducescatter => collective::reducescatter_batch(t, resps, ios, fusion, sink),
         OpKind::Gossip => match &how.gossip {
             Some(s) => collective::gossip::batch(t, s, resps, ios, fusion, sink),
             None => Err(Error::Internal("a gossip batch without its rounds".into())),
         },
-        OpKind::Broadcast => collective::broadcast(t, head, &mut *ios[0], sink),
-        OpKind::Alltoall => collective::alltoall(t, head, &mut *ios[0], sink),
-        other => Err(Error::Internal(format!(
-            "{} is not a data batch",
-            other.name()
-        ))),
+        kind => {
+            let mut m = HostBatch {
+                t,
+                levels: how.allgather.as_ref(),
+                ios,
+                fusion,
+            };
+            native(&mut m, kind, resps, sink)
+        }
     }
 }
 
@@ -99,16 +100,32 @@ pub fn device(
     };
     match head.kind {
         OpKind::Allreduce => device::allreduce_batch(t, lane, resps, ios, sink),
-        OpKind::Allgather => device::allgather_batch(t, lane, resps, ios, sink),
-        OpKind::Reducescatter => device::reducescatter_batch(t, host, lane, resps, ios, sink),
-        OpKind::Broadcast => device::broadcast(t, lane, head, &mut *ios[0], sink),
-        OpKind::Alltoall => device::alltoall(t, host, lane, head, &mut *ios[0], sink),
         OpKind::Gossip => match &how.gossip {
             Some(s) => device::gossip_batch(t, lane, s, resps, ios, sink),
             None => Err(Error::Internal("a gossip batch without its rounds".into())),
         },
+        kind => {
+            let mut m = DeviceBatch { t, host, lane, ios };
+            native(&mut m, kind, resps, sink)
+        }
+    }
+}
+
+/// Allgather, reducescatter, broadcast and alltoall: the engine's own collectives, written
+/// once over either memory.
+fn native<M: BatchMemory + ?Sized>(
+    m: &mut M,
+    kind: OpKind,
+    resps: &[&Response],
+    sink: ActivitySink,
+) -> Result<()> {
+    match kind {
+        OpKind::Allgather => native::allgather_batch(m, resps, sink),
+        OpKind::Reducescatter => native::reducescatter_batch(m, resps, sink),
+        OpKind::Broadcast => native::broadcast(m, resps[0], sink),
+        OpKind::Alltoall => native::alltoall(m, resps[0], sink),
         other => Err(Error::Internal(format!(
-            "{} is not a GPU batch",
+            "{} is not a data batch",
             other.name()
         ))),
     }

@@ -9,17 +9,13 @@ pub mod gossip;
 pub mod hierarchical;
 pub mod kernels;
 pub mod layout;
-mod native;
+pub mod native;
 pub mod plan;
 pub mod quantized;
 pub mod replay;
 pub mod ring;
 
-pub use native::{allgather_batch, alltoall, broadcast, reducescatter_batch, reducescatter_rows};
-pub(crate) use native::{
-    allgather_contributions, allgather_shape, alltoall_counts, reducescatter_segments,
-    reducescatter_shape,
-};
+pub use native::{BatchMemory, HostBatch, reducescatter_rows};
 
 use crate::compress::{Codec, Feedback, Wire};
 use crate::dtype::DataType;
@@ -46,44 +42,6 @@ pub trait TensorIo {
 
 /// Receives the name of each phase as it starts (`None` when the last one ends): the timeline.
 pub type ActivitySink<'a> = &'a mut dyn FnMut(Option<&'static str>);
-
-/// Writes every tensor's input, in order, into consecutive places of `dst` through `encode`
-/// (tensor index, place, input); a tensor's place is `wire_len(input bytes)` long. The one
-/// packing walk on host memory: plain, scaled and cast copies differ only in `encode`.
-fn pack_with(
-    ios: &[&mut dyn TensorIo],
-    dst: &mut [u8],
-    wire_len: impl Fn(usize) -> usize,
-    mut encode: impl FnMut(usize, &mut [u8], &[u8]) -> Result<()>,
-) -> Result<()> {
-    for p in layout::consecutive(ios.iter().map(|io| wire_len(io.input().len()))) {
-        encode(
-            p.tensor,
-            &mut dst[p.place..p.place + p.len],
-            ios[p.tensor].input(),
-        )?;
-    }
-    Ok(())
-}
-
-/// Fills every tensor's output, in order, from consecutive places of `src` through `decode`
-/// (output, place); a tensor's place is `wire_len(output bytes)` long.
-fn unpack_with(
-    src: &[u8],
-    ios: &mut [&mut dyn TensorIo],
-    wire_len: impl Fn(usize) -> usize,
-    mut decode: impl FnMut(&mut [u8], &[u8]) -> Result<()>,
-) -> Result<()> {
-    let lens: Vec<usize> = ios
-        .iter_mut()
-        .map(|io| wire_len(io.split_io().1.len()))
-        .collect();
-    for p in layout::consecutive(lens) {
-        let (_, out) = ios[p.tensor].split_io();
-        decode(out, &src[p.place..p.place + p.len])?;
-    }
-    Ok(())
-}
 
 /// How a batch's values travel and are reduced: the dtype on the wire, the reduction there,
 /// and the factors applied while packing (`pre`) and unpacking (`post`).

@@ -5,10 +5,7 @@
 //! NCCL cannot reduce (16-bit integers, bool) run the ring over NCCL send/recv.
 
 use crate::collective::replay::{Launch, LaunchGraphs, ReplayKey};
-use crate::collective::{
-    ActivitySink, Encoding, allgather_contributions, allgather_shape, alltoall_counts, backend_op,
-    reducescatter_segments, reducescatter_shape,
-};
+use crate::collective::{ActivitySink, Encoding, backend_op};
 use crate::collective::{kernels, layout, quantized, ring};
 use crate::compress::{Codec, DeviceFeedback};
 use crate::dtype::DataType;
@@ -26,7 +23,7 @@ mod native;
 pub use codecs::{allreduce_half, allreduce_u8};
 pub use gossip::gossip_batch;
 pub use hierarchical::{Levels, allreduce_hierarchical};
-pub use native::{allgather_batch, alltoall, broadcast, reducescatter_batch};
+pub use native::DeviceBatch;
 
 /// The device memory of one tensor taking part in a collective.
 pub trait DeviceIo {
@@ -157,31 +154,6 @@ fn consecutive_copies(
             between(
                 tensors[p.tensor].0,
                 at.sub(p.place, p.len)?,
-                p.len,
-                into_buffer,
-            )
-        })
-        .collect()
-}
-
-/// Copies between a rank-major fusion buffer `buf` (rank by rank, each rank's segments in
-/// tensor order, `bytes[tensor][rank]` long) and the tensors, whose segments follow one
-/// another in `tensors[tensor]`: into the buffer, or out of it.
-fn rank_major_copies(
-    buf: DeviceRange,
-    tensors: &[DeviceRange],
-    bytes: &[Vec<usize>],
-    into_buffer: bool,
-) -> Result<Vec<Copy>> {
-    layout::rank_major(bytes)
-        .iter()
-        .map(|p| {
-            let tensor = tensors
-                .get(p.tensor)
-                .ok_or_else(|| Error::Internal("a segment of a missing tensor".into()))?;
-            between(
-                tensor.sub(p.offset, p.len)?,
-                buf.sub(p.place, p.len)?,
                 p.len,
                 into_buffer,
             )
@@ -406,17 +378,6 @@ fn allreduce_ring(
     Ok(())
 }
 
-/// Copies consecutive bytes of `src` into the tensors' outputs, in order (the staged paths).
-fn upload_outputs(lane: &Lane, src: &[u8], ios: &[&mut dyn DeviceIo]) -> Result<()> {
-    for p in layout::consecutive(ios.iter().map(|io| io.output().len())) {
-        let part = src
-            .get(p.place..p.place + p.len)
-            .ok_or_else(|| Error::Internal("staged result shorter than the outputs".into()))?;
-        lane.gpu.upload(lane.stream, part, ios[p.tensor].output())?;
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -491,32 +452,5 @@ mod tests {
         // a buffer too short, or a tensor shorter than its bytes: refused, nothing enqueued
         assert!(consecutive_copies(r(100, 11), &ranges, true).is_err());
         assert!(consecutive_copies(r(100, 12), &[(r(1000, 3), 4)], true).is_err());
-    }
-
-    #[test]
-    fn rank_major_copies_walk_ranks_then_tensors() {
-        // two tensors over three ranks: [tensor][rank] segment bytes
-        let bytes = vec![vec![2, 3, 1], vec![4, 0, 5]];
-        let tensors = [r(1000, 6), r(2000, 9)];
-        let out = rank_major_copies(r(100, 15), &tensors, &bytes, false).unwrap();
-        assert_eq!(
-            triples(&out),
-            [
-                (100, 1000, 2),
-                (102, 2000, 4),
-                (106, 1002, 3),
-                (109, 2004, 0),
-                (109, 1005, 1),
-                (110, 2004, 5),
-            ]
-        );
-        let into = rank_major_copies(r(100, 15), &tensors, &bytes, true).unwrap();
-        let flipped: Vec<_> = triples(&into)
-            .iter()
-            .map(|(s, d, n)| (*d, *s, *n))
-            .collect();
-        assert_eq!(flipped, triples(&out));
-        assert!(rank_major_copies(r(100, 14), &tensors, &bytes, true).is_err());
-        assert!(rank_major_copies(r(100, 15), &[r(1000, 6), r(2000, 8)], &bytes, true).is_err());
     }
 }
