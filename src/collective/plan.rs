@@ -5,7 +5,7 @@
 //! rank chooses alike; the runtime binds communicators and streams to the plan and runs it.
 
 use crate::collective::cost::{Algorithm, Policy};
-use crate::compress::{Codec, Codecs};
+use crate::compress::Codec;
 use crate::message::{CPU_DEVICE, OpKind, Response};
 use crate::transport::nccl;
 
@@ -45,10 +45,11 @@ pub struct BatchPlan {
 /// The job's agreed settings a choice reads.
 #[derive(Clone, Copy, Debug)]
 pub struct Settings {
-    pub codecs: Codecs,
     /// Flat host allreduces of at least this many bytes run the ring (0: never).
     pub ring_min_bytes: usize,
     pub nan_check: bool,
+    /// GPU allreduces may be captured into graphs and replayed.
+    pub graphs: bool,
 }
 
 /// A set with two levels: how its allreduces choose, and whether its allgathers go
@@ -74,12 +75,18 @@ pub fn on_device(head: &Response) -> bool {
         )
 }
 
-/// The plan of a batch led by `head` of `bytes` bytes (agreed: the planner fused batches of
-/// one kind, dtype, device and codec).
-pub fn choose(head: &Response, bytes: usize, s: &Settings, levels: Option<&Levels>) -> BatchPlan {
+/// The plan of a batch led by `head` of `bytes` bytes whose values travel as `codec` (agreed:
+/// the fusion planner resolved the codec and fused batches of one kind, dtype, device and
+/// codec).
+pub fn choose(
+    head: &Response,
+    bytes: usize,
+    codec: Codec,
+    s: &Settings,
+    levels: Option<&Levels>,
+) -> BatchPlan {
     let allreduce = head.kind == OpKind::Allreduce;
     let hierarchical = levels.is_some_and(|l| l.policy.choose(bytes) == Algorithm::Hierarchical);
-    let codec = s.codecs.of(head);
     let nan_check = s.nan_check && allreduce;
     if !on_device(head) {
         let route = match head.kind {
@@ -120,7 +127,7 @@ pub fn choose(head: &Response, bytes: usize, s: &Settings, levels: Option<&Level
         peers,
         // a hierarchical batch waits for the stream on the host, and a u8 batch's residuals
         // move with its tensors' sizes: neither can be a graph; nor the ring, not captured yet
-        replayable: allreduce && route == Route::Native && codec != Codec::U8,
+        replayable: s.graphs && allreduce && route == Route::Native && codec != Codec::U8,
     }
 }
 
@@ -159,16 +166,24 @@ mod tests {
         }
     }
 
-    fn settings(compression: Compression, ring_min_bytes: usize) -> Settings {
+    fn settings(ring_min_bytes: usize) -> Settings {
         Settings {
-            codecs: Codecs {
-                setting: compression,
-                min_bytes: 0,
-            },
             ring_min_bytes,
             nan_check: true,
+            graphs: true,
         }
     }
+
+    /// The codec the fusion planner gives `r` under the job's `compression`.
+    fn codec(compression: Compression, r: &Response) -> Codec {
+        let codecs = crate::compress::Codecs {
+            setting: compression,
+            min_bytes: 0,
+        };
+        codecs.of(r)
+    }
+
+    const NONE: Codec = Codec::None;
 
     const HIER: Levels = Levels {
         policy: Policy::Hierarchical,
@@ -178,8 +193,8 @@ mod tests {
     #[test]
     fn host_allreduces_go_hierarchical_then_ring_then_native() {
         let r = head(OpKind::Allreduce, DataType::F32, CPU_DEVICE);
-        let s = settings(Compression::None, 4096);
-        let plan = |bytes, levels| choose(&r, bytes, &s, levels).route;
+        let s = settings(4096);
+        let plan = |bytes, levels| choose(&r, bytes, NONE, &s, levels).route;
         assert_eq!(plan(100, Some(&HIER)), Route::Hierarchical);
         assert_eq!(plan(100, None), Route::Native);
         assert_eq!(plan(4096, None), Route::Ring);
@@ -188,19 +203,20 @@ mod tests {
             allgather: false,
         };
         assert_eq!(plan(4096, Some(&flat)), Route::Ring);
-        let p = choose(&r, 100, &s, None);
+        let p = choose(&r, 100, NONE, &s, None);
         assert_eq!(
             (p.memory, p.nan_check, p.peers, p.replayable),
             (Memory::Host, true, false, false)
         );
         // other kinds: no NaN check; allgathers follow the set's allgather setting
         let g = head(OpKind::Allgather, DataType::F32, CPU_DEVICE);
-        assert_eq!(choose(&g, 100, &s, Some(&HIER)).route, Route::Hierarchical);
-        assert_eq!(choose(&g, 100, &s, Some(&flat)).route, Route::Native);
-        assert!(!choose(&g, 100, &s, None).nan_check);
+        let gather = |levels| choose(&g, 100, NONE, &s, levels);
+        assert_eq!(gather(Some(&HIER)).route, Route::Hierarchical);
+        assert_eq!(gather(Some(&flat)).route, Route::Native);
+        assert!(!gather(None).nan_check);
         // a ring threshold of 0 never rings
         assert_eq!(
-            choose(&r, 1 << 30, &settings(Compression::None, 0), None).route,
+            choose(&r, 1 << 30, NONE, &settings(0), None).route,
             Route::Native
         );
     }
@@ -208,7 +224,9 @@ mod tests {
     #[test]
     fn offline_flags_travel_alone_except_beside_a_native_uncompressed_or_16_bit_batch() {
         let r = head(OpKind::Allreduce, DataType::F32, CPU_DEVICE);
-        let alone = |c, bytes, levels| flag_alone(&choose(&r, bytes, &settings(c, 4096), levels));
+        let alone = |c, bytes, levels| {
+            flag_alone(&choose(&r, bytes, codec(c, &r), &settings(4096), levels))
+        };
         assert!(!alone(Compression::None, 100, None));
         assert!(!alone(Compression::Fp16, 100, None));
         assert!(!alone(Compression::Bf16, 100, None));
@@ -242,33 +260,40 @@ mod tests {
             allgather: false,
         };
         let r = head(OpKind::Allreduce, DataType::F32, CPU_DEVICE);
-        let s = settings(Compression::None, 0);
+        let s = settings(0);
         let at = slow_cross.crossover().expect("a crossover");
-        assert_eq!(choose(&r, at / 2, &s, Some(&auto)).route, Route::Native);
-        assert_eq!(
-            choose(&r, at * 2, &s, Some(&auto)).route,
-            Route::Hierarchical
-        );
+        let route = |bytes| choose(&r, bytes, NONE, &s, Some(&auto)).route;
+        assert_eq!(route(at / 2), Route::Native);
+        assert_eq!(route(at * 2), Route::Hierarchical);
     }
 
     #[test]
     fn gpu_batches_pick_routes_and_connections_by_dtype_and_codec() {
-        let s = settings(Compression::None, 1);
+        let s = settings(1);
         let f32_ar = head(OpKind::Allreduce, DataType::F32, 0);
-        let p = choose(&f32_ar, 1 << 20, &s, Some(&HIER));
+        let p = choose(&f32_ar, 1 << 20, NONE, &s, Some(&HIER));
         assert_eq!(
             (p.memory, p.route, p.peers, p.replayable),
             (Memory::Device, Route::Hierarchical, false, false)
         );
         // the host's ring threshold is not the GPU's: NCCL's own allreduce, replayable
-        let p = choose(&f32_ar, 1 << 20, &s, None);
+        let p = choose(&f32_ar, 1 << 20, NONE, &s, None);
         assert_eq!(
             (p.route, p.peers, p.replayable),
             (Route::Native, false, true)
         );
+        // unless the job turned graphs off
+        let off = Settings { graphs: false, ..s };
+        assert!(!choose(&f32_ar, 1 << 20, NONE, &off, None).replayable);
         // dtypes NCCL cannot reduce: the ring over send/recv, even with levels
         for dtype in [DataType::U16, DataType::I16, DataType::Bool] {
-            let p = choose(&head(OpKind::Allreduce, dtype, 0), 64, &s, Some(&HIER));
+            let p = choose(
+                &head(OpKind::Allreduce, dtype, 0),
+                64,
+                NONE,
+                &s,
+                Some(&HIER),
+            );
             assert_eq!(
                 (p.route, p.peers, p.replayable),
                 (Route::Ring, true, false),
@@ -276,8 +301,8 @@ mod tests {
             );
         }
         // u8: flat, over send/recv, never a graph
-        let u8s = settings(Compression::U8, 0);
-        let p = choose(&f32_ar, 1 << 20, &u8s, Some(&HIER));
+        let u8s = settings(0);
+        let p = choose(&f32_ar, 1 << 20, Codec::U8, &u8s, Some(&HIER));
         assert_eq!(
             (p.route, p.codec, p.peers, p.replayable),
             (Route::Native, Codec::U8, true, false)
@@ -289,7 +314,13 @@ mod tests {
             OpKind::Allgather,
             OpKind::Broadcast,
         ] {
-            let p = choose(&head(kind, DataType::F32, 0), 1 << 20, &u8s, Some(&HIER));
+            let p = choose(
+                &head(kind, DataType::F32, 0),
+                1 << 20,
+                Codec::U8,
+                &u8s,
+                Some(&HIER),
+            );
             assert_eq!(p.codec, Codec::None, "{kind:?}");
             assert_eq!(p.route, Route::Native, "{kind:?}");
             assert_eq!(
@@ -300,7 +331,7 @@ mod tests {
             assert!(!p.nan_check && !p.replayable, "{kind:?}");
         }
         // kinds without data stay on the host whatever their device
-        let b = choose(&head(OpKind::Barrier, DataType::U8, 0), 0, &s, None);
+        let b = choose(&head(OpKind::Barrier, DataType::U8, 0), 0, NONE, &s, None);
         assert_eq!(b.memory, Memory::Host);
     }
 }

@@ -3,13 +3,21 @@
 
 use std::borrow::Borrow;
 
-use crate::compress::Codecs;
+use crate::compress::{Codec, Codecs};
 use crate::message::{OpKind, Response};
 
-/// Indices into the cycle's response list, executed as one collective.
+/// Indices into the cycle's response list, executed as one collective, and how its values
+/// travel: the one place a batch's codec is resolved (the algorithm's choice reads it here).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Batch {
     pub members: Vec<usize>,
+    pub codec: Codec,
+}
+
+/// How a batch led by `head` travels: the codec the job's settings give it. Batches hold one
+/// codec each, so the head's is the batch's.
+pub fn codec(head: &Response, codecs: &Codecs) -> Codec {
+    codecs.of(head)
 }
 
 /// Responses that may share one collective: same op, dtype, device, reduction, scales and codec.
@@ -22,7 +30,7 @@ fn fusable(a: &Response, b: &Response, codecs: &Codecs) -> bool {
         && a.postscale == b.postscale
         && a.error.is_none()
         && b.error.is_none()
-        && codecs.of(a) == codecs.of(b)
+        && codec(a, codecs) == codec(b, codecs)
 }
 
 fn fuses_at_all(r: &Response) -> bool {
@@ -99,7 +107,10 @@ pub fn plan_batches<R: Borrow<Response>>(
                 }
             }
         }
-        batches.push(Batch { members });
+        batches.push(Batch {
+            members,
+            codec: codec(head, codecs),
+        });
     }
     batches
 }
@@ -122,6 +133,7 @@ pub fn plan_segments<R: Borrow<Response>>(
         for b in plan_batches(&responses[start..end], threshold, direct_bytes, codecs) {
             batches.push(Batch {
                 members: b.members.iter().map(|m| m + start).collect(),
+                codec: b.codec,
             });
         }
         start = end;

@@ -25,6 +25,8 @@ pub(crate) struct Job {
     pub set: i32,
     pub resps: Vec<Response>,
     pub entries: Vec<TensorEntry>,
+    /// How the batch runs (chosen when it was launched).
+    pub plan: crate::collective::plan::BatchPlan,
     /// A fused GPU allreduce that may be replayed from a graph.
     pub replay: Option<crate::collective::replay::ReplayKey>,
 }
@@ -140,7 +142,14 @@ fn run(
             turn.done(job.seq);
         }
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            executor.run(&rt, &refs, &mut job.entries, job.replay, &mut |_| {})
+            executor.run(
+                &rt,
+                job.plan,
+                &refs,
+                &mut job.entries,
+                job.replay,
+                &mut |_| {},
+            )
         }))
         // the batch must still come back, failed, rather than leave its waiters hanging
         .unwrap_or_else(|_| Err(Error::Internal("a ferrovod channel thread panicked".into())));

@@ -12,11 +12,11 @@ use crate::collective::hierarchical::{self, Levels, node_members};
 use crate::collective::plan::{self, BatchPlan, Memory, Route};
 use crate::collective::replay::ReplayKey;
 use crate::collective::{self, ActivitySink, Algorithms, Allreduce, TensorIo, gossip};
-use crate::compress::{self, Feedback, Wire};
+use crate::compress::{self, Codec, Codecs, Feedback, Wire};
 use crate::config::AlgorithmChoice;
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
-use crate::fusion::FusionBuffer;
+use crate::fusion::{FusionBuffer, planner};
 use crate::message::ReduceOp;
 use crate::message::{OpKind, Response};
 use crate::runtime::Runtime;
@@ -279,6 +279,8 @@ pub(crate) struct Executor {
     hierarchy: Option<Hierarchy>,
     /// What each batch's plan reads (agreed).
     settings: plan::Settings,
+    /// The job's codecs, for the frozen plan's batches (whose files keep no codec).
+    codecs: Codecs,
     /// What the set's communicators carry from step to step.
     pub carried: Arc<Carried>,
     /// Every this many rounds a gossip is an exact average (0: never; agreed).
@@ -299,38 +301,46 @@ impl Executor {
             gpu: None,
             hierarchy,
             settings: plan::Settings {
-                codecs: settings.compression,
                 ring_min_bytes,
                 nan_check: settings.nan_check,
+                graphs: settings.gpu_graphs,
             },
+            codecs: settings.compression,
             carried,
             gossip_sync_every: settings.gossip_sync_every,
         }
     }
 
-    /// The plan of a batch (agreed: from its responses, the job's settings and the set's
-    /// levels).
-    pub fn plan(&self, resps: &[&Response], bytes: usize) -> BatchPlan {
+    /// The plan of a batch whose values travel as `codec` (agreed: from its responses, the
+    /// job's settings and the set's levels).
+    pub fn plan(&self, resps: &[&Response], codec: Codec) -> BatchPlan {
         let levels = (self.hierarchy.as_ref()).map(|h| plan::Levels {
             policy: h.policy,
             allgather: h.allgather,
         });
-        plan::choose(resps[0], bytes, &self.settings, levels.as_ref())
+        let bytes = batch_bytes(resps);
+        plan::choose(resps[0], bytes, codec, &self.settings, levels.as_ref())
     }
 
-    /// Runs a batch; a GPU batch is only enqueued, and what it recorded comes back.
+    /// The plan of a batch of the frozen offline plan: it was fused by the fusion planner when
+    /// the plan was learned, and its codec is the one the planner resolves for its head.
+    pub fn plan_frozen(&self, resps: &[&Response]) -> BatchPlan {
+        self.plan(resps, planner::codec(resps[0], &self.codecs))
+    }
+
+    /// Runs a batch by its plan (`Executor::plan`); a GPU batch is only enqueued, and what it
+    /// recorded comes back.
     pub fn run(
         &mut self,
         rt: &Runtime,
+        plan: BatchPlan,
         resps: &[&Response],
         entries: &mut [TensorEntry],
         replay: Option<ReplayKey>,
         sink: ActivitySink,
     ) -> Result<Option<gpu::Recorded>> {
         let head = resps[0];
-        // decided from agreed values only: the batch's size, the set's policy and settings
         let bytes = batch_bytes(resps);
-        let plan = self.plan(resps, bytes);
         if plan.route == Route::Hierarchical {
             rt.metrics.add_hierarchical_batch();
         }

@@ -108,12 +108,10 @@ impl Launcher {
             let Some(mut entries) = local_entries(set, &resps) else {
                 continue;
             };
-            // a fused GPU allreduce may be replayed from a graph (decided from agreed data)
-            let replay = (settings.gpu_graphs
-                && head.error.is_none()
-                && head.kind == OpKind::Allreduce
-                && plan::on_device(head))
-            .then(|| ReplayKey {
+            // how the batch runs, and whether a fused GPU allreduce may be replayed from a
+            // graph: decided once, from agreed data
+            let plan = set.executor.plan(&resps, batch.codec);
+            let replay = (plan.replayable && head.error.is_none()).then(|| ReplayKey {
                 batch: batch_fingerprint(&resps),
                 epoch: set.graph_epoch,
             });
@@ -145,6 +143,7 @@ impl Launcher {
                     set: set.id,
                     resps: resps.iter().map(|r| (*r).clone()).collect(),
                     entries,
+                    plan,
                     replay,
                 });
                 continue;
@@ -160,7 +159,7 @@ impl Launcher {
                     rt.metrics.add_batch(entries.len() as u64, bytes as u64);
                     let mut sink = Timeline::activities(timeline, &names);
                     set.executor
-                        .run(rt, &resps, &mut entries, replay, &mut sink)
+                        .run(rt, plan, &resps, &mut entries, replay, &mut sink)
                         .inspect_err(|e| {
                             let on = if plan::on_device(head) { "GPU " } else { "" };
                             tracing::error!("set {}: {on}{} failed: {e}", set.id, head.kind.name())
@@ -379,7 +378,7 @@ pub(crate) fn run_plan_batch(
     }
     let refs: Vec<&Response> = resps.iter().collect();
     let bytes = batch_bytes(&refs);
-    let plan = set.executor.plan(&refs, bytes);
+    let plan = set.executor.plan_frozen(&refs);
     let codec = plan.codec;
     let flagged = {
         // a rank without the batch's tensors has no spans to mark
