@@ -239,6 +239,13 @@ pub(crate) const HIERARCHICAL_ONE_PER_NODE: &[(&str, &str)] = &[
     ("FERROVOD_LOCAL_SIZE", "1"),
 ];
 
+/// As `HIERARCHICAL_ONE_PER_NODE`, asserting that batches went hierarchical.
+pub(crate) const HIERARCHICAL_ONE_PER_NODE_CHECKED: &[(&str, &str)] = &[
+    ("HOROVOD_HIERARCHICAL_ALLREDUCE", "1"),
+    ("FERROVOD_LOCAL_SIZE", "1"),
+    ("FERROVOD_TEST_HIERARCHICAL", "1"),
+];
+
 /// One node of 2 ranks, hierarchical allreduce asked for: it runs (on GPUs: NCCL reduce-scatter
 /// and allgather between the two GPUs, a one-rank step across nodes).
 pub(crate) const HIERARCHICAL_ONE_NODE: &[(&str, &str)] = &[
@@ -839,6 +846,10 @@ pub(crate) const GPU_SCENARIOS: &[Scenario] = &[
         true,
     ),
     ("hierarchical_allreduces", 2, HIERARCHICAL_ONE_NODE, true),
+    // the GPU hierarchical allreduce in pieces (the host's schedule): 2 nodes of one GPU (the
+    // MPI step across), and 2 nodes of 2 GPUs (NCCL inside each node as well)
+    ("large_fused", 2, HIERARCHICAL_ONE_PER_NODE_CHECKED, true),
+    ("large_fused", 4, HIERARCHICAL_LOCAL2, true),
     (
         "gpu_failure",
         2,
