@@ -798,6 +798,7 @@ pub(crate) const GPU_SCENARIOS: &[Scenario] = &[
     ("process_sets", 4, &[], true),
     ("gpu_kernels", 1, &[], true),
     ("gpu_ring", 2, &[], true),
+    ("gpu_ring", 4, &[], true),
     // PERSEUS_ALLREDUCE_NANCHECK on GPU batches (counted by a kernel), also when handles would
     // complete at enqueue
     ("nan_check", 2, &[("PERSEUS_ALLREDUCE_NANCHECK", "1")], true),
@@ -823,7 +824,9 @@ pub(crate) const GPU_SCENARIOS: &[Scenario] = &[
     // the u8 codec on GPUs: bit for bit the host's, and the host scenario on GPU tensors (two
     // NCCL streams by default: residuals cross them)
     ("gpu_u8", 2, &[], true),
+    ("gpu_u8", 4, &[], true),
     ("u8_compressed", 2, &[("FERROVOD_COMPRESSION", "u8")], true),
+    ("u8_compressed", 4, &[("FERROVOD_COMPRESSION", "u8")], true),
     // the 16-bit codecs through the hierarchical GPU allreduce (one node of two GPUs: NCCL
     // reduce-scatter and allgather between them)
     ("compressed", 2, FP16_HIERARCHICAL, true),
