@@ -17,7 +17,8 @@ pub mod ring;
 
 pub use native::{BatchMemory, HostBatch, reducescatter_rows};
 
-use crate::compress::{Codec, Feedback, Wire};
+pub(crate) use crate::compress::backend_op;
+use crate::compress::{Codec, Feedback, Reduction, Wire};
 use crate::dtype::DataType;
 use crate::elementwise;
 use crate::error::{Error, Result};
@@ -26,7 +27,7 @@ use crate::message::{ReduceOp, Response};
 use crate::transport::Transport;
 use hierarchical::Levels;
 use ring::Stage;
-use std::ops::Range;
+use std::ops::{Deref, Range};
 
 /// The memory of one tensor taking part in a collective.
 pub trait TensorIo {
@@ -43,50 +44,22 @@ pub trait TensorIo {
 /// Receives the name of each phase as it starts (`None` when the last one ends): the timeline.
 pub type ActivitySink<'a> = &'a mut dyn FnMut(Option<&'static str>);
 
-/// How a batch's values travel and are reduced: the dtype on the wire, the reduction there,
-/// and the factors applied while packing (`pre`) and unpacking (`post`).
-struct Encoding {
-    codec: Codec,
-    dtype: DataType,
-    wire: DataType,
-    op: ReduceOp,
-    pre: f64,
-    post: f64,
+/// A codec's reduction rule (`compress::Reduction`: the wire dtype, the reduction there, the
+/// factors on the way in and out) with the host packing around it.
+struct Encoding(Reduction);
+
+impl Deref for Encoding {
+    type Target = Reduction;
+
+    fn deref(&self) -> &Reduction {
+        &self.0
+    }
 }
 
 impl Encoding {
-    /// `head`'s allreduce over `size` ranks, travelling as `codec` says. Under a 16-bit codec an
-    /// average divides by the ranks before the cast, so the sum overflows only where one rank's
-    /// value already would.
+    /// `head`'s allreduce over `size` ranks, travelling as `codec` says.
     fn of(codec: Codec, head: &Response, size: usize) -> Result<Encoding> {
-        let (op, pre, post) = match (codec, head.reduce_op) {
-            (Codec::None, op) => {
-                let (op, post) = backend_op(op, size, head.postscale)?;
-                (op, head.prescale, post)
-            }
-            (Codec::Half(_), ReduceOp::Average) => {
-                (ReduceOp::Sum, head.prescale / size as f64, head.postscale)
-            }
-            (Codec::Half(_), ReduceOp::Sum) => (ReduceOp::Sum, head.prescale, head.postscale),
-            // summed in f32 by each chunk's owner: no overflow to avoid
-            (Codec::U8, ReduceOp::Average) => {
-                (ReduceOp::Sum, head.prescale, head.postscale / size as f64)
-            }
-            (Codec::U8, ReduceOp::Sum) => (ReduceOp::Sum, head.prescale, head.postscale),
-            (codec, other) => {
-                return Err(Error::Internal(format!(
-                    "a {other:?} allreduce cannot travel as {codec:?}"
-                )));
-            }
-        };
-        Ok(Encoding {
-            codec,
-            dtype: head.dtype,
-            wire: codec.wire(head.dtype),
-            op,
-            pre,
-            post,
-        })
+        Reduction::of(codec, head, size).map(Encoding)
     }
 
     /// The bytes on the wire of `bytes` bytes of values.
@@ -193,17 +166,6 @@ pub(crate) fn warn_out_of_range(name: &str, lost: usize, wire: DataType) {
             "tensor '{name}': {lost} values out of {}'s range became infinite on the wire",
             wire.name()
         );
-    }
-}
-
-/// The reduction the backend performs, and the factor applied after it.
-pub(crate) fn backend_op(op: ReduceOp, size: usize, postscale: f64) -> Result<(ReduceOp, f64)> {
-    match op {
-        ReduceOp::Average => Ok((ReduceOp::Sum, postscale / size as f64)),
-        ReduceOp::Adasum => Err(Error::InvalidArgument(
-            "Adasum reduction is not supported by ferrovod".into(),
-        )),
-        other => Ok((other, postscale)),
     }
 }
 
@@ -550,14 +512,14 @@ mod tests {
             Codec::Half(DataType::F16),
             Codec::Half(DataType::BF16),
         ] {
-            let enc = Encoding {
+            let enc = Encoding(Reduction {
                 codec,
                 dtype: DataType::F32,
                 wire: codec.wire(DataType::F32),
                 op: ReduceOp::Sum,
                 pre: 0.5,
                 post: 2.0,
-            };
+            });
             let total: usize = sizes.iter().map(|n| n * enc.wire.size()).sum();
             let (mut whole_ios, mut piece_ios) = (ios(), ios());
             let mut whole = vec![0u8; total];

@@ -66,6 +66,67 @@ impl Codecs {
     }
 }
 
+/// How a batch's values travel and are reduced under a codec: the dtype on the wire, the
+/// reduction there, and the factors applied on the way in (`pre`) and out (`post`). The rule
+/// each memory's packing and algorithm follow.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Reduction {
+    pub codec: Codec,
+    /// The tensors' dtype.
+    pub dtype: DataType,
+    pub wire: DataType,
+    pub op: ReduceOp,
+    pub pre: f64,
+    pub post: f64,
+}
+
+impl Reduction {
+    /// `head`'s allreduce over `size` ranks, travelling as `codec` says. Under a 16-bit codec an
+    /// average divides by the ranks before the cast, so the sum overflows only where one rank's
+    /// value already would; u8 sums in f32 at each chunk's owner, so it divides after.
+    pub fn of(codec: Codec, head: &Response, size: usize) -> Result<Reduction> {
+        let (op, pre, post) = match (codec, head.reduce_op) {
+            (Codec::None, op) => {
+                let (op, post) = backend_op(op, size, head.postscale)?;
+                (op, head.prescale, post)
+            }
+            (Codec::Half(_), ReduceOp::Average) => {
+                (ReduceOp::Sum, head.prescale / size as f64, head.postscale)
+            }
+            (Codec::Half(_), ReduceOp::Sum) => (ReduceOp::Sum, head.prescale, head.postscale),
+            (Codec::U8, ReduceOp::Average) => {
+                (ReduceOp::Sum, head.prescale, head.postscale / size as f64)
+            }
+            (Codec::U8, ReduceOp::Sum) => (ReduceOp::Sum, head.prescale, head.postscale),
+            (codec, other) => {
+                return Err(Error::Internal(format!(
+                    "a {other:?} allreduce cannot travel as {codec:?}"
+                )));
+            }
+        };
+        Ok(Reduction {
+            codec,
+            dtype: head.dtype,
+            wire: codec.wire(head.dtype),
+            op,
+            pre,
+            post,
+        })
+    }
+}
+
+/// The reduction an engine performs for `op` uncompressed, and the factor applied after it
+/// (an average is a sum, then a division by the ranks).
+pub fn backend_op(op: ReduceOp, size: usize, postscale: f64) -> Result<(ReduceOp, f64)> {
+    match op {
+        ReduceOp::Average => Ok((ReduceOp::Sum, postscale / size as f64)),
+        ReduceOp::Adasum => Err(Error::InvalidArgument(
+            "Adasum reduction is not supported by ferrovod".into(),
+        )),
+        other => Ok((other, postscale)),
+    }
+}
+
 /// `PERSEUS_ALLREDUCE_NANCHECK=1`: an allreduce whose result holds NaN or infinite values
 /// fails, naming each such tensor. The result is the same on every rank, so every rank fails the
 /// same tensors (a NaN an input brings in stays in a sum; one a minimum or maximum drops is not
@@ -255,6 +316,36 @@ mod tests {
             setting,
             ..Codecs::default()
         }
+    }
+
+    #[test]
+    fn averages_divide_before_a_16_bit_cast_and_after_an_8_bit_sum() {
+        let mut avg = resp(OpKind::Allreduce, DataType::F32, ReduceOp::Average);
+        (avg.prescale, avg.postscale) = (2.0, 3.0);
+        let r = |codec| Reduction::of(codec, &avg, 4).unwrap();
+        let half = r(Codec::Half(DataType::F16));
+        assert_eq!(
+            (half.wire, half.op, half.pre, half.post),
+            (DataType::F16, ReduceOp::Sum, 0.5, 3.0)
+        );
+        let u8s = r(Codec::U8);
+        assert_eq!(
+            (u8s.wire, u8s.op, u8s.pre, u8s.post),
+            (DataType::U8, ReduceOp::Sum, 2.0, 0.75)
+        );
+        let none = r(Codec::None);
+        assert_eq!(
+            (none.wire, none.op, none.pre, none.post),
+            (DataType::F32, ReduceOp::Sum, 2.0, 0.75)
+        );
+        // a minimum keeps its op uncompressed and cannot travel compressed
+        let min = resp(OpKind::Allreduce, DataType::F32, ReduceOp::Min);
+        assert_eq!(
+            Reduction::of(Codec::None, &min, 4).unwrap().op,
+            ReduceOp::Min
+        );
+        assert!(Reduction::of(Codec::Half(DataType::BF16), &min, 4).is_err());
+        assert!(Reduction::of(Codec::U8, &min, 4).is_err());
     }
 
     #[test]
