@@ -172,6 +172,11 @@ pub struct Config {
     /// `FERROVOD_GOSSIP_SYNC_EVERY` (default 10; 0: never): every this many rounds of a
     /// gossiped tensor is an exact average instead.
     pub gossip_sync_every: u32,
+    /// `FERROVOD_GOSSIP_EXACT_INSIDE_NODE` (1 or 0, default 1): GPU gossip of a process set
+    /// whose ranks share one node runs as exact averages (NCCL's allreduce), which take about
+    /// as long there as one exchange with a peer. 0 keeps the pairwise exchanges. Rank 0's
+    /// value decides.
+    pub gossip_exact_inside_node: bool,
     /// `FERROVOD_POLL` (1 or 0; default: where each local rank has at least 4 cores): waiting
     /// threads poll briefly before they sleep (see `runtime::handle::set_polling`).
     pub poll: Option<bool>,
@@ -374,6 +379,8 @@ impl Config {
             nan_check: src.bool("PERSEUS_ALLREDUCE_NANCHECK"),
             multistep: src.num("FERROVOD_MULTISTEP", 1, 1, 1 << 20),
             gossip_sync_every: src.num("FERROVOD_GOSSIP_SYNC_EVERY", 10, 0, 1 << 20),
+            gossip_exact_inside_node: src.str("FERROVOD_GOSSIP_EXACT_INSIDE_NODE").is_none()
+                || src.bool("FERROVOD_GOSSIP_EXACT_INSIDE_NODE"),
             hierarchical_allgather: src.bool("HOROVOD_HIERARCHICAL_ALLGATHER"),
             poll: src.str("FERROVOD_POLL").map(|_| src.bool("FERROVOD_POLL")),
         }

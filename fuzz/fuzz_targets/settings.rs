@@ -41,6 +41,7 @@ const KEYS: &[&str] = &[
     "FERROVOD_COMPRESSION_MIN_BYTES",
     "FERROVOD_MULTISTEP",
     "FERROVOD_GOSSIP_SYNC_EVERY",
+    "FERROVOD_GOSSIP_EXACT_INSIDE_NODE",
 ];
 
 /// Values worth trying besides the fuzzer's own strings.

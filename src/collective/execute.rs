@@ -3,13 +3,14 @@
 //! function of the agreed responses only, identical on every rank.
 
 use crate::collective::device::{self, DeviceBatch, DeviceIo, Lane};
+use crate::collective::plan::Route;
 use crate::collective::{
     self, ActivitySink, Algorithms, BatchMemory, HostBatch, TensorIo, gossip, native,
 };
 use crate::compress::{Codec, Wire};
 use crate::error::{Error, Result};
 use crate::fusion::FusionBuffer;
-use crate::message::{OpKind, Response};
+use crate::message::{OpKind, ReduceOp, Response};
 use crate::transport::{DeviceTransport, Transport};
 
 /// Runs one batch of host tensors over `t`, through the fusion buffer `fusion`, its values
@@ -100,6 +101,17 @@ pub fn device(
     };
     match head.kind {
         OpKind::Allreduce => device::allreduce_batch(t, lane, resps, ios, sink),
+        // inside one node: the exact average, as a fused allreduce batch (`plan::choose`)
+        OpKind::Gossip if how.plan.route == Route::Native => {
+            let average = Response {
+                kind: OpKind::Allreduce,
+                reduce_op: ReduceOp::Average,
+                prescale: 1.0,
+                postscale: 1.0,
+                ..head.clone()
+            };
+            device::allreduce_batch(t, lane, &[&average], ios, sink)
+        }
         OpKind::Gossip => match &how.gossip {
             Some(s) => device::gossip_batch(t, lane, s, resps, ios, sink),
             None => Err(Error::Internal("a gossip batch without its rounds".into())),

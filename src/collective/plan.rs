@@ -25,6 +25,8 @@ pub enum Route {
     Ring,
     /// Inside each node, across nodes, inside each node again.
     Hierarchical,
+    /// Gossip: each rank averages with one peer per round (`collective::gossip`).
+    Pairs,
 }
 
 /// The choice for one batch.
@@ -50,6 +52,9 @@ pub struct Settings {
     pub nan_check: bool,
     /// GPU allreduces may be captured into graphs and replayed.
     pub graphs: bool,
+    /// GPU gossip exchanges with peers: the set's ranks lie on more than one node, or the job
+    /// keeps the exchanges inside one (`FERROVOD_GOSSIP_EXACT_INSIDE_NODE=0`).
+    pub gossip_pairs: bool,
 }
 
 /// A set with two levels: how its allreduces choose, and whether its allgathers go
@@ -93,6 +98,7 @@ pub fn choose(
             OpKind::Allreduce if hierarchical => Route::Hierarchical,
             OpKind::Allreduce if s.ring_min_bytes > 0 && bytes >= s.ring_min_bytes => Route::Ring,
             OpKind::Allgather if levels.is_some_and(|l| l.allgather) => Route::Hierarchical,
+            OpKind::Gossip => Route::Pairs,
             _ => Route::Native,
         };
         return BatchPlan {
@@ -109,13 +115,18 @@ pub fn choose(
     // go hierarchical
     let codec = if allreduce { codec } else { Codec::None };
     let reduces = nccl::reduces(head.dtype);
-    let route = match allreduce {
-        true if !reduces => Route::Ring,
-        true if hierarchical && codec != Codec::U8 => Route::Hierarchical,
+    // gossip inside one node: NCCL's allreduce of the whole set takes about as long as one
+    // exchange with a peer there (BENCHMARKS.md, "GPU gossip inside one node"), so every round
+    // is the exact average instead
+    let route = match head.kind {
+        OpKind::Allreduce if !reduces => Route::Ring,
+        OpKind::Allreduce if hierarchical && codec != Codec::U8 => Route::Hierarchical,
+        OpKind::Gossip if s.gossip_pairs => Route::Pairs,
         _ => Route::Native,
     };
     let peers = match head.kind {
-        OpKind::Alltoall | OpKind::Gossip => true,
+        OpKind::Alltoall => true,
+        OpKind::Gossip => route == Route::Pairs,
         OpKind::Allreduce => codec == Codec::U8 || route == Route::Ring,
         _ => false,
     };
@@ -171,6 +182,7 @@ mod tests {
             ring_min_bytes,
             nan_check: true,
             graphs: true,
+            gossip_pairs: true,
         }
     }
 
@@ -322,7 +334,12 @@ mod tests {
                 Some(&HIER),
             );
             assert_eq!(p.codec, Codec::None, "{kind:?}");
-            assert_eq!(p.route, Route::Native, "{kind:?}");
+            let pairs = if kind == OpKind::Gossip {
+                Route::Pairs
+            } else {
+                Route::Native
+            };
+            assert_eq!(p.route, pairs, "{kind:?}");
             assert_eq!(
                 p.peers,
                 matches!(kind, OpKind::Gossip | OpKind::Alltoall),
@@ -330,6 +347,17 @@ mod tests {
             );
             assert!(!p.nan_check && !p.replayable, "{kind:?}");
         }
+        // GPU gossip inside one node: exact averages over NCCL's allreduce, no peers; on
+        // host memory gossip always pairs
+        let one_node = Settings {
+            gossip_pairs: false,
+            ..s
+        };
+        let gossip = head(OpKind::Gossip, DataType::F32, 0);
+        let p = choose(&gossip, 1 << 20, NONE, &one_node, None);
+        assert_eq!((p.route, p.peers), (Route::Native, false));
+        let host = head(OpKind::Gossip, DataType::F32, CPU_DEVICE);
+        assert_eq!(choose(&host, 64, NONE, &one_node, None).route, Route::Pairs);
         // kinds without data stay on the host whatever their device
         let b = choose(&head(OpKind::Barrier, DataType::U8, 0), 0, NONE, &s, None);
         assert_eq!(b.memory, Memory::Host);

@@ -292,6 +292,7 @@ impl Executor {
         data: MpiComm,
         hierarchy: Option<Hierarchy>,
         ring_min_bytes: usize,
+        spans_nodes: bool,
         settings: &JobSettings,
         carried: Arc<Carried>,
     ) -> Executor {
@@ -304,6 +305,7 @@ impl Executor {
                 ring_min_bytes,
                 nan_check: settings.nan_check,
                 graphs: settings.gpu_graphs,
+                gossip_pairs: spans_nodes || !settings.gossip_exact_inside_node,
             },
             codecs: settings.compression,
             carried,
@@ -348,7 +350,14 @@ impl Executor {
         let codec = plan.codec;
         let gossip = (head.kind == OpKind::Gossip).then(|| gossip::Schedule {
             rounds: self.carried.rounds.advance(resps, &self.carried.replicas),
-            sync_every: self.gossip_sync_every,
+            sync_every: match plan.route {
+                Route::Pairs => self.gossip_sync_every,
+                // every round the exact average (`plan::choose`)
+                _ => {
+                    say_exact_gossip(self.data.rank());
+                    1
+                }
+            },
             codec,
             replicas: &self.carried.replicas,
         });
@@ -473,6 +482,18 @@ fn host_algorithms<'a>(
             _ => Allreduce::Native,
         },
         gossip,
+    }
+}
+
+/// Says once per process, on a set's rank 0, that gossip runs as exact averages.
+fn say_exact_gossip(rank: usize) {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    if rank == 0 {
+        SAID.call_once(|| {
+            tracing::info!(
+                "gossip on GPUs inside one node runs as exact averages (NCCL's allreduce of the set): there it takes about as long as one exchange with a peer"
+            )
+        });
     }
 }
 

@@ -144,6 +144,8 @@ pub(crate) struct JobSettings {
     pub multistep: u32,
     /// `FERROVOD_GOSSIP_SYNC_EVERY`.
     pub gossip_sync_every: u32,
+    /// GPU gossip inside one node runs as exact averages.
+    pub gossip_exact_inside_node: bool,
     /// `HOROVOD_STALL_CHECK_DISABLE`, `HOROVOD_STALL_CHECK_TIME_SECONDS` and
     /// `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`: one rank giving up before the others would
     /// report them missing while they still wait.
@@ -180,6 +182,7 @@ impl JobSettings {
             usize::from(cfg.stall_check),
             cfg.stall_warn.as_nanos() as usize,
             cfg.stall_shutdown.as_nanos() as usize,
+            usize::from(cfg.gossip_exact_inside_node),
         ];
         let bytes: Vec<u8> = mine
             .iter()
@@ -192,7 +195,7 @@ impl JobSettings {
             .collect();
         if v[..] != mine[..] {
             tracing::warn!(
-                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS / HOROVOD_AUTOTUNE / FERROVOD_GPU_GRAPHS / FERROVOD_ALGORITHM / HOROVOD_HIERARCHICAL_ALLREDUCE / FERROVOD_RING_MIN_BYTES / HOROVOD_HIERARCHICAL_ALLGATHER / FERROVOD_COMPRESSION / FERROVOD_COMPRESSION_MIN_BYTES / PERSEUS_ALLREDUCE_NANCHECK / FERROVOD_MULTISTEP / FERROVOD_GOSSIP_SYNC_EVERY / HOROVOD_STALL_CHECK_DISABLE / HOROVOD_STALL_CHECK_TIME_SECONDS / HOROVOD_STALL_SHUTDOWN_TIME_SECONDS differ from rank 0's; using rank 0's values {v:?}"
+                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS / HOROVOD_AUTOTUNE / FERROVOD_GPU_GRAPHS / FERROVOD_ALGORITHM / HOROVOD_HIERARCHICAL_ALLREDUCE / FERROVOD_RING_MIN_BYTES / HOROVOD_HIERARCHICAL_ALLGATHER / FERROVOD_COMPRESSION / FERROVOD_COMPRESSION_MIN_BYTES / PERSEUS_ALLREDUCE_NANCHECK / FERROVOD_MULTISTEP / FERROVOD_GOSSIP_SYNC_EVERY / HOROVOD_STALL_CHECK_DISABLE / HOROVOD_STALL_CHECK_TIME_SECONDS / HOROVOD_STALL_SHUTDOWN_TIME_SECONDS / FERROVOD_GOSSIP_EXACT_INSIDE_NODE differ from rank 0's; using rank 0's values {v:?}"
             );
         }
         Ok(JobSettings {
@@ -221,6 +224,7 @@ impl JobSettings {
                 warn_after: Duration::from_nanos(v[19] as u64),
                 shutdown_after: Duration::from_nanos(v[20] as u64),
             },
+            gossip_exact_inside_node: v[21] != 0,
         })
     }
 }

@@ -93,8 +93,14 @@ impl SetState {
                 .map(|k| {
                     let dup = comm.dup()?;
                     let hierarchy = Hierarchy::open(&dup, node, settings, false)?;
-                    let executor =
-                        Executor::new(dup, hierarchy, ring_min_bytes, settings, carried.clone());
+                    let executor = Executor::new(
+                        dup,
+                        hierarchy,
+                        ring_min_bytes,
+                        spans_nodes,
+                        settings,
+                        carried.clone(),
+                    );
                     Channel::spawn(k, executor, done.clone(), rt.clone(), turn.clone())
                 })
                 .collect::<Result<Vec<_>>>()?
@@ -116,7 +122,14 @@ impl SetState {
             channels,
             batch_seq: 0,
             direct_bytes,
-            executor: Executor::new(comm, hierarchy, ring_min_bytes, settings, carried),
+            executor: Executor::new(
+                comm,
+                hierarchy,
+                ring_min_bytes,
+                spans_nodes,
+                settings,
+                carried,
+            ),
         })
     }
 }

@@ -305,7 +305,11 @@ class Cell:
         round_ = self.calls[label] if self.named else 0
         self.calls[label] += 1
         outs = self.call("gossip", lambda: self.ad.gossip([t[r] for t in tensors], self.name(label)))
-        syncs = (round_ + 1) % SYNC_EVERY == 0
+        # GPU gossip inside one node (the matrix's one machine) runs as exact averages unless
+        # FERROVOD_GOSSIP_EXACT_INSIDE_NODE=0
+        exact_inside = self.memory == "cuda" and \
+            os.environ.get("FERROVOD_GOSSIP_EXACT_INSIDE_NODE", "1") != "0"
+        syncs = exact_inside or (round_ + 1) % SYNC_EVERY == 0
         peer = gossip_peer(r, n, round_)
         for j, (o, t) in enumerate(zip(outs, tensors)):
             t64 = [x.astype(np.float64) for x in t]

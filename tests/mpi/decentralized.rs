@@ -227,6 +227,48 @@ pub(crate) fn gossip_sync() {
     finish_job();
 }
 
+/// GPU gossip of a set inside one node (`FERROVOD_GOSSIP_EXACT_INSIDE_NODE`, default 1): every
+/// round is the exact average over all ranks (from 3 ranks it differs from any pair's), for a
+/// named tensor over several rounds and for two tensors fused, in f32 and f64.
+pub(crate) fn gossip_exact() {
+    init();
+    let (me, n) = (rank(), size());
+    for dtype in [DataType::F32, DataType::F64] {
+        let names: Vec<String> = (0..2)
+            .map(|k| format!("exact.{}.{k}", dtype.name()))
+            .collect();
+        for round in 0..3usize {
+            let mine = |r: usize, k: usize| -> Vec<f64> {
+                let v: Vec<f64> = (0..200 + k).map(|i| start(i + k + round, r)).collect();
+                quantize(dtype, &v)
+            };
+            let vals: Vec<Vec<f64>> = (0..2).map(|k| mine(me, k)).collect();
+            let got = run(gossip_spec(&names, dtype, &vals)).unwrap();
+            for (k, res) in got.iter().enumerate() {
+                let y = output(res, dtype);
+                let all: Vec<Vec<f64>> = (0..n).map(|r| mine(r, k)).collect();
+                let peer = ferrovod::collective::gossip::peer(me, n, round as u64);
+                // elements where the pairwise average this round is not the mean
+                let mut apart = 0;
+                for (i, v) in y.iter().enumerate() {
+                    let mean = all.iter().map(|a| a[i]).sum::<f64>() / n as f64;
+                    let tol = if dtype == DataType::F32 { 1e-5 } else { 1e-12 };
+                    assert!(
+                        (v - mean).abs() <= tol * mean.abs().max(1.0),
+                        "rank {me} {} round {round} tensor {k} element {i}: {v} vs the mean {mean}",
+                        dtype.name()
+                    );
+                    let pair = pair_average(dtype, all[me][i], all[peer][i]);
+                    apart += usize::from((pair - mean).abs() > 1e3 * tol * mean.abs().max(1.0));
+                }
+                // from 3 ranks a pairwise exchange would have failed the check above
+                assert!(n <= 2 || apart > y.len() / 2, "{apart} of {}", y.len());
+            }
+        }
+    }
+    finish_job();
+}
+
 /// Rank 0 gossips a tensor the others never submit (`STALL_ON=multistep`: calls a multistep
 /// allreduce once more than they do): the stall error on every rank, naming the tensor.
 pub(crate) fn gossip_stall() {

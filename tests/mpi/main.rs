@@ -186,6 +186,11 @@ const STALL_FAST_MULTISTEP: &[(&str, &str)] = &[
 
 /// Gossip rounds without the periodic exact average.
 const GOSSIP_ONLY: &[(&str, &str)] = &[("FERROVOD_GOSSIP_SYNC_EVERY", "0")];
+/// GPU gossip exchanging with peers inside one node (`GOSSIP_ONLY` otherwise).
+const GPU_GOSSIP_PAIRS: &[(&str, &str)] = &[
+    ("FERROVOD_GOSSIP_SYNC_EVERY", "0"),
+    ("FERROVOD_GOSSIP_EXACT_INSIDE_NODE", "0"),
+];
 pub(crate) const BF16: &[(&str, &str)] = &[("FERROVOD_COMPRESSION", "bf16")];
 pub(crate) const MIXED: &[(&str, &str)] = &[
     ("FERROVOD_COMPRESSION", "mixed"),
@@ -811,14 +816,32 @@ pub(crate) const GPU_SCENARIOS: &[Scenario] = &[
         ],
         true,
     ),
-    // gossip over NCCL send/recv: the host scenarios on GPU tensors
-    ("gossip", 2, GOSSIP_ONLY, true),
+    // gossip over NCCL send/recv: the host scenarios on GPU tensors, the exchanges kept inside
+    // the one node
+    ("gossip", 2, GPU_GOSSIP_PAIRS, true),
+    ("gossip", 4, GPU_GOSSIP_PAIRS, true),
     (
         "gossip_sync",
         2,
-        &[("FERROVOD_GOSSIP_SYNC_EVERY", "3")],
+        &[
+            ("FERROVOD_GOSSIP_SYNC_EVERY", "3"),
+            ("FERROVOD_GOSSIP_EXACT_INSIDE_NODE", "0"),
+        ],
         true,
     ),
+    (
+        "gossip_stall",
+        2,
+        &[
+            ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+            ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+            ("FERROVOD_GOSSIP_EXACT_INSIDE_NODE", "0"),
+        ],
+        true,
+    ),
+    // by default, GPU gossip inside one node is exact averages over NCCL's allreduce; its stall
+    ("gossip_exact", 2, &[], true),
+    ("gossip_exact", 4, &[], true),
     ("gossip_stall", 2, STALL_FAST, true),
     ("gpu_compressed", 2, &[], true),
     // the u8 codec on GPUs: bit for bit the host's, and the host scenario on GPU tensors (two
@@ -1362,6 +1385,7 @@ pub(crate) fn run_rank(name: &str) {
         "gossip_sync" => gossip_sync(),
         "gossip_stall" => gossip_stall(),
         "gossip_compressed" => gossip_compressed(),
+        "gossip_exact" => gossip_exact(),
         "multistep" => multistep(),
         "ring" => ring(),
         "gpu_ring" => gpu_ring(),
