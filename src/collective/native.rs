@@ -250,7 +250,9 @@ pub fn reducescatter_batch<M: BatchMemory + ?Sized>(
         act(None);
         return Ok(());
     }
-    m.reserve(total + counts[me])?;
+    // the same size on every rank (the largest segment), so that a GPU fusion buffer grows at
+    // the same batch everywhere
+    m.reserve(total + counts.iter().max().copied().unwrap_or(0))?;
     act(Some("MEMCPY_IN_FUSION_BUFFER"));
     m.copy(&rank_major_spans(&seg, Span::input, true))?;
     m.scale(Span::fusion(0, total), dtype, head.prescale)?;

@@ -819,6 +819,7 @@ pub(crate) const GPU_SCENARIOS: &[Scenario] = &[
     // gossip over NCCL send/recv: the host scenarios on GPU tensors, the exchanges kept inside
     // the one node
     ("gossip", 2, GPU_GOSSIP_PAIRS, true),
+    ("gossip", 3, GPU_GOSSIP_PAIRS, true),
     ("gossip", 4, GPU_GOSSIP_PAIRS, true),
     (
         "gossip_sync",

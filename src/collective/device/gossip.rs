@@ -85,6 +85,10 @@ impl Mixing for DeviceMixing<'_, '_, '_, '_> {
     }
 
     fn keep(&mut self, members: &[usize]) -> Result<()> {
+        // the fusion buffer grows at the same round on every rank, idle or not: growing
+        // forgets the stream's graphs, which every rank must do alike
+        let total: usize = self.tensors(members).iter().map(|(_, _, len)| len).sum();
+        self.lane.fusion(2 * total)?;
         let copies = (self.tensors(members).iter())
             .filter(|(input, output, _)| input.ptr() != output.ptr())
             .map(|(input, output, len)| Copy::new(*input, *output, *len))

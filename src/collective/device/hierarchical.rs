@@ -53,14 +53,18 @@ pub fn allreduce_hierarchical(
     let me = local.rank();
     let pieces = hierarchical::pieces(total, size, local.size(), cross.size());
     // the fusion buffer holds the batch, then this rank's reduced part of each piece (then the
-    // 16-bit codecs' overflow counters)
+    // 16-bit codecs' overflow counters); sized alike on every rank (the largest parts), so that
+    // it grows at the same batch everywhere
     let parts: usize = pieces.iter().map(|p| p.parts[me]).sum();
+    let most: usize = (pieces.iter())
+        .map(|p| p.parts.iter().max().copied().unwrap_or(0))
+        .sum();
     let (whole, overflows) = match codec {
         Codec::Half(_) => {
-            let (whole, o) = half_buffer(lane, total, parts, ios.len())?;
+            let (whole, o) = half_buffer(lane, total, most, ios.len())?;
             (whole, Some(o))
         }
-        _ => (lane.fusion(total + parts)?, None),
+        _ => (lane.fusion(total + most)?, None),
     };
     let mut tiers = DeviceTiers {
         levels,
