@@ -348,16 +348,13 @@ impl Executor {
         }
         rt.metrics.add_wire(plan.codec, head.dtype, bytes as u64);
         let codec = plan.codec;
-        let gossip = (head.kind == OpKind::Gossip).then(|| gossip::Schedule {
+        if head.kind == OpKind::Gossip && plan.route != Route::Pairs {
+            // the exact average, run as an allreduce batch: no rounds (`plan::choose`)
+            say_exact_gossip(self.data.rank());
+        }
+        let gossip = (plan.route == Route::Pairs).then(|| gossip::Schedule {
             rounds: self.carried.rounds.advance(resps, &self.carried.replicas),
-            sync_every: match plan.route {
-                Route::Pairs => self.gossip_sync_every,
-                // every round the exact average (`plan::choose`)
-                _ => {
-                    say_exact_gossip(self.data.rank());
-                    1
-                }
-            },
+            sync_every: self.gossip_sync_every,
             codec,
             replicas: &self.carried.replicas,
         });
