@@ -157,6 +157,19 @@ impl PlanLearner {
         }
     }
 
+    /// Learning again after leaving a frozen plan in the middle of a step: `ran` are the
+    /// responses the plan ran in that step before every rank escaped. They start the step the
+    /// recorder sees, so its steps begin where the training's do; without them the first step
+    /// seen online would be only the rest of one, and every later step would be cut at a point
+    /// that depends on the order tensors happened to be agreed in.
+    pub fn resuming<'a>(warmup: usize, ran: impl IntoIterator<Item = &'a Response>) -> PlanLearner {
+        let mut learner = PlanLearner::new(warmup);
+        for r in ran {
+            learner.recorder.observe(r, 0, false);
+        }
+        learner
+    }
+
     /// Feeds one cycle's agreed responses of the global set.
     pub fn observe(&mut self, responses: &[Arc<Response>], ctx: LearnContext) {
         self.cycles += 1;
@@ -281,6 +294,41 @@ mod tests {
         // every tensor once, in the step's order
         let all: Vec<String> = groups.into_iter().flatten().collect();
         assert_eq!(all, (0..100).map(|k| format!("t{k}")).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn learning_after_an_escape_mid_step_starts_with_what_the_plan_ran() {
+        let all = step(5);
+        let t = |k: usize| all[k].clone();
+        // the plan ran t0 and t1, then a new tensor (t4) sent every rank back online
+        let ran = [t(0), t(1)];
+        let rest = [t(2), t(3), t(4)];
+        // later steps agree their tensors in a different order each time
+        let orders: [[usize; 4]; 5] = [
+            [0, 1, 2, 3],
+            [1, 2, 3, 0],
+            [2, 3, 0, 1],
+            [3, 0, 1, 2],
+            [0, 1, 2, 3],
+        ];
+        let ready_after = |seeded: bool| {
+            let mut p = if seeded {
+                PlanLearner::resuming(2, ran.iter().map(|r| r.as_ref()))
+            } else {
+                PlanLearner::new(2)
+            };
+            p.observe(&rest, ctx());
+            orders.iter().position(|order| {
+                for &k in order {
+                    p.observe(&[t(k)], ctx());
+                }
+                p.take_ready().is_some_and(|plan| plan.num_tensors() == 4)
+            })
+        };
+        // two steps agree, the third arms and completes the plan
+        assert_eq!(ready_after(true), Some(2));
+        // cut mid-step, the recorder's steps are rotated and realign only by chance
+        assert_eq!(ready_after(false), Some(4));
     }
 
     #[test]

@@ -11,7 +11,7 @@
 use std::time::{Duration, Instant};
 
 use crate::hashing::HashMap;
-use crate::message::Request;
+use crate::message::{Request, Response};
 use crate::negotiate::plan::Plan;
 
 /// What the background loop should do next for the plan.
@@ -128,6 +128,12 @@ impl OfflineQueue {
         names
     }
 
+    /// The responses of the step in progress that ran from the plan (every rank is at the
+    /// same batch).
+    pub fn ran_this_step(&self) -> impl Iterator<Item = &Response> {
+        self.plan.batches[..self.pos].iter().flatten()
+    }
+
     /// Everything not yet run, in submission order, for online negotiation to take over.
     pub fn into_requests(self) -> Vec<Request> {
         let mut all: Vec<(u64, Request)> = self.pending.into_values().chain(self.foreign).collect();
@@ -140,7 +146,7 @@ impl OfflineQueue {
 mod tests {
     use super::*;
     use crate::dtype::DataType;
-    use crate::message::{OpKind, Response};
+    use crate::message::OpKind;
 
     fn req(name: &str, n: i64) -> Request {
         Request::test(name, OpKind::Allreduce, DataType::F32, &[n])

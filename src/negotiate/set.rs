@@ -197,8 +197,11 @@ impl SetNegotiation {
             }
             return Vec::new();
         }
-        let learner = Mode::Learning(PlanLearner::new(self.warmup));
-        let Mode::Frozen(q) = std::mem::replace(&mut self.mode, learner) else {
+        let learner = match &self.mode {
+            Mode::Frozen(q) => PlanLearner::resuming(self.warmup, q.ran_this_step()),
+            _ => PlanLearner::new(self.warmup),
+        };
+        let Mode::Frozen(q) = std::mem::replace(&mut self.mode, Mode::Learning(learner)) else {
             return Vec::new();
         };
         q.into_requests()
