@@ -42,6 +42,20 @@ from horovod.common.util import check_extension, gpu_available, split_list  # no
 
 from horovod.common.basics import *  # noqa: E402,F401,F403 (init, rank, size, ..., Sum, Average, ...)
 
+from ferrovod.torch import backend as _backend  # noqa: E402
+
+# torch.distributed's `ferrovod` backend; with FERROVOD_TORCH_TAKEOVER=1 also the one that code
+# asking for nccl or gloo gets
+_backend.register()
+if os.environ.get("FERROVOD_TORCH_TAKEOVER", "0") not in ("", "0"):
+    _backend.takeover()
+
+
+def takeover():
+    """Makes torch.distributed's `nccl`, `gloo` and `mpi` backends (and the default) ferrovod's
+    (see ferrovod.torch.backend.takeover)."""
+    _backend.takeover()
+
 
 def nccl_built():
     """NCCL's version code where CUDA tensors go through NCCL here (Horovod's value for a build

@@ -1,0 +1,779 @@
+"""`torch.distributed` on ferrovod: the `ferrovod` backend of `init_process_group`, so that code
+written against PyTorch's distributed API (DDP, FSDP2's `fully_shard`, `all_gather` of metrics)
+runs on ferrovod's engine unchanged. `import ferrovod.torch` registers it.
+
+A process group written in Python (PyTorch calls the methods of a `ProcessGroup` subclass from
+C++ too, e.g. DDP's reducer): each collective is one ferrovod operation through the same
+enqueue as `horovod.torch`'s (`mpi_ops._enqueue`), so it is negotiated, fused and compressed as
+those are. Its `Work` is completed from ferrovod's completion callback, in the order operations
+finish: a thread of this module collects the result (for CUDA tensors it makes a side stream wait
+on the collective and records the Future's completion there), so `get_future()` completes by
+itself, as DDP needs, and `wait()` on CUDA makes the current stream wait without waiting for the
+device.
+
+Ranks come from MPI (`mpirun`/`horovodrun`). Without MASTER_ADDR the store torch needs is a
+TCPStore on rank 0 whose address travels over MPI, so `init_process_group("ferrovod")` needs no
+rendezvous settings. Subgroups (`new_group`) are ferrovod process sets: every rank must call
+`new_group` (PyTorch's default), since a process set is registered by all ranks."""
+
+import collections
+import importlib
+import itertools
+import os
+import queue
+import socket
+import threading
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from ferrovod import _core
+from ferrovod.compression import core_codec
+from ferrovod.torch import mpi_ops
+from horovod.common import process_sets as _ps
+
+NAME = "ferrovod"
+
+_LAUNCH = ("The ferrovod backend takes its ranks from MPI: start the job with mpirun (or "
+           "horovodrun), e.g. `mpirun -np 4 python train.py`")
+
+
+class Options:
+    """What `init_process_group(backend="ferrovod", pg_options=Options(...))` (or `new_group`'s
+    `pg_options`) can set: `compression`, one of `hvd.Compression`'s codecs (fp16, bf16, mixed,
+    u8) applied by ferrovod's core to float32 sums and averages (None: as the job's
+    FERROVOD_COMPRESSION says)."""
+
+    def __init__(self, compression=None):
+        self.compression = compression
+
+
+def _mpi_world():
+    """(rank, size) as the MPI launcher gave them, or None outside an MPI launch."""
+    for rank, size in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                       ("PMI_RANK", "PMI_SIZE"), ("PMIX_RANK", "OMPI_COMM_WORLD_SIZE")):
+        if rank in os.environ and size in os.environ:
+            return int(os.environ[rank]), int(os.environ[size])
+    return None
+
+
+def _start():
+    """Starts ferrovod's runtime (as `hvd.init()`) unless it runs."""
+    if not _core.is_initialized():
+        import ferrovod.torch as hvd
+
+        hvd.init()
+
+
+# --- rendezvous: the store, bootstrapped over MPI where no address was given -----------------
+
+_env_handler = None
+
+
+def _check_world(rank, size):
+    """A rank or world size given to torch that disagrees with MPI's is an error."""
+    world = _mpi_world()
+    if world is None:
+        return
+    if rank not in (None, -1) and int(rank) != world[0]:
+        raise ValueError("init_process_group was given rank %s, but MPI started this process as "
+                         "rank %d of %d" % (rank, world[0], world[1]))
+    if size not in (None, -1) and int(size) != world[1]:
+        raise ValueError("init_process_group was given world_size %s, but MPI started %d "
+                         "processes" % (size, world[1]))
+
+
+def _query(url):
+    from urllib.parse import parse_qs, urlparse
+
+    q = parse_qs(urlparse(url).query)
+    return (int(q["rank"][0]) if "rank" in q else None,
+            int(q["world_size"][0]) if "world_size" in q else None)
+
+
+def _env_rendezvous(url, timeout=c10d.default_pg_timeout, **kwargs):
+    """torch's env:// rendezvous, which under an MPI launch takes the rank and world size from
+    MPI when RANK/WORLD_SIZE are not set, and without MASTER_ADDR starts a TCPStore on rank 0 and
+    sends its address to the others over MPI (where torch's own would fail)."""
+    world = _mpi_world()
+    if world is None:
+        yield from _env_handler(url, timeout=timeout, **kwargs)
+        return
+    rank, size = _query(url)
+    _check_world(rank if rank is not None else os.environ.get("RANK"),
+                 size if size is not None else os.environ.get("WORLD_SIZE"))
+    if "MASTER_ADDR" in os.environ:
+        os.environ.setdefault("RANK", str(world[0]))
+        os.environ.setdefault("WORLD_SIZE", str(world[1]))
+        yield from _env_handler(url, timeout=timeout, **kwargs)
+        return
+    _start()
+    from ferrovod.torch.functions import broadcast_object
+
+    if world[0] == 0:
+        host = socket.gethostname()
+        store = dist.TCPStore(host, 0, world[1], True, timeout=timeout, wait_for_workers=False)
+        broadcast_object((host, store.port), 0, name="ferrovod.torch.store")
+    else:
+        host, port = broadcast_object(None, 0, name="ferrovod.torch.store")
+        store = dist.TCPStore(host, port, world[1], False, timeout=timeout)
+    yield store, world[0], world[1]
+    raise RuntimeError("Unable to perform re-rendezvous using the ferrovod bootstrap")
+
+
+# --- process groups ----------------------------------------------------------------------------
+
+# registered by `new_group` on every rank, found by the members' backend: ranks -> ProcessSet
+_sets = {}
+_sets_lock = threading.Lock()
+
+
+def _process_set(ranks):
+    """The process set of these global ranks (all ranks: the global set), registered on every
+    rank the first time (a collective)."""
+    ranks = tuple(sorted(int(r) for r in ranks))
+    if len(ranks) == _core.size() or not ranks:
+        return _ps.global_process_set
+    with _sets_lock:
+        found = _sets.get(ranks)
+    if found is None:
+        found = _ps.add_process_set(list(ranks))
+        with _sets_lock:
+            _sets[ranks] = found
+    return found
+
+
+_new_group = None
+
+
+def _uses_ferrovod(backend):
+    if backend is None:
+        default = c10d.GroupMember.WORLD
+        return default is not None and default.name() == NAME
+    return NAME in str(backend)
+
+
+def _new_group_every_rank(ranks=None, *args, **kwargs):
+    """torch's `new_group`, which for the ferrovod backend first registers the group's process
+    set on every rank (a ferrovod process set is added by all ranks; torch calls the backend of
+    the group's members only)."""
+    backend = kwargs.get("backend", args[1] if len(args) > 1 else None)
+    if dist.is_initialized() and _uses_ferrovod(backend):
+        if kwargs.get("use_local_synchronization"):
+            raise ValueError("the ferrovod backend registers a group on every rank: call new_group "
+                             "on all ranks, without use_local_synchronization")
+        _process_set(range(_core.size()) if ranks is None else ranks)
+    return _new_group(ranks, *args, **kwargs)
+
+
+def _create(backend_opts, pg_options):
+    """The backend's constructor (torch's extended API): the group's ranks come with it."""
+    world = _mpi_world()
+    if world is None and not _core.is_initialized():
+        raise RuntimeError(_LAUNCH)
+    _start()
+    members = list(backend_opts.global_ranks_in_group)
+    if not members:
+        if backend_opts.group_size != _core.size() or backend_opts.group_rank != _core.rank():
+            raise ValueError(
+                "torch.distributed asked for rank %d of %d, but ferrovod runs rank %d of %d (%s)"
+                % (backend_opts.group_rank, backend_opts.group_size, _core.rank(),
+                   _core.size(), _LAUNCH))
+        process_set = _ps.global_process_set
+    else:
+        ranks = tuple(sorted(members))
+        with _sets_lock:
+            process_set = _sets.get(ranks)
+        if process_set is None and len(ranks) == _core.size():
+            process_set = _ps.global_process_set
+        if process_set is None:
+            raise RuntimeError("the ferrovod process set of ranks %s was not registered: create "
+                               "groups with torch.distributed.new_group on every rank"
+                               % list(ranks))
+    if pg_options is not None and not isinstance(pg_options, Options):
+        raise TypeError("the ferrovod backend takes ferrovod.torch.backend.Options, not %s"
+                        % type(pg_options).__name__)
+    return ProcessGroupFerrovod(backend_opts.group_rank, backend_opts.group_size, process_set,
+                                pg_options or Options())
+
+
+# --- completion ----------------------------------------------------------------------------------
+
+_works = {}
+_works_lock = threading.Lock()
+_work_keys = itertools.count(1)
+_finished = queue.SimpleQueue()
+_side_streams = {}
+_completer = None
+_completer_lock = threading.Lock()
+
+
+def _on_done(key, _hid, _status):
+    """ferrovod's completion callback (its own thread): only hands the operation over."""
+    _finished.put(key)
+
+
+# one callback for every operation, alive as long as the module (see _core.submit)
+_DONE = _core.DONE_FN(lambda user_data, hid, status: _on_done(user_data, hid, status))
+
+
+def _side_stream(device):
+    stream = _side_streams.get(device.index)
+    if stream is None:
+        stream = _side_streams.setdefault(device.index, torch.cuda.Stream(device))
+    return stream
+
+
+def _complete_forever():
+    while True:
+        key = _finished.get()
+        with _works_lock:
+            work = _works.pop(key, None)
+        if work is not None:
+            work._complete()
+
+
+def _ensure_completer():
+    global _completer
+    with _completer_lock:
+        if _completer is None:
+            _completer = threading.Thread(target=_complete_forever, name="ferrovod-torch-works",
+                                          daemon=True)
+            _completer.start()
+
+
+class _Work(dist.Work):
+    """One operation of the backend: its Future holds the result (the tensors the op wrote)."""
+
+    def __init__(self, device, finish):
+        super().__init__()
+        self._device = device
+        self._finish = finish
+        self._handle = None
+        self._submitted = threading.Event()
+        self._future = torch.futures.Future(devices=[device] if device is not None else None)
+
+    def _complete(self):
+        self._submitted.wait()
+        try:
+            if self._device is not None:
+                with torch.cuda.device(self._device), torch.cuda.stream(_side_stream(self._device)):
+                    result = self._finish(mpi_ops.synchronize(self._handle))
+                    self._future.set_result(result)
+            else:
+                self._future.set_result(self._finish(mpi_ops.synchronize(self._handle)))
+        except Exception as e:  # every failure reaches the caller through the Future
+            self._future.set_exception(_backend_error(e))
+
+    def wait(self, timeout=None):
+        self._future.wait()
+        return True
+
+    def get_future(self):
+        return self._future
+
+    def is_completed(self):
+        return self._future.done()
+
+    def is_success(self):
+        if not self._future.done():
+            return False
+        try:
+            self._future.value()
+        except Exception:
+            return False
+        return True
+
+    def exception(self):
+        try:
+            self._future.value()
+        except Exception as e:
+            return e
+        return None
+
+    def result(self):
+        return self._future.value()
+
+    def synchronize(self):
+        self.wait()
+
+
+def _backend_error(e):
+    if isinstance(e, dist.DistBackendError):
+        return e
+    return dist.DistBackendError("ferrovod: %s" % e)
+
+
+def _done_work(result):
+    work = _Work(None, None)
+    work._future.set_result(result)
+    return work
+
+
+# --- the collectives -----------------------------------------------------------------------------
+
+_OPS = {
+    dist.ReduceOp.SUM: mpi_ops.Sum, dist.ReduceOp.AVG: mpi_ops.Average,
+    dist.ReduceOp.MIN: mpi_ops.Min, dist.ReduceOp.MAX: mpi_ops.Max,
+    dist.ReduceOp.PRODUCT: mpi_ops.Product,
+}
+# a ferrovod reduction must be one of these; beyond them it refuses at the call
+_ONLY_SUMS = (mpi_ops.Sum, mpi_ops.Average)
+
+
+def _reduction(op):
+    """(ferrovod's op, prescale) of a torch ReduceOp."""
+    if op == dist.ReduceOp.PREMUL_SUM:
+        factor = getattr(op, "factor", None)
+        if factor is None:
+            raise ValueError("ferrovod: this PyTorch does not expose PREMUL_SUM's factor")
+        if isinstance(factor, torch.Tensor):
+            factor = factor.item()
+        return mpi_ops.Sum, float(factor)
+    for torch_op, ours in _OPS.items():
+        if op == torch_op:
+            return ours, 1.0
+    raise ValueError("the ferrovod backend does not support %s (it reduces with SUM, AVG, MIN, "
+                     "MAX, PRODUCT and PREMUL_SUM)" % _op_name(op))
+
+
+def _op_name(op):
+    for name in ("BAND", "BOR", "BXOR"):
+        if op == getattr(dist.ReduceOp, name):
+            return "ReduceOp." + name
+    return str(op)
+
+
+def _flat(t):
+    return t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+
+
+def _copy_chunks(flat, outputs):
+    """Copies consecutive pieces of `flat` into `outputs` (each of its own numel)."""
+    at = 0
+    for out in outputs:
+        n = out.numel()
+        out.copy_(flat[at:at + n].view(out.shape))
+        at += n
+
+
+# op names repeat across steps (so the core's response cache and learned groups apply) and are
+# the same on every rank: the kind and signature of the call, and a slot that counts calls with
+# that signature; a slot is reused only after its last operation completed on this rank
+_SLOTS = 4
+_SIGNATURES = 4096
+
+
+class _Names:
+    """A group's operation names: per signature a call count, least recently used signatures
+    forgotten beyond `_SIGNATURES` (the same on every member: it depends on the call order
+    only), and the operations in flight by name, each removed when it completes."""
+
+    def __init__(self, group_name):
+        self._group_name = group_name
+        self._counts = collections.OrderedDict()
+        self._in_flight = {}
+
+    def next(self, signature):
+        n = self._counts.pop(signature, 0)
+        self._counts[signature] = n + 1
+        while len(self._counts) > _SIGNATURES:
+            self._counts.popitem(last=False)
+        name = "torch.%s.%s.%d" % (self._group_name(), signature, n % _SLOTS)
+        previous = self._in_flight.get(name)
+        if previous is not None and not previous.is_completed():
+            # the core refuses a name that is still in flight: wait for it, never a mismatch
+            try:
+                previous._future.wait()
+            except Exception:
+                pass
+        return name
+
+    def track(self, name, work):
+        self._in_flight[name] = work
+        work._future.add_done_callback(lambda _f: self._forget(name, work))
+
+    def _forget(self, name, work):
+        if self._in_flight.get(name) is work:
+            del self._in_flight[name]
+
+
+def _signature(kind, tensors):
+    """The kind, dtypes and shapes of a call; its reduction and root are not part of it, so
+    that ranks disagreeing about them meet under one name and get the core's mismatch error
+    (ranks disagreeing about shapes wait for each other until the stall limit ends the job)."""
+    parts = [kind]
+    for t in tensors:
+        parts.append("%s_%s" % (str(t.dtype).replace("torch.", ""),
+                                "x".join(str(d) for d in t.shape) or "scalar"))
+    return ".".join(parts)
+
+
+class ProcessGroupFerrovod(dist.ProcessGroup):
+    """A torch.distributed process group whose collectives run on ferrovod (one process set)."""
+
+    def __init__(self, rank, size, process_set, options):
+        super().__init__(rank, size)
+        self._set = process_set
+        self._options = options
+        # torch names a group alike on all of its members
+        self._names = _Names(lambda: self._group_name or "world")
+        self._group_name = ""
+        self._group_desc = ""
+
+    def getBackendName(self):
+        return NAME
+
+    # the group's name and description live here: a Python group has no C++ backend to keep them
+    def getGroupName(self):
+        return self._group_name
+
+    def setGroupName(self, name):
+        self._group_name = name
+
+    def getGroupDesc(self):
+        return self._group_desc
+
+    def setGroupDesc(self, desc):
+        self._group_desc = desc
+
+    @property
+    def process_set(self):
+        return self._set
+
+    def _run(self, kind, inputs, signature, outputs=None, finish=None, **kwargs):
+        """Enqueues one ferrovod operation over `inputs` and returns its Work; `finish(values)`
+        makes the Future's value from the operation's outputs (run on the completion thread, on
+        a side stream for CUDA tensors)."""
+        _ensure_completer()
+        device = mpi_ops._device_of(inputs)
+        names = [self._names.next(signature)]
+        names += ["%s_%d" % (names[0], i) for i in range(1, len(inputs))]
+        work = _Work(device, finish or (lambda values: values))
+        key = next(_work_keys)
+        with _works_lock:
+            _works[key] = work
+        try:
+            work._handle = mpi_ops._enqueue(kind, inputs, names, outputs, None, self._set,
+                                            done=_DONE, done_user_data=key, **kwargs)
+        except Exception:
+            with _works_lock:
+                _works.pop(key, None)
+            raise
+        finally:
+            work._submitted.set()
+        self._names.track(names[0], work)
+        return work
+
+    def _codec(self, op, tensors):
+        c = self._options.compression
+        if c is None:
+            return _core.COMPRESSION_JOB
+        f32 = all(t.dtype == torch.float32 for t in tensors)
+        return core_codec(c, f32, op) or _core.COMPRESSION_NONE
+
+    # allreduce and reduce
+
+    def allreduce(self, tensors, opts=None):
+        op, prescale = _reduction(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        return self._allreduce(tensors, op, prescale)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return self.allreduce(tensors, opts)
+
+    def _allreduce(self, tensors, op, prescale):
+        if not tensors:
+            return _done_work([])
+        return self._run(_core.ALLREDUCE, tensors, _signature("allreduce", tensors),
+                         outputs=list(tensors), finish=lambda _v: list(tensors), reduce_op=op,
+                         prescale=prescale, postscale=1.0,
+                         compression=self._codec(op, tensors))
+
+    def reduce(self, tensors, opts=None):
+        opts = opts or dist.ReduceOptions()
+        op, prescale = _reduction(opts.reduceOp)
+        root = opts.rootRank
+        scratch = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
+
+        def finish(values):
+            if self.rank() == root:
+                for t, s in zip(tensors, values):
+                    t.copy_(s)
+            return list(tensors)
+
+        return self._run(_core.ALLREDUCE, scratch, _signature("reduce", scratch),
+                         outputs=scratch, finish=finish, reduce_op=op, prescale=prescale,
+                         postscale=1.0, compression=_core.COMPRESSION_NONE)
+
+    # broadcast
+
+    def broadcast(self, tensors, opts=None):
+        opts = opts or dist.BroadcastOptions()
+        root = self._global(opts.rootRank)
+        return self._run(_core.BROADCAST, tensors, _signature("broadcast", tensors),
+                         outputs=list(tensors), finish=lambda _v: list(tensors),
+                         root_rank=root)
+
+    def _global(self, group_rank):
+        if not 0 <= group_rank < self.size():
+            raise ValueError("root rank %d is not a rank of this group of %d"
+                             % (group_rank, self.size()))
+        return self._set.ranks[group_rank]
+
+    # allgather
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        if len(input_tensors) != 1:
+            raise ValueError("the ferrovod backend gathers one tensor per call")
+        outputs = output_tensors[0]
+        if len(outputs) != self.size():
+            raise ValueError("all_gather needs %d output tensors, got %d"
+                             % (self.size(), len(outputs)))
+        flat = _flat(input_tensors[0])
+
+        def finish(values):
+            _copy_chunks(values[0], outputs)
+            return [list(outputs)]
+
+        # ranks may gather different sizes: the name holds what all of them know
+        total = torch.empty(sum(o.numel() for o in outputs), dtype=flat.dtype, device="meta")
+        return self._run(_core.ALLGATHER, [flat], _signature("allgather", [total]),
+                         finish=finish)
+
+    def _allgather_base(self, output, input, opts=None):
+        if output.numel() != input.numel() * self.size():
+            raise ValueError("all_gather_into_tensor: the output holds %d elements, not %d x %d"
+                             % (output.numel(), self.size(), input.numel()))
+        flat = _flat(input)
+
+        def finish(values):
+            output.view(-1).copy_(values[0]) if output.is_contiguous() else output.copy_(
+                values[0].view(output.shape))
+            return [output]
+
+        return self._run(_core.ALLGATHER, [flat], _signature("allgather", [flat]),
+                         finish=finish)
+
+    all_gather_single = _allgather_base
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        works = [self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)]
+        return _joined(works, outputs)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    # reducescatter
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        if len(output_tensors) != 1:
+            raise ValueError("the ferrovod backend reduce-scatters one tensor per call")
+        inputs = input_tensors[0]
+        if len(inputs) != self.size() or any(t.numel() != output_tensors[0].numel() for t in inputs):
+            raise ValueError("reduce_scatter needs %d inputs the size of the output"
+                             % self.size())
+        flat = torch.cat([_flat(t) for t in inputs])
+        return self._reduce_scatter_flat(output_tensors[0], flat, opts, [output_tensors[0]])
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        if input.numel() != output.numel() * self.size():
+            raise ValueError("reduce_scatter_tensor: the input holds %d elements, not %d x %d"
+                             % (input.numel(), self.size(), output.numel()))
+        return self._reduce_scatter_flat(output, _flat(input), opts, output)
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        works = [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)]
+        return _joined(works, outputs)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def _reduce_scatter_flat(self, output, flat, opts, result):
+        op, prescale = _reduction(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        if op not in _ONLY_SUMS:
+            raise ValueError("the ferrovod backend reduce-scatters with SUM, AVG and PREMUL_SUM")
+
+        def finish(values):
+            output.copy_(values[0].view(output.shape))
+            return result
+
+        return self._run(_core.REDUCESCATTER, [flat], _signature("reducescatter", [flat]),
+                         finish=finish, reduce_op=op, prescale=prescale, postscale=1.0)
+
+    # alltoall, gather, scatter
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        n = self.size()
+        rows = input.shape[0] if input.dim() else 0
+        splits = list(input_split_sizes) or ([rows // n] * n if rows % n == 0 else None)
+        if splits is None:
+            raise ValueError("all_to_all_single: %d rows cannot be split equally among %d ranks"
+                             % (rows, n))
+        src = input if input.is_contiguous() else input.contiguous()
+
+        def finish(values):
+            received, _splits = values[0]
+            output.copy_(received.view(output.shape))
+            return [output]
+
+        # the rows sent differ by rank: the name holds a row's shape
+        row = src[:0] if src.dim() else src.reshape(0)
+        return self._run(_core.ALLTOALL, [src], _signature("alltoall", [row]), finish=finish,
+                         splits=splits)
+
+    all_to_all_single = alltoall_base
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        flat = torch.cat([_flat(t) for t in input_tensors])
+        splits = [t.numel() for t in input_tensors]
+
+        def finish(values):
+            received, _splits = values[0]
+            _copy_chunks(received, output_tensors)
+            return list(output_tensors)
+
+        return self._run(_core.ALLTOALL, [flat], _signature("alltoall", [flat[:0]]),
+                         finish=finish, splits=splits)
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.GatherOptions()
+        root = opts.rootRank
+        flat = _flat(input_tensors[0])
+        splits = [0] * self.size()
+        splits[root] = flat.numel()
+
+        def finish(values):
+            received, _splits = values[0]
+            if self.rank() == root:
+                _copy_chunks(received, output_tensors[0])
+            return output_tensors
+
+        return self._run(_core.ALLTOALL, [flat], _signature("gather", [flat]),
+                         finish=finish, splits=splits)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.ScatterOptions()
+        root = opts.rootRank
+        out = output_tensors[0]
+        if self.rank() == root:
+            pieces = input_tensors[0]
+            flat = torch.cat([_flat(t) for t in pieces])
+            splits = [t.numel() for t in pieces]
+        else:
+            flat = torch.empty(0, dtype=out.dtype, device=out.device)
+            splits = [0] * self.size()
+
+        def finish(values):
+            received, _splits = values[0]
+            out.copy_(received.view(out.shape))
+            return [out]
+
+        return self._run(_core.ALLTOALL, [flat],
+                         _signature("scatter", [out]), finish=finish, splits=splits)
+
+    # barrier and point-to-point
+
+    def barrier(self, opts=None):
+        _ensure_completer()
+        work = _Work(None, lambda _v: [])
+        key = next(_work_keys)
+        with _works_lock:
+            _works[key] = work
+        try:
+            work._handle = mpi_ops._enqueue(_core.BARRIER, [], [], None, None, self._set,
+                                            done=_DONE, done_user_data=key)
+        except Exception:
+            with _works_lock:
+                _works.pop(key, None)
+            raise
+        finally:
+            work._submitted.set()
+        return work
+
+    def send(self, tensors, dst, tag=0):
+        raise RuntimeError("the ferrovod backend has no point-to-point send/recv yet; use a "
+                           "collective (all_to_all_single with splits) instead")
+
+    def recv(self, tensors, src, tag=0):
+        self.send(tensors, src, tag)
+
+    def recv_anysource(self, tensors, tag=0):
+        self.send(tensors, -1, tag)
+
+
+def _joined(works, result):
+    """One Work that completes when all of `works` have."""
+    if len(works) == 1:
+        return works[0]
+    futures = torch.futures.collect_all([w.get_future() for w in works])
+    joined = _Work(None, None)
+    futures.then(lambda f: (f.value() and None) or joined._future.set_result(list(result)))
+    return joined
+
+
+# --- registration and the takeover --------------------------------------------------------------
+
+_registered = False
+_takeover_said = False
+_init_process_group = None
+
+
+def register():
+    """Registers the `ferrovod` backend with torch.distributed (CPU and CUDA), the MPI
+    bootstrap of env:// and the every-rank `new_group` (idempotent)."""
+    global _registered, _env_handler, _new_group
+    if _registered:
+        return
+    dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+    rdzv = importlib.import_module("torch.distributed.rendezvous")
+    _env_handler = rdzv._rendezvous_handlers["env"]
+    rdzv._rendezvous_handlers["env"] = _env_rendezvous
+    _new_group = c10d.new_group
+    c10d.new_group = _new_group_every_rank
+    dist.new_group = _new_group_every_rank
+    _registered = True
+
+
+def _as_ferrovod(backend):
+    if backend is None:
+        return NAME
+    text = str(backend).lower()
+    if text in ("nccl", "gloo", "mpi") or all(
+            part.split(":")[-1] in ("nccl", "gloo", "mpi") for part in text.split(",")):
+        return NAME
+    return backend
+
+
+def takeover():
+    """Makes unchanged code that asks torch.distributed for the `nccl`, `gloo` or `mpi` backend
+    (or none) get ferrovod's: `init_process_group` and `new_group` then use it. Rank 0 says so
+    once. Call it after `import torch` (FERROVOD_TORCH_TAKEOVER=1 does it at import of
+    ferrovod.torch)."""
+    global _init_process_group
+    register()
+    if _init_process_group is not None:
+        return
+    _init_process_group = c10d.init_process_group
+
+    def init_process_group(backend=None, *args, **kwargs):
+        global _takeover_said
+        chosen = _as_ferrovod(backend)
+        if chosen == NAME and not _takeover_said:
+            _takeover_said = True
+            world = _mpi_world()
+            if world is None or world[0] == 0:
+                print("ferrovod: torch.distributed's %r backend runs on ferrovod "
+                      "(FERROVOD_TORCH_TAKEOVER)" % (backend or "default"), flush=True)
+        if chosen == NAME and not isinstance(kwargs.get("pg_options"), (Options, type(None))):
+            kwargs.pop("pg_options")  # another backend's options
+        return _init_process_group(chosen, *args, **kwargs)
+
+    def new_group(ranks=None, timeout=None, backend=None, *args, **kwargs):
+        return _new_group_every_rank(ranks, timeout, _as_ferrovod(backend) if backend else None,
+                                     *args, **kwargs)
+
+    c10d.init_process_group = init_process_group
+    dist.init_process_group = init_process_group
+    c10d.new_group = new_group
+    dist.new_group = new_group
