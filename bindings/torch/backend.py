@@ -124,7 +124,10 @@ def _env_rendezvous(url, timeout=c10d.default_pg_timeout, **kwargs):
 
 # --- process groups ----------------------------------------------------------------------------
 
-# registered by `new_group` on every rank, found by the members' backend: ranks -> ProcessSet
+# registered by `new_group` on every rank, found by the members' backend: ranks -> ProcessSet;
+# the backend owns these (sets the user registered with hvd.add_process_set are used, not
+# owned) and removes them when every group is destroyed (`destroy_process_group()`, which all
+# ranks call, as a process set's removal needs)
 _sets = {}
 _sets_lock = threading.Lock()
 
@@ -138,10 +141,33 @@ def _process_set(ranks):
     with _sets_lock:
         found = _sets.get(ranks)
     if found is None:
+        found = next((s for s in list(_ps._registered.values())
+                      if tuple(s.ranks) == ranks and s.process_set_id is not None), None)
+    if found is None:
         found = _ps.add_process_set(list(ranks))
         with _sets_lock:
             _sets[ranks] = found
     return found
+
+
+def _release_sets():
+    with _sets_lock:
+        owned = list(_sets.values())
+        _sets.clear()
+    if _core.is_initialized():
+        for s in owned:
+            _ps.remove_process_set(s)
+
+
+_destroy = None
+
+
+def _destroy_every_group(group=None):
+    """torch's `destroy_process_group`; destroying every group also removes the process sets
+    the backend registered for them."""
+    _destroy(group)
+    if group is None:
+        _release_sets()
 
 
 _new_group = None
@@ -722,7 +748,7 @@ _init_process_group = None
 def register():
     """Registers the `ferrovod` backend with torch.distributed (CPU and CUDA), the MPI
     bootstrap of env:// and the every-rank `new_group` (idempotent)."""
-    global _registered, _env_handler, _new_group
+    global _registered, _env_handler, _new_group, _destroy
     if _registered:
         return
     dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])
@@ -732,6 +758,9 @@ def register():
     _new_group = c10d.new_group
     c10d.new_group = _new_group_every_rank
     dist.new_group = _new_group_every_rank
+    _destroy = c10d.destroy_process_group
+    c10d.destroy_process_group = _destroy_every_group
+    dist.destroy_process_group = _destroy_every_group
     _registered = True
 
 

@@ -1,0 +1,341 @@
+"""torch.distributed on the `ferrovod` backend under mpirun: every collective x dtype against
+references each rank computes itself, async Works and their Futures, two subgroups at once, DDP
+and FSDP2 (`fully_shard`) against one process on the whole batch, the codec option, bad calls
+raising at the call, a disagreement raising on every rank, and the takeover of `gloo`.
+
+On CPU tensors always; on CUDA tensors too where CUDA is available (FERROVOD_TEST_GPU=1 makes
+their absence a failure)."""
+
+import copy
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import ferrovod.torch as hvd
+from ferrovod import _core
+from ferrovod.torch import backend
+
+DEVICES = ["cpu"]
+if torch.cuda.is_available() or os.environ.get("FERROVOD_TEST_GPU") == "1":
+    DEVICES.append("cuda")
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
+          torch.uint8, torch.int8]
+FLOATS = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def group():
+    hvd.init()
+    if "cuda" in DEVICES:
+        assert torch.cuda.is_available(), "FERROVOD_TEST_GPU=1 but CUDA is not available"
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+    dist.init_process_group("ferrovod")
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rank():
+    return dist.get_rank()
+
+
+def size():
+    return dist.get_world_size()
+
+
+def dev(device):
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+
+
+def values(dtype, r, shape, salt=0):
+    """Rank r's tensor: small integers, exact in every dtype whatever the reduction order."""
+    n = int(np.prod(shape))
+    v = (np.arange(n) * 7 + r * 3 + salt) % 5 + (1 if dtype == torch.uint8 else 0)
+    return torch.tensor(v.reshape(shape)).to(dtype)
+
+
+def close(got, want, dtype=torch.float32):
+    tol = {torch.float16: 1e-3, torch.bfloat16: 1e-2}.get(dtype, 1e-6)
+    torch.testing.assert_close(got.double().cpu(), want.double().cpu(), rtol=tol, atol=tol)
+
+
+def test_the_group_is_ferrovods_and_mpis():
+    assert dist.get_backend() == "ferrovod"
+    assert (rank(), size()) == (hvd.rank(), hvd.size())
+    # a rank or size that disagrees with MPI's is refused, naming both
+    with pytest.raises(ValueError, match="MPI started this process as rank"):
+        backend._check_world(rank() + 1, None)
+    with pytest.raises(ValueError, match="MPI started %d processes" % size()):
+        backend._check_world(None, size() + 1)
+    backend._check_world(rank(), size())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_all_reduce_every_op(device, dtype):
+    d = dev(device)
+    shape = (3, 5)
+    stack = torch.stack([values(dtype, r, shape).double() for r in range(size())])
+    ops = {dist.ReduceOp.SUM: stack.sum(0), dist.ReduceOp.MIN: stack.min(0).values,
+           dist.ReduceOp.MAX: stack.max(0).values}
+    if dtype not in (torch.int8, torch.uint8):  # 5^4 wraps 8 bits
+        ops[dist.ReduceOp.PRODUCT] = stack.prod(0)
+    if dtype in FLOATS:
+        ops[dist.ReduceOp.AVG] = stack.mean(0)
+        ops[dist._make_nccl_premul_sum(0.5)] = stack.sum(0) * 0.5
+    for op, want in ops.items():
+        x = values(dtype, rank(), shape).to(d)
+        assert dist.all_reduce(x, op=op) is None
+        assert x.dtype == dtype and x.device == d
+        close(x, want, dtype)
+    # a view that is not contiguous is reduced in place too
+    base = torch.stack([values(dtype, rank(), (4,)), values(dtype, rank(), (4,), 1)], 1).to(d)
+    view = base[:, 1]
+    dist.all_reduce(view)
+    close(base[:, 1], torch.stack([values(dtype, r, (4,), 1).double() for r in range(size())]).sum(0), dtype)
+    close(base[:, 0], values(dtype, rank(), (4,)), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_broadcast_gather_scatter_and_reduce(device, dtype):
+    d = dev(device)
+    shape = (2, 3)
+    for root in range(size()):
+        x = values(dtype, rank(), shape).to(d)
+        dist.broadcast(x, src=root)
+        close(x, values(dtype, root, shape), dtype)
+        # reduce: the root holds the sum, the others keep their tensor
+        y = values(dtype, rank(), shape).to(d)
+        dist.reduce(y, dst=root, op=dist.ReduceOp.MAX)
+        want = (torch.stack([values(dtype, r, shape).double() for r in range(size())]).max(0).values
+                if rank() == root else values(dtype, rank(), shape))
+        close(y, want, dtype)
+        # gather to the root
+        out = [torch.zeros(shape, dtype=dtype, device=d) for _ in range(size())] if rank() == root else None
+        dist.gather(values(dtype, rank(), shape).to(d), out, dst=root)
+        if rank() == root:
+            for r in range(size()):
+                close(out[r], values(dtype, r, shape), dtype)
+        # scatter from the root: rank r gets piece r
+        pieces = [values(dtype, 10 + r, shape).to(d) for r in range(size())] if rank() == root else None
+        got = torch.zeros(shape, dtype=dtype, device=d)
+        dist.scatter(got, pieces, src=root)
+        close(got, values(dtype, 10 + rank(), shape), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_all_gather_reduce_scatter_and_all_to_all(device, dtype):
+    d = dev(device)
+    n = size()
+    outs = [torch.zeros(4, dtype=dtype, device=d) for _ in range(n)]
+    dist.all_gather(outs, values(dtype, rank(), (4,)).to(d))
+    for r in range(n):
+        close(outs[r], values(dtype, r, (4,)), dtype)
+    flat = torch.zeros(n * 2, 3, dtype=dtype, device=d)
+    dist.all_gather_into_tensor(flat, values(dtype, rank(), (2, 3)).to(d))
+    close(flat, torch.cat([values(dtype, r, (2, 3)) for r in range(n)]), dtype)
+    # reduce-scatter: rank r keeps the sum of every rank's piece r
+    inputs = [values(dtype, rank(), (3,), p) for p in range(n)]
+    mine = torch.zeros(3, dtype=dtype, device=d)
+    dist.reduce_scatter(mine, [t.to(d) for t in inputs])
+    close(mine, torch.stack([values(dtype, r, (3,), rank()).double() for r in range(n)]).sum(0), dtype)
+    whole = torch.cat([values(dtype, rank(), (2,), p) for p in range(n)]).to(d)
+    part = torch.zeros(2, dtype=dtype, device=d)
+    op = dist.ReduceOp.AVG if dtype in FLOATS else dist.ReduceOp.SUM
+    dist.reduce_scatter_tensor(part, whole, op=op)
+    stack = torch.stack([values(dtype, r, (2,), rank()).double() for r in range(n)])
+    close(part, stack.mean(0) if op == dist.ReduceOp.AVG else stack.sum(0), dtype)
+    # all-to-all: equal rows, then rank r sends r + 1 rows to each rank
+    send = torch.stack([values(dtype, rank(), (2,), p) for p in range(n)]).to(d)
+    recv = torch.zeros_like(send)
+    dist.all_to_all_single(recv, send)
+    for p in range(n):
+        close(recv[p], values(dtype, p, (2,), rank()), dtype)
+    rows = rank() + 1
+    send = torch.cat([values(dtype, rank(), (rows, 2), p) for p in range(n)]).to(d)
+    recv = torch.zeros(sum(p + 1 for p in range(n)), 2, dtype=dtype, device=d)
+    dist.all_to_all_single(recv, send, output_split_sizes=[p + 1 for p in range(n)],
+                           input_split_sizes=[rows] * n)
+    close(recv, torch.cat([values(dtype, p, (p + 1, 2), rank()) for p in range(n)]), dtype)
+    outs = [torch.zeros(r + 1, dtype=dtype, device=d) for r in range(n)]
+    dist.all_to_all(outs, [values(dtype, rank(), (rank() + 1,), p).to(d) for p in range(n)])
+    for p in range(n):
+        close(outs[p], values(dtype, p, (p + 1,), rank()), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_async_works_and_futures(device):
+    d = dev(device)
+    xs = [values(torch.float32, rank(), (5,), k).to(d) for k in range(6)]
+    works = [dist.all_reduce(x, async_op=True) for x in xs]
+    futures = [w.get_future() for w in works[:3]]
+    chained = futures[0].then(lambda f: f.value()[0] * 2)
+    for w in works[3:]:
+        assert w.wait()
+    for k, x in enumerate(xs):
+        if k < 3:
+            futures[k].wait()
+        close(x, torch.stack([values(torch.float32, r, (5,), k) for r in range(size())]).sum(0))
+    close(chained.wait(), xs[0] * 2)
+    assert all(w.is_completed() and w.is_success() for w in works)
+    dist.barrier()
+    # the Works are forgotten once complete, and the core holds nothing after 1,000 of them
+    before = _core.in_flight_count()
+    x = torch.ones(8, device=d)
+    for _ in range(1000):
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, async_op=True).wait()
+    assert not backend._works
+    assert _core.in_flight_count() <= before
+    group = dist.distributed_c10d._get_default_group()
+    assert len(group._names._in_flight) <= backend._SLOTS * 4
+
+
+def test_two_subgroups_at_once():
+    n = size()
+    evens = list(range(0, n, 2))
+    tail = list(range(n // 2, n)) if n > 2 else [0, 1]
+    g1 = dist.new_group(evens)
+    g2 = dist.new_group(tail)
+    # both in flight together
+    x1 = torch.full((3,), float(rank()))
+    x2 = torch.full((3,), float(rank()) * 10)
+    w1 = dist.all_reduce(x1, group=g1, async_op=True) if rank() in evens else None
+    w2 = dist.all_reduce(x2, group=g2, async_op=True) if rank() in tail else None
+    if w1:
+        w1.wait()
+        close(x1, torch.full((3,), float(sum(evens))))
+    if w2:
+        w2.wait()
+        close(x2, torch.full((3,), 10.0 * sum(tail)))
+    if rank() in tail:
+        # group ranks, not global ones, name the root
+        b = torch.full((2,), float(rank()))
+        dist.broadcast(b, group=g2, group_src=len(tail) - 1)
+        close(b, torch.full((2,), float(tail[-1])))
+        assert dist.get_rank(g2) == tail.index(rank())
+    dist.barrier()
+
+
+def test_ddp_equals_one_process_on_the_whole_batch():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0002)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    per = 4
+    for _ in range(6):
+        x = torch.randn(per * size(), 8, generator=g)
+        y = torch.randn(per * size(), 4, generator=g)
+        mine = slice(per * rank(), per * (rank() + 1))
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x[mine]), y[mine]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_fsdp2_equals_one_process_on_the_whole_batch():
+    fully_shard = pytest.importorskip("torch.distributed.fsdp").fully_shard
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True),
+        torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True),
+    )
+    ref = copy.deepcopy(model)
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(2)
+    per = 2
+    for _ in range(4):
+        x = torch.randn(per * size(), 5, 16, generator=g)
+        mine = slice(per * rank(), per * (rank() + 1))
+        opt.zero_grad()
+        model(x[mine]).pow(2).mean().backward()
+        opt.step()
+        ref_opt.zero_grad()
+        ref(x).pow(2).mean().backward()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-4, atol=1e-5)
+
+
+def test_the_codec_option_compresses_float32_sums():
+    g = dist.new_group(list(range(size())), pg_options=backend.Options(compression=hvd.Compression.fp16))
+    x = torch.full((64,), 1.0 / 3.0) + rank()
+    exact = sum(1.0 / 3.0 + r for r in range(size()))
+    dist.all_reduce(x, group=g)
+    err = (x.double() - exact).abs().max().item()
+    # fp16 on the wire: off by more than float32 rounding, within fp16's
+    assert 1e-6 < err < 1e-2 * size(), err
+    # integers and MAX are not compressed
+    y = torch.full((4,), 1.0 / 3.0 + rank())
+    dist.all_reduce(y, op=dist.ReduceOp.MAX, group=g)
+    assert torch.equal(y, torch.full((4,), 1.0 / 3.0 + size() - 1))
+
+
+def test_bad_calls_raise_at_the_call():
+    x = torch.ones(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="ReduceOp.BAND"):
+        dist.all_reduce(x, op=dist.ReduceOp.BAND)
+    with pytest.raises(ValueError, match="not supported"):
+        dist.all_reduce(torch.ones(2, dtype=torch.float8_e4m3fn))
+    # (complex sums reach the group as float pairs: torch.distributed views them as real)
+    z = torch.full((2,), 1 + 2j, dtype=torch.complex64)
+    dist.all_reduce(z)
+    assert torch.equal(z, torch.full((2,), size() * (1 + 2j), dtype=torch.complex64))
+    with pytest.raises(RuntimeError, match="point-to-point"):
+        dist.send(torch.ones(1), dst=(rank() + 1) % size())
+    with pytest.raises(ValueError, match="reduce-scatters with SUM"):
+        dist.reduce_scatter_tensor(torch.zeros(1), torch.zeros(size()), op=dist.ReduceOp.MAX)
+    with pytest.raises(TypeError, match="ferrovod.torch.backend.Options"):
+        backend._create(type("O", (), {"global_ranks_in_group": [], "group_size": size(),
+                                       "group_rank": rank()})(), object())
+    # the group still works
+    y = torch.ones(2)
+    dist.all_reduce(y)
+    close(y, torch.full((2,), float(size())))
+
+
+def test_a_disagreement_raises_on_every_rank():
+    # rank 0 asks for MAX, the others for SUM: one name, two reductions
+    x = torch.ones(4)
+    op = dist.ReduceOp.MAX if rank() == 0 else dist.ReduceOp.SUM
+    with pytest.raises(dist.DistBackendError, match="(?i)mismatch"):
+        dist.all_reduce(x, op=op)
+    work = dist.broadcast(torch.ones(2), src=rank() % 2, async_op=True)
+    with pytest.raises(dist.DistBackendError):
+        work.wait()
+    assert work.is_completed() and not work.is_success()
+    y = torch.ones(2)
+    dist.all_reduce(y)
+    close(y, torch.full((2,), float(size())))
+
+
+def test_takeover_gives_gloo_code_ferrovods_backend(capfd):
+    dist.destroy_process_group()
+    assert backend._as_ferrovod("gloo") == "ferrovod"
+    assert backend._as_ferrovod("cpu:gloo,cuda:nccl") == "ferrovod"
+    assert backend._as_ferrovod(None) == "ferrovod"
+    assert backend._as_ferrovod("ucc") == "ucc"
+    hvd.takeover()
+    dist.init_process_group("gloo")
+    assert dist.get_backend() == "ferrovod"
+    x = torch.ones(3)
+    dist.all_reduce(x)
+    close(x, torch.full((3,), float(size())))
+    said = capfd.readouterr().out
+    assert ("runs on ferrovod" in said) == (rank() == 0)
