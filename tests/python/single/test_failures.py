@@ -54,3 +54,48 @@ def test_stopped_rank_ends_the_job_with_the_missing_rank_named(tmp_path):
     assert 6 <= failed_at - stopped_at < 16, (stopped_at, failed_at)
     # and the whole job ended (mpirun killed the stopped rank) soon after
     assert time.time() - failed_at < 30, text
+
+
+def test_stopped_rank_ends_a_torch_distributed_job_with_dist_backend_error(tmp_path):
+    """The same through torch.distributed's `ferrovod` backend: the surviving rank's
+    `all_reduce` raises DistBackendError naming the missing rank."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "import torch, torch.distributed as dist\n"
+        "import ferrovod.torch\n"
+        "dist.init_process_group('ferrovod')\n"
+        "for step in range(5):\n"
+        "    x = torch.tensor([1.0, 2.0])\n"
+        "    dist.all_reduce(x)\n"
+        "    assert x.tolist() == [2.0, 4.0], x\n"
+        "def note(name, text):\n"
+        "    with open(os.path.join(sys.argv[1], name), 'w') as f:\n"
+        "        f.write(text)\n"
+        "if dist.get_rank() == 1:\n"
+        "    note('stopping', repr(time.time()))\n"
+        "    os.kill(os.getpid(), signal.SIGSTOP)\n"
+        "try:\n"
+        "    dist.all_reduce(torch.ones(1))\n"
+        "except Exception as e:\n"
+        "    note('error.%d' % dist.get_rank(), repr(time.time()) + ' ' + type(e).__name__ + ' ' + str(e))\n"
+        "    raise\n"
+    )
+    bindir = os.path.dirname(sys.executable)
+    start = time.time()
+    out = subprocess.run([os.path.join(bindir, "horovodrun"), "-np", "2",
+                          "--stall-check-warning-time-seconds", "2",
+                          "--stall-check-shutdown-time-seconds", "6",
+                          sys.executable, str(script), str(tmp_path)],
+                         capture_output=True, text=True, timeout=180)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text
+    stop_file, err_file = tmp_path / "stopping", tmp_path / "error.0"
+    assert stop_file.exists() and err_file.exists(), text
+    stopped_at = float(stop_file.read_text())
+    failed_at, err = err_file.read_text().split(" ", 1)
+    failed_at = float(failed_at)
+    assert err.startswith("DistBackendError "), err
+    assert "Missing ranks: 1." in err, err
+    assert 6 <= failed_at - stopped_at < 16, (stopped_at, failed_at)
+    assert time.time() - start < 120, text
