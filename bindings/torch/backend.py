@@ -277,6 +277,8 @@ class _Work(dist.Work):
         self._device = device
         self._finish = finish
         self._handle = None
+        # the CUDA tensors the operation reads or writes (inputs, temporaries, outputs)
+        self._touched = ()
         self._submitted = threading.Event()
         self._future = torch.futures.Future(devices=[device] if device is not None else None)
 
@@ -284,8 +286,14 @@ class _Work(dist.Work):
         self._submitted.wait()
         try:
             if self._device is not None:
-                with torch.cuda.device(self._device), torch.cuda.stream(_side_stream(self._device)):
+                side = _side_stream(self._device)
+                with torch.cuda.device(self._device), torch.cuda.stream(side):
+                    # the side stream now waits for the collective, and the copies of `finish`
+                    # run on it: the allocator must not hand out these tensors' memory before
+                    # its work (the caller's stream only waits when it waits on the Future)
                     result = self._finish(mpi_ops.synchronize(self._handle))
+                    for t in self._touched:
+                        t.record_stream(side)
                     self._future.set_result(result)
             else:
                 self._future.set_result(self._finish(mpi_ops.synchronize(self._handle)))
@@ -468,15 +476,17 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
     def process_set(self):
         return self._set
 
-    def _run(self, kind, inputs, signature, outputs=None, finish=None, **kwargs):
+    def _run(self, kind, inputs, signature, outputs=None, finish=None, touched=(), **kwargs):
         """Enqueues one ferrovod operation over `inputs` and returns its Work; `finish(values)`
         makes the Future's value from the operation's outputs (run on the completion thread, on
-        a side stream for CUDA tensors)."""
+        a side stream for CUDA tensors); `touched`: the caller's tensors it writes there."""
         _ensure_completer()
         device = mpi_ops._device_of(inputs)
         names = [self._names.next(signature)]
         names += ["%s_%d" % (names[0], i) for i in range(1, len(inputs))]
         work = _Work(device, finish or (lambda values: values))
+        if device is not None:
+            work._touched = tuple(inputs) + tuple(outputs or ()) + tuple(touched)
         key = next(_work_keys)
         with _works_lock:
             _works[key] = work
@@ -529,7 +539,8 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
             return list(tensors)
 
         return self._run(_core.ALLREDUCE, scratch, _signature("reduce", scratch),
-                         outputs=scratch, finish=finish, reduce_op=op, prescale=prescale,
+                         outputs=scratch, finish=finish, touched=tensors, reduce_op=op,
+                         prescale=prescale,
                          postscale=1.0, compression=_core.COMPRESSION_NONE)
 
     # broadcast
@@ -565,7 +576,7 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         # ranks may gather different sizes: the name holds what all of them know
         total = torch.empty(sum(o.numel() for o in outputs), dtype=flat.dtype, device="meta")
         return self._run(_core.ALLGATHER, [flat], _signature("allgather", [total]),
-                         finish=finish)
+                         finish=finish, touched=outputs)
 
     def _allgather_base(self, output, input, opts=None):
         if output.numel() != input.numel() * self.size():
@@ -579,7 +590,7 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
             return [output]
 
         return self._run(_core.ALLGATHER, [flat], _signature("allgather", [flat]),
-                         finish=finish)
+                         finish=finish, touched=[output])
 
     all_gather_single = _allgather_base
 
@@ -625,7 +636,8 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
             return result
 
         return self._run(_core.REDUCESCATTER, [flat], _signature("reducescatter", [flat]),
-                         finish=finish, reduce_op=op, prescale=prescale, postscale=1.0)
+                         finish=finish, touched=[output], reduce_op=op, prescale=prescale,
+                         postscale=1.0)
 
     # alltoall, gather, scatter
 
@@ -646,7 +658,7 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         # the rows sent differ by rank: the name holds a row's shape
         row = src[:0] if src.dim() else src.reshape(0)
         return self._run(_core.ALLTOALL, [src], _signature("alltoall", [row]), finish=finish,
-                         splits=splits)
+                         touched=[output], splits=splits)
 
     all_to_all_single = alltoall_base
 
@@ -660,7 +672,7 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
             return list(output_tensors)
 
         return self._run(_core.ALLTOALL, [flat], _signature("alltoall", [flat[:0]]),
-                         finish=finish, splits=splits)
+                         finish=finish, touched=output_tensors, splits=splits)
 
     def gather(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.GatherOptions()
@@ -676,7 +688,8 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
             return output_tensors
 
         return self._run(_core.ALLTOALL, [flat], _signature("gather", [flat]),
-                         finish=finish, splits=splits)
+                         finish=finish, touched=output_tensors[0] if output_tensors else (),
+                         splits=splits)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.ScatterOptions()
@@ -696,7 +709,8 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
             return [out]
 
         return self._run(_core.ALLTOALL, [flat],
-                         _signature("scatter", [out]), finish=finish, splits=splits)
+                         _signature("scatter", [out]), finish=finish, touched=[out],
+                         splits=splits)
 
     # barrier and point-to-point
 
@@ -732,9 +746,24 @@ def _joined(works, result):
     """One Work that completes when all of `works` have."""
     if len(works) == 1:
         return works[0]
-    futures = torch.futures.collect_all([w.get_future() for w in works])
-    joined = _Work(None, None)
-    futures.then(lambda f: (f.value() and None) or joined._future.set_result(list(result)))
+    device = works[0]._device
+    joined = _Work(device, None)
+
+    def all_done(_collected):
+        try:
+            if device is not None:
+                with torch.cuda.device(device), torch.cuda.stream(_side_stream(device)):
+                    for w in works:  # the side stream waits for each
+                        w._future.wait()
+                    joined._future.set_result(list(result))
+            else:
+                for w in works:
+                    w._future.value()
+                joined._future.set_result(list(result))
+        except Exception as e:
+            joined._future.set_exception(_backend_error(e))
+
+    torch.futures.collect_all([w._future for w in works]).add_done_callback(all_done)
     return joined
 
 

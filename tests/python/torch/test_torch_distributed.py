@@ -140,6 +140,13 @@ def test_all_gather_reduce_scatter_and_all_to_all(device, dtype):
     flat = torch.zeros(n * 2, 3, dtype=dtype, device=d)
     dist.all_gather_into_tensor(flat, values(dtype, rank(), (2, 3)).to(d))
     close(flat, torch.cat([values(dtype, r, (2, 3)) for r in range(n)]), dtype)
+    # coalesced: one Work for several
+    pg = dist.distributed_c10d._get_default_group()
+    outs2 = [torch.zeros(n * k, dtype=dtype, device=d) for k in (1, 3)]
+    work = pg.allgather_into_tensor_coalesced(outs2, [values(dtype, rank(), (k,), k).to(d) for k in (1, 3)])
+    assert work.get_future().wait() == outs2
+    for k, o in zip((1, 3), outs2):
+        close(o, torch.cat([values(dtype, r, (k,), k) for r in range(n)]), dtype)
     # reduce-scatter: rank r keeps the sum of every rank's piece r
     inputs = [values(dtype, rank(), (3,), p) for p in range(n)]
     mine = torch.zeros(3, dtype=dtype, device=d)
