@@ -92,6 +92,44 @@ def _query(url):
             int(q["world_size"][0]) if "world_size" in q else None)
 
 
+def _addresses():
+    """This host's IPv4 addresses, other hosts' likely routes first (the host name's, then each
+    interface's, loopback last)."""
+    found = []
+    try:
+        found.append(socket.gethostbyname(socket.gethostname()))
+    except OSError:
+        pass
+    try:
+        import fcntl
+        import struct
+
+        for _, name in socket.if_nameindex():
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                try:
+                    packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
+                                         struct.pack("256s", name[:15].encode()))
+                except OSError:
+                    continue
+            found.append(socket.inet_ntoa(packed[20:24]))
+    except (ImportError, OSError):
+        pass
+    unique = list(dict.fromkeys(found))
+    return [a for a in unique if not a.startswith("127.")] + [a for a in unique if a.startswith("127.")]
+
+
+def _reachable(addresses, port):
+    """The first of rank 0's addresses this host connects to (on `port`)."""
+    for address in addresses:
+        try:
+            with socket.create_connection((address, port), timeout=3):
+                return address
+        except OSError:
+            continue
+    raise RuntimeError("no address of rank 0 (%s) is reachable on port %d for torch.distributed's "
+                       "store; set MASTER_ADDR and MASTER_PORT" % (", ".join(addresses), port))
+
+
 def _env_rendezvous(url, timeout=c10d.default_pg_timeout, **kwargs):
     """torch's env:// rendezvous, which under an MPI launch takes the rank and world size from
     MPI when RANK/WORLD_SIZE are not set, and without MASTER_ADDR starts a TCPStore on rank 0 and
@@ -112,11 +150,12 @@ def _env_rendezvous(url, timeout=c10d.default_pg_timeout, **kwargs):
     from ferrovod.torch.functions import broadcast_object
 
     if world[0] == 0:
-        host = socket.gethostname()
-        store = dist.TCPStore(host, 0, world[1], True, timeout=timeout, wait_for_workers=False)
-        broadcast_object((host, store.port), 0, name="ferrovod.torch.store")
+        store = dist.TCPStore("0.0.0.0", 0, world[1], True, timeout=timeout,
+                              wait_for_workers=False)
+        broadcast_object((_addresses(), store.port), 0, name="ferrovod.torch.store")
     else:
-        host, port = broadcast_object(None, 0, name="ferrovod.torch.store")
+        addresses, port = broadcast_object(None, 0, name="ferrovod.torch.store")
+        host = _reachable(addresses, port)
         store = dist.TCPStore(host, port, world[1], False, timeout=timeout)
     yield store, world[0], world[1]
     raise RuntimeError("Unable to perform re-rendezvous using the ferrovod bootstrap")
