@@ -16,7 +16,6 @@ TCPStore on rank 0 whose address travels over MPI, so `init_process_group("ferro
 rendezvous settings. Subgroups (`new_group`) are ferrovod process sets: every rank must call
 `new_group` (PyTorch's default), since a process set is registered by all ranks."""
 
-import collections
 import importlib
 import itertools
 import os
@@ -319,6 +318,8 @@ class _Work(dist.Work):
         # the CUDA tensors the operation reads or writes (inputs, temporaries, outputs)
         self._touched = ()
         self._submitted = threading.Event()
+        # set once the Future is (a host-side signal: waiting on it orders no stream)
+        self._finished = threading.Event()
         self._future = torch.futures.Future(devices=[device] if device is not None else None)
 
     def _complete(self):
@@ -338,6 +339,8 @@ class _Work(dist.Work):
                 self._future.set_result(self._finish(mpi_ops.synchronize(self._handle)))
         except Exception as e:  # every failure reaches the caller through the Future
             self._future.set_exception(_backend_error(e))
+        finally:
+            self._finished.set()
 
     def wait(self, timeout=None):
         self._future.wait()
@@ -381,6 +384,7 @@ def _backend_error(e):
 def _done_work(result):
     work = _Work(None, None)
     work._future.set_result(result)
+    work._finished.set()
     return work
 
 
@@ -431,45 +435,36 @@ def _copy_chunks(flat, outputs):
         at += n
 
 
-# op names repeat across steps (so the core's response cache and learned groups apply) and are
-# the same on every rank: the kind and signature of the call, and a slot that counts calls with
-# that signature; a slot is reused only after its last operation completed on this rank
-_SLOTS = 4
-_SIGNATURES = 4096
-
-
 class _Names:
-    """A group's operation names: per signature a call count, least recently used signatures
-    forgotten beyond `_SIGNATURES` (the same on every member: it depends on the call order
-    only), and the operations in flight by name, each removed when it completes."""
+    """A group's operation names: the group and the call's signature, so that a name comes back
+    every training step (the core's response cache and learned groups apply to it) and is the
+    same on every member (it depends on the calls alone). The core refuses a name still in
+    flight, so a call whose name is waits for the earlier operation to complete here (which
+    needs only that every member submitted it: earlier in each member's order of calls).
+    Holds the operations in flight by name, each removed when it completes."""
 
     def __init__(self, group_name):
         self._group_name = group_name
-        self._counts = collections.OrderedDict()
         self._in_flight = {}
+        self._lock = threading.Lock()
 
     def next(self, signature):
-        n = self._counts.pop(signature, 0)
-        self._counts[signature] = n + 1
-        while len(self._counts) > _SIGNATURES:
-            self._counts.popitem(last=False)
-        name = "torch.%s.%s.%d" % (self._group_name(), signature, n % _SLOTS)
-        previous = self._in_flight.get(name)
-        if previous is not None and not previous.is_completed():
-            # the core refuses a name that is still in flight: wait for it, never a mismatch
-            try:
-                previous._future.wait()
-            except Exception:
-                pass
+        name = "torch.%s.%s" % (self._group_name(), signature)
+        with self._lock:
+            previous = self._in_flight.get(name)
+        if previous is not None:
+            previous._finished.wait()
         return name
 
     def track(self, name, work):
-        self._in_flight[name] = work
+        with self._lock:
+            self._in_flight[name] = work
         work._future.add_done_callback(lambda _f: self._forget(name, work))
 
     def _forget(self, name, work):
-        if self._in_flight.get(name) is work:
-            del self._in_flight[name]
+        with self._lock:
+            if self._in_flight.get(name) is work:
+                del self._in_flight[name]
 
 
 def _signature(kind, tensors):
@@ -801,6 +796,8 @@ def _joined(works, result):
                 joined._future.set_result(list(result))
         except Exception as e:
             joined._future.set_exception(_backend_error(e))
+        finally:
+            joined._finished.set()
 
     torch.futures.collect_all([w._future for w in works]).add_done_callback(all_done)
     return joined
