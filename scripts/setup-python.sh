@@ -41,9 +41,9 @@ mx_reqs=(
   "scikit-learn|1.5.2"
 )
 
-# prints "name|wanted|found" for each requirement not satisfied, and "ferrovod||" and
-# "horovod-dropin||" when ferrovod's own packages do not import
-# (in venv $1, for the requirements after it)
+# prints "name|wanted|found" for each requirement not satisfied, "ferrovod||" or "horovod||"
+# when ferrovod's own packages do not import, and "ferrovod-takeover.pth||" when the wheel's
+# start-up hook is not in site-packages (in venv $1, for the requirements after it)
 missing_python() {
   local venv=$1
   shift
@@ -60,6 +60,9 @@ for spec in sys.argv[1:]:
 for mod in ("ferrovod", "horovod"):
     if importlib.util.find_spec(mod) is None:
         print(f"{mod}||not installed")
+import os, sysconfig
+if not os.path.exists(os.path.join(sysconfig.get_paths()["purelib"], "ferrovod-takeover.pth")):
+    print("ferrovod-takeover.pth||not installed")
 EOF
 }
 
@@ -106,7 +109,7 @@ install_missing() {
     [ -z "$line" ] && continue
     IFS='|' read -r name want _ <<<"$line"
     case "$name" in
-      ferrovod|horovod) ;;
+      ferrovod|horovod|ferrovod-takeover.pth) ;;
       *) wanted+=("$name${want:+==$want}") ;;
     esac
   done <<<"$(missing_python "$venv" "$@")"

@@ -99,3 +99,32 @@ def test_stopped_rank_ends_a_torch_distributed_job_with_dist_backend_error(tmp_p
     assert "Missing ranks: 1." in err, err
     assert 6 <= failed_at - stopped_at < 16, (stopped_at, failed_at)
     assert time.time() - start < 120, text
+
+
+def test_takeover_by_environment_needs_no_import_of_ferrovod(tmp_path):
+    """FERROVOD_TORCH_TAKEOVER=1: a script that never imports ferrovod and asks for `gloo` runs
+    on ferrovod's backend, said once by rank 0; unset, torch's own gloo rendezvous runs (and
+    fails for want of RANK, which MPI does not set)."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "x = torch.ones(3)\n"
+        "dist.all_reduce(x)\n"
+        "assert x.tolist() == [2.0, 2.0, 2.0], x\n"
+        "print('rank %d backend %s' % (dist.get_rank(), dist.get_backend()), flush=True)\n"
+        "dist.destroy_process_group()\n"
+    )
+    bindir = os.path.dirname(sys.executable)
+    out = subprocess.run([os.path.join(bindir, "horovodrun"), "-np", "2", sys.executable,
+                          str(script)], capture_output=True, text=True, timeout=180,
+                         env=dict(os.environ, FERROVOD_TORCH_TAKEOVER="1"))
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert "rank 0 backend ferrovod" in text and "rank 1 backend ferrovod" in text, text
+    assert text.count("runs on ferrovod") == 1, text
+    env = {k: v for k, v in os.environ.items() if k != "FERROVOD_TORCH_TAKEOVER"}
+    out = subprocess.run([os.path.join(bindir, "horovodrun"), "-np", "2", sys.executable,
+                          str(script)], capture_output=True, text=True, timeout=180, env=env)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and "RANK expected" in text, text
