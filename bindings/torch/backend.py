@@ -516,7 +516,7 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         a side stream for CUDA tensors); `touched`: the caller's tensors it writes there."""
         _ensure_completer()
         device = mpi_ops._device_of(inputs)
-        names = [self._names.next(signature)]
+        names = [self._names.next(signature)] if inputs else []  # (a barrier has none)
         names += ["%s_%d" % (names[0], i) for i in range(1, len(inputs))]
         work = _Work(device, finish or (lambda values: values))
         if device is not None:
@@ -533,7 +533,8 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
             raise
         finally:
             work._submitted.set()
-        self._names.track(names[0], work)
+        if names:
+            self._names.track(names[0], work)
         return work
 
     def _codec(self, op, tensors):
@@ -749,21 +750,7 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
     # barrier and point-to-point
 
     def barrier(self, opts=None):
-        _ensure_completer()
-        work = _Work(None, lambda _v: [])
-        key = next(_work_keys)
-        with _works_lock:
-            _works[key] = work
-        try:
-            work._handle = mpi_ops._enqueue(_core.BARRIER, [], [], None, None, self._set,
-                                            done=_DONE, done_user_data=key)
-        except Exception:
-            with _works_lock:
-                _works.pop(key, None)
-            raise
-        finally:
-            work._submitted.set()
-        return work
+        return self._run(_core.BARRIER, [], None, finish=lambda _v: [])
 
     def send(self, tensors, dst, tag=0):
         raise RuntimeError("the ferrovod backend has no point-to-point send/recv yet; use a "

@@ -280,18 +280,38 @@ def test_fsdp2_equals_one_process_on_the_whole_batch():
         torch.testing.assert_close(p.full_tensor(), q, rtol=1e-4, atol=1e-5)
 
 
-def test_the_codec_option_compresses_float32_sums():
-    g = dist.new_group(list(range(size())), pg_options=backend.Options(compression=hvd.Compression.fp16))
-    x = torch.full((64,), 1.0 / 3.0) + rank()
-    exact = sum(1.0 / 3.0 + r for r in range(size()))
-    dist.all_reduce(x, group=g)
-    err = (x.double() - exact).abs().max().item()
-    # fp16 on the wire: off by more than float32 rounding, within fp16's
-    assert 1e-6 < err < 1e-2 * size(), err
-    # integers and MAX are not compressed
-    y = torch.full((4,), 1.0 / 3.0 + rank())
+# (codec, largest error of the mean of values in [0, 1) it may leave)
+CODECS = [("fp16", 1e-3), ("bf16", 1e-2), ("mixed", 1e-3), ("u8", 2e-2)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("codec,bound", CODECS, ids=[c for c, _ in CODECS])
+def test_the_codec_option_compresses_float32_sums(device, codec, bound):
+    d = dev(device)
+    g = dist.new_group(list(range(size())),
+                       pg_options=backend.Options(compression=getattr(hvd.Compression, codec)))
+    gen = torch.Generator().manual_seed(7)
+    every = torch.rand(size(), 16384, generator=gen)  # 64 KiB: above mixed's 32 KiB
+    x = every[rank()].clone().to(d)
+    dist.all_reduce(x, op=dist.ReduceOp.AVG, group=g)
+    err = (x.double().cpu() - every.double().mean(0)).abs().max().item()
+    # the codec on the wire: off by more than float32 rounding, within the codec's
+    assert 1e-6 < err < bound, err
+    # the same on every rank
+    first = x.clone()
+    dist.broadcast(first, src=0)
+    assert torch.equal(first, x)
+    if codec == "mixed":  # small tensors travel as float32
+        small = every[rank(), :1024].clone().to(d)
+        dist.all_reduce(small, op=dist.ReduceOp.AVG, group=g)
+        close(small, every[:, :1024].double().mean(0))
+    # other reductions and dtypes travel as they are
+    y = every[rank()].clone().to(d)
     dist.all_reduce(y, op=dist.ReduceOp.MAX, group=g)
-    assert torch.equal(y, torch.full((4,), 1.0 / 3.0 + size() - 1))
+    assert torch.equal(y.cpu(), every.max(0).values)
+    z = (every[rank()] * 100).double().to(d)
+    dist.all_reduce(z, group=g)
+    close(z, (every.double() * 100).sum(0), torch.float64)
 
 
 def test_bad_calls_raise_at_the_call():
