@@ -165,16 +165,18 @@ fn setup_python_check_names_missing_packages() {
         format!("torch==2.15.0 in {tf} "),
         format!("ferrovod in {tf} "),
         format!("horovod in {tf} "),
+        format!("ferrovod-takeover.pth in {tf} "),
         format!("pytest in {mx} "),
         format!("mxnet==1.9.1 in {mx} "),
         format!("numpy==1.23.5 in {mx} "),
         format!("scikit-learn==1.5.2 in {mx} "),
         format!("ferrovod in {mx} "),
         format!("horovod in {mx} "),
+        format!("ferrovod-takeover.pth in {mx} "),
     ] {
         assert!(err.contains(&format!("missing: {want}")), "{want}: {err}");
     }
-    assert_eq!(err.lines().count(), 13, "{err}");
+    assert_eq!(err.lines().count(), 15, "{err}");
     // no environments at all
     let out = check(
         "setup-python.sh",
