@@ -246,9 +246,16 @@ def _create(backend_opts, pg_options):
                    _core.size(), _LAUNCH))
         process_set = _ps.global_process_set
     else:
-        ranks = tuple(sorted(members))
+        if members != sorted(members):
+            raise ValueError("the ferrovod backend numbers a group's ranks in ascending order; "
+                             "create the group with its ranks sorted (sort_ranks=True)")
+        ranks = tuple(members)
         with _sets_lock:
             process_set = _sets.get(ranks)
+        if process_set is None:  # one the script registered itself (hvd.add_process_set)
+            process_set = next((s for s in list(_ps._registered.values())
+                                if tuple(s.ranks) == ranks and s.process_set_id is not None),
+                               None)
         if process_set is None and len(ranks) == _core.size():
             process_set = _ps.global_process_set
         if process_set is None:
@@ -295,7 +302,10 @@ def _complete_forever():
         with _works_lock:
             work = _works.pop(key, None)
         if work is not None:
-            work._complete()
+            try:
+                work._complete()
+            except Exception:  # the thread must go on completing every later Work
+                work._finished.set()
 
 
 def _ensure_completer():
@@ -403,6 +413,11 @@ def _reduction(op):
     """(ferrovod's op, prescale) of a torch ReduceOp."""
     if op == dist.ReduceOp.PREMUL_SUM:
         factor = getattr(op, "factor", None)
+        if factor is None:  # PyTorch before the attribute: (op, factor) in its pickled state
+            try:
+                factor = op.__getstate__()[1]
+            except Exception:
+                factor = None
         if factor is None:
             raise ValueError("ferrovod: this PyTorch does not expose PREMUL_SUM's factor")
         if isinstance(factor, torch.Tensor):
@@ -851,6 +866,8 @@ def takeover():
         return _init_process_group(chosen, *args, **kwargs)
 
     def new_group(ranks=None, timeout=None, backend=None, *args, **kwargs):
+        if not isinstance(kwargs.get("pg_options"), (Options, type(None))):
+            kwargs.pop("pg_options")  # another backend's options
         return _new_group_every_rank(ranks, timeout, _as_ferrovod(backend) if backend else None,
                                      *args, **kwargs)
 
