@@ -170,17 +170,24 @@ _sets = {}
 _sets_lock = threading.Lock()
 
 
+def _known_set(ranks):
+    """The registered process set of these sorted ranks: the backend's own, or one the script
+    registered (hvd.add_process_set); None if neither."""
+    with _sets_lock:
+        found = _sets.get(ranks)
+    if found is None:
+        found = next((s for s in list(_ps._registered.values())
+                      if tuple(s.ranks) == ranks and s.process_set_id is not None), None)
+    return found
+
+
 def _process_set(ranks):
     """The process set of these global ranks (all ranks: the global set), registered on every
     rank the first time (a collective)."""
     ranks = tuple(sorted(int(r) for r in ranks))
     if len(ranks) == _core.size() or not ranks:
         return _ps.global_process_set
-    with _sets_lock:
-        found = _sets.get(ranks)
-    if found is None:
-        found = next((s for s in list(_ps._registered.values())
-                      if tuple(s.ranks) == ranks and s.process_set_id is not None), None)
+    found = _known_set(ranks)
     if found is None:
         found = _ps.add_process_set(list(ranks))
         with _sets_lock:
@@ -250,12 +257,7 @@ def _create(backend_opts, pg_options):
             raise ValueError("the ferrovod backend numbers a group's ranks in ascending order; "
                              "create the group with its ranks sorted (sort_ranks=True)")
         ranks = tuple(members)
-        with _sets_lock:
-            process_set = _sets.get(ranks)
-        if process_set is None:  # one the script registered itself (hvd.add_process_set)
-            process_set = next((s for s in list(_ps._registered.values())
-                                if tuple(s.ranks) == ranks and s.process_set_id is not None),
-                               None)
+        process_set = _known_set(ranks)
         if process_set is None and len(ranks) == _core.size():
             process_set = _ps.global_process_set
         if process_set is None:
