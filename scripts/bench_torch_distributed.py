@@ -5,7 +5,10 @@ mpirun, the backends alternating round by round in the same processes:
             a process group written in Python, against gloo's C++ one;
   ddp       a DDP step whose gradients have the shapes of a gradient set (ResNet-50 by default,
             FERROVOD_DATA_DIR/resnet50_grads.tsv): backward of a loss that touches every
-            parameter once, so the step is DDP's bucketed allreduces and their wait.
+            parameter once, so the step is DDP's bucketed allreduces and their wait;
+  fsdp      (with --only fsdp) a training step of a GPT-2-small-sized transformer (12 layers,
+            width 768, vocabulary 50,257, 124 M parameters) sharded by FSDP2's `fully_shard`
+            per layer: its all_gather_into_tensor and reduce_scatter_tensor calls under compute.
 
 Prints `JSON {...}` lines and, on rank 0, the ratios ferrovod/<other>. Run with
   mpirun -np 2 python scripts/bench_torch_distributed.py [--device cuda] [--rounds 3]
@@ -104,6 +107,57 @@ def time_ddp(device, dims, steps, bucket_mb):
     return statistics.median(times)
 
 
+class Gpt(torch.nn.Module):
+    """GPT-2 small's sizes (pre-norm causal transformer, tied embedding) from torch.nn alone."""
+
+    def __init__(self, vocab=50257, width=768, layers=12, heads=12, seq=1024):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.pos = torch.nn.Parameter(torch.zeros(seq, width))
+        self.layers = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, activation="gelu",
+                                             batch_first=True, norm_first=True)
+            for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(width)
+
+    def forward(self, ids):
+        n = ids.shape[1]
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(n, device=ids.device)
+        h = self.embed(ids) + self.pos[:n]
+        for layer in self.layers:
+            h = layer(h, src_mask=mask, is_causal=True)
+        logits = self.norm(h) @ self.embed.weight.t()
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def time_fsdp(device, steps, batch, seq, bf16):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = Gpt().to(device)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
+    for layer in model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    ids = torch.randint(0, 50257, (batch, seq), generator=g).to(device)
+    times = []
+    for step in range(steps + 3):
+        sync(device)
+        dist.barrier()
+        t = time.perf_counter()
+        model(ids).backward()
+        opt.step()
+        opt.zero_grad()
+        sync(device)
+        if step >= 3:
+            times.append(time.perf_counter() - t)
+    del model, opt
+    return statistics.median(times)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
@@ -114,7 +168,10 @@ def main():
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--grads", default=os.path.join(os.environ.get("FERROVOD_DATA_DIR", "../shared/data"),
                                                    "resnet50_grads.tsv"))
-    ap.add_argument("--only", choices=["calls", "ddp"], default=None)
+    ap.add_argument("--only", choices=["calls", "ddp", "fsdp"], default=None)
+    ap.add_argument("--batch", type=int, default=8, help="fsdp: sequences per rank")
+    ap.add_argument("--seq", type=int, default=1024, help="fsdp: tokens per sequence")
+    ap.add_argument("--bf16", action="store_true", help="fsdp: bf16 parameters, fp32 reduction")
     a = ap.parse_args()
     other = a.other or ("nccl" if a.device == "cuda" else "gloo")
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
@@ -128,7 +185,7 @@ def main():
     dims = [d for _, d in shapes(a.grads)]
     nbytes = sum(4 * math.prod(d) for d in dims)
     sizes = [4, 4 << 10, 1 << 20, 16 << 20]
-    results = {b: {"calls": [], "ddp": []} for b in ("ferrovod", other)}
+    results = {b: {"calls": [], "ddp": [], "fsdp": []} for b in ("ferrovod", other)}
     for _ in range(a.rounds):
         for b in ("ferrovod", other):
             dist.init_process_group(b)
@@ -136,6 +193,8 @@ def main():
                 results[b]["calls"].append(time_calls(device, sizes, a.reps))
             if a.only in (None, "ddp"):
                 results[b]["ddp"].append(time_ddp(device, dims, a.steps, a.bucket_mb))
+            if a.only == "fsdp":
+                results[b]["fsdp"].append(time_fsdp(device, a.steps, a.batch, a.seq, a.bf16))
             n = dist.get_world_size()
             dist.destroy_process_group()
     if rank != 0:
@@ -157,6 +216,19 @@ def main():
             " ".join("%.2f" % (t * 1e3) for t in results["ferrovod"]["ddp"]), other,
             " ".join("%.2f" % (t * 1e3) for t in results[other]["ddp"])))
         print("JSON " + json.dumps({"kind": "torch_dist_ddp", "np": n, "device": a.device, "bytes": nbytes,
+                                    "ferrovod_s": f, "other": other, "other_s": o}))
+    if a.only == "fsdp":
+        f = statistics.median(results["ferrovod"]["fsdp"])
+        o = statistics.median(results[other]["fsdp"])
+        # a step's time, so the throughput ratio ferrovod/other is other's time / ferrovod's
+        print("fsdp step (GPT-2 small, %d x %d tokens per rank, %s): ferrovod %.2f ms, %s %.2f ms"
+              % (a.batch, a.seq, "bf16" if a.bf16 else "fp32", f * 1e3, other, o * 1e3))
+        print("each round (ms): ferrovod %s, %s %s" % (
+            " ".join("%.2f" % (t * 1e3) for t in results["ferrovod"]["fsdp"]), other,
+            " ".join("%.2f" % (t * 1e3) for t in results[other]["fsdp"])))
+        print("%s np=%d fsdp-train ferrovod/%s = %.3f%s (throughput)" % (
+            "gpu" if a.device == "cuda" else "cpu", n, other, o / f, " (bf16)" if a.bf16 else ""))
+        print("JSON " + json.dumps({"kind": "torch_dist_fsdp", "np": n, "device": a.device, "bf16": a.bf16,
                                     "ferrovod_s": f, "other": other, "other_s": o}))
 
 

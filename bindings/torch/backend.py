@@ -210,8 +210,9 @@ _destroy = None
 def _destroy_every_group(group=None):
     """torch's `destroy_process_group`; destroying every group also removes the process sets
     the backend registered for them."""
+    every = group is None or group is c10d.GroupMember.WORLD
     _destroy(group)
-    if group is None:
+    if every:
         _release_sets()
 
 
@@ -283,7 +284,12 @@ _completer_lock = threading.Lock()
 
 
 def _on_done(key, _hid, _status):
-    """ferrovod's completion callback (its own thread): only hands the operation over."""
+    """ferrovod's completion callback (its own thread): the operation's names are free again in
+    the core from here, and the rest is handed over to the completion thread."""
+    with _works_lock:
+        work = _works.get(key)
+    if work is not None:
+        work._released.set()
     _finished.put(key)
 
 
@@ -300,14 +306,18 @@ def _side_stream(device):
 
 def _complete_forever():
     while True:
-        key = _finished.get()
-        with _works_lock:
-            work = _works.pop(key, None)
-        if work is not None:
-            try:
-                work._complete()
-            except Exception:  # the thread must go on completing every later Work
-                work._finished.set()
+        _complete_next()
+
+
+def _complete_next():
+    key = _finished.get()
+    with _works_lock:
+        work = _works.pop(key, None)
+    if work is not None:
+        try:
+            work._complete()
+        except Exception:  # the thread must go on completing every later Work
+            work._finished.set()
 
 
 def _ensure_completer():
@@ -330,8 +340,14 @@ class _Work(dist.Work):
         # the CUDA tensors the operation reads or writes (inputs, temporaries, outputs)
         self._touched = ()
         self._submitted = threading.Event()
+        # set once the core completed the operation (its names may be submitted again): set by
+        # ferrovod's thread, never by the completion thread, so that a Future's callback there
+        # may wait on it
+        self._released = threading.Event()
         # set once the Future is (a host-side signal: waiting on it orders no stream)
         self._finished = threading.Event()
+        # CUDA: recorded on the side stream after the result's copies (is_completed, as NCCL's)
+        self._event = None
         self._future = torch.futures.Future(devices=[device] if device is not None else None)
 
     def _complete(self):
@@ -346,15 +362,30 @@ class _Work(dist.Work):
                     result = self._finish(mpi_ops.synchronize(self._handle))
                     for t in self._touched:
                         t.record_stream(side)
+                    self._event = torch.cuda.Event()
+                    self._event.record(side)
                     self._future.set_result(result)
             else:
                 self._future.set_result(self._finish(mpi_ops.synchronize(self._handle)))
         except Exception as e:  # every failure reaches the caller through the Future
             self._future.set_exception(_backend_error(e))
         finally:
+            self._released.set()
             self._finished.set()
 
     def wait(self, timeout=None):
+        """As NCCL's: on CUDA the current stream waits for the result; the host waits until it
+        is known (at most `timeout`, a timedelta or seconds, when given)."""
+        if timeout is not None and timeout != _NO_TIMEOUT:
+            seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+            if seconds > 0 and not self._finished.wait(seconds):
+                raise dist.DistBackendError(
+                    "ferrovod: the operation did not complete within %.1f s (Work.wait's timeout)"
+                    % seconds)
+        if threading.current_thread() is _completer:
+            # a Future's callback waits for a collective: only this thread completes it
+            while not self._finished.is_set():
+                _complete_next()
         self._future.wait()
         return True
 
@@ -362,7 +393,8 @@ class _Work(dist.Work):
         return self._future
 
     def is_completed(self):
-        return self._future.done()
+        event = self._event
+        return self._future.done() and (event is None or event.query())
 
     def is_success(self):
         if not self._future.done():
@@ -387,6 +419,10 @@ class _Work(dist.Work):
         self.wait()
 
 
+# torch's Work.wait default: no timeout
+_NO_TIMEOUT = getattr(dist.Work, "_NO_TIMEOUT", None)
+
+
 def _backend_error(e):
     if isinstance(e, dist.DistBackendError):
         return e
@@ -396,6 +432,7 @@ def _backend_error(e):
 def _done_work(result):
     work = _Work(None, None)
     work._future.set_result(result)
+    work._released.set()
     work._finished.set()
     return work
 
@@ -443,6 +480,29 @@ def _flat(t):
     return t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
 
 
+def _contiguous(inputs, outputs, finish):
+    """Contiguous stand-ins for non-contiguous inputs and outputs (an output that is an input
+    shares its stand-in), and a `finish` that first copies the results back: made here rather
+    than inside the enqueue, so that the Work knows every temporary its streams use."""
+    if all(t.is_contiguous() for t in inputs) and all(t.is_contiguous() for t in outputs or ()):
+        return inputs, outputs, finish
+    stand = [t if t.is_contiguous() else t.contiguous() for t in inputs]
+    if outputs is None:
+        return stand, None, finish
+    outs = []
+    for o in outputs:
+        same = next((s for t, s in zip(inputs, stand) if t is o), None)
+        outs.append(same if same is not None else (o if o.is_contiguous() else o.contiguous()))
+    back = [(o, s) for o, s in zip(outputs, outs) if s is not o]
+
+    def copied_back(values):
+        for o, s in back:
+            o.copy_(s)
+        return finish(values)
+
+    return stand, outs, copied_back
+
+
 def _copy_chunks(flat, outputs):
     """Copies consecutive pieces of `flat` into `outputs` (each of its own numel)."""
     at = 0
@@ -456,21 +516,24 @@ class _Names:
     """A group's operation names: the group and the call's signature, so that a name comes back
     every training step (the core's response cache and learned groups apply to it) and is the
     same on every member (it depends on the calls alone). The core refuses a name still in
-    flight, so a call whose name is waits for the earlier operation to complete here (which
-    needs only that every member submitted it: earlier in each member's order of calls).
-    Holds the operations in flight by name, each removed when it completes."""
+    flight, so a call whose name is waits for the core to complete the earlier operation (which
+    needs only that every member submitted it: earlier in each member's order of calls; and
+    never the completion thread, so a Future's callback may call). Holds the operations in
+    flight by name, each removed when it completes. `submitting` is held from `next` to
+    `track`, so that two threads never submit one name at once."""
 
     def __init__(self, group_name):
         self._group_name = group_name
         self._in_flight = {}
         self._lock = threading.Lock()
+        self.submitting = threading.RLock()
 
     def next(self, signature):
         name = "torch.%s.%s" % (self._group_name(), signature)
         with self._lock:
             previous = self._in_flight.get(name)
         if previous is not None:
-            previous._finished.wait()
+            previous._released.wait()
         return name
 
     def track(self, name, work):
@@ -533,25 +596,29 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         a side stream for CUDA tensors); `touched`: the caller's tensors it writes there."""
         _ensure_completer()
         device = mpi_ops._device_of(inputs)
-        names = [self._names.next(signature)] if inputs else []  # (a barrier has none)
-        names += ["%s_%d" % (names[0], i) for i in range(1, len(inputs))]
-        work = _Work(device, finish or (lambda values: values))
+        callers = tuple(inputs) + tuple(outputs or ())
+        inputs, outputs, finish = _contiguous(inputs, outputs, finish or (lambda values: values))
+        work = _Work(device, finish)
         if device is not None:
-            work._touched = tuple(inputs) + tuple(outputs or ()) + tuple(touched)
+            # every tensor the side stream's copies or the collective use, temporaries included
+            work._touched = callers + tuple(inputs) + tuple(outputs or ()) + tuple(touched)
         key = next(_work_keys)
-        with _works_lock:
-            _works[key] = work
-        try:
-            work._handle = mpi_ops._enqueue(kind, inputs, names, outputs, None, self._set,
-                                            done=_DONE, done_user_data=key, **kwargs)
-        except Exception:
+        with self._names.submitting:
+            names = [self._names.next(signature)] if inputs else []  # (a barrier has none)
+            names += ["%s_%d" % (names[0], i) for i in range(1, len(inputs))]
             with _works_lock:
-                _works.pop(key, None)
-            raise
-        finally:
-            work._submitted.set()
-        if names:
-            self._names.track(names[0], work)
+                _works[key] = work
+            try:
+                work._handle = mpi_ops._enqueue(kind, inputs, names, outputs, None, self._set,
+                                                done=_DONE, done_user_data=key, **kwargs)
+            except Exception:
+                with _works_lock:
+                    _works.pop(key, None)
+                raise
+            finally:
+                work._submitted.set()
+            if names:
+                self._names.track(names[0], work)
         return work
 
     def _codec(self, op, tensors):
@@ -793,6 +860,8 @@ def _joined(works, result):
                 with torch.cuda.device(device), torch.cuda.stream(_side_stream(device)):
                     for w in works:  # the side stream waits for each
                         w._future.wait()
+                    joined._event = torch.cuda.Event()
+                    joined._event.record()
                     joined._future.set_result(list(result))
             else:
                 for w in works:
@@ -801,6 +870,7 @@ def _joined(works, result):
         except Exception as e:
             joined._future.set_exception(_backend_error(e))
         finally:
+            joined._released.set()
             joined._finished.set()
 
     torch.futures.collect_all([w._future for w in works]).add_done_callback(all_done)
@@ -812,12 +882,24 @@ def _joined(works, result):
 _registered = False
 _takeover_said = False
 _init_process_group = None
+_init_any = None
+
+
+def _init_without_device_id(backend=None, *args, **kwargs):
+    """torch's `init_process_group`; for the ferrovod backend `device_id` only makes the device
+    current (NCCL's eager connection and communicator splitting have no ferrovod counterpart:
+    ferrovod connects its NCCL communicators itself)."""
+    if backend is not None and NAME in str(backend) and kwargs.get("device_id") is not None:
+        device = kwargs.pop("device_id")
+        if isinstance(device, torch.device) and device.type == "cuda":
+            torch.cuda.set_device(device)
+    return _init_any(backend, *args, **kwargs)
 
 
 def register():
     """Registers the `ferrovod` backend with torch.distributed (CPU and CUDA), the MPI
     bootstrap of env:// and the every-rank `new_group` (idempotent)."""
-    global _registered, _env_handler, _new_group, _destroy
+    global _registered, _env_handler, _new_group, _destroy, _init_any
     if _registered:
         return
     dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])
@@ -825,12 +907,26 @@ def register():
     _env_handler = rdzv._rendezvous_handlers["env"]
     rdzv._rendezvous_handlers["env"] = _env_rendezvous
     _new_group = c10d.new_group
-    c10d.new_group = _new_group_every_rank
-    dist.new_group = _new_group_every_rank
+    _install("new_group", _new_group_every_rank)
+    _init_any = c10d.init_process_group
+    _install("init_process_group", _init_without_device_id)
     _destroy = c10d.destroy_process_group
     c10d.destroy_process_group = _destroy_every_group
     dist.destroy_process_group = _destroy_every_group
     _registered = True
+
+
+def _install(name, function):
+    """Replaces torch.distributed's `name` where PyTorch's modules call it: c10d, the package,
+    and DeviceMesh (which imported it by name, and makes its groups with it)."""
+    setattr(c10d, name, function)
+    setattr(dist, name, function)
+    try:
+        mesh = importlib.import_module("torch.distributed.device_mesh")
+    except ImportError:
+        return
+    if hasattr(mesh, name):
+        setattr(mesh, name, function)
 
 
 def _as_ferrovod(backend):
@@ -873,7 +969,5 @@ def takeover():
         return _new_group_every_rank(ranks, timeout, _as_ferrovod(backend) if backend else None,
                                      *args, **kwargs)
 
-    c10d.init_process_group = init_process_group
-    dist.init_process_group = init_process_group
-    c10d.new_group = new_group
-    dist.new_group = new_group
+    _install("init_process_group", init_process_group)
+    _install("new_group", new_group)

@@ -4,6 +4,7 @@
   nocomm    the model and optimizer alone (no communication: the ceiling),
   ddp       torch.nn.parallel.DistributedDataParallel (NCCL, default buckets),
   ddp_hook  the same DDP with ferrovod's communication hook (ferrovod.torch.ddp_comm_hook),
+  ddp_ferrovod  the same DDP over torch.distributed's `ferrovod` backend (no hook),
   ferrovod  horovod.torch's DistributedOptimizer on ferrovod (gradient hooks, NCCL),
   ferrovod_pergrad  the same with one allreduce per gradient (FERROVOD_TORCH_BUCKET_BYTES=0),
   <mode>_sync  a mode with a host barrier between backward and the step,
@@ -51,11 +52,25 @@ def loss_of(model_name, model, x, y):
     return F.cross_entropy(model(x), y)
 
 
+_FERROVOD_GROUP = []
+
+
+def ferrovod_group():
+    if not _FERROVOD_GROUP:
+        import ferrovod.torch  # noqa: F401 (registers the backend)
+        _FERROVOD_GROUP.append(dist.new_group(backend="ferrovod"))
+    return _FERROVOD_GROUP[0]
+
+
 def make(mode, model_name, device, groups=0):
     torch.manual_seed(0)
     model = build(model_name).to(device)
-    if mode in ("ddp", "ddp_hook"):
-        wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
+    if mode in ("ddp", "ddp_hook", "ddp_ferrovod"):
+        # ddp_ferrovod: the same DDP over torch.distributed's `ferrovod` backend (a group of every
+        # rank; made once, in the same order on every rank)
+        group = ferrovod_group() if mode == "ddp_ferrovod" else None
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index],
+                                                            process_group=group)
         if mode == "ddp_hook":
             wrapped.register_comm_hook(None, hvd.ddp_comm_hook)
         opt = torch.optim.SGD(wrapped.parameters(), lr=0.01, momentum=0.9)
@@ -264,6 +279,10 @@ def main():
             if "ddp_hook" in row and "ddp" in row:
                 print("gpu np=%d %s-train ddp+ferrovod-hook/ddp = %.3f%s" % (
                     n, name, row["ddp_hook"] / row["ddp"],
+                    "" if precision == "fp32" else " (%s)" % precision))
+            if "ddp_ferrovod" in row and "ddp" in row:
+                print("gpu np=%d %s-train ddp-ferrovod/ddp-nccl = %.3f%s" % (
+                    n, name, row["ddp_ferrovod"] / row["ddp"],
                     "" if precision == "fp32" else " (%s)" % precision))
             print("JSON " + json.dumps({"model": name, "precision": precision, "np": n,
                                         "per_s": row}))

@@ -203,6 +203,73 @@ def test_async_works_and_futures(device):
     assert len(group._names._in_flight) <= 4
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_futures_callback_may_run_collectives(device):
+    """A callback of a Work's Future runs on the backend's completion thread: a collective it
+    issues (blocking, under the name of the one completing) completes there too."""
+    d = dev(device)
+    x = values(torch.float32, rank(), (4,)).to(d)
+    y = values(torch.float32, rank(), (4,), 1).to(d)
+
+    def then(f):
+        dist.all_reduce(y)  # x's signature: one name, x's operation just completed
+        return f.value()[0] + y
+
+    got = dist.all_reduce(x, async_op=True).get_future().then(then).wait()
+    want_x = torch.stack([values(torch.float32, r, (4,)) for r in range(size())]).sum(0)
+    want_y = torch.stack([values(torch.float32, r, (4,), 1) for r in range(size())]).sum(0)
+    close(got, want_x + want_y)
+
+
+def test_wait_gives_up_at_its_timeout():
+    import datetime
+
+    x = torch.ones(3)
+    if rank() == 0:
+        work = dist.all_reduce(x, async_op=True)
+        with pytest.raises(dist.DistBackendError, match="within 0.3 s"):
+            work.wait(timeout=datetime.timedelta(seconds=0.3))
+        assert not work.is_completed()
+        dist.barrier()
+        assert work.wait()  # the others' calls come after the barrier
+    else:
+        dist.barrier()
+        dist.all_reduce(x)
+    close(x, torch.full((3,), float(size())))
+
+
+def test_device_mesh_groups_are_ferrovod_process_sets():
+    """DeviceMesh makes a 2-D mesh's groups with its own reference to new_group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (size() // 2, 2), mesh_dim_names=("dp", "tp"))
+    for dim, stride in (("tp", 1), ("dp", 2)):
+        group = mesh.get_group(dim)
+        assert dist.get_backend(group) == "ferrovod"
+        members = [r for r in range(size()) if r % stride == rank() % stride
+                   and r // (2 * stride) == rank() // (2 * stride)] if dim == "tp" else \
+            [r for r in range(size()) if r % 2 == rank() % 2]
+        x = torch.full((2,), float(rank() + 1))
+        dist.all_reduce(x, group=group)
+        close(x, torch.full((2,), float(sum(r + 1 for r in members))))
+
+
+def test_device_id_and_destroying_world_release_the_sets():
+    dist.destroy_process_group()
+    assert not backend._sets
+    # NCCL-style scripts pass the device to bind: accepted, the device made current
+    dist.init_process_group("ferrovod", device_id=dev(DEVICES[-1]))
+    g = dist.new_group([0, 1])
+    assert backend._sets or size() == 2
+    if rank() < 2:
+        x = torch.ones(2)
+        dist.all_reduce(x, group=g)
+        close(x, torch.full((2,), 2.0))
+    dist.destroy_process_group(dist.group.WORLD)
+    assert not dist.is_initialized() and not backend._sets
+    dist.init_process_group("ferrovod")
+
+
 def test_two_subgroups_at_once():
     n = size()
     evens = list(range(0, n, 2))
