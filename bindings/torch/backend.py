@@ -573,6 +573,13 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
     def getBackendName(self):
         return NAME
 
+    # torch asks a group for its backend of a device (whether it splits NCCL communicators, when
+    # the default group is bound to a device): a Python group is its own, and splits nothing
+    supports_splitting = False
+
+    def _get_backend(self, device=None):
+        return self
+
     # the group's name and description live here: a Python group has no C++ backend to keep them
     def getGroupName(self):
         return self._group_name

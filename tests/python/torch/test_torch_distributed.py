@@ -319,17 +319,22 @@ def test_ddp_equals_one_process_on_the_whole_batch():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-def test_fsdp2_equals_one_process_on_the_whole_batch():
+@pytest.mark.parametrize("device", DEVICES)
+def test_fsdp2_equals_one_process_on_the_whole_batch(device):
     fully_shard = pytest.importorskip("torch.distributed.fsdp").fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True),
         torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True),
     )
     ref = copy.deepcopy(model)
+    model.to(dev(device))
+    mesh = init_device_mesh(device, (size(),))
     for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(2)
@@ -338,13 +343,13 @@ def test_fsdp2_equals_one_process_on_the_whole_batch():
         x = torch.randn(per * size(), 5, 16, generator=g)
         mine = slice(per * rank(), per * (rank() + 1))
         opt.zero_grad()
-        model(x[mine]).pow(2).mean().backward()
+        model(x[mine].to(dev(device))).pow(2).mean().backward()
         opt.step()
         ref_opt.zero_grad()
         ref(x).pow(2).mean().backward()
         ref_opt.step()
     for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(p.full_tensor().cpu(), q, rtol=1e-4, atol=1e-5)
 
 
 # (codec, largest error of the mean of values in [0, 1) it may leave)
