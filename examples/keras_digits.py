@@ -5,6 +5,7 @@
 """
 
 import argparse
+import sys
 import time
 
 import keras
@@ -75,6 +76,9 @@ loss, acc = model.evaluate(x_test[hvd.rank()::hvd.size()], y_test[hvd.rank()::hv
 acc = float(hvd.allreduce(tf.constant(acc), name="test_accuracy"))
 samples = len(x_train) * args.epochs
 if hvd.rank() == 0:
-    print("ranks: %d, epochs: %d, global batch: %d" % (hvd.size(), args.epochs, args.batch_size * hvd.size()))
-    print("final test accuracy: %.4f" % acc)
-    print("training throughput: %.0f samples/s (%d samples in %.1f s)" % (samples / elapsed, samples, elapsed))
+    # one write per line: unbuffered output (as under horovodrun) would split text and newline
+    for line in ("ranks: %d, epochs: %d, global batch: %d" % (hvd.size(), args.epochs, args.batch_size * hvd.size()),
+                 "final test accuracy: %.4f" % acc,
+                 "training throughput: %.0f samples/s (%d samples in %.1f s)" % (samples / elapsed, samples, elapsed)):
+        sys.stdout.write(line + "\n")
+    sys.stdout.flush()

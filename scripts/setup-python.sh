@@ -142,6 +142,9 @@ done
 check "$tf_venv" "${tf_reqs[@]}" &&
   check "$mx_venv" "${mx_reqs[@]}" ||
   { echo "setup-python: still missing after installing; see the lines above" >&2; exit 1; }
-# compile the op libraries now (cached per framework version), not in every rank
-"$tf_venv/bin/python" -c "import ferrovod.tensorflow"
-"$mx_venv/bin/python" -c "import ferrovod.mxnet"
+# compile the op libraries now (cached per framework version), not in every rank; the
+# frameworks' import notices are shown only if the import fails
+for probe in "$tf_venv/bin/python -c import ferrovod.tensorflow" "$mx_venv/bin/python -c import ferrovod.mxnet"; do
+  read -r exe flag code <<<"$probe"
+  out=$("$exe" "$flag" "$code" 2>&1) || { echo "$out" >&2; echo "setup-python: $code failed" >&2; exit 1; }
+done
