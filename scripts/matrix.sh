@@ -24,10 +24,9 @@ for a in "$@"; do
       echo "matrix --gpu: no GPU here, skipped"
       exit 0
     fi
-    # the GPU machine: its own Python with torch, ferrovod's packages staged by
-    # scripts/gpu/prepare.sh in .gpu/py
+    # the GPU machine: its own Python with torch, ferrovod's wheel installed into it by
+    # scripts/gpu/env.sh from what scripts/gpu/prepare.sh staged in .gpu/wheels
     source scripts/gpu/env.sh
-    [ -d .gpu/py ] && export PYTHONPATH=$PWD/.gpu/py${PYTHONPATH:+:$PYTHONPATH}
     py=python3
   fi
 done

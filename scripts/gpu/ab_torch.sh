@@ -18,7 +18,6 @@ while getopts "r:a:" opt; do
 done
 shift $((OPTIND - 1))
 source scripts/gpu/env.sh
-export PYTHONPATH=$PWD/.gpu/py${PYTHONPATH:+:$PYTHONPATH}
 for ((k = 1; k <= repeat; k++)); do
   for variant in "$@"; do
     label=${variant%%:*}
@@ -28,7 +27,7 @@ for ((k = 1; k <= repeat; k++)); do
     xs=()
     for kv in "${envs[@]}"; do xs+=(-x "${kv%%=*}"); done
     env "${envs[@]}" timeout 300 mpirun -np 2 --bind-to none -x NCCL_NVLS_ENABLE -x NCCL_RUNTIME_CONNECT \
-      -x PYTHONPATH -x PYTHONUNBUFFERED -x TORCH_SYMM_MEM_DISABLE_MULTICAST "${xs[@]}" \
+      -x PYTHONUNBUFFERED -x TORCH_SYMM_MEM_DISABLE_MULTICAST "${xs[@]}" \
       python3 scripts/gpu/bench_torch.py $args --step-stats 2>&1 |
       grep "images/s\|ferrovod/\|step ms\|python cost" | tee -a "$out/ab_torch.log"
   done

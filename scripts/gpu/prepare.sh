@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds, on the development machine, what scripts/gpu/check.sh runs on a GPU machine (which has
-# no Rust toolchain): the release benchmark and MPI test binaries and the gradient shape data,
-# stripped, into .gpu/ (ignored by git; pass it to the device tool's `carry`).
+# no Rust toolchain): the release benchmark and MPI test binaries, the gradient shape data and
+# the wheels of the Python packages, into .gpu/ (ignored by git; pass it to the device tool's
+# `carry`).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 cargo build --release --bin ferrovod-bench --test mpi
@@ -17,16 +18,17 @@ cp "$test_bin" .gpu/mpi-tests
 strip --strip-debug .gpu/ferrovod-bench .gpu/mpi-tests
 data=${FERROVOD_DATA_DIR:-../shared/data}
 cp "$data/resnet50_grads.tsv" "$data/bert_base_grads.tsv" .gpu/data/
-# the Python packages the PyTorch tests and benchmark import there (scripts/gpu/torch.sh):
-# ferrovod and horovod as scripts/setup-python.sh installed them into .venv (the library is
-# plain C ABI, whichever Python runs it), and the pure-Python packages the GPU machine lacks
-site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-mkdir -p .gpu/py
-for pkg in ferrovod horovod cloudpickle pytest _pytest pluggy iniconfig packaging pygments py.py; do
-  [ -e "$site/$pkg" ] && cp -r "$site/$pkg" .gpu/py/
-done
-find .gpu/py -name __pycache__ -prune -exec rm -rf {} +
-strip --strip-debug .gpu/py/ferrovod/libferrovod*.so
+# the Python packages, as users install them: ferrovod's wheel (scripts/wheel.sh) and the
+# pure-Python wheels the tests need there (the versions .venv has), installed on the GPU
+# machine by scripts/gpu/env.sh with pip from .gpu/wheels alone (it has no Rust and no internet)
+bash scripts/wheel.sh >/dev/null
+mkdir -p .gpu/wheels
+cp dist/ferrovod-*.whl .gpu/wheels/
+pins=$(.venv/bin/python -c 'import importlib.metadata as md
+print(" ".join("%s==%s" % (p, md.version(p)) for p in
+      ("cloudpickle", "packaging", "pytest", "pluggy", "iniconfig", "pygments")))')
+# shellcheck disable=SC2086 # one argument per pin
+.venv/bin/python -m pip download -q --no-deps --only-binary=:all: -d .gpu/wheels $pins
 # Horovod's own test_torch.py for scripts/gpu/torch.sh horovod, when a Horovod source tree is
 # named (its files are copied into .gpu/ only, never into the repository; docs/horovod-tests.md)
 if [ -n "${FERROVOD_HOROVOD_TREE:-}" ]; then

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # ferrovod.torch on a GPU machine, building nothing (run scripts/gpu/prepare.sh on the
-# development machine first and carry .gpu/: it holds ferrovod's Python packages and the
-# library, plus pytest):
+# development machine first and carry .gpu/: it holds ferrovod's wheel and pytest's, which
+# scripts/gpu/env.sh installs here with pip):
 #   tests   tests/python/torch on CPU and CUDA tensors under mpirun (FERROVOD_TEST_GPU=1:
 #           CUDA must be there), np 2;
 #   bench   scripts/gpu/bench_torch.py: ResNet-50 synthetic training, fp32 and bf16 (one job
@@ -12,11 +12,10 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 what=${1:-all}
 source scripts/gpu/env.sh
-export PYTHONPATH=$PWD/.gpu/py${PYTHONPATH:+:$PYTHONPATH}
 export HOROVOD_STALL_CHECK_TIME_SECONDS=${HOROVOD_STALL_CHECK_TIME_SECONDS:-20}
 export HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=${HOROVOD_STALL_SHUTDOWN_TIME_SECONDS:-60}
 echo "# $(date -u +%F) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$ngpu, torch $(python3 -c 'import torch; print(torch.__version__)')"
-mpi=(mpirun -np 2 --bind-to none -x NCCL_NVLS_ENABLE -x NCCL_RUNTIME_CONNECT -x PYTHONPATH
+mpi=(mpirun -np 2 --bind-to none -x NCCL_NVLS_ENABLE -x NCCL_RUNTIME_CONNECT
   -x PYTHONUNBUFFERED -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x HOROVOD_STALL_CHECK_TIME_SECONDS
   -x HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)
 rc=0
@@ -38,7 +37,7 @@ fi
 if [ "$what" = horovod ]; then
   # Horovod's test_torch.py (FERROVOD_HOROVOD_TREE=... scripts/gpu/prepare.sh put it in .gpu/htest);
   # each rank's log is copied to a flat file in $out
-  (cd .gpu/htest && PYTHONPATH=$PWD:$PYTHONPATH timeout 900 "${mpi[@]}" --output-filename "$out/htest" \
+  (cd .gpu/htest && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 900 "${mpi[@]}" -x PYTHONPATH --output-filename "$out/htest" \
     python3 -m pytest -q -p no:cacheprovider --color=no -rfEs test_torch.py >/dev/null 2>&1)
   for r in 0 1; do cp "$out/htest/1/rank.$r/stdout" "$out/horovod-torch-rank$r.log"; done
   rm -rf "$out/htest"
