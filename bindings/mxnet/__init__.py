@@ -21,6 +21,7 @@ from horovod.common.process_sets import (  # noqa: F401
     ProcessSet,
     add_process_set,
     global_process_set,
+    registered_id,
     remove_process_set,
 )
 from horovod.common.basics import reduce_op_of
@@ -71,8 +72,8 @@ def _push(kind, tensors, outputs, names, reduce_op=Sum, prescale=1.0, postscale=
     `outputs`; returns `outputs`."""
     for t in tensors:
         _checked(t)
-    if process_set.process_set_id != 0:
-        process_set.size()  # as Horovod: ValueError for a set that was never registered
+    if registered_id(process_set) != 0:
+        process_set.size()  # as Horovod: ValueError for a set that is no longer registered
     n = len(tensors)
     c_names = (ctypes.c_char_p * n)(*[name.encode() for name in names])
     c_in = (ctypes.c_void_p * n)(*[t.handle.value for t in tensors])
@@ -80,7 +81,7 @@ def _push(kind, tensors, outputs, names, reduce_op=Sum, prescale=1.0, postscale=
     c_splits = None if splits is None else (ctypes.c_int32 * len(splits))(*splits)
     err = ctypes.create_string_buffer(4096)
     rc = _LIB.fvmx_push(kind, reduce_op, prescale, postscale, root_rank,
-                        process_set.process_set_id, compression, c_splits,
+                        registered_id(process_set), compression, c_splits,
                         0 if splits is None else len(splits), n, c_names, c_in, c_out,
                         priority, err, len(err))
     if rc != 0:
@@ -172,7 +173,7 @@ def _agree(kind_name, tensor, label, process_set, counts=None, bad=None):
     mine[_MAX_DIMS + 2] = int(bad is not None)
     mine[_MAX_DIMS + 3:] = counts
     (table,) = _core.enqueue(_core.ALLGATHER, [mine], [label + ".agree"],
-                             process_set=process_set.process_set_id).wait()
+                             process_set=registered_id(process_set)).wait()
     table = table.reshape(-1, len(mine))
     # MXNetError (a RuntimeError), as Horovod's MXNet ops raise for bad arguments
     if bad is not None:
@@ -299,7 +300,7 @@ def join():
 
 def barrier(process_set=global_process_set):
     """Returns once every rank of the process set has called it (synchronous)."""
-    _core.enqueue(_core.BARRIER, [], [], process_set=process_set.process_set_id).wait()
+    _core.enqueue(_core.BARRIER, [], [], process_set=registered_id(process_set)).wait()
 
 
 def broadcast_parameters(params, root_rank=0, prefix=None):
@@ -346,13 +347,13 @@ def _broadcast_when_initialised(param, root_rank, label):
 def allgather_object(obj, name=None, process_set=global_process_set):
     """Every rank's `obj` (pickled), in rank order, on every rank of the process set
     (synchronous)."""
-    return _objects.allgather_object(obj, name or type(obj).__name__, process_set.process_set_id)
+    return _objects.allgather_object(obj, name or type(obj).__name__, registered_id(process_set))
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
     """`root_rank`'s `obj` (pickled) on every rank of the process set (synchronous)."""
     return _objects.broadcast_object(obj, root_rank, name or type(obj).__name__,
-                                     process_set.process_set_id)
+                                     registered_id(process_set))
 
 
 class _Compressor:

@@ -14,7 +14,7 @@ from tensorflow.python.framework import ops
 
 from ferrovod import _core
 from ferrovod.tensorflow.mpi_ops import MPI_LIB, Average
-from horovod.common.process_sets import global_process_set
+from horovod.common.process_sets import global_process_set, registered_id
 
 # averaging parameters is not part of a model's function: no gradient flows through it
 ops.NotDifferentiable("FerrovodGossip")
@@ -47,7 +47,7 @@ def gossip(tensors, name, compression=None, process_set=global_process_set):
     tensors = list(tensors)
     return MPI_LIB.ferrovod_gossip(
         tensors, tensor_name=name, compression=_codec(compression),
-        process_set_id=process_set.process_set_id)
+        process_set_id=registered_id(process_set))
 
 
 def multistep_allreduce(tensors, every, name, mode="accumulate", warmup=0, op=Average,
@@ -65,7 +65,7 @@ def multistep_allreduce(tensors, every, name, mode="accumulate", warmup=0, op=Av
     outputs, communicated = MPI_LIB.ferrovod_multistep_allreduce(
         tensors, reduce_op=op, multistep=int(every), multistep_mode=_MODES[mode],
         multistep_warmup=int(warmup), compression=_codec(compression), tensor_name=name,
-        process_set_id=process_set.process_set_id)
+        process_set_id=registered_id(process_set))
     return list(outputs), communicated
 
 

@@ -9,7 +9,7 @@ from tensorflow.python.framework import ops
 
 from ferrovod import _core
 from ferrovod.tensorflow.build import op_library_path
-from horovod.common.process_sets import global_process_set
+from horovod.common.process_sets import global_process_set, registered_id
 
 MPI_LIB = tf.load_op_library(op_library_path())
 
@@ -54,7 +54,7 @@ def _allreduce(tensor, name=None, op=Sum, prescale_factor=1.0, postscale_factor=
     return MPI_LIB.horovod_allreduce(
         tensor, name=_name("HorovodAllreduce", tensor, name), reduce_op=op,
         prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-        ignore_name_scope=ignore_name_scope, process_set_id=process_set.process_set_id,
+        ignore_name_scope=ignore_name_scope, process_set_id=registered_id(process_set),
         compression=compression, tensor_name=_eager_name(name))
 
 
@@ -100,7 +100,7 @@ def _grouped_allreduce(tensors, name=None, op=Sum, prescale_factor=1.0, postscal
     return MPI_LIB.horovod_grouped_allreduce(
         tensors, name=name, reduce_op=op, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, ignore_name_scope=ignore_name_scope,
-        process_set_id=process_set.process_set_id, compression=compression,
+        process_set_id=registered_id(process_set), compression=compression,
         tensor_name=_eager_name(given))
 
 
@@ -126,7 +126,7 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
     """Concatenates every rank's `tensor` along the first dimension, which may differ per rank."""
     return MPI_LIB.horovod_allgather(
         tensor, name=_name("HorovodAllgather", tensor, name), ignore_name_scope=ignore_name_scope,
-        process_set_id=process_set.process_set_id)
+        process_set_id=registered_id(process_set))
 
 
 @ops.RegisterGradient("HorovodAllgather")
@@ -150,7 +150,7 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
     name = _group_name("HorovodGroupedAllgather", tensors, name)
     return MPI_LIB.horovod_grouped_allgather(
         tensors, name=name, ignore_name_scope=ignore_name_scope,
-        process_set_id=process_set.process_set_id)
+        process_set_id=registered_id(process_set))
 
 
 @ops.RegisterGradient("HorovodGroupedAllgather")
@@ -166,7 +166,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
     """`root_rank`'s tensor (a global rank) on every rank of the process set."""
     return MPI_LIB.horovod_broadcast(
         tensor, name=_name("HorovodBroadcast", tensor, name), root_rank=root_rank,
-        ignore_name_scope=ignore_name_scope, process_set_id=process_set.process_set_id)
+        ignore_name_scope=ignore_name_scope, process_set_id=registered_id(process_set))
 
 
 @ops.RegisterGradient("HorovodBroadcast")
@@ -188,7 +188,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
         splits_ = tf.convert_to_tensor(splits, dtype=tf.int32)
     output, received_splits = MPI_LIB.horovod_alltoall(
         tensor, splits=splits_, name=_name("HorovodAlltoall", tensor, name),
-        ignore_name_scope=ignore_name_scope, process_set_id=process_set.process_set_id)
+        ignore_name_scope=ignore_name_scope, process_set_id=registered_id(process_set))
     # as Horovod: the received splits only when splits were given
     return output if splits is None else (output, received_splits)
 
@@ -207,7 +207,7 @@ def reducescatter(tensor, name=None, op=Average, ignore_name_scope=False,
     return MPI_LIB.horovod_reducescatter(
         tensor, name=_name("HorovodReducescatter", tensor, name), reduce_op=op,
         prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-        ignore_name_scope=ignore_name_scope, process_set_id=process_set.process_set_id)
+        ignore_name_scope=ignore_name_scope, process_set_id=registered_id(process_set))
 
 
 @ops.RegisterGradient("HorovodReducescatter")
@@ -225,7 +225,7 @@ def grouped_reducescatter(tensors, name=None, op=Average, ignore_name_scope=Fals
     return MPI_LIB.horovod_grouped_reducescatter(
         tensors, name=name, reduce_op=op, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, ignore_name_scope=ignore_name_scope,
-        process_set_id=process_set.process_set_id)
+        process_set_id=registered_id(process_set))
 
 
 @ops.RegisterGradient("HorovodGroupedReducescatter")
@@ -246,7 +246,7 @@ def join():
 
 
 def barrier(process_set=global_process_set):
-    return MPI_LIB.horovod_barrier(process_set_id=process_set.process_set_id)
+    return MPI_LIB.horovod_barrier(process_set_id=registered_id(process_set))
 
 
 def size_op(process_set_id=0, name=None):

@@ -13,7 +13,7 @@ from ferrovod.tensorflow.mpi_ops import (
     _grouped_allreduce,
     allgather,
 )
-from horovod.common.process_sets import global_process_set
+from horovod.common.process_sets import global_process_set, registered_id
 from horovod.common.util import get_average_backwards_compatibility_fun
 
 
@@ -27,8 +27,8 @@ _op_from = get_average_backwards_compatibility_fun(_ReduceOps)
 def _check_op(op, process_set):
     if op == Adasum:
         raise NotImplementedError("Adasum is not supported by ferrovod.")
-    if process_set.process_set_id != 0:
-        process_set.size()  # as Horovod: ValueError for a set that was never registered
+    if registered_id(process_set) != 0:
+        process_set.size()  # as Horovod: ValueError for a set that is no longer registered
 
 
 def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none,
@@ -120,7 +120,7 @@ def multistep_reduce(tensors, every, name, op=Average, prescale_factor=1.0, post
             inputs, reduce_op=op, prescale_factor=prescale_factor,
             postscale_factor=postscale_factor, compression=codec, multistep=int(every),
             multistep_mode=_core.MULTISTEP_ACCUMULATE, tensor_name=label,
-            process_set_id=process_set.process_set_id)
+            process_set_id=registered_id(process_set))
         if pairs is not None:
             sums = [compression.decompress(t, ctx) for t, (_, ctx) in zip(sums, pairs)]
         for i, t in zip(idx, sums):

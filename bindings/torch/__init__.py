@@ -47,7 +47,7 @@ from ferrovod.torch import backend as _backend  # noqa: E402
 # torch.distributed's `ferrovod` backend; with FERROVOD_TORCH_TAKEOVER=1 also the one that code
 # asking for nccl or gloo gets
 _backend.register()
-if os.environ.get("FERROVOD_TORCH_TAKEOVER", "0") not in ("", "0"):
+if os.environ.get("FERROVOD_TORCH_TAKEOVER", "0").strip().lower() not in ("", "0", "false", "no", "off"):
     _backend.takeover()
 
 

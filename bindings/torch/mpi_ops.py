@@ -17,7 +17,7 @@ import torch
 from ferrovod import _core
 from ferrovod.compression import Framework, compression_for, core_codec
 from ferrovod.exceptions import HorovodInternalError  # noqa: F401 (Horovod's mpi_ops has it)
-from horovod.common.process_sets import global_process_set
+from horovod.common.process_sets import global_process_set, registered_id
 from horovod.common.basics import reduce_op_of
 
 Average, Sum, Adasum = _core.AVERAGE, _core.SUM, _core.ADASUM
@@ -205,8 +205,7 @@ def _enqueue(kind, tensors, names, outputs=None, finish=None, process_set=global
 
     `outputs`: the tensors allreduce/broadcast write (None for the kinds whose output ferrovod
     sizes). `finish(results)` turns the outputs into what `synchronize` returns."""
-    if process_set.process_set_id is None:
-        raise ValueError("Process set %s has not been registered (hvd.add_process_set)." % process_set)
+    set_id = registered_id(process_set)
     device = _device_of(tensors)
     keep, specs, results = [], [], []
     copies = []  # (caller's tensor, contiguous output) for non-contiguous in-place outputs
@@ -235,7 +234,7 @@ def _enqueue(kind, tensors, names, outputs=None, finish=None, process_set=global
         stream = _current_stream(device)
         if outputs is None:
             alloc = _gpu_alloc(tensors[0].dtype, device, made)
-    handle = _core.submit(kind, specs, keep, results, process_set=process_set.process_set_id,
+    handle = _core.submit(kind, specs, keep, results, process_set=set_id,
                           device=-1 if device is None else device.index, stream=stream,
                           alloc=alloc, done=done, done_user_data=done_user_data, **kwargs)
 
@@ -261,13 +260,11 @@ def _allreduce_one_(tensor, name, op, prescale, postscale, process_set, codec, f
     """`allreduce_async_` of one contiguous tensor through the C structs the core keeps per name
     (`_core.allreduce_in_place`; `reuse`: unnamed operations' names never come back); `finish`
     makes the handle's result from `[tensor]`."""
-    if process_set.process_set_id is None:
-        raise ValueError("Process set %s has not been registered (hvd.add_process_set)."
-                         % process_set)
+    set_id = registered_id(process_set)
     device = tensor.device if tensor.is_cuda else None
     handle = _core.allreduce_in_place(
         name, _code(tensor), tuple(tensor.shape), tensor.data_ptr(), tensor, op, prescale,
-        postscale, process_set.process_set_id, codec,
+        postscale, set_id, codec,
         _core.CPU_DEVICE if device is None else device.index,
         None if device is None else _current_stream(device), reuse)
     with _handle_lock:
@@ -738,4 +735,4 @@ def join(device=-1):
 
 def barrier(process_set=global_process_set):
     """Returns once every rank of the process set has called it."""
-    _core.enqueue(_core.BARRIER, [], [], process_set=process_set.process_set_id).wait()
+    _core.enqueue(_core.BARRIER, [], [], process_set=registered_id(process_set)).wait()

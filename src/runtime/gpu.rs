@@ -458,7 +458,7 @@ pub(crate) fn run_device_batch(
         *streams = Some(NcclStreams::open(
             gpu,
             data,
-            cfg.nccl_streams,
+            rt.nccl_streams.get().copied().unwrap_or(cfg.nccl_streams),
             grace,
             rt.gpu_abort_flag(),
         )?);

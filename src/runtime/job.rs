@@ -49,6 +49,7 @@ pub(crate) fn open_job(rt: &Runtime, comm: &Communicator, multiple: bool) -> Res
     let mut settings = JobSettings::from_rank0(&world, &rt.config)?;
     let _ = rt.job_multistep.set(settings.multistep);
     let _ = rt.stall.set(settings.stall);
+    let _ = rt.nccl_streams.set(settings.nccl_streams);
     let world = world.with_max_count(settings.mpi_max_count);
     let local = world.split_local(Some(settings.local_size_override).filter(|n| *n > 0))?;
     let cross = world.split(local.rank() as i32)?;
@@ -146,6 +147,8 @@ pub(crate) struct JobSettings {
     pub gossip_sync_every: u32,
     /// GPU gossip inside one node runs as exact averages.
     pub gossip_exact_inside_node: bool,
+    /// `HOROVOD_NUM_NCCL_STREAMS`.
+    pub nccl_streams: usize,
     /// `HOROVOD_STALL_CHECK_DISABLE`, `HOROVOD_STALL_CHECK_TIME_SECONDS` and
     /// `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`: one rank giving up before the others would
     /// report them missing while they still wait.
@@ -183,6 +186,7 @@ impl JobSettings {
             cfg.stall_warn.as_nanos() as usize,
             cfg.stall_shutdown.as_nanos() as usize,
             usize::from(cfg.gossip_exact_inside_node),
+            cfg.nccl_streams,
         ];
         let bytes: Vec<u8> = mine
             .iter()
@@ -195,7 +199,7 @@ impl JobSettings {
             .collect();
         if v[..] != mine[..] {
             tracing::warn!(
-                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS / HOROVOD_AUTOTUNE / FERROVOD_GPU_GRAPHS / FERROVOD_ALGORITHM / HOROVOD_HIERARCHICAL_ALLREDUCE / FERROVOD_RING_MIN_BYTES / HOROVOD_HIERARCHICAL_ALLGATHER / FERROVOD_COMPRESSION / FERROVOD_COMPRESSION_MIN_BYTES / PERSEUS_ALLREDUCE_NANCHECK / FERROVOD_MULTISTEP / FERROVOD_GOSSIP_SYNC_EVERY / HOROVOD_STALL_CHECK_DISABLE / HOROVOD_STALL_CHECK_TIME_SECONDS / HOROVOD_STALL_SHUTDOWN_TIME_SECONDS / FERROVOD_GOSSIP_EXACT_INSIDE_NODE differ from rank 0's; using rank 0's values {v:?}"
+                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS (PERSEUS_ALLREDUCE_STREAMS) / HOROVOD_AUTOTUNE / FERROVOD_AUTOTUNE_WINDOW_CYCLES / FERROVOD_GPU_GRAPHS / FERROVOD_ALGORITHM / HOROVOD_HIERARCHICAL_ALLREDUCE / FERROVOD_RING_MIN_BYTES / HOROVOD_HIERARCHICAL_ALLGATHER / FERROVOD_COMPRESSION (PERSEUS_ALLREDUCE_DTYPE) / FERROVOD_COMPRESSION_MIN_BYTES / PERSEUS_ALLREDUCE_NANCHECK / FERROVOD_MULTISTEP / FERROVOD_GOSSIP_SYNC_EVERY / HOROVOD_STALL_CHECK_DISABLE / HOROVOD_STALL_CHECK_TIME_SECONDS / HOROVOD_STALL_SHUTDOWN_TIME_SECONDS / FERROVOD_GOSSIP_EXACT_INSIDE_NODE / HOROVOD_NUM_NCCL_STREAMS differ from rank 0's; using rank 0's values {v:?}"
             );
         }
         Ok(JobSettings {
@@ -225,6 +229,7 @@ impl JobSettings {
                 shutdown_after: Duration::from_nanos(v[20] as u64),
             },
             gossip_exact_inside_node: v[21] != 0,
+            nccl_streams: v[22],
         })
     }
 }

@@ -163,6 +163,9 @@ pub struct Runtime {
     pub(crate) job_multistep: OnceLock<u32>,
     /// The job's stall settings (set at init, agreed).
     stall: OnceLock<crate::config::StallPolicy>,
+    /// The job's `HOROVOD_NUM_NCCL_STREAMS` (set at init, agreed: every rank must open as many
+    /// NCCL communicators per set, or the first GPU collective fails).
+    pub(crate) nccl_streams: OnceLock<usize>,
     /// Multistep allreduces' call counts and sums.
     steps: crate::compress::multistep::Steps,
 }
@@ -259,6 +262,7 @@ pub fn init(opts: InitOptions) -> Result<()> {
         allreduce_policy: OnceLock::new(),
         job_multistep: OnceLock::new(),
         stall: OnceLock::new(),
+        nccl_streams: OnceLock::new(),
         steps: Default::default(),
     });
     let (ready_tx, ready_rx) = crossbeam::channel::bounded(1);

@@ -98,3 +98,11 @@ def remove_process_set(process_set):
     _registered.pop(set_id, None)
     process_set._invalidate()
     return True
+
+
+def registered_id(process_set):
+    """The set's id for an operation: a set that was never registered is refused (as Horovod
+    does), never taken for the global set."""
+    if process_set.process_set_id is None:
+        raise ValueError("Process set %s has not been registered (hvd.add_process_set)." % process_set)
+    return process_set.process_set_id

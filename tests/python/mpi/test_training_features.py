@@ -187,6 +187,14 @@ def test_allreduce_on_an_unregistered_process_set_is_a_value_error():
     fake.process_set_id = 1000
     with pytest.raises(ValueError):
         hvd.allreduce(tf.ones(2), process_set=fake)
+    # a set never registered is refused by every op, never taken for the global set
+    never = hvd.ProcessSet([0])
+    for op in (lambda: hvd.allreduce(tf.ones(2), process_set=never),
+               lambda: hvd.allgather(tf.ones(2), process_set=never),
+               lambda: hvd.broadcast(tf.ones(2), 0, process_set=never),
+               lambda: hvd.barrier(process_set=never)):
+        with pytest.raises(ValueError, match="has not been registered"):
+            op()
 
 
 def gathered_mean(grads):

@@ -166,6 +166,16 @@ def test_bad_arguments():
         hvd.allreduce(mx.nd.ones((2,)), op=hvd.Adasum, name="adasum")
 
 
+def test_a_set_never_registered_is_refused():
+    never = hvd.ProcessSet([0])
+    for op in (lambda: hvd.allreduce(mx.nd.ones(2), name="never.ar", process_set=never),
+               lambda: hvd.allgather(mx.nd.ones(2), name="never.ag", process_set=never),
+               lambda: hvd.broadcast(mx.nd.ones(2), 0, name="never.bc", process_set=never),
+               lambda: hvd.barrier(process_set=never)):
+        with pytest.raises(ValueError, match="has not been registered"):
+            op()
+
+
 def test_process_sets_side_by_side():
     """Two process sets alive and used at once (even and odd ranks), plus the global set: each
     rank's results come from its own set's members only."""

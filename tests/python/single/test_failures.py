@@ -103,8 +103,8 @@ def test_stopped_rank_ends_a_torch_distributed_job_with_dist_backend_error(tmp_p
 
 def test_takeover_by_environment_needs_no_import_of_ferrovod(tmp_path):
     """FERROVOD_TORCH_TAKEOVER=1: a script that never imports ferrovod and asks for `gloo` runs
-    on ferrovod's backend, said once by rank 0; unset, torch's own gloo rendezvous runs (and
-    fails for want of RANK, which MPI does not set)."""
+    on ferrovod's backend, said once by rank 0; unset or `false`, torch's own gloo rendezvous
+    runs (and fails for want of RANK, which MPI does not set)."""
     script = tmp_path / "job.py"
     script.write_text(
         "import torch, torch.distributed as dist\n"
@@ -124,7 +124,11 @@ def test_takeover_by_environment_needs_no_import_of_ferrovod(tmp_path):
     assert "rank 0 backend ferrovod" in text and "rank 1 backend ferrovod" in text, text
     assert text.count("runs on ferrovod") == 1, text
     env = {k: v for k, v in os.environ.items() if k != "FERROVOD_TORCH_TAKEOVER"}
-    out = subprocess.run([os.path.join(bindir, "horovodrun"), "-np", "2", sys.executable,
-                          str(script)], capture_output=True, text=True, timeout=180, env=env)
-    text = out.stdout + out.stderr
-    assert out.returncode != 0 and "RANK expected" in text, text
+    # unset, or off in any of the words the core's switches take for off
+    for off in (None, "false"):
+        if off is not None:
+            env["FERROVOD_TORCH_TAKEOVER"] = off
+        out = subprocess.run([os.path.join(bindir, "horovodrun"), "-np", "2", sys.executable,
+                              str(script)], capture_output=True, text=True, timeout=180, env=env)
+        text = out.stdout + out.stderr
+        assert out.returncode != 0 and "RANK expected" in text, (off, text)
