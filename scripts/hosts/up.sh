@@ -21,8 +21,8 @@
 # FERROVOD_HOSTS_CC: the hosts' TCP congestion control (default cubic, Linux's own default).
 # Namespaces inherit the machine's, which on our machines is bbr: there two ranks exchanging at
 # once over one connection ran whole steps at half the link's rate, Open MPI's own allreduce in
-# most calls (BENCHMARKS.md, session 22). Where the machine does not allow it for namespaces,
-# it is added to net.ipv4.tcp_allowed_congestion_control.
+# most calls (BENCHMARKS.md, "Emulated hosts", the harness). Where the machine does not allow
+# it for namespaces, it is added to net.ipv4.tcp_allowed_congestion_control.
 # FERROVOD_HOSTS_MTU: the links' MTU (default 1500; 9000: jumbo frames). The token buckets then
 # shape frames of up to that size, cutting larger batches of the kernel's (GSO) into them; the
 # headers of every frame are charged to the rate at any MTU.

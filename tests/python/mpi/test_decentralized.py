@@ -165,7 +165,7 @@ def train(mode):
 
 def test_every_mode_trains_within_two_percent_of_allreduce():
     if fv.size() != 4:
-        pytest.skip("the training comparison runs at np 4 (the issue's setting)")
+        pytest.skip("the training comparison runs at np 4, the setting its bound is stated for")
     plain, _ = train("allreduce")
     assert plain > 0.9, plain
     # without any communication the ranks' models end far apart: the modes must not
