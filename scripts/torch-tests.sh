@@ -33,7 +33,7 @@ for attempt in $(seq 1 100); do
   before=$(wc -l <"$out/done.jsonl")
   if mpirun -np "$np" --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 \
     -x TEMP_DIR -x HOROVOD_STALL_CHECK_TIME_SECONDS -x HOROVOD_STALL_SHUTDOWN_TIME_SECONDS \
-    "$py" scripts/torch-tests/runner.py --done "$out/done.jsonl" "${args[@]}"; then
+    "$py" scripts/torch-tests/runner.py --done "$out/done.jsonl" --job "$attempt" "${args[@]}"; then
     break
   fi
   echo "torch-tests: the job ended inside a test (attempt $attempt); going on after it" >&2

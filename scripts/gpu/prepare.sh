@@ -26,7 +26,7 @@ mkdir -p .gpu/wheels
 cp dist/ferrovod-*.whl .gpu/wheels/
 pins=$(.venv/bin/python -c 'import importlib.metadata as md
 print(" ".join("%s==%s" % (p, md.version(p)) for p in
-      ("cloudpickle", "packaging", "pytest", "pluggy", "iniconfig", "pygments")))')
+      ("cloudpickle", "packaging", "pytest", "pluggy", "iniconfig", "pygments", "expecttest")))')
 # shellcheck disable=SC2086 # one argument per pin
 .venv/bin/python -m pip download -q --no-deps --only-binary=:all: -d .gpu/wheels $pins
 # Horovod's own test_torch.py for scripts/gpu/torch.sh horovod, when a Horovod source tree is

@@ -20,7 +20,8 @@ mpi=(mpirun -np 2 --bind-to none -x NCCL_NVLS_ENABLE -x NCCL_RUNTIME_CONNECT
   -x HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  FERROVOD_TEST_GPU=1 timeout 900 "${mpi[@]}" -x FERROVOD_TEST_GPU \
+  # on time, SIGINT: pytest still prints which tests failed before the job ends
+  FERROVOD_TEST_GPU=1 timeout -s INT -k 30 900 "${mpi[@]}" -x FERROVOD_TEST_GPU \
     python3 -m pytest -q -p no:cacheprovider --color=no -rfEs tests/python/torch 2>&1 |
     tee "$out/torch-tests.log" | grep -v "^$" | tail -30 || rc=1
   # pytest's summary line only: a warning's text may say "errors"

@@ -30,6 +30,7 @@ os.environ.setdefault("INIT_METHOD", "file://" + os.path.join(TMP, "init_dir", "
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.testing._internal import common_distributed as common  # noqa: E402
+from torch.testing._internal import common_utils  # noqa: E402
 
 features = ["ddp", "subgroup", "plugin"] + (["gpu", "cuda"] if torch.cuda.is_available() else [])
 for feature in features:
@@ -69,6 +70,7 @@ def run_one(index, name):
         dist.init_process_group(init_method="file://" + self.file_name, backend="ferrovod",
                                 world_size=SIZE, rank=RANK, timeout=timedelta(seconds=120))
         self._barrier()
+        common_utils.set_rng_seed()  # as the suite's run_test: every rank draws the same data
         getattr(self, name)()
         self._barrier()
         outcome, why = "passed", ""
@@ -101,6 +103,7 @@ def main():
     ap.add_argument("--done", default=None, help="results file: tests in it are not run again")
     ap.add_argument("--timeout", type=float, default=240.0)
     ap.add_argument("--list", action="store_true")
+    ap.add_argument("--job", default="0", help="this job's number in the script's loop")
     a = ap.parse_args()
     names = sorted(n for n in dir(Suite) if n.startswith("test_"))
     if a.k:
@@ -113,6 +116,11 @@ def main():
     if a.done and os.path.exists(a.done):
         with open(a.done) as f:
             done = {json.loads(line)["test"] for line in f if line.strip()}
+    # the suite's file barrier counts one file per process: those of an earlier job's
+    # processes would never let it pass
+    if RANK == 0:
+        suite.Barrier.init()
+    sync("start.%s" % a.job)
     out = open(os.path.join(TMP, "results.%d.jsonl" % RANK), "a")
     for index, name in enumerate(names):
         if name in done:
