@@ -704,6 +704,16 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         return self._run(_core.ALLGATHER, [flat], _signature("allgather", [total]),
                          finish=finish, touched=outputs)
 
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        """Each input gathered into its list of outputs (one per rank), completed together."""
+        if len(output_lists) != len(input_list):
+            raise ValueError("allgather_coalesced needs one output list per input, got %d for %d"
+                             % (len(output_lists), len(input_list)))
+        works = [self.allgather([outs], [t], opts) for outs, t in zip(output_lists, input_list)]
+        if not works:
+            return _done_work([])
+        return _joined(works, output_lists)
+
     def _allgather_base(self, output, input, opts=None):
         if output.numel() != input.numel() * self.size():
             raise ValueError("all_gather_into_tensor: the output holds %d elements, not %d x %d"
