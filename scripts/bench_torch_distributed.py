@@ -88,6 +88,21 @@ def time_calls(device, sizes, reps):
     return out
 
 
+def median_step(device, steps, step_fn, warmup=3):
+    """The median time of `step_fn()` over `steps` steps after `warmup`, each started together
+    on every rank (a barrier) and ended when the device is done."""
+    times = []
+    for step in range(steps + warmup):
+        sync(device)
+        dist.barrier()
+        t = time.perf_counter()
+        step_fn()
+        sync(device)
+        if step >= warmup:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def time_ddp(device, dims, steps, bucket_mb):
     torch.manual_seed(0)
     model = Grads(dims).to(device)
@@ -95,16 +110,7 @@ def time_ddp(device, dims, steps, bucket_mb):
         model, device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=bucket_mb)
     x = torch.ones(1, device=device)
-    times = []
-    for step in range(steps + 3):
-        sync(device)
-        dist.barrier()
-        t = time.perf_counter()
-        ddp(x).backward()
-        sync(device)
-        if step >= 3:
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return median_step(device, steps, lambda: ddp(x).backward())
 
 
 class Gpt(torch.nn.Module):
@@ -143,19 +149,15 @@ def time_fsdp(device, steps, batch, seq, bf16):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(dist.get_rank())
     ids = torch.randint(0, 50257, (batch, seq), generator=g).to(device)
-    times = []
-    for step in range(steps + 3):
-        sync(device)
-        dist.barrier()
-        t = time.perf_counter()
+
+    def step():
         model(ids).backward()
         opt.step()
         opt.zero_grad()
-        sync(device)
-        if step >= 3:
-            times.append(time.perf_counter() - t)
+
+    median = median_step(device, steps, step)
     del model, opt
-    return statistics.median(times)
+    return median
 
 
 def main():

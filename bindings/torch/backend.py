@@ -603,12 +603,15 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         a side stream for CUDA tensors); `touched`: the caller's tensors it writes there."""
         _ensure_completer()
         device = mpi_ops._device_of(inputs)
-        callers = tuple(inputs) + tuple(outputs or ())
-        inputs, outputs, finish = _contiguous(inputs, outputs, finish or (lambda values: values))
+        used = tuple(inputs) + tuple(outputs or ()) + tuple(touched)
+        stand_in, outputs, finish = _contiguous(inputs, outputs, finish or (lambda values: values))
+        if stand_in is not inputs:  # and the contiguous temporaries
+            used += tuple(stand_in) + tuple(outputs or ())
+        inputs = stand_in
         work = _Work(device, finish)
         if device is not None:
-            # every tensor the side stream's copies or the collective use, temporaries included
-            work._touched = callers + tuple(inputs) + tuple(outputs or ()) + tuple(touched)
+            # every tensor the side stream's copies or the collective use
+            work._touched = used
         key = next(_work_keys)
         with self._names.submitting:
             names = [self._names.next(signature)] if inputs else []  # (a barrier has none)
@@ -928,8 +931,7 @@ def register():
     _init_any = c10d.init_process_group
     _install("init_process_group", _init_without_device_id)
     _destroy = c10d.destroy_process_group
-    c10d.destroy_process_group = _destroy_every_group
-    dist.destroy_process_group = _destroy_every_group
+    _install("destroy_process_group", _destroy_every_group)
     _registered = True
 
 
