@@ -118,6 +118,12 @@ enum fv_op_kind
    ferrovod's own: every rank averages its tensor with one peer's (`collective::gossip`).
    */
   FV_OP_KIND_GOSSIP = 22,
+  /*
+   ferrovod's own: point-to-point, between two ranks of a set, outside negotiation
+   (`collective::p2p`); the peer is `fv_op.root_rank`.
+   */
+  FV_OP_KIND_SEND = 23,
+  FV_OP_KIND_RECV = 24,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -421,6 +427,12 @@ typedef struct fv_op {
    (post-local SGD).
    */
   int32_t multistep_warmup;
+  /*
+   Send and receive (host memory; the peer is `root_rank`): the k-th send to a rank with
+   a tag meets that rank's k-th receive from this one with the same tag, in the same
+   process set. From 0 to the bound `fv_p2p_max_tag` gives.
+   */
+  int32_t tag;
 } fv_op;
 
 
@@ -458,6 +470,11 @@ fv_status fv_shutdown(void);
  1 if initialised (and not yet shut down by `fv_shutdown`), else 0.
  */
 int32_t fv_is_initialized(void);
+
+/*
+ The largest tag a send or receive (`fv_op.tag`) may carry: half MPI's tag bound.
+ */
+fv_status fv_p2p_max_tag(int32_t *out);
 
 /*
  This process's rank in ferrovod's world.

@@ -114,6 +114,10 @@ pub struct fv_op {
     /// Allreduce: the first `multistep_warmup` calls of each tensor all communicate
     /// (post-local SGD).
     pub multistep_warmup: i32,
+    /// Send and receive (host memory; the peer is `root_rank`): the k-th send to a rank with
+    /// a tag meets that rank's k-th receive from this one with the same tag, in the same
+    /// process set. From 0 to the bound `fv_p2p_max_tag` gives.
+    pub tag: i32,
 }
 
 /// What a multistep allreduce does with the calls between its communications
@@ -378,6 +382,15 @@ fn topology_value(out: *mut i32, field: impl FnOnce(&runtime::Topology) -> i32) 
     guard(|| {
         let rt = runtime::runtime()?;
         put(out, field(rt.topology()), "out")
+    })
+}
+
+/// The largest tag a send or receive (`fv_op.tag`) may carry: half MPI's tag bound.
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_p2p_max_tag(out: *mut i32) -> Status {
+    guard(|| {
+        let rt = runtime::runtime()?;
+        put(out, rt.p2p_max_tag(), "out")
     })
 }
 
@@ -748,6 +761,7 @@ pub unsafe extern "C" fn fv_enqueue(op: *const fv_op, out: *mut fv_handle) -> St
         spec.compression = compression(op.compression)?;
         spec.multistep = multistep(op)?;
         spec.root_rank = op.root_rank;
+        spec.tag = op.tag;
         spec.process_set = op.process_set;
         spec.device = op.device;
         // SAFETY: live CUDA handles of the caller's, per `fv_op`'s contract.

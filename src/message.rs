@@ -21,12 +21,16 @@ pub enum OpKind {
     RemoveProcessSet = 21,
     /// ferrovod's own: every rank averages its tensor with one peer's (`collective::gossip`).
     Gossip = 22,
+    /// ferrovod's own: point-to-point, between two ranks of a set, outside negotiation
+    /// (`collective::p2p`); the peer is `fv_op.root_rank`.
+    Send = 23,
+    Recv = 24,
 }
 
 impl OpKind {
     /// Rust only: as a C macro it would name identifiers that do not exist.
     /// cbindgen:ignore
-    pub const ALL: [OpKind; 10] = [
+    pub const ALL: [OpKind; 12] = [
         OpKind::Allreduce,
         OpKind::Allgather,
         OpKind::Broadcast,
@@ -37,6 +41,8 @@ impl OpKind {
         OpKind::AddProcessSet,
         OpKind::RemoveProcessSet,
         OpKind::Gossip,
+        OpKind::Send,
+        OpKind::Recv,
     ];
 
     pub fn from_i32(v: i32) -> Option<OpKind> {
@@ -56,7 +62,14 @@ impl OpKind {
             OpKind::AddProcessSet => "ADD_PROCESS_SET",
             OpKind::RemoveProcessSet => "REMOVE_PROCESS_SET",
             OpKind::Gossip => "GOSSIP",
+            OpKind::Send => "SEND",
+            OpKind::Recv => "RECV",
         }
+    }
+
+    /// Whether this kind travels between two ranks without negotiation.
+    pub fn is_point_to_point(self) -> bool {
+        matches!(self, OpKind::Send | OpKind::Recv)
     }
 
     /// Whether a response of this kind may be reused from the response cache.

@@ -28,6 +28,7 @@ NOT_INITIALIZED, SHUT_DOWN, TIMEOUT, INTERNAL = 6, 7, 8, 9
 # fv_op_kind
 ALLREDUCE, ALLGATHER, BROADCAST, JOIN, ALLTOALL, BARRIER, REDUCESCATTER = 0, 1, 2, 3, 5, 6, 7
 GOSSIP = 22
+SEND, RECV = 23, 24
 
 # fv_reduce_op (Horovod's values)
 AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT = 0, 1, 2, 3, 4, 5
@@ -112,6 +113,7 @@ class _Op(ctypes.Structure):
         ("multistep", ctypes.c_int32),
         ("multistep_mode", ctypes.c_int32),
         ("multistep_warmup", ctypes.c_int32),
+        ("tag", ctypes.c_int32),
     ]
 
 
@@ -722,7 +724,7 @@ class Spec:
 def submit(kind, specs, keep, outputs, reduce_op=SUM, prescale=1.0, postscale=1.0, root_rank=0,
            process_set=0, splits=None, compression=COMPRESSION_JOB, multistep=1,
            multistep_mode=MULTISTEP_ACCUMULATE, multistep_warmup=0, device=CPU_DEVICE,
-           stream=None, alloc=None, done=None, done_user_data=None):
+           stream=None, alloc=None, done=None, done_user_data=None, tag=0):
     """Enqueues one operation over `specs` and returns a Handle whose `wait` returns `outputs`
     (a `Later` item: converted from ferrovod's buffer). `keep`: objects that own the memory the
     specs point at, held until the handle is released. GPU ops (`device` >= 0) name the
@@ -763,6 +765,7 @@ def submit(kind, specs, keep, outputs, reduce_op=SUM, prescale=1.0, postscale=1.
     op.multistep_warmup = multistep_warmup
     op.postscale = postscale
     op.root_rank = root_rank
+    op.tag = tag
     op.process_set = process_set
     op.device = device
     op.stream = stream

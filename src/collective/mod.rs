@@ -10,6 +10,7 @@ pub mod hierarchical;
 pub mod kernels;
 pub mod layout;
 pub mod native;
+pub mod p2p;
 pub mod plan;
 pub mod quantized;
 pub mod replay;

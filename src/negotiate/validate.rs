@@ -144,7 +144,8 @@ pub fn find_mismatch(reqs: &[Request], any_joined: bool) -> Option<String> {
                 );
             }
         }
-        OpKind::Join | OpKind::Barrier => {}
+        // point-to-point ops are never negotiated
+        OpKind::Join | OpKind::Barrier | OpKind::Send | OpKind::Recv => {}
     }
     if matches!(kind, OpKind::Allreduce | OpKind::Reducescatter) {
         if let Some((a, b)) = first_difference(reqs, |r| (r.prescale, r.postscale)) {

@@ -9,17 +9,21 @@ use std::time::Instant;
 
 use crossbeam::channel::{Receiver, RecvTimeoutError, Sender};
 
+use crate::collective::TensorIo;
+use crate::collective::p2p::{Finished, Label};
 use crate::config::NegotiationMode;
 use crate::error::{Error, Result, SHUT_DOWN_MESSAGE};
 use crate::fusion::autotune::{self, Params};
-use crate::message::Response;
+use crate::message::{OpKind, Response};
 use crate::negotiate::learn::LearnContext;
 use crate::negotiate::online::CycleOutcome;
 use crate::negotiate::set::Step;
+use crate::runtime::entry::TensorEntry;
 use crate::runtime::job::{JobSettings, open_job};
 use crate::runtime::launch::{Launcher, run_plan_batch};
 use crate::runtime::schedule::{POLL_AFTER_SUBMIT, next_command, revote_delay};
 use crate::runtime::sets::Sets;
+use crate::runtime::submit::unknown_set;
 use crate::runtime::timeline::Timeline;
 use crate::runtime::{Command, InitOptions, Runtime};
 use crate::transport::Transport;
@@ -45,6 +49,9 @@ struct Background {
     /// The cycle time in force (autotune may change it).
     cycle_time: std::time::Duration,
     autotune: Option<autotune::Windows>,
+    /// How soon to test sends and receives in flight again: 20 us after one moved, doubling
+    /// up to 1 ms while none does (an idle receive does not keep a core busy).
+    p2p_delay: std::time::Duration,
     /// Ends the job when a blocking MPI call outlives the stall shutdown time.
     _watchdog: Watchdog,
 }
@@ -188,6 +195,7 @@ impl Background {
             mpi_unclean: false,
             cycle_time: rt.config.cycle_time,
             autotune: None,
+            p2p_delay: P2P_POLL_MIN,
             world: bg_world,
             rt: rt.clone(),
             _watchdog: watchdog,
@@ -247,6 +255,7 @@ impl Background {
             Command::BatchDone(done) => {
                 self.launcher.batch_done(&self.rt, done, &mut self.timeline)
             }
+            Command::PointToPoint { set, tag, entries } => self.submit_p2p(set, tag, entries),
             Command::Submit { set, entries } => {
                 let Some(state) = self.sets.member.get_mut(&set) else {
                     let err = Error::InvalidArgument(
@@ -284,7 +293,12 @@ impl Background {
         loop {
             // until the next vote is due, or a command makes one worth holding now
             while Instant::now() < next_cycle {
-                match next_command(rx, next_cycle, poll_until) {
+                let p2p_busy = self.sets.member.values().any(|s| s.p2p.busy());
+                let until = match p2p_busy {
+                    true => next_cycle.min(Instant::now() + self.p2p_delay),
+                    false => next_cycle,
+                };
+                match next_command(rx, until, poll_until) {
                     Ok(Some(cmd)) => {
                         self.receive(cmd);
                         if crate::runtime::handle::polling() {
@@ -296,6 +310,9 @@ impl Background {
                 }
                 while let Ok(cmd) = rx.try_recv() {
                     self.receive(cmd);
+                }
+                if let Err(reason) = self.progress_p2p() {
+                    return self.leave(reason);
                 }
                 if self.vote_wanted() {
                     break;
@@ -482,6 +499,75 @@ impl Background {
         ControlFlow::Continue(progressed)
     }
 
+    /// Hands sends and receives to their set's point-to-point state; a set this rank is not
+    /// in fails them.
+    fn submit_p2p(&mut self, set: i32, tag: i32, entries: Vec<TensorEntry>) {
+        self.p2p_delay = P2P_POLL_MIN;
+        let Some(state) = self.sets.member.get_mut(&set) else {
+            for e in entries {
+                e.complete(Err(unknown_set()), None);
+            }
+            return;
+        };
+        let now = Instant::now();
+        for e in entries {
+            let req = e.request.clone();
+            let peer = req.root as usize;
+            let label = Label {
+                name: req.name.clone(),
+                peer_global: self
+                    .sets
+                    .all
+                    .get(&set)
+                    .and_then(|r| r.get(peer))
+                    .copied()
+                    .unwrap_or(-1),
+            };
+            let bytes = e.input().len();
+            if req.kind == OpKind::Send {
+                let data = e.input().to_vec();
+                if let Err((e, err)) = state.p2p.send(e, label, peer, tag, data, now) {
+                    e.complete(Err(err), None);
+                }
+            } else {
+                state.p2p.recv(e, label, peer, tag, bytes, now);
+            }
+        }
+    }
+
+    /// Moves every set's sends and receives along, completing what finished. Err: one waited
+    /// past the stall limit, or MPI failed under them; the rank stops (a transfer given up on
+    /// could still be matched later, out of turn).
+    fn progress_p2p(&mut self) -> std::result::Result<(), String> {
+        let now = Instant::now();
+        let mut moved = false;
+        for set in self.sets.member.values_mut() {
+            if !set.p2p.busy() {
+                continue;
+            }
+            let (finished, m) = set.p2p.progress(now).map_err(|e| match e {
+                Error::Stalled(_) => e.to_string(),
+                e => format!("ferrovod point-to-point transfer failed: {e}"),
+            })?;
+            moved |= m;
+            for f in finished {
+                match f {
+                    Finished::Sent(e, outcome) => e.complete(outcome, None),
+                    Finished::Received(mut e, Ok(bytes)) => {
+                        e.split_io().1.copy_from_slice(&bytes);
+                        e.complete(Ok(()), None)
+                    }
+                    Finished::Received(e, Err(err)) => e.complete(Err(err), None),
+                }
+            }
+        }
+        self.p2p_delay = match moved {
+            true => P2P_POLL_MIN,
+            false => (self.p2p_delay * 2).min(P2P_POLL_MAX),
+        };
+        Ok(())
+    }
+
     /// Ends the loop on this rank alone, without an agreed shutdown: the others may wait in a
     /// collective this rank left, so MPI is not finalized (they end at their stall limit).
     fn leave(&mut self, reason: String) -> Option<String> {
@@ -554,6 +640,10 @@ impl Background {
         Ok(())
     }
 }
+
+/// The bounds of `Background::p2p_delay`.
+const P2P_POLL_MIN: std::time::Duration = std::time::Duration::from_micros(20);
+const P2P_POLL_MAX: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// How long a runtime that gave up on missing ranks waits before its shutdown returns.
 const UNCLEAN_EXIT_GRACE: std::time::Duration = std::time::Duration::from_secs(1);

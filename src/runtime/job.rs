@@ -50,6 +50,7 @@ pub(crate) fn open_job(rt: &Runtime, comm: &Communicator, multiple: bool) -> Res
     let _ = rt.job_multistep.set(settings.multistep);
     let _ = rt.stall.set(settings.stall);
     let _ = rt.nccl_streams.set(settings.nccl_streams);
+    let _ = (rt.p2p_max_tag).set(crate::collective::p2p::max_tag(world.tag_ub()));
     let world = world.with_max_count(settings.mpi_max_count);
     let local = world.split_local(Some(settings.local_size_override).filter(|n| *n > 0))?;
     let cross = world.split(local.rank() as i32)?;

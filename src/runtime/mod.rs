@@ -88,8 +88,10 @@ pub struct OpSpec {
     pub compression: Option<Compression>,
     /// Allreduce: which calls communicate (None: as the job's `FERROVOD_MULTISTEP` says).
     pub multistep: Option<Multistep>,
-    /// Broadcast root as a rank of ferrovod's world.
+    /// Broadcast root, or a send's or receive's peer, as a rank of ferrovod's world.
     pub root_rank: i32,
+    /// Send and receive: the k-th send with a tag meets the peer's k-th receive with it.
+    pub tag: i32,
     pub process_set: i32,
     pub device: i32,
     pub tensors: Vec<TensorSpec>,
@@ -112,6 +114,7 @@ impl OpSpec {
             compression: None,
             multistep: None,
             root_rank: 0,
+            tag: 0,
             process_set: 0,
             device: CPU_DEVICE,
             tensors,
@@ -126,6 +129,12 @@ impl OpSpec {
 pub(crate) enum Command {
     Submit {
         set: i32,
+        entries: Vec<TensorEntry>,
+    },
+    /// Sends and receives (`OpKind::Send`, `OpKind::Recv`): not negotiated.
+    PointToPoint {
+        set: i32,
+        tag: i32,
         entries: Vec<TensorEntry>,
     },
     Shutdown,
@@ -166,6 +175,8 @@ pub struct Runtime {
     /// The job's `HOROVOD_NUM_NCCL_STREAMS` (set at init, agreed: every rank must open as many
     /// NCCL communicators per set, or the first GPU collective fails).
     pub(crate) nccl_streams: OnceLock<usize>,
+    /// The largest tag a send or receive may use (from MPI's tag bound, set at init).
+    pub(crate) p2p_max_tag: OnceLock<i32>,
     /// Multistep allreduces' call counts and sums.
     steps: crate::compress::multistep::Steps,
 }
@@ -261,6 +272,7 @@ pub fn init(opts: InitOptions) -> Result<()> {
         gpu_device: OnceLock::new(),
         allreduce_policy: OnceLock::new(),
         job_multistep: OnceLock::new(),
+        p2p_max_tag: OnceLock::new(),
         stall: OnceLock::new(),
         nccl_streams: OnceLock::new(),
         steps: Default::default(),
@@ -321,6 +333,11 @@ impl Runtime {
     pub(crate) fn stall(&self) -> crate::config::StallPolicy {
         (self.stall.get().copied())
             .unwrap_or_else(|| crate::config::StallPolicy::from_config(&self.config))
+    }
+
+    /// The largest tag a send or receive may carry (MPI guarantees 32767 as the tag bound).
+    pub fn p2p_max_tag(&self) -> i32 {
+        self.p2p_max_tag.get().copied().unwrap_or(16383)
     }
 
     pub fn topology(&self) -> &Topology {

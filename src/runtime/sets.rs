@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use crate::collective::cost::{self, Policy};
+use crate::collective::p2p::PointToPoint;
 use crate::error::{Error, Result};
 use crate::fusion::planner;
 use crate::message::{OpKind, Response};
@@ -13,7 +14,7 @@ use crate::negotiate::online::Negotiator;
 use crate::negotiate::set::SetNegotiation;
 use crate::runtime::Runtime;
 use crate::runtime::channel::{self, Channel};
-use crate::runtime::entry::PendingEntries;
+use crate::runtime::entry::{PendingEntries, TensorEntry};
 use crate::runtime::executor::{Carried, Executor, Hierarchy};
 use crate::runtime::job::JobSettings;
 use crate::transport::Transport;
@@ -37,6 +38,8 @@ pub(crate) struct SetState {
     pub direct_bytes: usize,
     /// Advanced by every vote in which some rank's GPU tensors moved (`collective::replay`).
     pub graph_epoch: u64,
+    /// Sends and receives in flight, over a communicator of their own.
+    pub p2p: PointToPoint<MpiComm, TensorEntry>,
 }
 
 impl SetState {
@@ -68,6 +71,13 @@ impl SetState {
             ranks.clone(),
             format!("process set {id}"),
         )?;
+        let p2p = PointToPoint::new(
+            comm.dup()?,
+            settings.stall.limit(),
+            settings.stall.warn_after,
+            ranks.get(set_rank).copied().unwrap_or(-1),
+            format!("process set {id}"),
+        );
         let negotiator = Negotiator::new(
             set_rank,
             ranks,
@@ -119,6 +129,7 @@ impl SetState {
             ),
             entries: PendingEntries::default(),
             graph_epoch: 0,
+            p2p,
             channels,
             batch_seq: 0,
             direct_bytes,
@@ -242,9 +253,22 @@ impl Sets {
                 c.close();
                 c.join();
             }
+            set.fail_p2p(&err);
             for e in set.entries {
                 e.complete(Err(err.clone()), None);
             }
         }
+    }
+}
+
+impl SetState {
+    /// Fails the set's sends and receives still in flight; true if MPI still holds some of
+    /// their transfers (then MPI must not be finalized).
+    pub fn fail_p2p(&mut self, err: &Error) -> bool {
+        let (ops, held) = self.p2p.drain();
+        for e in ops {
+            e.complete(Err(err.clone()), None);
+        }
+        held
     }
 }

@@ -34,6 +34,11 @@ impl Runtime {
         })? as i32;
         let on_device =
             spec.device != CPU_DEVICE && !matches!(spec.kind, OpKind::Join | OpKind::Barrier);
+        if on_device && spec.kind.is_point_to_point() {
+            return Err(Error::InvalidArgument(format!(
+                "{what}: point-to-point transfers take host memory; copy GPU tensors to the host first"
+            )));
+        }
         let device = if on_device {
             Some(self.open_device(what, &spec)?)
         } else {
@@ -95,12 +100,48 @@ impl Runtime {
         if spec.kind == OpKind::Allreduce {
             handle.set_value(1);
         }
-        if self.send(Command::Submit { set, entries }).is_err() {
+        let command = if spec.kind.is_point_to_point() {
+            Command::PointToPoint {
+                set,
+                tag: spec.tag,
+                entries,
+            }
+        } else {
+            Command::Submit { set, entries }
+        };
+        if self.send(command).is_err() {
             // the operation never completes: nobody holds it once the caller has the error
             let _ = self.handles.release(handle.id);
             return Err(self.shut_down_error());
         }
         Ok(handle)
+    }
+
+    /// A send's or receive's peer as a rank of the set, checked with its tag.
+    fn p2p_peer(&self, what: &str, spec: &OpSpec, set_rank: i32, ranks: &[i32]) -> Result<i32> {
+        let peer = ranks
+            .iter()
+            .position(|r| *r == spec.root_rank)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "{what}: rank {} is not a member of the provided process set",
+                    spec.root_rank
+                ))
+            })? as i32;
+        if peer == set_rank {
+            return Err(Error::InvalidArgument(format!(
+                "{what}: rank {} cannot send to or receive from itself",
+                spec.root_rank
+            )));
+        }
+        let max = self.p2p_max_tag();
+        if !(0..=max).contains(&spec.tag) {
+            return Err(Error::InvalidArgument(format!(
+                "{what}: tag {} is outside 0..={max}",
+                spec.tag
+            )));
+        }
+        Ok(peer)
     }
 
     /// Records a multistep call of an allreduce's tensors; whether it communicates (then each
@@ -178,7 +219,9 @@ impl Runtime {
                 ));
             }
         }
-        let root = if kind == OpKind::Broadcast {
+        let root = if kind.is_point_to_point() {
+            self.p2p_peer(what, spec, set_rank, ranks)?
+        } else if kind == OpKind::Broadcast {
             ranks
                 .iter()
                 .position(|r| *r == spec.root_rank)
@@ -471,5 +514,7 @@ pub(super) fn op_title(kind: OpKind) -> &'static str {
         OpKind::AddProcessSet => "AddProcessSet",
         OpKind::RemoveProcessSet => "RemoveProcessSet",
         OpKind::Gossip => "Gossip",
+        OpKind::Send => "Send",
+        OpKind::Recv => "Recv",
     }
 }

@@ -155,6 +155,33 @@ int main(void) {
         CHECK(fv_enqueue(&op, &h) == FV_STATUS_INVALID_ARGUMENT, "output on another input");
     }
 
+    /* send and receive around the ring, the tag in the op */
+    {
+        int32_t max_tag = -1;
+        CHECK(fv_p2p_max_tag(&max_tag) == FV_STATUS_OK && max_tag >= 16383, "max tag %d", max_tag);
+        double out[6], in[6];
+        for (int i = 0; i < 6; i++) out[i] = 100.0 * rank + i;
+        int64_t shape[1] = {6};
+        struct fv_tensor ts = {"c.send", FV_DTYPE_F64, 1, shape, out, NULL, NULL, 0};
+        struct fv_tensor tr = {"c.recv", FV_DTYPE_F64, 1, shape, in, in, NULL, 0};
+        struct fv_op send = op_of(FV_OP_KIND_SEND, &ts, 1);
+        struct fv_op recv = op_of(FV_OP_KIND_RECV, &tr, 1);
+        send.root_rank = (rank + 1) % size;
+        recv.root_rank = (rank + size - 1) % size;
+        send.tag = recv.tag = 7;
+        fv_handle hs = 0, hr = 0;
+        CHECK(fv_enqueue(&recv, &hr) == FV_STATUS_OK, "recv enqueue: %s", last_error());
+        CHECK(fv_enqueue(&send, &hs) == FV_STATUS_OK, "send enqueue: %s", last_error());
+        CHECK(fv_wait(hr, 60.0) == FV_STATUS_OK && fv_wait(hs, 60.0) == FV_STATUS_OK, "p2p wait");
+        int prev = (rank + size - 1) % size;
+        for (int i = 0; i < 6; i++) CHECK(in[i] == 100.0 * prev + i, "received %g", in[i]);
+        fv_release(hs);
+        fv_release(hr);
+        send.tag = -2;
+        CHECK(fv_enqueue(&send, &hs) == FV_STATUS_INVALID_ARGUMENT, "negative tag");
+        CHECK(strstr(last_error(), "tag -2") != NULL, "%s", last_error());
+    }
+
     /* allreduce, in place, waited on by handle */
     {
         float data[1000];

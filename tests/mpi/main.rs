@@ -21,6 +21,7 @@ mod gpu;
 mod hosts;
 mod negotiation;
 mod offline;
+mod p2p;
 mod process_sets;
 mod shutdown;
 
@@ -34,6 +35,7 @@ use gpu::{
 use hosts::*;
 use negotiation::*;
 use offline::*;
+use p2p::*;
 use process_sets::*;
 use shutdown::*;
 
@@ -564,6 +566,12 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         ],
         true,
     ),
+    ("p2p", 2, &[], true),
+    ("p2p", 3, &[], true),
+    ("p2p", 4, &[("FERROVOD_CHANNELS", "2")], true),
+    ("p2p_mismatch", 2, &[], true),
+    ("p2p_stall", 2, STALL_FAST, false),
+    ("p2p_bad_calls", 3, &[], true),
     ("gossip", 2, GOSSIP_ONLY, true),
     ("gossip", 3, GOSSIP_ONLY, true),
     ("gossip", 4, GOSSIP_ONLY, true),
@@ -1124,6 +1132,7 @@ pub(crate) fn main() {
                     // on as many ranks as it says
                     let (marker, count) = match name {
                         "offline_stall" => ("OFFLINE-STALL-REPORTED", 1),
+                        "p2p_stall" => ("P2P-STALL-REPORTED", np),
                         "rank_stopped" | "fault_negotiation" => ("STALL-REPORTED", np - 1),
                         "rank_killed" => ("KILLED-REPORTED", np - 1),
                         _ => ("", 0),
@@ -1383,6 +1392,10 @@ pub(crate) fn run_rank(name: &str) {
         "u8_compressed" => u8_compressed(),
         "compressed_in_sets" => compressed_in_sets(),
         "gossip" => gossip(),
+        "p2p" => p2p(),
+        "p2p_mismatch" => p2p_mismatch(),
+        "p2p_stall" => p2p_stall(),
+        "p2p_bad_calls" => p2p_bad_calls(),
         "gossip_sync" => gossip_sync(),
         "gossip_stall" => gossip_stall(),
         "gossip_compressed" => gossip_compressed(),

@@ -88,7 +88,11 @@ impl Background {
         tracing::debug!("shutdown: NCCL streams closed");
         self.launcher.close_finisher();
         tracing::debug!("shutdown: GPU completions finished");
-        for set in std::mem::take(&mut self.sets.member).into_values() {
+        for mut set in std::mem::take(&mut self.sets.member).into_values() {
+            if set.fail_p2p(&err) {
+                // a send nobody received, or a receive under way from a rank that stopped
+                self.mpi_unclean = true;
+            }
             for e in set.entries {
                 e.complete(Err(err.clone()), None);
             }

@@ -23,10 +23,12 @@ pub use crate::message::MPI_MAX_COUNT as MAX_COUNT;
 mod bounded;
 mod collectives;
 mod ops;
+mod p2p;
 mod setup;
 mod watchdog;
 
 use ops::*;
+pub use p2p::Transfer;
 pub use setup::*;
 pub use watchdog::*;
 
