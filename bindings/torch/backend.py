@@ -857,14 +857,63 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         return self._run(_core.BARRIER, [], None, finish=lambda _v: [])
 
     def send(self, tensors, dst, tag=0):
-        raise RuntimeError("the ferrovod backend has no point-to-point send/recv yet; use a "
-                           "collective (all_to_all_single with splits) instead")
+        return self._p2p(_core.SEND, tensors, dst, tag)
 
     def recv(self, tensors, src, tag=0):
-        self.send(tensors, src, tag)
+        return self._p2p(_core.RECV, tensors, src, tag)
 
     def recv_anysource(self, tensors, tag=0):
-        self.send(tensors, -1, tag)
+        raise RuntimeError("the ferrovod backend receives from a named source only (recv with "
+                           "src=None is not supported); pass src")
+
+    def _p2p(self, kind, tensors, peer, tag):
+        """A send or receive of one tensor with group rank `peer` through the core's
+        point-to-point transfers (host memory): a CUDA tensor is staged through the host (its
+        producer's stream is synchronised first; a receive copies into it on the side stream,
+        which the caller's stream waits for in `wait`). The Work completes once the receiver
+        has the message, as NCCL's send does."""
+        if len(tensors) != 1:
+            raise ValueError("the ferrovod backend sends or receives one tensor per call, got %d"
+                             % len(tensors))
+        if not 0 <= peer < self.size():
+            raise ValueError("rank %d is not a rank of this group of %d" % (peer, self.size()))
+        t = tensors[0]
+        device = t.device if t.is_cuda else None
+        if device is not None or not t.is_contiguous():
+            host = t.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
+        else:
+            host = t.detach()
+
+        def finish(_values):
+            if kind == _core.RECV and host is not t:
+                t.copy_(host)
+            return [t]
+
+        _ensure_completer()
+        work = _Work(device, finish)
+        if device is not None:
+            work._touched = (t,)
+        key = next(_work_keys)
+        name = "torch.%s.%s.%d.%d.%d" % (self._names._group_name(),
+                                         "send" if kind == _core.SEND else "recv",
+                                         peer, tag, next(_p2p_seq))
+        with _works_lock:
+            _works[key] = work
+        try:
+            work._handle = mpi_ops._enqueue(kind, [host], [name], [host], None, self._set,
+                                            done=_DONE, done_user_data=key,
+                                            root_rank=self._set.ranks[peer], tag=tag)
+        except Exception:
+            with _works_lock:
+                _works.pop(key, None)
+            raise
+        finally:
+            work._submitted.set()
+        return work
+
+
+# point-to-point names: unique in the process (only the two ranks' order pairs transfers)
+_p2p_seq = itertools.count()
 
 
 def _joined(works, result):

@@ -401,6 +401,78 @@ def test_the_codec_option_compresses_float32_sums(device, codec, bound):
     close(z, (every.double() * 100).sum(0), torch.float64)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_send_and_recv_around_the_ring(device, dtype):
+    d, n = dev(device), size()
+    nxt, prev = (rank() + 1) % n, (rank() + n - 1) % n
+    # blocking: even ranks send first, odd ranks receive first
+    got = torch.zeros(3, 5, dtype=dtype, device=d)
+    mine = values(dtype, rank(), (3, 5)).to(d)
+    if rank() % 2 == 0:
+        dist.send(mine, dst=nxt)
+        dist.recv(got, src=prev)
+    else:
+        dist.recv(got, src=prev)
+        dist.send(mine, dst=nxt)
+    close(got, values(dtype, prev, (3, 5)), dtype)
+    # non-contiguous tensors both ways, and a tag
+    out = values(dtype, rank(), (4, 6), salt=1).to(d).t()
+    into = torch.zeros(6, 8, dtype=dtype, device=d)[:, ::2]
+    works = [dist.irecv(into, src=prev, tag=3), dist.isend(out, dst=nxt, tag=3)]
+    for w in works:
+        w.wait()
+    close(into, values(dtype, prev, (4, 6), salt=1).t(), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_batch_isend_irecv_in_any_order_with_tags(device):
+    d, n = dev(device), size()
+    nxt, prev = (rank() + 1) % n, (rank() + n - 1) % n
+    got = [torch.zeros(7, device=d) for _ in range(4)]
+    ops = [dist.P2POp(dist.irecv, got[k], prev, tag=k % 2) for k in range(4)]
+    ops += [dist.P2POp(dist.isend, torch.full((7,), 10.0 * rank() + k, device=d), nxt, tag=k % 2)
+            for k in range(4)]
+    if rank() % 2:
+        # sends listed first (the receives keep their order among themselves)
+        ops = ops[4:] + ops[:4]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    for k in range(4):
+        close(got[k], torch.full((7,), 10.0 * prev + k))
+
+
+def test_send_and_recv_in_a_subgroup_and_a_mismatch_fails_both_sides():
+    n = size()
+    g = dist.new_group(list(range(1, n))) if n > 2 else None
+    if g is not None and rank() > 0:
+        m = n - 1
+        gr = dist.get_group_rank(g, rank())
+        nxt = dist.get_global_rank(g, (gr + 1) % m)
+        prev = dist.get_global_rank(g, (gr + m - 1) % m)
+        got = torch.zeros(4, dtype=torch.int64)
+        w = dist.irecv(got, src=prev, group=g)
+        dist.send(torch.arange(4) + 100 * rank(), dst=nxt, group=g)
+        w.wait()
+        assert torch.equal(got, torch.arange(4) + 100 * prev)
+    # sizes that disagree: both ranks of the pair get a DistBackendError naming them
+    if rank() < 2:
+        peer = 1 - rank()
+        t = torch.zeros(4 if rank() == 0 else 3)
+        op = dist.isend if rank() == 0 else dist.irecv
+        with pytest.raises(dist.DistBackendError, match="Mismatched point-to-point sizes"):
+            op(t, peer).wait()
+    # the pair goes on
+    if rank() < 2:
+        t = torch.full((2,), float(rank()))
+        if rank() == 0:
+            dist.send(t, 1)
+        else:
+            dist.recv(t, 0)
+            close(t, torch.zeros(2))
+    dist.barrier()
+
+
 def test_bad_calls_raise_at_the_call():
     x = torch.ones(3, dtype=torch.int32)
     with pytest.raises(ValueError, match="ReduceOp.BAND"):
@@ -411,8 +483,12 @@ def test_bad_calls_raise_at_the_call():
     z = torch.full((2,), 1 + 2j, dtype=torch.complex64)
     dist.all_reduce(z)
     assert torch.equal(z, torch.full((2,), size() * (1 + 2j), dtype=torch.complex64))
-    with pytest.raises(RuntimeError, match="point-to-point"):
-        dist.send(torch.ones(1), dst=(rank() + 1) % size())
+    with pytest.raises(ValueError, match="tag -1 is outside"):
+        dist.isend(torch.ones(1), dst=(rank() + 1) % size(), tag=-1)
+    with pytest.raises(ValueError, match="itself"):
+        dist.isend(torch.ones(1), dst=rank())
+    with pytest.raises(RuntimeError, match="named source only"):
+        dist.recv(torch.ones(1))
     with pytest.raises(ValueError, match="reduce-scatters with SUM"):
         dist.reduce_scatter_tensor(torch.zeros(1), torch.zeros(size()), op=dist.ReduceOp.MAX)
     with pytest.raises(TypeError, match="ferrovod.torch.backend.Options"):
