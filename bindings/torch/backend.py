@@ -708,11 +708,14 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
                          finish=finish, touched=outputs)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        """Each input gathered into its list of outputs (one per rank), completed together."""
-        if len(output_lists) != len(input_list):
-            raise ValueError("allgather_coalesced needs one output list per input, got %d for %d"
-                             % (len(output_lists), len(input_list)))
-        works = [self.allgather([outs], [t], opts) for outs, t in zip(output_lists, input_list)]
+        """Each input gathered, completed together: `output_lists[r][i]` receives rank r's
+        i-th input (torch's layout: one list per rank)."""
+        if len(output_lists) != self.size() or any(len(o) != len(input_list)
+                                                    for o in output_lists):
+            raise ValueError("allgather_coalesced needs one output list per rank (%d), each with "
+                             "one tensor per input (%d)" % (self.size(), len(input_list)))
+        works = [self.allgather([[outs[i] for outs in output_lists]], [t], opts)
+                 for i, t in enumerate(input_list)]
         if not works:
             return _done_work([])
         return _joined(works, output_lists)

@@ -274,15 +274,16 @@ def test_device_id_and_destroying_world_release_the_sets():
 def test_all_gather_coalesced(device):
     d = dev(device)
     inputs = [values(torch.float32, rank(), (2, 3)).to(d), values(torch.float32, rank(), (4,), 1).to(d)]
-    outputs = [[torch.zeros_like(t) for _ in range(size())] for t in inputs]
+    # torch's layout: one list per rank, one tensor per input in each
+    outputs = [[torch.zeros_like(t) for t in inputs] for _ in range(size())]
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch deprecates the call; scripts still make it
         dist.all_gather_coalesced(outputs, inputs)
     for r in range(size()):
-        close(outputs[0][r], values(torch.float32, r, (2, 3)))
-        close(outputs[1][r], values(torch.float32, r, (4,), 1))
+        close(outputs[r][0], values(torch.float32, r, (2, 3)))
+        close(outputs[r][1], values(torch.float32, r, (4,), 1))
 
 
 def test_two_subgroups_at_once():
