@@ -54,6 +54,8 @@ pub struct GroupLearner {
     recorder: PlanRecorder,
     armed: Option<Armed>,
     cycles: u64,
+    /// How often learned groups were dissolved (`dissolved`).
+    dissolutions: u32,
 }
 
 impl GroupLearner {
@@ -62,7 +64,20 @@ impl GroupLearner {
             recorder: PlanRecorder::for_groups(warmup),
             armed: None,
             cycles: 0,
+            dissolutions: 0,
         }
+    }
+
+    /// Learned groups were dissolved (agreed on every rank): a group waited partly ready past
+    /// its patience. GPU steps are learned as size buckets across the cycles their tensors were
+    /// agreed in, which holds a tensor whose submission depends on an earlier one of its bucket
+    /// (the next layer's all-gather, a collective on a result) until the patience ends, every
+    /// step. After one dissolution, groups keep to the cycles tensors were agreed in (two
+    /// dependent tensors are never agreed in one cycle); after a second, no groups are learned
+    /// and every tensor votes with its own bit.
+    pub fn dissolved(&mut self) {
+        self.dissolutions = self.dissolutions.saturating_add(1);
+        self.armed = None;
     }
 
     /// Feeds one cycle's agreed responses. `held(name)`: the name belongs to a group voted on
@@ -86,9 +101,10 @@ impl GroupLearner {
             if let Some((step, cycles)) = self.recorder.observe(r, self.cycles, held(&r.name))
                 && self.armed.is_none()
                 && ctx.alone
+                && self.dissolutions < 2
             {
                 let on_gpu = step.iter().all(|r| r.device != CPU_DEVICE);
-                let plan = if on_gpu {
+                let plan = if on_gpu && self.dissolutions == 0 {
                     Plan::from_buckets(
                         &step,
                         ctx.fusion_threshold.min(GPU_BUCKET_BYTES),
@@ -259,6 +275,47 @@ mod tests {
             codecs: Codecs::default(),
             alone: true,
         }
+    }
+
+    /// A step of GPU tensors agreed one per cycle.
+    fn gpu_step(n: usize) -> Vec<Arc<Response>> {
+        (0..n)
+            .map(|k| {
+                let mut req =
+                    Request::test(&format!("g{k}"), OpKind::Allreduce, DataType::F32, &[4]);
+                req.device = 0;
+                Arc::new(Response::from_request(&req))
+            })
+            .collect()
+    }
+
+    /// The groups learned from `steps` steps, each tensor agreed in a cycle of its own.
+    fn learn_gpu(g: &mut GroupLearner, steps: usize) -> Option<Vec<Vec<String>>> {
+        let mut learned = None;
+        for _ in 0..steps {
+            for r in gpu_step(3) {
+                learned = g.observe(&[r], ctx(), |_| false, &[]).or(learned);
+            }
+        }
+        learned
+    }
+
+    #[test]
+    fn gpu_groups_keep_to_cycles_after_a_dissolution_and_stop_after_two() {
+        let mut g = GroupLearner::new(2);
+        // size buckets across cycles: one group of the three
+        assert_eq!(
+            learn_gpu(&mut g, 4).expect("learned"),
+            names(&[&["g0", "g1", "g2"]])
+        );
+        // it waited partly ready (g1 depends on g0): learned again, one group per cycle
+        g.dissolved();
+        assert_eq!(
+            learn_gpu(&mut g, 4).expect("learned again"),
+            names(&[&["g0"], &["g1"], &["g2"]])
+        );
+        g.dissolved();
+        assert_eq!(learn_gpu(&mut g, 6), None);
     }
 
     #[test]

@@ -32,6 +32,9 @@ pub struct CycleOutcome {
     /// Some rank's GPU tensors moved (or a rank has joined): nothing agreed now is replayed
     /// from a graph captured before (`collective::replay`).
     pub gpu_moved: bool,
+    /// Learned groups were dissolved (agreed): one waited partly ready past its patience, or
+    /// ready but unagreed past the stall check time (`learn::GroupLearner::dissolved`).
+    pub groups_dissolved: bool,
     /// Control collectives this cycle issued (for metrics).
     pub control_collectives: u32,
     /// Bytes this rank contributed to them.
@@ -474,6 +477,7 @@ impl Negotiator {
             }
         }
         if !agreed.group_invalid.is_empty() {
+            out.groups_dissolved = true;
             self.groups.clear();
             self.groups_generation += 1;
         }

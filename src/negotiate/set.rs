@@ -216,10 +216,13 @@ impl SetNegotiation {
 
     /// Learns from a vote's agreed responses, after they were launched (identically on every
     /// rank: it shapes only later votes). `ctx.alone`: the global set was the only set while
-    /// they ran.
-    pub fn observe(&mut self, responses: &[Arc<Response>], ctx: LearnContext) {
+    /// they ran; `dissolved`: the vote dissolved learned groups (`CycleOutcome`).
+    pub fn observe(&mut self, responses: &[Arc<Response>], ctx: LearnContext, dissolved: bool) {
         match &mut self.mode {
             Mode::Groups(g) => {
+                if dissolved {
+                    g.dissolved();
+                }
                 let negotiator = &self.negotiator;
                 let held = |name: &str| negotiator.in_group(name);
                 if let Some(groups) = g.observe(responses, ctx, held, negotiator.groups()) {

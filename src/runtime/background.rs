@@ -488,7 +488,7 @@ impl Background {
             return ControlFlow::Continue(progressed);
         }
         // after the launch: learning shapes only later votes (at the same point everywhere)
-        self.learn(&outcome.responses, alone_before);
+        self.learn(&outcome.responses, alone_before, outcome.groups_dissolved);
         if let Err(e) = self.autotune_cycle() {
             return ControlFlow::Break(self.leave(format!("ferrovod autotune failed: {e}")));
         }
@@ -579,7 +579,7 @@ impl Background {
 
     /// The global set learns groups or a plan from a vote's responses; `alone_before`: it was
     /// the only set when they were agreed (learning needs it alone throughout).
-    fn learn(&mut self, responses: &[Arc<Response>], alone_before: bool) {
+    fn learn(&mut self, responses: &[Arc<Response>], alone_before: bool, dissolved: bool) {
         let ctx = LearnContext {
             fusion_threshold: self.settings.fusion_threshold,
             direct_bytes: self.sets.member.get(&0).map_or(0, |s| s.direct_bytes),
@@ -587,7 +587,7 @@ impl Background {
             alone: alone_before && self.sets.all.len() == 1,
         };
         if let Some(set) = self.sets.member.get_mut(&0) {
-            set.negotiation.observe(responses, ctx);
+            set.negotiation.observe(responses, ctx, dissolved);
         }
     }
 

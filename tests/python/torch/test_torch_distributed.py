@@ -312,18 +312,25 @@ def test_two_subgroups_at_once():
     dist.barrier()
 
 
-def test_ddp_equals_one_process_on_the_whole_batch():
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("view,static", [(False, False), (True, True)],
+                         ids=["copied", "bucket-views-static"])
+def test_ddp_equals_one_process_on_the_whole_batch(device, view, static):
+    d = dev(device)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 4)).to(d)
     ref = copy.deepcopy(model)
-    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0002)
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[d.index] if d.type == "cuda" else None, bucket_cap_mb=0.0002,
+        gradient_as_bucket_view=view, static_graph=static)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(1)
     per = 4
     for _ in range(6):
-        x = torch.randn(per * size(), 8, generator=g)
-        y = torch.randn(per * size(), 4, generator=g)
+        x = torch.randn(per * size(), 8, generator=g).to(d)
+        y = torch.randn(per * size(), 4, generator=g).to(d)
         mine = slice(per * rank(), per * (rank() + 1))
         opt.zero_grad()
         torch.nn.functional.mse_loss(ddp(x[mine]), y[mine]).backward()
@@ -333,6 +340,28 @@ def test_ddp_equals_one_process_on_the_whole_batch():
         ref_opt.step()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_ddp_on_a_side_stream_writes_back_before_the_next_call():
+    """As PyTorch's own test: DDP built and run under a non-default stream; each step's averaged
+    gradient must be written back before a collective on it that follows."""
+    if "cuda" not in DEVICES:
+        pytest.skip("CUDA only")
+    d = dev("cuda")
+    stream = torch.cuda.Stream(d)
+    with torch.cuda.stream(stream):
+        net = torch.nn.parallel.DistributedDataParallel(
+            torch.nn.Linear(1, 1, bias=False).to(d), device_ids=[d.index])
+        for _ in range(50):
+            if net.module.weight.grad is not None:
+                net.module.weight.grad.requires_grad_(False)
+                net.module.weight.grad.zero_()
+            net(torch.tensor([float(rank())], device=d)).sum().backward()
+            avg = net.module.weight.grad.clone()
+            dist.all_reduce(avg)
+            avg.div_(size())
+            want = sum(range(size())) / size()
+            assert abs(avg.item() - want) < 1e-6, (avg.item(), want)
 
 
 @pytest.mark.parametrize("device", DEVICES)
