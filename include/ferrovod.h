@@ -428,9 +428,10 @@ typedef struct fv_op {
    */
   int32_t multistep_warmup;
   /*
-   Send and receive (host memory; the peer is `root_rank`): the k-th send to a rank with
-   a tag meets that rank's k-th receive from this one with the same tag, in the same
-   process set. From 0 to the bound `fv_p2p_max_tag` gives.
+   Send and receive (host memory; the peer is `root_rank`, or -1 for a receive that takes
+   the first message with its tag from any rank, whose global rank `fv_handle_value` then
+   gives): the k-th send to a rank with a tag meets that rank's k-th receive from this one
+   with the same tag, in the same process set. From 0 to the bound `fv_p2p_max_tag` gives.
    */
   int32_t tag;
 } fv_op;

@@ -114,9 +114,10 @@ pub struct fv_op {
     /// Allreduce: the first `multistep_warmup` calls of each tensor all communicate
     /// (post-local SGD).
     pub multistep_warmup: i32,
-    /// Send and receive (host memory; the peer is `root_rank`): the k-th send to a rank with
-    /// a tag meets that rank's k-th receive from this one with the same tag, in the same
-    /// process set. From 0 to the bound `fv_p2p_max_tag` gives.
+    /// Send and receive (host memory; the peer is `root_rank`, or -1 for a receive that takes
+    /// the first message with its tag from any rank, whose global rank `fv_handle_value` then
+    /// gives): the k-th send to a rank with a tag meets that rank's k-th receive from this one
+    /// with the same tag, in the same process set. From 0 to the bound `fv_p2p_max_tag` gives.
     pub tag: i32,
 }
 

@@ -128,6 +128,10 @@ impl ReduceOp {
     }
 }
 
+/// A receive's peer (`fv_op.root_rank`) that takes the first message with its tag from any
+/// rank of the set.
+pub const ANY_SOURCE: i32 = -1;
+
 /// Host memory, as Horovod's `CPU_DEVICE_ID`.
 pub const CPU_DEVICE: i32 = -1;
 

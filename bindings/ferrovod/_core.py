@@ -29,6 +29,8 @@ NOT_INITIALIZED, SHUT_DOWN, TIMEOUT, INTERNAL = 6, 7, 8, 9
 ALLREDUCE, ALLGATHER, BROADCAST, JOIN, ALLTOALL, BARRIER, REDUCESCATTER = 0, 1, 2, 3, 5, 6, 7
 GOSSIP = 22
 SEND, RECV = 23, 24
+# a receive's root_rank: the first message with its tag from any rank
+ANY_SOURCE = -1
 
 # fv_reduce_op (Horovod's values)
 AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT = 0, 1, 2, 3, 4, 5
@@ -597,6 +599,9 @@ class Handle:
                 self.communicated = self.value() != 0
             if self._kind == JOIN:
                 self.last_joined = self.value()
+            if self._kind == RECV:
+                # the global rank the message came from (a receive from any rank asks)
+                self.source = self.value()
             if before_release is not None:
                 before_release(self)
             return self._results()

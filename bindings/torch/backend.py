@@ -348,6 +348,8 @@ class _Work(dist.Work):
         self._finished = threading.Event()
         # CUDA: recorded on the side stream after the result's copies (is_completed, as NCCL's)
         self._event = None
+        # a receive from any rank: the group rank its message came from
+        self._source = -1
         self._future = torch.futures.Future(devices=[device] if device is not None else None)
 
     def _complete(self):
@@ -391,6 +393,10 @@ class _Work(dist.Work):
 
     def get_future(self):
         return self._future
+
+    def _source_rank(self):
+        """A receive from any rank: the group rank its message came from (once waited for)."""
+        return self._source
 
     def is_completed(self):
         event = self._event
@@ -866,19 +872,19 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         return self._p2p(_core.RECV, tensors, src, tag)
 
     def recv_anysource(self, tensors, tag=0):
-        raise RuntimeError("the ferrovod backend receives from a named source only (recv with "
-                           "src=None is not supported); pass src")
+        return self._p2p(_core.RECV, tensors, None, tag)
 
     def _p2p(self, kind, tensors, peer, tag):
         """A send or receive of one tensor with group rank `peer` through the core's
         point-to-point transfers (host memory): a CUDA tensor is staged through the host (its
         producer's stream is synchronised first; a receive copies into it on the side stream,
         which the caller's stream waits for in `wait`). The Work completes once the receiver
-        has the message, as NCCL's send does."""
+        has the message, as NCCL's send does. `peer` None: a receive from any rank (the Work's
+        `_source_rank()` then names it)."""
         if len(tensors) != 1:
             raise ValueError("the ferrovod backend sends or receives one tensor per call, got %d"
                              % len(tensors))
-        if not 0 <= peer < self.size():
+        if peer is not None and not 0 <= peer < self.size():
             raise ValueError("rank %d is not a rank of this group of %d" % (peer, self.size()))
         t = tensors[0]
         device = t.device if t.is_cuda else None
@@ -892,20 +898,29 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
                 t.copy_(host)
             return [t]
 
+        def finish_and_name_the_source(values):
+            source = getattr(core_handle, "source", -1)
+            if source in self._set.ranks:
+                work._source = self._set.ranks.index(source)
+            return finish(values)
+
         _ensure_completer()
-        work = _Work(device, finish)
+        work = _Work(device, finish if peer is not None else finish_and_name_the_source)
+        core_handle = None
         if device is not None:
             work._touched = (t,)
         key = next(_work_keys)
-        name = "torch.%s.%s.%d.%d.%d" % (self._names._group_name(),
+        name = "torch.%s.%s.%s.%d.%d" % (self._names._group_name(),
                                          "send" if kind == _core.SEND else "recv",
-                                         peer, tag, next(_p2p_seq))
+                                         "any" if peer is None else peer, tag, next(_p2p_seq))
         with _works_lock:
             _works[key] = work
         try:
+            root = _core.ANY_SOURCE if peer is None else self._set.ranks[peer]
             work._handle = mpi_ops._enqueue(kind, [host], [name], [host], None, self._set,
-                                            done=_DONE, done_user_data=key,
-                                            root_rank=self._set.ranks[peer], tag=tag)
+                                            done=_DONE, done_user_data=key, root_rank=root,
+                                            tag=tag)
+            core_handle = mpi_ops._handle_map[work._handle].handle
         except Exception:
             with _works_lock:
                 _works.pop(key, None)

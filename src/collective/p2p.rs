@@ -26,8 +26,13 @@ pub trait Mailbox {
     type Transfer: Pending;
     fn post_send(&mut self, peer: usize, tag: i32, data: Vec<u8>) -> Result<Self::Transfer>;
     fn post_recv(&mut self, peer: usize, tag: i32, len: usize) -> Result<Self::Transfer>;
-    /// The next message from `peer` with `tag` if it has arrived, its receive posted.
-    fn take_arrived(&mut self, peer: usize, tag: i32) -> Result<Option<Self::Transfer>>;
+    /// The next message from `peer` (None: any rank) with `tag` if it has arrived, its
+    /// receive posted; with the rank it came from.
+    fn take_arrived(
+        &mut self,
+        peer: Option<usize>,
+        tag: i32,
+    ) -> Result<Option<(Self::Transfer, usize)>>;
     /// Tests `t`; true once it completed.
     fn test(&mut self, t: &mut Self::Transfer) -> Result<bool>;
     /// Withdraws a posted acknowledgement receive nobody will answer (shutdown).
@@ -55,7 +60,7 @@ impl Mailbox for MpiComm {
         MpiComm::post_recv(self, peer, tag, len)
     }
 
-    fn take_arrived(&mut self, peer: usize, tag: i32) -> Result<Option<Transfer>> {
+    fn take_arrived(&mut self, peer: Option<usize>, tag: i32) -> Result<Option<(Transfer, usize)>> {
         MpiComm::take_arrived(self, peer, tag)
     }
 
@@ -95,16 +100,14 @@ fn read_ack(bytes: &[u8]) -> Option<usize> {
     (v != 0).then(|| (v - 1) as usize)
 }
 
-/// What an operation is, for messages: its name and peer's global rank.
-#[derive(Clone, Debug)]
-pub struct Label {
-    pub name: String,
-    pub peer_global: i32,
-}
+/// A waiting receive's key: its peer (`ANY`: any rank) and tag. Receives from a named peer
+/// look for their message before receives from any rank.
+const ANY: usize = usize::MAX;
 
 struct SendOp<T, W> {
     op: W,
-    label: Label,
+    name: String,
+    peer: usize,
     bytes: usize,
     data: T,
     ack: T,
@@ -114,7 +117,8 @@ struct SendOp<T, W> {
 
 struct RecvOp<W> {
     op: W,
-    label: Label,
+    name: String,
+    /// `ANY` until a message from some rank came for it.
     peer: usize,
     tag: i32,
     len: usize,
@@ -127,10 +131,10 @@ struct Receiving<T, W> {
     data: T,
 }
 
-/// A finished operation: a send, or a receive with its bytes.
+/// A finished operation: a send, or a receive with its bytes and the set rank they came from.
 pub enum Finished<W> {
     Sent(W, Result<()>),
-    Received(W, Result<Vec<u8>>),
+    Received(W, Result<(Vec<u8>, usize)>),
 }
 
 /// The point-to-point operations of one set on this rank: posted sends waiting for their
@@ -149,17 +153,21 @@ pub struct PointToPoint<M: Mailbox, W> {
     /// This rank's global rank, for the stall message.
     me: i32,
     what: String,
+    /// The set's ranks in the world, for messages.
+    global: Vec<i32>,
 }
 
 impl<M: Mailbox, W> PointToPoint<M, W> {
-    /// `what` names the set in messages ("process set 0").
+    /// `what` names the set in messages ("process set 0"); `global`: its ranks in the world.
     pub fn new(
         mailbox: M,
         limit: Option<Duration>,
         warn_after: Duration,
-        me: i32,
         what: String,
+        global: Vec<i32>,
+        set_rank: usize,
     ) -> Self {
+        let me = global.get(set_rank).copied().unwrap_or(-1);
         PointToPoint {
             mailbox,
             sends: Vec::new(),
@@ -170,7 +178,13 @@ impl<M: Mailbox, W> PointToPoint<M, W> {
             warn_after,
             me,
             what,
+            global,
         }
+    }
+
+    /// A set rank's global rank (-1: any rank).
+    fn global_of(&self, peer: usize) -> i32 {
+        self.global.get(peer).copied().unwrap_or(-1)
     }
 
     /// Whether anything is still in flight (the loop then polls).
@@ -185,7 +199,7 @@ impl<M: Mailbox, W> PointToPoint<M, W> {
     pub fn send(
         &mut self,
         op: W,
-        label: Label,
+        name: String,
         peer: usize,
         tag: i32,
         data: Vec<u8>,
@@ -206,7 +220,8 @@ impl<M: Mailbox, W> PointToPoint<M, W> {
         };
         self.sends.push(SendOp {
             op,
-            label,
+            name,
+            peer,
             bytes,
             data,
             ack,
@@ -216,14 +231,24 @@ impl<M: Mailbox, W> PointToPoint<M, W> {
         Ok(())
     }
 
-    /// Queues a receive of `len` bytes from set rank `peer`.
-    pub fn recv(&mut self, op: W, label: Label, peer: usize, tag: i32, len: usize, now: Instant) {
+    /// Queues a receive of `len` bytes from set rank `peer` (None: the first message with its
+    /// tag from any rank).
+    pub fn recv(
+        &mut self,
+        op: W,
+        name: String,
+        peer: Option<usize>,
+        tag: i32,
+        len: usize,
+        now: Instant,
+    ) {
+        let peer = peer.unwrap_or(ANY);
         self.waiting
             .entry((peer, tag))
             .or_default()
             .push_back(RecvOp {
                 op,
-                label,
+                name,
                 peer,
                 tag,
                 len,
@@ -252,10 +277,12 @@ impl<M: Mailbox, W> PointToPoint<M, W> {
         let keys: Vec<(usize, i32)> = self.waiting.keys().copied().collect();
         for (peer, tag) in keys {
             while let Some(queue) = self.waiting.get_mut(&(peer, tag)) {
-                let Some(data) = self.mailbox.take_arrived(peer, data_tag(tag))? else {
+                let from = (peer != ANY).then_some(peer);
+                let Some((data, source)) = self.mailbox.take_arrived(from, data_tag(tag))? else {
                     break;
                 };
-                let recv = queue.pop_front().expect("a waiting receive");
+                let mut recv = queue.pop_front().expect("a waiting receive");
+                recv.peer = source;
                 if queue.is_empty() {
                     self.waiting.remove(&(peer, tag));
                 }
@@ -280,14 +307,14 @@ impl<M: Mailbox, W> PointToPoint<M, W> {
                 self.acks.push(answer);
             }
             let outcome = if ok {
-                Ok(bytes)
+                Ok((bytes, recv.peer))
             } else {
                 Err(Error::Precondition(format!(
                     "Mismatched point-to-point sizes: a receive of {} bytes from rank {} got a message of {} bytes (tensor '{}')",
                     recv.len,
-                    recv.label.peer_global,
+                    self.global_of(recv.peer),
                     bytes.len(),
-                    recv.label.name
+                    recv.name
                 )))
             };
             finished.push(Finished::Received(recv.op, outcome));
@@ -306,7 +333,9 @@ impl<M: Mailbox, W> PointToPoint<M, W> {
                 None => Ok(()),
                 Some(expected) => Err(Error::Precondition(format!(
                     "Mismatched point-to-point sizes: a send of {} bytes to rank {} met a receive of {expected} bytes (tensor '{}')",
-                    s.bytes, s.label.peer_global, s.label.name
+                    s.bytes,
+                    self.global_of(s.peer),
+                    s.name
                 ))),
             };
             finished.push(Finished::Sent(s.op, outcome));
@@ -320,46 +349,52 @@ impl<M: Mailbox, W> PointToPoint<M, W> {
     /// past the stall limit ends the rank's point-to-point work.
     fn check_stall(&mut self, now: Instant) -> Result<()> {
         let (limit, warn, me) = (self.limit, self.warn_after, self.me);
-        let mut stalled: Option<(String, i32, Duration)> = None;
-        let mut look = |what: &str, label: &Label, since: Instant, warned: &mut bool| {
+        let global = &self.global;
+        let mut stalled: Option<(String, Vec<i32>)> = None;
+        let mut look = |what: &str, name: &str, peer: usize, since: Instant, warned: &mut bool| {
             let waited = now.saturating_duration_since(since);
+            let (who, missing) = match global.get(peer) {
+                Some(g) => (format!("rank {g}"), vec![*g]),
+                None => (
+                    "any rank".to_string(),
+                    global.iter().copied().filter(|g| *g != me).collect(),
+                ),
+            };
             if !*warned && waited >= warn {
                 *warned = true;
                 tracing::warn!(
-                    "rank {me}: a {what} of '{}' has waited {} s for rank {}",
-                    label.name,
-                    waited.as_secs(),
-                    label.peer_global
+                    "rank {me}: a {what} of '{name}' has waited {} s for {who}",
+                    waited.as_secs()
                 );
             }
             if limit.is_some_and(|l| waited >= l) && stalled.is_none() {
-                stalled = Some((
-                    format!(
-                        "a {what} of '{}' with rank {}",
-                        label.name, label.peer_global
-                    ),
-                    label.peer_global,
-                    waited,
-                ));
+                stalled = Some((format!("a {what} of '{name}' with {who}"), missing));
             }
         };
         for s in &mut self.sends {
-            look("send", &s.label, s.since, &mut s.warned);
+            look("send", &s.name, s.peer, s.since, &mut s.warned);
         }
         for q in self.waiting.values_mut() {
             for r in q {
-                look("receive", &r.label, r.since, &mut r.warned);
+                look("receive", &r.name, r.peer, r.since, &mut r.warned);
             }
         }
         for r in &mut self.receiving {
-            look("receive", &r.recv.label, r.recv.since, &mut r.recv.warned);
+            let recv = &mut r.recv;
+            look(
+                "receive",
+                &recv.name,
+                recv.peer,
+                recv.since,
+                &mut recv.warned,
+            );
         }
         match (stalled, limit) {
-            (Some((waiting_in, peer, _)), Some(limit)) => Err(Error::Stalled(Box::new(Stall {
+            (Some((waiting_in, missing)), Some(limit)) => Err(Error::Stalled(Box::new(Stall {
                 rank: me,
                 limit,
                 waiting_in: format!("{waiting_in} on {}", self.what),
-                missing: Some(vec![peer]),
+                missing: Some(missing),
                 hint: "The peer never posted the matching send or receive (same tag, same process set), or is stopped, hung, or blocked elsewhere.",
             }))),
             _ => Ok(()),

@@ -10,7 +10,7 @@ use std::time::Instant;
 use crossbeam::channel::{Receiver, RecvTimeoutError, Sender};
 
 use crate::collective::TensorIo;
-use crate::collective::p2p::{Finished, Label};
+use crate::collective::p2p::Finished;
 use crate::config::NegotiationMode;
 use crate::error::{Error, Result, SHUT_DOWN_MESSAGE};
 use crate::fusion::autotune::{self, Params};
@@ -512,25 +512,18 @@ impl Background {
         let now = Instant::now();
         for e in entries {
             let req = e.request.clone();
-            let peer = req.root as usize;
-            let label = Label {
-                name: req.name.clone(),
-                peer_global: self
-                    .sets
-                    .all
-                    .get(&set)
-                    .and_then(|r| r.get(peer))
-                    .copied()
-                    .unwrap_or(-1),
-            };
+            // a receive's negative peer: any rank
+            let peer = usize::try_from(req.root).ok();
+            let name = req.name.clone();
             let bytes = e.input().len();
-            if req.kind == OpKind::Send {
-                let data = e.input().to_vec();
-                if let Err((e, err)) = state.p2p.send(e, label, peer, tag, data, now) {
-                    e.complete(Err(err), None);
+            match (req.kind, peer) {
+                (OpKind::Send, Some(peer)) => {
+                    let data = e.input().to_vec();
+                    if let Err((e, err)) = state.p2p.send(e, name, peer, tag, data, now) {
+                        e.complete(Err(err), None);
+                    }
                 }
-            } else {
-                state.p2p.recv(e, label, peer, tag, bytes, now);
+                _ => state.p2p.recv(e, name, peer, tag, bytes, now),
             }
         }
     }
@@ -541,10 +534,11 @@ impl Background {
     fn progress_p2p(&mut self) -> std::result::Result<(), String> {
         let now = Instant::now();
         let mut moved = false;
-        for set in self.sets.member.values_mut() {
+        for (id, set) in self.sets.member.iter_mut() {
             if !set.p2p.busy() {
                 continue;
             }
+            let ranks = self.sets.all.get(id);
             let (finished, m) = set.p2p.progress(now).map_err(|e| match e {
                 Error::Stalled(_) => e.to_string(),
                 e => format!("ferrovod point-to-point transfer failed: {e}"),
@@ -553,9 +547,11 @@ impl Background {
             for f in finished {
                 match f {
                     Finished::Sent(e, outcome) => e.complete(outcome, None),
-                    Finished::Received(mut e, Ok(bytes)) => {
+                    Finished::Received(mut e, Ok((bytes, from))) => {
                         e.split_io().1.copy_from_slice(&bytes);
-                        e.complete(Ok(()), None)
+                        // the handle's value: the global rank the message came from
+                        let source = ranks.and_then(|r| r.get(from)).copied();
+                        e.complete(Ok(()), source)
                     }
                     Finished::Received(e, Err(err)) => e.complete(Err(err), None),
                 }

@@ -75,8 +75,9 @@ impl SetState {
             comm.dup()?,
             settings.stall.limit(),
             settings.stall.warn_after,
-            ranks.get(set_rank).copied().unwrap_or(-1),
             format!("process set {id}"),
+            ranks.clone(),
+            set_rank,
         );
         let negotiator = Negotiator::new(
             set_rank,

@@ -6,7 +6,8 @@ use std::sync::Arc;
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
 use crate::message::{
-    BARRIER_NAME, CPU_DEVICE, Compression, JOIN_NAME, Multistep, OpKind, ReduceOp, Request,
+    ANY_SOURCE, BARRIER_NAME, CPU_DEVICE, Compression, JOIN_NAME, Multistep, OpKind, ReduceOp,
+    Request,
 };
 use entry::{InputMem, OutputMem, TensorEntry};
 use handle::Handle;
@@ -117,8 +118,19 @@ impl Runtime {
         Ok(handle)
     }
 
-    /// A send's or receive's peer as a rank of the set, checked with its tag.
+    /// A send's or receive's peer as a rank of the set (a receive's `ANY_SOURCE`: -1, any
+    /// rank), checked with its tag.
     fn p2p_peer(&self, what: &str, spec: &OpSpec, set_rank: i32, ranks: &[i32]) -> Result<i32> {
+        let max = self.p2p_max_tag();
+        if !(0..=max).contains(&spec.tag) {
+            return Err(Error::InvalidArgument(format!(
+                "{what}: tag {} is outside 0..={max}",
+                spec.tag
+            )));
+        }
+        if spec.kind == OpKind::Recv && spec.root_rank == ANY_SOURCE {
+            return Ok(ANY_SOURCE);
+        }
         let peer = ranks
             .iter()
             .position(|r| *r == spec.root_rank)
@@ -132,13 +144,6 @@ impl Runtime {
             return Err(Error::InvalidArgument(format!(
                 "{what}: rank {} cannot send to or receive from itself",
                 spec.root_rank
-            )));
-        }
-        let max = self.p2p_max_tag();
-        if !(0..=max).contains(&spec.tag) {
-            return Err(Error::InvalidArgument(format!(
-                "{what}: tag {} is outside 0..={max}",
-                spec.tag
             )));
         }
         Ok(peer)

@@ -173,6 +173,82 @@ pub(crate) fn p2p() {
     finish_job();
 }
 
+/// Receives from any rank: rank 0 takes one message from every other rank, each reporting
+/// the rank it came from, whose values it holds; then a named receive still gets its own.
+pub(crate) fn p2p_any_source() {
+    init();
+    let (me, n) = (rank(), size());
+    if me == 0 {
+        let handles: Vec<_> = (1..n)
+            .map(|k| {
+                let spec = p2p_spec(
+                    OpKind::Recv,
+                    0,
+                    9,
+                    &format!("any.{k}"),
+                    DataType::I64,
+                    &[0.0; 6],
+                );
+                let spec = OpSpec {
+                    root_rank: ferrovod::message::ANY_SOURCE,
+                    ..spec
+                };
+                enqueue(spec).unwrap()
+            })
+            .collect();
+        let mut sources = Vec::new();
+        for h in handles {
+            let source = {
+                h.wait(Some(Duration::from_secs(60))).unwrap();
+                h.value() as usize
+            };
+            assert_eq!(
+                received(h, DataType::I64),
+                message(source, 9, 0, 6),
+                "from {source}"
+            );
+            sources.push(source);
+        }
+        sources.sort_unstable();
+        assert_eq!(sources, (1..n).collect::<Vec<_>>());
+        // (the last rank sends again only after this: any-source receives could take it)
+        run(OpSpec::new(OpKind::Barrier, vec![])).unwrap();
+        let h = enqueue(p2p_spec(
+            OpKind::Recv,
+            n - 1,
+            9,
+            "named",
+            DataType::I64,
+            &[0.0; 6],
+        ))
+        .unwrap();
+        assert_eq!(received(h, DataType::I64), message(n - 1, 9, 1, 6));
+    } else {
+        run(p2p_spec(
+            OpKind::Send,
+            0,
+            9,
+            "to0",
+            DataType::I64,
+            &message(me, 9, 0, 6),
+        ))
+        .unwrap();
+        run(OpSpec::new(OpKind::Barrier, vec![])).unwrap();
+        if me == n - 1 {
+            run(p2p_spec(
+                OpKind::Send,
+                0,
+                9,
+                "to0.again",
+                DataType::I64,
+                &message(me, 9, 1, 6),
+            ))
+            .unwrap();
+        }
+    }
+    finish_job();
+}
+
 /// A receive expecting other bytes than the message has: both sides fail, naming the sizes,
 /// and the pair's next exchange (same tag) is right.
 pub(crate) fn p2p_mismatch() {
@@ -244,8 +320,8 @@ pub(crate) fn p2p_stall() {
     init();
     let me = rank();
     let start = Instant::now();
-    let reported = std::path::PathBuf::from(std::env::var("FERROVOD_TEST_DIR").unwrap())
-        .join("rank0-reported");
+    let dir = std::path::PathBuf::from(std::env::var("FERROVOD_TEST_DIR").unwrap());
+    let (reported, first) = (dir.join("rank0-reported"), dir.join("rank1-reported"));
     if me == 1 {
         let h = enqueue(p2p_spec(
             OpKind::Recv,
@@ -264,11 +340,17 @@ pub(crate) fn p2p_stall() {
             start,
         );
         println!("P2P-STALL-REPORTED rank=1");
+        std::fs::write(&first, b"").unwrap();
         while !reported.exists() && start.elapsed() < 2 * STALL_END {
             std::thread::sleep(Duration::from_millis(50));
         }
         runtime::shutdown();
         return;
+    }
+    // only after rank 1's report: a barrier waiting meanwhile would reach its own stall
+    // limit as soon, and the coordinator's report could end rank 1's receive first
+    while !first.exists() && start.elapsed() < STALL_END {
+        std::thread::sleep(Duration::from_millis(50));
     }
     let err = loop {
         if let Err(e) = run(OpSpec::new(OpKind::Barrier, vec![])) {

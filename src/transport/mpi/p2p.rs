@@ -93,25 +93,20 @@ impl MpiComm {
         self.posted(Direction::Recv, vec![0u8; len], peer, tag)
     }
 
-    /// The next message from `peer` with `tag`, if one has arrived: its receive is posted
-    /// into a buffer of its size (whatever the caller expected).
-    pub fn take_arrived(&self, peer: usize, tag: i32) -> Result<Option<Transfer>> {
+    /// The next message from `peer` (None: any rank) with `tag`, if one has arrived: its
+    /// receive is posted into a buffer of its size (whatever the caller expected). Returns it
+    /// with the rank it came from.
+    pub fn take_arrived(&self, peer: Option<usize>, tag: i32) -> Result<Option<(Transfer, usize)>> {
+        // SAFETY: a constant.
+        let source = peer.map_or(unsafe { ffi::RSMPI_ANY_SOURCE }, |p| p as c_int);
         // SAFETY: placeholders for out-parameters.
         let mut msg = unsafe { std::mem::zeroed::<ffi::MPI_Message>() };
         // SAFETY: as above.
         let mut status = unsafe { std::mem::zeroed::<ffi::MPI_Status>() };
         let mut found: c_int = 0;
         // SAFETY: comm is valid; the out-parameters are writable.
-        let rc = unsafe {
-            ffi::MPI_Improbe(
-                peer as c_int,
-                tag,
-                self.comm,
-                &mut found,
-                &mut msg,
-                &mut status,
-            )
-        };
+        let rc =
+            unsafe { ffi::MPI_Improbe(source, tag, self.comm, &mut found, &mut msg, &mut status) };
         check(rc, "MPI_Improbe")?;
         if found == 0 {
             return Ok(None);
@@ -130,11 +125,15 @@ impl MpiComm {
         let rc =
             unsafe { ffi::MPI_Imrecv(ptr_mut(&mut buf), count, byte_type(), &mut msg, &mut req) };
         check(rc, "MPI_Imrecv")?;
-        Ok(Some(Transfer {
-            req,
-            buf,
-            done: false,
-        }))
+        let from = status.MPI_SOURCE.max(0) as usize;
+        Ok(Some((
+            Transfer {
+                req,
+                buf,
+                done: false,
+            },
+            from,
+        )))
     }
 
     /// Tests a transfer; true once it completed.

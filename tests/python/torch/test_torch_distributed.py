@@ -472,6 +472,29 @@ def test_batch_isend_irecv_in_any_order_with_tags(device):
         close(got[k], torch.full((7,), 10.0 * prev + k))
 
 
+def test_recv_from_any_rank_names_the_sender():
+    n = size()
+    if rank() == 0:
+        seen = []
+        for _ in range(n - 1):
+            t = torch.zeros(3)
+            src = dist.recv(t, tag=4)  # src=None: from any rank
+            assert torch.equal(t, torch.full((3,), float(src))), (src, t)
+            seen.append(src)
+        assert sorted(seen) == list(range(1, n))
+        t = torch.zeros(3)
+        w = dist.irecv(t, tag=4)  # from any rank too: the Work names the sender
+    else:
+        dist.send(torch.full((3,), float(rank())), 0, tag=4)
+    dist.barrier()  # the first round is received: the next message is the only one
+    if rank() == n - 1:
+        dist.send(torch.full((3,), 7.0), 0, tag=4)
+    if rank() == 0:
+        w.wait()
+        assert w._source_rank() == n - 1 and torch.equal(t, torch.full((3,), 7.0))
+    dist.barrier()
+
+
 def test_send_and_recv_in_a_subgroup_and_a_mismatch_fails_both_sides():
     n = size()
     g = dist.new_group(list(range(1, n))) if n > 2 else None
@@ -517,8 +540,6 @@ def test_bad_calls_raise_at_the_call():
         dist.isend(torch.ones(1), dst=(rank() + 1) % size(), tag=-1)
     with pytest.raises(ValueError, match="itself"):
         dist.isend(torch.ones(1), dst=rank())
-    with pytest.raises(RuntimeError, match="named source only"):
-        dist.recv(torch.ones(1))
     with pytest.raises(ValueError, match="reduce-scatters with SUM"):
         dist.reduce_scatter_tensor(torch.zeros(1), torch.zeros(size()), op=dist.ReduceOp.MAX)
     with pytest.raises(TypeError, match="ferrovod.torch.backend.Options"):
