@@ -133,23 +133,33 @@ def train(mode):
     local_sgd = fv.LocalSGD(every=4, name="train.%s" % mode)
     gossip = fv.GossipAveraging(compression="fp16" if mode == "gossip-fp16" else "none",
                                 name="train.%s" % mode)
+    # the model's arithmetic traced once (eager Keras spent most of the time per step on
+    # Python); ferrovod's calls stay eager, as a training loop around a compiled step makes them
+    @tf.function
+    def gradients(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        return tape.gradient(loss, variables)
+
+    @tf.function
+    def apply(grads):
+        opt.apply_gradients(zip(grads, variables))
+
     rng = np.random.RandomState(fv.rank())
     for epoch in range(EPOCHS):
         order = rng.permutation(len(x))
         for s in range(steps):
             idx = order[s * BATCH:(s + 1) * BATCH]
-            with tf.GradientTape() as tape:
-                loss = loss_fn(y[idx], model(x[idx], training=True))
-            grads = tape.gradient(loss, variables)
+            grads = gradients(x[idx], y[idx])
             if mode == "allreduce":
                 grads = fv.grouped_allreduce(grads, op=fv.Average, name="train.grads")
-                opt.apply_gradients(zip(grads, variables))
+                apply(grads)
             elif mode == "multistep4":
                 grads, sent = fv.multistep_allreduce(grads, every=4, name="train.ms", op=fv.Average)
                 if bool(sent):
-                    opt.apply_gradients(zip([g / 4.0 for g in grads], variables))
+                    apply([g / 4.0 for g in grads])
             else:
-                opt.apply_gradients(zip(grads, variables))
+                apply(grads)
                 if mode == "localsgd4":
                     local_sgd(variables)
                 elif mode != "local":
