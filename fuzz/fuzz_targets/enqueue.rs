@@ -130,9 +130,11 @@ fuzz_target!(|data: &[u8]| {
         .collect();
     let claimed = b.u8() % 8;
     let op = fv_op {
-        // 12: gossip (22), ferrovod's own kind
-        kind: match b.i32() % 13 {
+        // 12: gossip (22), 13 and 14: send and receive (23, 24), ferrovod's own kinds
+        kind: match b.i32() % 15 {
             12 => 22,
+            13 => 23,
+            14 => 24,
             k => k,
         },
         reduce_op: b.i32() % 8,
@@ -158,6 +160,7 @@ fuzz_target!(|data: &[u8]| {
         multistep: b.i32() % 4,
         multistep_mode: b.i32() % 3,
         multistep_warmup: b.i32() % 3,
+        tag: b.i32(),
     };
     let mut h = 0u64;
     let out = if b.u8() & 1 == 0 {
