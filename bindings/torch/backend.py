@@ -348,8 +348,10 @@ class _Work(dist.Work):
         self._finished = threading.Event()
         # CUDA: recorded on the side stream after the result's copies (is_completed, as NCCL's)
         self._event = None
-        # a receive from any rank: the group rank its message came from
+        # a receive from any rank: the group rank its message came from, and the core's handle
+        # that reports it
         self._source = -1
+        self._core = None
         self._future = torch.futures.Future(devices=[device] if device is not None else None)
 
     def _complete(self):
@@ -618,21 +620,10 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         if device is not None:
             # every tensor the side stream's copies or the collective use
             work._touched = used
-        key = next(_work_keys)
         with self._names.submitting:
             names = [self._names.next(signature)] if inputs else []  # (a barrier has none)
             names += ["%s_%d" % (names[0], i) for i in range(1, len(inputs))]
-            with _works_lock:
-                _works[key] = work
-            try:
-                work._handle = mpi_ops._enqueue(kind, inputs, names, outputs, None, self._set,
-                                                done=_DONE, done_user_data=key, **kwargs)
-            except Exception:
-                with _works_lock:
-                    _works.pop(key, None)
-                raise
-            finally:
-                work._submitted.set()
+            _enqueue_work(work, kind, inputs, names, outputs, self._set, **kwargs)
             if names:
                 self._names.track(names[0], work)
         return work
@@ -899,35 +890,45 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
             return [t]
 
         def finish_and_name_the_source(values):
-            source = getattr(core_handle, "source", -1)
+            source = getattr(work._core, "source", -1)
             if source in self._set.ranks:
                 work._source = self._set.ranks.index(source)
             return finish(values)
 
         _ensure_completer()
         work = _Work(device, finish if peer is not None else finish_and_name_the_source)
-        core_handle = None
         if device is not None:
             work._touched = (t,)
-        key = next(_work_keys)
         name = "torch.%s.%s.%s.%d.%d" % (self._names._group_name(),
                                          "send" if kind == _core.SEND else "recv",
                                          "any" if peer is None else peer, tag, next(_p2p_seq))
-        with _works_lock:
-            _works[key] = work
-        try:
-            root = _core.ANY_SOURCE if peer is None else self._set.ranks[peer]
-            work._handle = mpi_ops._enqueue(kind, [host], [name], [host], None, self._set,
-                                            done=_DONE, done_user_data=key, root_rank=root,
-                                            tag=tag)
-            core_handle = mpi_ops._handle_map[work._handle].handle
-        except Exception:
-            with _works_lock:
-                _works.pop(key, None)
-            raise
-        finally:
-            work._submitted.set()
+        root = _core.ANY_SOURCE if peer is None else self._set.ranks[peer]
+        _enqueue_work(work, kind, [host], [name], [host], self._set, keep_handle=peer is None,
+                      root_rank=root, tag=tag)
         return work
+
+
+def _enqueue_work(work, kind, inputs, names, outputs, process_set, keep_handle=False,
+                  **kwargs):
+    """Enqueues one ferrovod operation for `work`, registered for ferrovod's completion
+    callback (and forgotten again if the enqueue fails); `work` counts as submitted either way.
+    `keep_handle`: `work._core` holds the core's handle, for what its completion reports (a
+    receive's source), before the completion thread may look."""
+    key = next(_work_keys)
+    with _works_lock:
+        _works[key] = work
+    try:
+        work._handle = mpi_ops._enqueue(kind, inputs, names, outputs, None, process_set,
+                                        done=_DONE, done_user_data=key, **kwargs)
+        if keep_handle:
+            with mpi_ops._handle_lock:
+                work._core = mpi_ops._handle_map[work._handle].handle
+    except Exception:
+        with _works_lock:
+            _works.pop(key, None)
+        raise
+    finally:
+        work._submitted.set()
 
 
 # point-to-point names: unique in the process (only the two ranks' order pairs transfers)

@@ -131,10 +131,11 @@ struct Receiving<T, W> {
     data: T,
 }
 
-/// A finished operation: a send, or a receive with its bytes and the set rank they came from.
+/// A finished operation: a send, or a receive with its bytes and the global rank they came
+/// from.
 pub enum Finished<W> {
     Sent(W, Result<()>),
-    Received(W, Result<(Vec<u8>, usize)>),
+    Received(W, Result<(Vec<u8>, i32)>),
 }
 
 /// The point-to-point operations of one set on this rank: posted sends waiting for their
@@ -307,7 +308,7 @@ impl<M: Mailbox, W> PointToPoint<M, W> {
                 self.acks.push(answer);
             }
             let outcome = if ok {
-                Ok((bytes, recv.peer))
+                Ok((bytes, self.global_of(recv.peer)))
             } else {
                 Err(Error::Precondition(format!(
                     "Mismatched point-to-point sizes: a receive of {} bytes from rank {} got a message of {} bytes (tensor '{}')",

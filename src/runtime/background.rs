@@ -534,11 +534,10 @@ impl Background {
     fn progress_p2p(&mut self) -> std::result::Result<(), String> {
         let now = Instant::now();
         let mut moved = false;
-        for (id, set) in self.sets.member.iter_mut() {
+        for set in self.sets.member.values_mut() {
             if !set.p2p.busy() {
                 continue;
             }
-            let ranks = self.sets.all.get(id);
             let (finished, m) = set.p2p.progress(now).map_err(|e| match e {
                 Error::Stalled(_) => e.to_string(),
                 e => format!("ferrovod point-to-point transfer failed: {e}"),
@@ -547,11 +546,10 @@ impl Background {
             for f in finished {
                 match f {
                     Finished::Sent(e, outcome) => e.complete(outcome, None),
-                    Finished::Received(mut e, Ok((bytes, from))) => {
+                    Finished::Received(mut e, Ok((bytes, source))) => {
                         e.split_io().1.copy_from_slice(&bytes);
                         // the handle's value: the global rank the message came from
-                        let source = ranks.and_then(|r| r.get(from)).copied();
-                        e.complete(Ok(()), source)
+                        e.complete(Ok(()), Some(source))
                     }
                     Finished::Received(e, Err(err)) => e.complete(Err(err), None),
                 }

@@ -45,22 +45,7 @@ pub(crate) fn p2p() {
     let (me, n) = (rank(), size());
     let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
     // every dtype around the ring, receive posted first on even ranks, send first on odd
-    for (d, dtype) in [
-        DataType::U8,
-        DataType::I8,
-        DataType::U16,
-        DataType::I16,
-        DataType::I32,
-        DataType::I64,
-        DataType::F16,
-        DataType::BF16,
-        DataType::F32,
-        DataType::F64,
-        DataType::Bool,
-    ]
-    .into_iter()
-    .enumerate()
-    {
+    for (d, dtype) in DataType::ALL.into_iter().enumerate() {
         let len = 1 + d * 37;
         // bool holds 0 and 1 only
         let fit = |v: Vec<f64>| -> Vec<f64> {
