@@ -321,6 +321,11 @@ impl Background {
             while let Ok(cmd) = rx.try_recv() {
                 self.receive(cmd);
             }
+            // once per cycle too: votes that take longer than a cycle (a slow rank) run back
+            // to back without the wait above, and a peer's transfer must not wait on them
+            if let Err(reason) = self.progress_p2p() {
+                return self.leave(reason);
+            }
             if let Some(reason) = self.rt.take_gpu_failure() {
                 tracing::error!("{reason}");
                 self.reason.get_or_insert(reason);

@@ -571,6 +571,13 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     ("p2p", 4, &[("FERROVOD_CHANNELS", "2")], true),
     ("p2p_mismatch", 2, &[], true),
     ("p2p_any_source", 4, &[], true),
+    // votes longer than the cycle time run back to back: transfers still move between them
+    (
+        "p2p_any_source",
+        4,
+        &[("HOROVOD_CYCLE_TIME", "0.001")],
+        true,
+    ),
     ("p2p_stall", 2, STALL_FAST, false),
     ("p2p_bad_calls", 3, &[], true),
     ("gossip", 2, GOSSIP_ONLY, true),
