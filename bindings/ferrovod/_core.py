@@ -817,18 +817,21 @@ class _InPlaceAllreduce:
 # oldest go (a training step brings back one name per gradient it reduces alone; names that
 # never come back, such as unnamed operations', are not kept at all)
 IN_PLACE_CACHE_CAPACITY = 4096
+_NO_DONE = DONE_FN()  # a null function pointer
 _in_place_allreduces = collections.OrderedDict()
 _in_place_lock = threading.Lock()
 
 
 def allreduce_in_place(name, dtype, shape, address, owner, reduce_op=SUM, prescale=1.0,
                        postscale=1.0, process_set=0, compression=COMPRESSION_JOB,
-                       device=CPU_DEVICE, stream=None, reuse=True):
+                       device=CPU_DEVICE, stream=None, reuse=True, done=None,
+                       done_user_data=None):
     """`submit` of an in-place allreduce of one contiguous tensor at `address` (fv_dtype
     `dtype`, `shape`), kept alive by `owner` until the handle is released; its structs are
     reused from the last call of `name` (`reuse`: kept for the next one, up to
     IN_PLACE_CACHE_CAPACITY names; names that never come back, such as unnamed operations',
-    should not be). The handle's `wait` returns `[owner]`."""
+    should not be). The handle's `wait` returns `[owner]`. `done`, `done_user_data`: as
+    `submit`'s."""
     key = (dtype, tuple(shape), device, reduce_op, prescale, postscale, process_set, compression)
     with _in_place_lock:
         prepared = _in_place_allreduces.get(name)
@@ -845,6 +848,9 @@ def allreduce_in_place(name, dtype, shape, address, owner, reduce_op=SUM, presca
     t = prepared.tensor
     t.input = t.output = address
     prepared.op.stream = stream
+    # structs reused by name: a call without a callback clears the last one's
+    prepared.op.done = done if done is not None else _NO_DONE
+    prepared.op.done_user_data = done_user_data
     _sweep_orphans()
     hid = ctypes.c_uint64()
     generation = _generation

@@ -16,12 +16,15 @@ TCPStore on rank 0 whose address travels over MPI, so `init_process_group("ferro
 rendezvous settings. Subgroups (`new_group`) are ferrovod process sets: every rank must call
 `new_group` (PyTorch's default), since a process set is registered by all ranks."""
 
+import ctypes
+import functools
 import importlib
 import itertools
 import os
 import queue
 import socket
 import threading
+from _thread import allocate_lock as _allocate_lock
 
 import torch
 import torch.distributed as dist
@@ -275,6 +278,8 @@ def _create(backend_opts, pg_options):
 # --- completion ----------------------------------------------------------------------------------
 
 _works = {}
+# Works a waiting thread took from `_works` to complete itself, until their callback came
+_claimed = {}
 _works_lock = threading.Lock()
 _work_keys = itertools.count(1)
 _finished = queue.SimpleQueue()
@@ -283,14 +288,71 @@ _completer = None
 _completer_lock = threading.Lock()
 
 
+def _keep_thread_state():
+    """Gives the calling thread (ferrovod's, in a callback) a Python thread state for good: a
+    thread without one gets a new state for every callback and drops it after, most of the
+    callback's cost. (Taking the GIL state once more, never given back, keeps it.)"""
+    ident = threading.get_ident()
+    if ident not in _kept_states:
+        _kept_states.add(ident)
+        _gil_ensure()
+
+
+_kept_states = set()
+_gil_ensure = ctypes.pythonapi.PyGILState_Ensure
+_gil_ensure.restype = ctypes.c_int
+
+
 def _on_done(key, _hid, _status):
     """ferrovod's completion callback (its own thread): the operation's names are free again in
-    the core from here, and the rest is handed over to the completion thread."""
+    the core from here, and the rest is handed over to the completion thread, unless a thread
+    waiting for it completes it (`_Work._complete_here`)."""
+    _keep_thread_state()
     with _works_lock:
+        claimed = _claimed.pop(key, None)
         work = _works.get(key)
+    if claimed is not None:
+        claimed._released.set()
+        return
     if work is not None:
         work._released.set()
     _finished.put(key)
+
+
+class _Latch:
+    """A flag set once, which threads may wait for: `threading.Event`'s use here at a fraction
+    of its cost to make (a lock held until the flag is set); every Work has three."""
+
+    __slots__ = ("_lock", "_set")
+
+    def __init__(self):
+        self._lock = _allocate_lock()
+        self._lock.acquire()
+        self._set = False
+
+    def is_set(self):
+        return self._set
+
+    def set(self):
+        if not self._set:
+            self._set = True
+            _release(self._lock)
+
+    def wait(self, timeout=None):
+        if self._set:
+            return True
+        if self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
+            _release(self._lock)
+        return self._set
+
+
+def _release(lock):
+    # a latch set by two threads at once, or set while a waiter holds the lock, releases it
+    # twice: the flag is what counts
+    try:
+        lock.release()
+    except RuntimeError:
+        pass
 
 
 # one callback for every operation, alive as long as the module (see _core.submit)
@@ -339,19 +401,21 @@ class _Work(dist.Work):
         self._handle = None
         # the CUDA tensors the operation reads or writes (inputs, temporaries, outputs)
         self._touched = ()
-        self._submitted = threading.Event()
+        self._submitted = _Latch()
         # set once the core completed the operation (its names may be submitted again): set by
         # ferrovod's thread, never by the completion thread, so that a Future's callback there
         # may wait on it
-        self._released = threading.Event()
+        self._released = _Latch()
         # set once the Future is (a host-side signal: waiting on it orders no stream)
-        self._finished = threading.Event()
+        self._finished = _Latch()
         # CUDA: recorded on the side stream after the result's copies (is_completed, as NCCL's)
         self._event = None
         # a receive from any rank: the group rank its message came from, and the core's handle
         # that reports it
         self._source = -1
         self._core = None
+        # the key ferrovod's completion callback names it by
+        self._key = None
         self._future = torch.futures.Future(devices=[device] if device is not None else None)
 
     def _complete(self):
@@ -390,8 +454,23 @@ class _Work(dist.Work):
             # a Future's callback waits for a collective: only this thread completes it
             while not self._finished.is_set():
                 _complete_next()
+        elif self._device is None and self._key is not None and not self._finished.is_set():
+            self._complete_here()
         self._future.wait()
         return True
+
+    def _complete_here(self):
+        """A host operation waited for: completed by the waiting thread, which waits for the
+        core's handle itself, rather than for the callback and the completion thread (two thread
+        switches fewer per blocking call). Whichever thread takes it from `_works` completes
+        it."""
+        self._submitted.wait()
+        with _works_lock:
+            mine = _works.pop(self._key, None) is self
+            if mine:
+                _claimed[self._key] = self
+        if mine:
+            self._complete()
 
     def get_future(self):
         return self._future
@@ -559,11 +638,13 @@ def _signature(kind, tensors):
     """The kind, dtypes and shapes of a call; its reduction and root are not part of it, so
     that ranks disagreeing about them meet under one name and get the core's mismatch error
     (ranks disagreeing about shapes wait for each other until the stall limit ends the job)."""
-    parts = [kind]
-    for t in tensors:
-        parts.append("%s_%s" % (str(t.dtype).replace("torch.", ""),
-                                "x".join(str(d) for d in t.shape) or "scalar"))
-    return ".".join(parts)
+    return ".".join([kind] + [_tensor_signature(t.dtype, tuple(t.shape)) for t in tensors])
+
+
+@functools.lru_cache(maxsize=4096)
+def _tensor_signature(dtype, shape):
+    """A tensor's part of a signature (a step's calls bring back the same few)."""
+    return "%s_%s" % (str(dtype).replace("torch.", ""), "x".join(str(d) for d in shape) or "scalar")
 
 
 class ProcessGroupFerrovod(dist.ProcessGroup):
@@ -647,10 +728,29 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
     def _allreduce(self, tensors, op, prescale):
         if not tensors:
             return _done_work([])
+        one = tensors[0]
+        if len(tensors) == 1 and one.is_contiguous() and one.device.type in ("cpu", "cuda"):
+            return self._allreduce_one(tensors[0], op, prescale)
         return self._run(_core.ALLREDUCE, tensors, _signature("allreduce", tensors),
                          outputs=list(tensors), finish=lambda _v: list(tensors), reduce_op=op,
                          prescale=prescale, postscale=1.0,
                          compression=self._codec(op, tensors))
+
+    def _allreduce_one(self, t, op, prescale):
+        """`_allreduce` of one contiguous tensor, through the C structs the core keeps per name
+        (what `horovod.torch` does for a gradient): a DDP bucket or a metric each step."""
+        _ensure_completer()
+        device = t.device if t.is_cuda else None
+        work = _Work(device, lambda _v: [t])
+        if device is not None:
+            work._touched = (t,)
+        codec = self._codec(op, (t,))
+        with self._names.submitting:
+            name = self._names.next(_signature("allreduce", (t,)))
+            _submit_work(work, lambda key: mpi_ops._allreduce_one_(
+                t, name, op, prescale, 1.0, self._set, codec, done=_DONE, done_user_data=key))
+            self._names.track(name, work)
+        return work
 
     def reduce(self, tensors, opts=None):
         opts = opts or dist.ReduceOptions()
@@ -910,16 +1010,24 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
 
 def _enqueue_work(work, kind, inputs, names, outputs, process_set, keep_handle=False,
                   **kwargs):
-    """Enqueues one ferrovod operation for `work`, registered for ferrovod's completion
-    callback (and forgotten again if the enqueue fails); `work` counts as submitted either way.
-    `keep_handle`: `work._core` holds the core's handle, for what its completion reports (a
-    receive's source), before the completion thread may look."""
-    key = next(_work_keys)
+    """Enqueues one ferrovod operation for `work` (see `_submit_work`)."""
+    _submit_work(work, lambda key: mpi_ops._enqueue(kind, inputs, names, outputs, None,
+                                                    process_set, done=_DONE,
+                                                    done_user_data=key, **kwargs),
+                 keep_handle)
+
+
+def _submit_work(work, submit, keep_handle=False):
+    """Enqueues `work`'s operation, `submit(key)` (which passes ferrovod the completion
+    callback with `key`), registered for that callback (and forgotten again if the enqueue
+    fails); `work` counts as submitted either way. `keep_handle`: `work._core` holds the core's
+    handle, for what its completion reports (a receive's source), before the completion thread
+    may look."""
+    key = work._key = next(_work_keys)
     with _works_lock:
         _works[key] = work
     try:
-        work._handle = mpi_ops._enqueue(kind, inputs, names, outputs, None, process_set,
-                                        done=_DONE, done_user_data=key, **kwargs)
+        work._handle = submit(key)
         if keep_handle:
             with mpi_ops._handle_lock:
                 work._core = mpi_ops._handle_map[work._handle].handle

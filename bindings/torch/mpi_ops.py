@@ -256,17 +256,17 @@ def _enqueue(kind, tensors, names, outputs=None, finish=None, process_set=global
 
 
 def _allreduce_one_(tensor, name, op, prescale, postscale, process_set, codec, finish=list,
-                    reuse=True):
+                    reuse=True, done=None, done_user_data=None):
     """`allreduce_async_` of one contiguous tensor through the C structs the core keeps per name
     (`_core.allreduce_in_place`; `reuse`: unnamed operations' names never come back); `finish`
-    makes the handle's result from `[tensor]`."""
+    makes the handle's result from `[tensor]`; `done`, `done_user_data`: `_core.submit`'s."""
     set_id = registered_id(process_set)
     device = tensor.device if tensor.is_cuda else None
     handle = _core.allreduce_in_place(
         name, _code(tensor), tuple(tensor.shape), tensor.data_ptr(), tensor, op, prescale,
         postscale, set_id, codec,
         _core.CPU_DEVICE if device is None else device.index,
-        None if device is None else _current_stream(device), reuse)
+        None if device is None else _current_stream(device), reuse, done, done_user_data)
     with _handle_lock:
         _handle_map[handle.key] = _Pending(handle, device, finish)
     return handle.key

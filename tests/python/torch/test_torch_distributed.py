@@ -221,6 +221,46 @@ def test_a_futures_callback_may_run_collectives(device):
     close(got, want_x + want_y)
 
 
+def test_blocking_calls_complete_on_the_waiting_thread_and_leave_nothing_behind():
+    import time
+
+    # a Work left to the completion thread, beside blocking calls its waiter completes itself
+    a = torch.full((5,), float(rank()))
+    w = dist.all_reduce(a, async_op=True)
+    seen = w.get_future().then(lambda f: f.value()[0].sum().item())
+    total = 0.0
+    for i in range(300):
+        b = torch.full((2, 3), float(rank() + i))
+        dist.all_reduce(b)  # one contiguous tensor: the core's per-name structs
+        want = float(sum(range(size())) + i * size())
+        close(b, torch.full((2, 3), want))
+        total += b[0, 0].item()
+    w.wait()
+    close(a, torch.full((5,), float(sum(range(size())))))
+    assert seen.wait() == 5.0 * sum(range(size()))
+    assert total == sum(float(sum(range(size())) + i * size()) for i in range(300))
+    # every claimed Work is let go once its callback came
+    deadline = time.monotonic() + 10
+    while backend._claimed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not backend._claimed
+
+
+def test_a_latch_is_set_once_by_any_number_of_threads():
+    import threading
+
+    latch = backend._Latch()
+    assert not latch.is_set() and latch.wait(0.01) is False
+    threads = [threading.Thread(target=latch.set) for _ in range(8)]
+    for t in threads:
+        t.start()
+    assert latch.wait(5)
+    for t in threads:
+        t.join()
+    latch.set()
+    assert latch.is_set() and latch.wait() and latch.wait(0)
+
+
 def test_wait_gives_up_at_its_timeout():
     import datetime
 
