@@ -4,6 +4,7 @@
 //! decodes the same batches alike.
 
 pub mod multistep;
+pub mod powersgd;
 pub mod quantize;
 
 use std::sync::Mutex;

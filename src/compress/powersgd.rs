@@ -1,0 +1,433 @@
+//! PowerSGD (Vogels, Karimireddy and Jaggi, 2019): a gradient seen as a matrix M (its first
+//! dimension by the rest) travels as two thin factors of `rank` columns, P = M Q and
+//! Q = Mᵀ P, each summed over the ranks, instead of M itself. One step of power iteration per
+//! training step, with Q carried over from the last one (warm start), keeps the factors close
+//! to M's leading subspace; what the approximation misses is added to the next step's gradient
+//! (error feedback), so it is delayed rather than lost.
+//!
+//! A step is three local phases around the two sums, so that the runtime can sum every
+//! tensor's P of a batch in one allreduce and every Q in another: `start` (M = gradient +
+//! residual, P = M Q), `middle` (after P is summed: orthogonalise P, Q = Mᵀ P) and `finish`
+//! (after Q is summed: the average's approximation P Qᵀ / ranks, and the new residual).
+//! Everything here is a function of agreed data (the shape, the rank, a seed) and of the
+//! rank's own values, so the ranks' factors and approximations agree.
+
+/// A tensor's matrix view and its factors' width.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    pub rows: usize,
+    pub cols: usize,
+    /// Columns of P and Q: the asked rank, at most the matrix's smaller side.
+    pub rank: usize,
+}
+
+impl Shape {
+    /// The matrix of a tensor of `dims` under rank `rank`: its first dimension by the rest.
+    /// None (the tensor travels uncompressed): a vector or a scalar, a rank of 0, or a matrix
+    /// whose factors would not be smaller than it.
+    pub fn of(dims: &[i64], rank: usize) -> Option<Shape> {
+        if dims.len() < 2 || rank == 0 || dims.iter().any(|d| *d <= 0) {
+            return None;
+        }
+        let rows = dims[0] as usize;
+        let cols = dims[1..]
+            .iter()
+            .try_fold(1usize, |acc, d| acc.checked_mul(*d as usize))?;
+        let rank = rank.min(rows).min(cols);
+        let factors = rows.checked_add(cols)?.checked_mul(rank)?;
+        (factors < rows.checked_mul(cols)?).then_some(Shape { rows, cols, rank })
+    }
+
+    /// Values of M.
+    pub fn len(&self) -> usize {
+        self.rows * self.cols
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Values of P (rows × rank, row-major).
+    pub fn p_len(&self) -> usize {
+        self.rows * self.rank
+    }
+
+    /// Values of Q (cols × rank, row-major).
+    pub fn q_len(&self) -> usize {
+        self.cols * self.rank
+    }
+}
+
+/// What one tensor keeps from step to step: the residual of its last step and its Q.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Memory {
+    pub residual: Vec<f32>,
+    pub q: Vec<f32>,
+}
+
+impl Memory {
+    /// A first step's memory: no residual, and Q with orthonormal columns drawn from `seed`
+    /// (which every rank must pass alike, e.g. a fingerprint of the tensor's name).
+    pub fn new(shape: &Shape, seed: u64) -> Memory {
+        let mut rng = SplitMix(seed);
+        let mut q: Vec<f32> = (0..shape.q_len()).map(|_| rng.normal()).collect();
+        orthogonalize(&mut q, shape.cols, shape.rank);
+        Memory {
+            residual: vec![0.0; shape.len()],
+            q,
+        }
+    }
+}
+
+/// Phase one: M = `grad` + the residual (returned), and P = M Q (returned, to be summed over
+/// the ranks).
+pub fn start(grad: &[f32], mem: &Memory, s: &Shape) -> (Vec<f32>, Vec<f32>) {
+    let m: Vec<f32> = grad.iter().zip(&mem.residual).map(|(g, r)| g + r).collect();
+    let mut p = vec![0.0f32; s.p_len()];
+    for i in 0..s.rows {
+        let row = &m[i * s.cols..(i + 1) * s.cols];
+        let out = &mut p[i * s.rank..(i + 1) * s.rank];
+        for (j, v) in row.iter().enumerate() {
+            let q = &mem.q[j * s.rank..(j + 1) * s.rank];
+            out.iter_mut().zip(q).for_each(|(o, q)| *o += v * q);
+        }
+    }
+    (m, p)
+}
+
+/// Phase two, once `p` holds the ranks' sum: P's columns made orthonormal (in place), and
+/// Q = Mᵀ P (returned, to be summed over the ranks).
+pub fn middle(m: &[f32], p: &mut [f32], s: &Shape) -> Vec<f32> {
+    orthogonalize(p, s.rows, s.rank);
+    let mut q = vec![0.0f32; s.q_len()];
+    for i in 0..s.rows {
+        let row = &m[i * s.cols..(i + 1) * s.cols];
+        let pr = &p[i * s.rank..(i + 1) * s.rank];
+        for (j, v) in row.iter().enumerate() {
+            let out = &mut q[j * s.rank..(j + 1) * s.rank];
+            out.iter_mut().zip(pr).for_each(|(o, p)| *o += v * p);
+        }
+    }
+    q
+}
+
+/// Phase three, once `q_sum` holds the ranks' sum: `out` = P Qᵀ with Q the ranks' average
+/// (the approximation of the average of the ranks' M), the residual M − `out` and the
+/// averaged Q kept in `mem` for the next step.
+pub fn finish(
+    m: &[f32],
+    p: &[f32],
+    mut q_sum: Vec<f32>,
+    ranks: usize,
+    mem: &mut Memory,
+    out: &mut [f32],
+    s: &Shape,
+) {
+    let scale = 1.0 / ranks.max(1) as f32;
+    q_sum.iter_mut().for_each(|v| *v *= scale);
+    for i in 0..s.rows {
+        let pr = &p[i * s.rank..(i + 1) * s.rank];
+        for j in 0..s.cols {
+            let q = &q_sum[j * s.rank..(j + 1) * s.rank];
+            let v: f32 = pr.iter().zip(q).map(|(a, b)| a * b).sum();
+            out[i * s.cols + j] = v;
+            mem.residual[i * s.cols + j] = m[i * s.cols + j] - v;
+        }
+    }
+    mem.q = q_sum;
+}
+
+/// Gram-Schmidt on the `cols` columns of a row-major `rows` × `cols` matrix: each column
+/// normalised, then removed from the ones after it. A column that vanishes stays (near) zero
+/// rather than dividing by zero.
+pub fn orthogonalize(a: &mut [f32], rows: usize, cols: usize) {
+    const EPS: f32 = 1e-8;
+    for c in 0..cols {
+        let norm = (0..rows)
+            .map(|r| a[r * cols + c] * a[r * cols + c])
+            .sum::<f32>()
+            .sqrt();
+        for r in 0..rows {
+            a[r * cols + c] /= norm + EPS;
+        }
+        for d in c + 1..cols {
+            let dot: f32 = (0..rows).map(|r| a[r * cols + c] * a[r * cols + d]).sum();
+            for r in 0..rows {
+                a[r * cols + d] -= dot * a[r * cols + c];
+            }
+        }
+    }
+}
+
+/// A small generator for Q's first values: the same sequence from the same seed everywhere.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// In (0, 1).
+    fn uniform(&mut self) -> f64 {
+        ((self.next() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+
+    /// Standard normal (Box-Muller).
+    fn normal(&mut self) -> f32 {
+        let (u, v) = (self.uniform(), self.uniform());
+        ((-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()) as f32
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The algorithm again, in f64 and written plainly (matrices as Vec<Vec<f64>>): the
+    /// reference the f32 phases are held to.
+    struct Reference {
+        rows: usize,
+        cols: usize,
+        rank: usize,
+        residual: Vec<Vec<Vec<f64>>>, // per rank
+        q: Vec<Vec<f64>>,             // cols × rank, agreed
+    }
+
+    // indices as the formulas write them
+    #[allow(clippy::needless_range_loop)]
+    impl Reference {
+        fn step(&mut self, grads: &[Vec<f64>]) -> (Vec<Vec<f64>>, Vec<Vec<Vec<f64>>>) {
+            let (n, m, r) = (self.rows, self.cols, self.rank);
+            let ms: Vec<Vec<Vec<f64>>> = grads
+                .iter()
+                .zip(&self.residual)
+                .map(|(g, e)| {
+                    (0..n)
+                        .map(|i| (0..m).map(|j| g[i * m + j] + e[i][j]).collect())
+                        .collect()
+                })
+                .collect();
+            // P = Σ_ranks M Q
+            let mut p = vec![vec![0.0; r]; n];
+            for mm in &ms {
+                for i in 0..n {
+                    for k in 0..r {
+                        p[i][k] += (0..m).map(|j| mm[i][j] * self.q[j][k]).sum::<f64>();
+                    }
+                }
+            }
+            // Gram-Schmidt on P's columns
+            for c in 0..r {
+                let norm = (0..n).map(|i| p[i][c] * p[i][c]).sum::<f64>().sqrt();
+                for row in p.iter_mut() {
+                    row[c] /= norm + 1e-8;
+                }
+                for d in c + 1..r {
+                    let dot: f64 = (0..n).map(|i| p[i][c] * p[i][d]).sum();
+                    for row in p.iter_mut() {
+                        row[d] -= dot * row[c];
+                    }
+                }
+            }
+            // Q = (Σ_ranks Mᵀ P) / ranks
+            let mut q = vec![vec![0.0; r]; m];
+            for mm in &ms {
+                for j in 0..m {
+                    for k in 0..r {
+                        q[j][k] += (0..n).map(|i| mm[i][j] * p[i][k]).sum::<f64>();
+                    }
+                }
+            }
+            let ranks = grads.len() as f64;
+            q.iter_mut().flatten().for_each(|v| *v /= ranks);
+            let out: Vec<Vec<f64>> = (0..n)
+                .map(|i| {
+                    (0..m)
+                        .map(|j| (0..r).map(|k| p[i][k] * q[j][k]).sum())
+                        .collect()
+                })
+                .collect();
+            for (e, mm) in self.residual.iter_mut().zip(&ms) {
+                for i in 0..n {
+                    for j in 0..m {
+                        e[i][j] = mm[i][j] - out[i][j];
+                    }
+                }
+            }
+            self.q = q;
+            (out, self.residual.clone())
+        }
+    }
+
+    /// The phases on `ranks` simulated ranks, the sums done here as the allreduces would.
+    fn step(grads: &[Vec<f32>], mems: &mut [Memory], s: &Shape) -> Vec<Vec<f32>> {
+        let started: Vec<(Vec<f32>, Vec<f32>)> = grads
+            .iter()
+            .zip(mems.iter())
+            .map(|(g, mem)| start(g, mem, s))
+            .collect();
+        let p_sum: Vec<f32> = (0..s.p_len())
+            .map(|i| started.iter().map(|(_, p)| p[i]).sum())
+            .collect();
+        let mut ps = vec![p_sum; grads.len()];
+        let qs: Vec<Vec<f32>> = started
+            .iter()
+            .zip(ps.iter_mut())
+            .map(|((m, _), p)| middle(m, p, s))
+            .collect();
+        let q_sum: Vec<f32> = (0..s.q_len())
+            .map(|i| qs.iter().map(|q| q[i]).sum())
+            .collect();
+        let mut outs = vec![vec![0.0f32; s.len()]; grads.len()];
+        for (k, mem) in mems.iter_mut().enumerate() {
+            finish(
+                &started[k].0,
+                &ps[k],
+                q_sum.clone(),
+                grads.len(),
+                mem,
+                &mut outs[k],
+                s,
+            );
+        }
+        outs
+    }
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut g = SplitMix(seed);
+        (0..n).map(|_| g.normal()).collect()
+    }
+
+    #[test]
+    fn tensors_become_matrices_of_their_first_dimension_by_the_rest() {
+        assert_eq!(
+            Shape::of(&[64, 3, 3, 3], 4),
+            Some(Shape {
+                rows: 64,
+                cols: 27,
+                rank: 4
+            })
+        );
+        // the rank is at most the smaller side
+        assert_eq!(Shape::of(&[100, 2], 4), None); // factors (200 + 4) not below 200
+        assert_eq!(Shape::of(&[1000, 100], 20).map(|s| s.rank), Some(20));
+        assert_eq!(Shape::of(&[1000, 100], 200), None); // rank 100: factors 110,000 values
+        assert_eq!(Shape::of(&[100, 50], 80), None);
+        // vectors, scalars, empty tensors and rank 0 travel uncompressed
+        for dims in [&[1000][..], &[], &[0, 10], &[10, 0, 3]] {
+            assert_eq!(Shape::of(dims, 4), None, "{dims:?}");
+        }
+        assert_eq!(Shape::of(&[64, 64], 0), None);
+        assert_eq!(Shape::of(&[i64::MAX, i64::MAX], 4), None);
+    }
+
+    #[test]
+    fn three_ranks_over_three_steps_match_an_f64_reference() {
+        let s = Shape::of(&[7, 2, 3], 2).unwrap();
+        assert_eq!((s.rows, s.cols, s.rank), (7, 6, 2));
+        let ranks = 3;
+        let mut mems: Vec<Memory> = (0..ranks).map(|_| Memory::new(&s, 11)).collect();
+        assert!(
+            mems.windows(2).all(|w| w[0] == w[1]),
+            "Q agreed from the seed"
+        );
+        let mut reference = Reference {
+            rows: s.rows,
+            cols: s.cols,
+            rank: s.rank,
+            residual: vec![vec![vec![0.0; s.cols]; s.rows]; ranks],
+            q: (0..s.cols)
+                .map(|j| {
+                    (0..s.rank)
+                        .map(|k| mems[0].q[j * s.rank + k] as f64)
+                        .collect()
+                })
+                .collect(),
+        };
+        for t in 0..3 {
+            let grads: Vec<Vec<f32>> = (0..ranks)
+                .map(|k| values(s.len(), 100 * t + k as u64))
+                .collect();
+            let wide: Vec<Vec<f64>> = grads
+                .iter()
+                .map(|g| g.iter().map(|v| *v as f64).collect())
+                .collect();
+            let outs = step(&grads, &mut mems, &s);
+            let (want, residuals) = reference.step(&wide);
+            for k in 0..ranks {
+                for i in 0..s.rows {
+                    for j in 0..s.cols {
+                        let (got, w) = (outs[k][i * s.cols + j] as f64, want[i][j]);
+                        assert!(
+                            (got - w).abs() < 1e-4,
+                            "step {t} rank {k} ({i},{j}): {got} {w}"
+                        );
+                        let (e, we) = (mems[k].residual[i * s.cols + j] as f64, residuals[k][i][j]);
+                        assert!((e - we).abs() < 1e-4, "residual {t} {k}: {e} {we}");
+                    }
+                }
+                // every rank holds the same approximation and the same Q
+                assert_eq!(outs[k], outs[0]);
+                assert_eq!(mems[k].q, mems[0].q);
+            }
+        }
+    }
+
+    #[test]
+    fn what_is_sent_plus_the_residual_is_the_input_plus_the_last_residual() {
+        let s = Shape::of(&[20, 30], 3).unwrap();
+        let mut mems = vec![Memory::new(&s, 5), Memory::new(&s, 5)];
+        for t in 0..4 {
+            let grads = [values(s.len(), 2 * t), values(s.len(), 2 * t + 1)];
+            let before: Vec<Vec<f32>> = mems.iter().map(|m| m.residual.clone()).collect();
+            let outs = step(&grads, &mut mems, &s);
+            for k in 0..2 {
+                for i in 0..s.len() {
+                    let input = grads[k][i] + before[k][i];
+                    let sent = outs[k][i] + mems[k].residual[i];
+                    assert!((input - sent).abs() <= 1e-5 * (1.0 + input.abs()));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_matrix_of_the_factors_rank_comes_back_exactly() {
+        // every rank's M is the same rank-2 matrix: one power step recovers it
+        let s = Shape::of(&[12, 9], 2).unwrap();
+        let (a, b) = (values(12 * 2, 1), values(9 * 2, 2));
+        let m: Vec<f32> = (0..12)
+            .flat_map(|i| {
+                let (a, b) = (&a, &b);
+                (0..9).map(move |j| a[i * 2] * b[j * 2] + a[i * 2 + 1] * b[j * 2 + 1])
+            })
+            .collect();
+        let mut mems = vec![Memory::new(&s, 3); 4];
+        let outs = step(&vec![m.clone(); 4], &mut mems, &s);
+        for (got, want) in outs[0].iter().zip(&m) {
+            assert!((got - want).abs() < 1e-4, "{got} {want}");
+        }
+        assert!(mems[0].residual.iter().all(|e| e.abs() < 1e-4));
+    }
+
+    #[test]
+    fn orthogonalized_columns_are_orthonormal_and_zero_columns_stay_finite() {
+        let (rows, cols) = (10, 3);
+        let mut a = values(rows * cols, 9);
+        orthogonalize(&mut a, rows, cols);
+        for c in 0..cols {
+            for d in 0..cols {
+                let dot: f32 = (0..rows).map(|r| a[r * cols + c] * a[r * cols + d]).sum();
+                let want = if c == d { 1.0 } else { 0.0 };
+                assert!((dot - want).abs() < 1e-5, "{c} {d}: {dot}");
+            }
+        }
+        let mut zeros = vec![0.0f32; 12];
+        orthogonalize(&mut zeros, 4, 3);
+        assert!(zeros.iter().all(|v| v.is_finite() && *v == 0.0));
+    }
+}
