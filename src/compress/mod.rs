@@ -6,6 +6,7 @@
 pub mod multistep;
 pub mod powersgd;
 pub mod quantize;
+pub mod topk;
 
 use std::sync::Mutex;
 
