@@ -12,7 +12,7 @@
 use crate::error::{Error, Result};
 
 /// Bytes of one pair on the wire: a little-endian u32 index, then the f32 value.
-pub const PAIR_BYTES: usize = 8;
+pub(crate) const PAIR_BYTES: usize = 8;
 
 /// Pairs sent for a tensor of `len` values at `ratio` (0 < ratio <= 1): at least one, at most
 /// all of them.
