@@ -311,6 +311,8 @@ def _on_done(key, _hid, _status):
     with _works_lock:
         claimed = _claimed.pop(key, None)
         work = _works.get(key)
+        if work is not None:
+            work._called = True
     if claimed is not None:
         claimed._released.set()
         return
@@ -406,6 +408,8 @@ class _Work(dist.Work):
         # ferrovod's thread, never by the completion thread, so that a Future's callback there
         # may wait on it
         self._released = _Latch()
+        # ferrovod's callback came while the Work was still in `_works`
+        self._called = False
         # set once the Future is (a host-side signal: waiting on it orders no stream)
         self._finished = _Latch()
         # CUDA: recorded on the side stream after the result's copies (is_completed, as NCCL's)
@@ -467,7 +471,8 @@ class _Work(dist.Work):
         self._submitted.wait()
         with _works_lock:
             mine = _works.pop(self._key, None) is self
-            if mine:
+            if mine and not self._called:
+                # until its callback comes (if it came already, nothing is left to wait for)
                 _claimed[self._key] = self
         if mine:
             self._complete()
