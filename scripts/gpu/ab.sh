@@ -2,7 +2,8 @@
 # A/B of builds on a GPU machine, alternating them within one device call (the ResNet-50 figure
 # moves by +-15 % between machines, less between runs on one machine). Builds nothing: copy
 # each build's stripped `ferrovod-bench` into .gpu/ under its own name first.
-# Usage: bash scripts/gpu/ab.sh ROUNDS VARIANT...   VARIANT = binary[:VAR=value[,VAR=value]]
+# Usage: [NP=4] bash scripts/gpu/ab.sh ROUNDS VARIANT...   VARIANT = binary[:VAR=value[,VAR=value]]
+# (NP ranks, 2 unless set)
 # Prints one line per run (ratio, enqueue median, step and one-allreduce times); the probe of
 # each variant's first run goes to stderr. Summarise with scripts/gpu/ab_summary.py.
 set -uo pipefail
@@ -19,7 +20,7 @@ for i in $(seq "$rounds"); do
     if [ "$v" != "$b" ]; then
       for e in $(echo "${v#*:}" | tr ',' ' '); do envs+=(-x "$e"); done
     fi
-    r=$(mpirun -np 2 --bind-to none -x NCCL_NVLS_ENABLE -x NCCL_RUNTIME_CONNECT -x FERROVOD_DATA_DIR "${envs[@]}" \
+    r=$(mpirun -np "${NP:-2}" --bind-to none -x NCCL_NVLS_ENABLE -x NCCL_RUNTIME_CONNECT -x FERROVOD_DATA_DIR "${envs[@]}" \
       "./.gpu/$b" gpu --min-bytes 2 --max-bytes 1 2>&1)
     echo "$v $(echo "$r" | grep -oE 'ratio [0-9.]+') $(echo "$r" | grep -oE 'enqueue \(us each\): median [0-9.]+') $(echo "$r" | grep -oE '(ferrovod|one NCCL allreduce) [0-9.]+ us' | tr '\n' ' ')"
     if [ "$i" = 1 ]; then

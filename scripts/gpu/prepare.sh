@@ -24,6 +24,9 @@ cp "$data/resnet50_grads.tsv" "$data/bert_base_grads.tsv" .gpu/data/
 bash scripts/wheel.sh >/dev/null
 mkdir -p .gpu/wheels
 cp dist/ferrovod-*.whl .gpu/wheels/
+# PyTorch's test utilities (scripts/torch-tests.sh there) import expecttest, which neither
+# torch nor setup-python.sh installs
+.venv/bin/python -c "import expecttest" 2>/dev/null || .venv/bin/python -m pip install -q expecttest
 pins=$(.venv/bin/python -c 'import importlib.metadata as md
 print(" ".join("%s==%s" % (p, md.version(p)) for p in
       ("cloudpickle", "packaging", "pytest", "pluggy", "iniconfig", "pygments", "expecttest")))')
