@@ -186,6 +186,11 @@ enum fv_compression
    8-bit min-max quantization with error feedback (residuals kept per tensor name).
    */
   FV_COMPRESSION_U8 = 5,
+  /*
+   PowerSGD: matrices as two low-rank factors with error feedback (state kept per tensor
+   name; the rank is the job's `FERROVOD_POWERSGD_RANK`).
+   */
+  FV_COMPRESSION_POWERSGD = 6,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -299,6 +304,10 @@ typedef struct fv_metrics {
    ... and as 8-bit blocks (values only, without the blocks' minimum and step).
    */
   uint64_t wire_u8;
+  /*
+   ... and as PowerSGD's two factors.
+   */
+  uint64_t wire_powersgd;
 } fv_metrics;
 
 /*

@@ -175,12 +175,23 @@ pub enum OpCompression {
     Mixed = 4,
     /// 8-bit min-max quantization with error feedback (residuals kept per tensor name).
     U8 = 5,
+    /// PowerSGD: matrices as two low-rank factors with error feedback (state kept per tensor
+    /// name; the rank is the job's `FERROVOD_POWERSGD_RANK`).
+    Powersgd = 6,
 }
 
 /// The core's compression for a C value (None: the job's); an error for unknown values.
 fn compression(c: i32) -> Result<Option<Compression>> {
     use OpCompression as C;
-    let known = [C::Default, C::None, C::Fp16, C::Bf16, C::Mixed, C::U8];
+    let known = [
+        C::Default,
+        C::None,
+        C::Fp16,
+        C::Bf16,
+        C::Mixed,
+        C::U8,
+        C::Powersgd,
+    ];
     let k = (known.into_iter().find(|k| *k as i32 == c))
         .ok_or_else(|| Error::InvalidArgument(format!("unknown compression {c}")))?;
     Ok(match k {
@@ -190,6 +201,7 @@ fn compression(c: i32) -> Result<Option<Compression>> {
         C::Bf16 => Some(Compression::Bf16),
         C::Mixed => Some(Compression::Mixed),
         C::U8 => Some(Compression::U8),
+        C::Powersgd => Some(Compression::PowerSgd),
     })
 }
 
@@ -472,6 +484,8 @@ pub struct fv_metrics {
     pub wire_bf16: u64,
     /// ... and as 8-bit blocks (values only, without the blocks' minimum and step).
     pub wire_u8: u64,
+    /// ... and as PowerSGD's two factors.
+    pub wire_powersgd: u64,
 }
 
 /// Reads the counters into `*out`.
@@ -495,6 +509,7 @@ pub extern "C" fn fv_read_metrics(out: *mut fv_metrics) -> Status {
                 wire_fp16: m.wire_fp16,
                 wire_bf16: m.wire_bf16,
                 wire_u8: m.wire_u8,
+                wire_powersgd: m.wire_powersgd,
             },
             "out",
         )

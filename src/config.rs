@@ -163,6 +163,8 @@ pub struct Config {
     /// `FERROVOD_COMPRESSION_MIN_BYTES`: under `mixed`, tensors below this size stay f32
     /// (unset: `compress::MIXED_MIN_BYTES`).
     pub compression_min_bytes: Option<usize>,
+    /// `FERROVOD_POWERSGD_RANK`: under `powersgd`, the factors' columns.
+    pub powersgd_rank: usize,
     /// AIACC's `PERSEUS_ALLREDUCE_NANCHECK`: allreduces whose result holds NaN or Inf fail
     /// (`compress::check_finite`).
     pub nan_check: bool,
@@ -376,6 +378,12 @@ impl Config {
             ring_min_bytes: src.opt_num("FERROVOD_RING_MIN_BYTES", 0, MAX_BYTES),
             compression: compression_from(&src),
             compression_min_bytes: src.opt_num("FERROVOD_COMPRESSION_MIN_BYTES", 0, MAX_BYTES),
+            powersgd_rank: src.num(
+                "FERROVOD_POWERSGD_RANK",
+                crate::compress::POWERSGD_RANK,
+                1,
+                1024,
+            ),
             nan_check: src.bool("PERSEUS_ALLREDUCE_NANCHECK"),
             multistep: src.num("FERROVOD_MULTISTEP", 1, 1, 1 << 20),
             gossip_sync_every: src.num("FERROVOD_GOSSIP_SYNC_EVERY", 10, 0, 1 << 20),
@@ -404,7 +412,7 @@ fn compression_from(src: &Source) -> crate::message::Compression {
     ) {
         (Some(v), _) => Compression::parse(&v).unwrap_or_else(|| {
             tracing::warn!(
-                "FERROVOD_COMPRESSION={v} is not none, fp16, bf16, mixed or u8; using none"
+                "FERROVOD_COMPRESSION={v} is not none, fp16, bf16, mixed, u8 or powersgd; using none"
             );
             Compression::None
         }),

@@ -182,18 +182,22 @@ pub enum Compression {
     Mixed,
     /// 8-bit min-max quantization with error feedback (`compress::quantize`).
     U8,
+    /// Matrices as two low-rank factors with error feedback (`compress::powersgd`); the rank
+    /// is the job's `FERROVOD_POWERSGD_RANK`.
+    PowerSgd,
 }
 
 impl Compression {
-    pub const ALL: [Compression; 5] = [
+    pub const ALL: [Compression; 6] = [
         Compression::None,
         Compression::Fp16,
         Compression::Bf16,
         Compression::Mixed,
         Compression::U8,
+        Compression::PowerSgd,
     ];
 
-    /// `none`, `fp16`, `bf16`, `mixed` or `u8` (`FERROVOD_COMPRESSION`).
+    /// `none`, `fp16`, `bf16`, `mixed`, `u8` or `powersgd` (`FERROVOD_COMPRESSION`).
     pub fn parse(s: &str) -> Option<Compression> {
         let s = s.trim().to_ascii_lowercase();
         Compression::ALL.into_iter().find(|c| c.name() == s)
@@ -206,6 +210,7 @@ impl Compression {
             Compression::Bf16 => "bf16",
             Compression::Mixed => "mixed",
             Compression::U8 => "u8",
+            Compression::PowerSgd => "powersgd",
         }
     }
 

@@ -28,7 +28,7 @@ pub const ONCE_WINDOW: u64 = 128;
 const REMEMBERED: usize = 1 << 16;
 
 /// A key's hash, the same on every rank and in every run.
-fn fingerprint<K: Hash>(key: &K) -> u64 {
+pub(crate) fn fingerprint<K: Hash>(key: &K) -> u64 {
     use std::hash::Hasher;
     #[allow(deprecated)]
     let mut h = std::hash::SipHasher::new();

@@ -33,7 +33,8 @@ class Framework:
 
 
 def compression_for(fw):
-    """The `Compression` namespace (none, fp16, bf16, mixed, u8) over framework `fw`."""
+    """The `Compression` namespace (none, fp16, bf16, mixed, u8, powersgd) over framework
+    `fw`."""
 
     class NoneCompressor(Compressor):
         """Nothing compressed here (the job's FERROVOD_COMPRESSION still applies in the core)."""
@@ -81,12 +82,25 @@ def compression_for(fw):
 
         core = _core.COMPRESSION_U8
 
+    class PowerSGDCompressor(NoneCompressor):
+        """ferrovod extension: float32 sums and averages of matrices (a tensor seen as its first
+        dimension by the rest) travel as PowerSGD's two low-rank factors with error feedback,
+        state kept per tensor name, rank FERROVOD_POWERSGD_RANK; vectors and matrices whose
+        factors would not be smaller travel as they are. Host memory only so far: GPU tensors
+        travel as they are."""
+
+        core = _core.COMPRESSION_POWERSGD
+        # the core needs each gradient's own shape: optimizers must not flatten gradients into
+        # buckets for it
+        keeps_shapes = True
+
     class Compression:
         none = NoneCompressor
         fp16 = FP16Compressor
         bf16 = BF16Compressor
         mixed = MixedCompressor
         u8 = U8Compressor
+        powersgd = PowerSGDCompressor
 
     return Compression
 

@@ -223,13 +223,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _bucketable(self, trained):
         """Whether the gradients can travel in buckets: no `groups` (Horovod's grouping
         stands), and no compressor that must run in Python on each gradient (the core's codecs
-        take float32 buffers whole)."""
+        take float32 buffers whole) or that needs each gradient's shape (PowerSGD)."""
         if self._groups is not None or not trained:
             return False
         if self._compression is None or self._compression is Compression.none:
             return True
         return (all(p.dtype == torch.float32 for p in trained)
-                and core_codec(self._compression, True, self.op) is not None)
+                and core_codec(self._compression, True, self.op) is not None
+                and not getattr(self._compression, "keeps_shapes", False))
 
     def _scales(self):
         if self.op == Average:

@@ -9,6 +9,7 @@ pub mod gossip;
 pub mod hierarchical;
 pub mod kernels;
 pub mod layout;
+pub mod lowrank;
 pub mod native;
 pub mod p2p;
 pub mod plan;
@@ -106,8 +107,11 @@ impl Encoding {
             match self.codec {
                 Codec::None => elementwise::copy_scaled(d, s, self.dtype, self.pre)?,
                 Codec::Half(w) => lost[t] += elementwise::encode_half(d, s, w, self.pre)?,
-                Codec::U8 => {
-                    return Err(Error::Internal("u8 batches are not packed as bytes".into()));
+                Codec::U8 | Codec::PowerSgd(_) => {
+                    return Err(Error::Internal(format!(
+                        "{:?} batches are not packed as bytes",
+                        self.codec
+                    )));
                 }
             }
         }
@@ -123,10 +127,11 @@ impl Encoding {
             match self.codec {
                 Codec::None => elementwise::copy_scaled(d, s, self.dtype, self.post)?,
                 Codec::Half(w) => elementwise::decode_half(d, s, w, self.post)?,
-                Codec::U8 => {
-                    return Err(Error::Internal(
-                        "u8 batches are not unpacked as bytes".into(),
-                    ));
+                Codec::U8 | Codec::PowerSgd(_) => {
+                    return Err(Error::Internal(format!(
+                        "{:?} batches are not unpacked as bytes",
+                        self.codec
+                    )));
                 }
             }
         }
@@ -211,6 +216,9 @@ pub fn allreduce_batch(
     let enc = Encoding::of(codec, head, t.size())?;
     if codec == Codec::U8 {
         return allreduce_u8(t, &enc, wire.feedback, resps, ios, fusion, act);
+    }
+    if let Codec::PowerSgd(rank) = codec {
+        return lowrank::allreduce(t, &enc, rank, wire.powersgd, resps, ios, act);
     }
     let phase = phase(how);
     if ios.len() == 1 && codec == Codec::None {

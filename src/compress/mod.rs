@@ -31,13 +31,19 @@ pub struct Codecs {
     pub setting: Compression,
     /// `mixed`: tensors of at least this many bytes travel compressed.
     pub min_bytes: usize,
+    /// `powersgd`: the factors' columns (`FERROVOD_POWERSGD_RANK`).
+    pub powersgd_rank: usize,
 }
+
+/// PowerSGD's factor width unless `FERROVOD_POWERSGD_RANK` says otherwise.
+pub const POWERSGD_RANK: usize = 4;
 
 impl Default for Codecs {
     fn default() -> Codecs {
         Codecs {
             setting: Compression::None,
             min_bytes: MIXED_MIN_BYTES,
+            powersgd_rank: POWERSGD_RANK,
         }
     }
 }
@@ -46,7 +52,8 @@ impl Codecs {
     /// The codec of one tensor: a pure function of its agreed response and the agreed settings
     /// (identical on every rank). Only f32 sums, averages and gossip compress: a 16-bit min,
     /// max or product would change results beyond rounding, and other dtypes gain nothing or
-    /// lose range.
+    /// lose range. PowerSGD takes host allreduces of matrices whose factors are smaller than
+    /// they are; vectors, small matrices, gossip and GPU tensors travel as they are.
     pub fn of(&self, r: &Response) -> Codec {
         let reduces = match r.kind {
             OpKind::Allreduce => matches!(r.reduce_op, ReduceOp::Sum | ReduceOp::Average),
@@ -64,6 +71,14 @@ impl Codecs {
             Compression::Mixed if r.fused_bytes() >= self.min_bytes => Codec::Half(DataType::F16),
             Compression::Mixed => Codec::None,
             Compression::U8 => Codec::U8,
+            Compression::PowerSgd => {
+                let host_allreduce =
+                    r.kind == OpKind::Allreduce && r.device == crate::message::CPU_DEVICE;
+                match powersgd::Shape::of(&r.shape, self.powersgd_rank) {
+                    Some(s) if host_allreduce => Codec::PowerSgd(s.rank),
+                    _ => Codec::None,
+                }
+            }
         }
     }
 }
@@ -100,6 +115,13 @@ impl Reduction {
                 (ReduceOp::Sum, head.prescale, head.postscale / size as f64)
             }
             (Codec::U8, ReduceOp::Sum) => (ReduceOp::Sum, head.prescale, head.postscale),
+            // the factors are summed; the approximation is of the ranks' average
+            (Codec::PowerSgd(_), ReduceOp::Average) => {
+                (ReduceOp::Sum, head.prescale, head.postscale)
+            }
+            (Codec::PowerSgd(_), ReduceOp::Sum) => {
+                (ReduceOp::Sum, head.prescale, head.postscale * size as f64)
+            }
             (codec, other) => {
                 return Err(Error::Internal(format!(
                     "a {other:?} allreduce cannot travel as {codec:?}"
@@ -173,6 +195,10 @@ pub enum Codec {
     /// an allgather of the blocks (8-bit values cannot simply be summed) and summed in f32;
     /// what each rank's rounding lost is added to the tensor's next contribution (`Feedback`).
     U8,
+    /// f32 matrices as PowerSGD's two factors of this many columns, each summed by an f32
+    /// allreduce; what the approximation misses is added to the tensor's next contribution
+    /// (`PowerMemory`).
+    PowerSgd(usize),
 }
 
 impl Codec {
@@ -182,6 +208,18 @@ impl Codec {
             Codec::None => dtype,
             Codec::Half(w) => w,
             Codec::U8 => DataType::U8,
+            Codec::PowerSgd(_) => dtype,
+        }
+    }
+
+    /// The bytes `r`'s values take on the wire under this codec: PowerSGD's are its two
+    /// factors, each summed once (u8's are its values, without the blocks' headers).
+    pub fn wire_bytes(self, r: &Response) -> usize {
+        let bytes = r.num_elements().max(0) as usize * r.dtype.size();
+        match self {
+            Codec::PowerSgd(rank) => powersgd::Shape::of(&r.shape, rank)
+                .map_or(bytes, |s| (s.p_len() + s.q_len()) * r.dtype.size()),
+            _ => bytes / r.dtype.size() * self.wire(r.dtype).size(),
         }
     }
 }
@@ -283,11 +321,13 @@ impl DeviceFeedback {
     }
 }
 
-/// A batch's codec and, for `u8`, where residuals live.
+/// A batch's codec and where its per-tensor state lives: `u8`'s residuals, PowerSGD's
+/// residuals and factors.
 #[derive(Clone, Copy)]
 pub struct Wire<'a> {
     pub codec: Codec,
     pub feedback: &'a Feedback,
+    pub powersgd: &'a powersgd::PowerMemory,
 }
 
 #[cfg(test)]
@@ -318,6 +358,39 @@ mod tests {
             setting,
             ..Codecs::default()
         }
+    }
+
+    #[test]
+    fn powersgd_takes_host_allreduces_of_matrices_whose_factors_are_smaller() {
+        let c = codecs(Compression::PowerSgd);
+        let with = |shape: &[i64], kind, op, device| {
+            let mut r = resp(kind, DataType::F32, op);
+            (r.shape, r.device) = (shape.to_vec(), device);
+            c.of(&r)
+        };
+        let host = crate::message::CPU_DEVICE;
+        let (ar, sum, avg) = (OpKind::Allreduce, ReduceOp::Sum, ReduceOp::Average);
+        assert_eq!(with(&[64, 3, 3, 3], ar, sum, host), Codec::PowerSgd(4));
+        assert_eq!(with(&[64, 32], ar, avg, host), Codec::PowerSgd(4));
+        // factors as wide as the matrix's smaller side would be larger than it
+        assert_eq!(with(&[3, 1000], ar, sum, host), Codec::None);
+        assert_eq!(with(&[5, 1000], ar, sum, host), Codec::PowerSgd(4));
+        // vectors, small matrices, other reductions, gossip and GPU tensors as they are
+        assert_eq!(with(&[4096], ar, sum, host), Codec::None);
+        assert_eq!(with(&[4, 4], ar, sum, host), Codec::None);
+        assert_eq!(with(&[64, 32], ar, ReduceOp::Max, host), Codec::None);
+        assert_eq!(with(&[64, 32], OpKind::Gossip, avg, host), Codec::None);
+        assert_eq!(with(&[64, 32], ar, sum, 0), Codec::None);
+        // a sum's approximation is of the average, times the ranks
+        let mut r = resp(ar, DataType::F32, sum);
+        r.shape = vec![64, 32];
+        let red = Reduction::of(Codec::PowerSgd(4), &r, 4).unwrap();
+        assert_eq!((red.op, red.post, red.wire), (sum, 4.0, DataType::F32));
+        let red = Reduction::of(Codec::PowerSgd(4), &resp(ar, DataType::F32, avg), 4).unwrap();
+        assert_eq!(red.post, 1.0);
+        // on the wire: the two factors, (64 + 32) x 4 values
+        assert_eq!(Codec::PowerSgd(4).wire_bytes(&r), (64 + 32) * 4 * 4);
+        assert_eq!(Codec::U8.wire_bytes(&r), 64 * 32);
     }
 
     #[test]
@@ -393,6 +466,7 @@ mod tests {
         let p = Codecs {
             setting: Compression::Mixed,
             min_bytes: 4096,
+            powersgd_rank: crate::compress::POWERSGD_RANK,
         };
         let mut r = resp(OpKind::Allreduce, DataType::F32, ReduceOp::Average);
         r.shape = vec![1023];

@@ -12,6 +12,10 @@
 //! Everything here is a function of agreed data (the shape, the rank, a seed) and of the
 //! rank's own values, so the ranks' factors and approximations agree.
 
+use std::sync::Mutex;
+
+use crate::store::{self, Recent};
+
 /// A tensor's matrix view and its factors' width.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Shape {
@@ -59,10 +63,14 @@ impl Shape {
 }
 
 /// What one tensor keeps from step to step: the residual of its last step and its Q.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Memory {
     pub residual: Vec<f32>,
     pub q: Vec<f32>,
+    /// The agreed seed of Q's draws, and the draws so far (a column of Q that vanished is
+    /// drawn again: `finish`).
+    pub seed: u64,
+    pub draws: u64,
 }
 
 impl Memory {
@@ -75,7 +83,49 @@ impl Memory {
         Memory {
             residual: vec![0.0; shape.len()],
             q,
+            seed,
+            draws: 0,
         }
+    }
+}
+
+/// Each tensor's `Memory`, per tensor name: the residual and the warm-started Q of its last
+/// step. Shared by a process set's communicators, whichever runs a tensor's batch, and bounded
+/// as `store` says: unnamed tensors keep none (each call starts afresh), and names unused for
+/// the store's window are dropped. Used in the agreed batch order, so every rank keeps and
+/// drops the same Q.
+#[derive(Default)]
+pub struct PowerMemory(Mutex<Recent<String, Memory>>);
+
+impl PowerMemory {
+    /// `name`'s memory, taken out (a first step's if none, or if the tensor's shape changed);
+    /// its entry stays, so that a steady step allocates neither the name nor the values again.
+    pub fn take(&self, name: &str, shape: &Shape) -> Memory {
+        let mut map = self.0.lock().expect("powersgd memory");
+        match map.take(&name.to_owned()).0 {
+            Some(m) if m.residual.len() == shape.len() && m.q.len() == shape.q_len() => m,
+            _ => Memory::new(shape, store::fingerprint(&name)),
+        }
+    }
+
+    pub fn put(&self, name: &str, memory: Memory) {
+        if store::is_unnamed(name) {
+            return;
+        }
+        let mut map = self.0.lock().expect("powersgd memory");
+        match map.touch(&name.to_owned()) {
+            Some(slot) => *slot = memory,
+            None => map.put(name.to_owned(), memory),
+        }
+    }
+
+    /// Names holding a memory.
+    pub fn len(&self) -> usize {
+        self.0.lock().expect("powersgd memory").len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -134,19 +184,41 @@ pub fn finish(
             mem.residual[i * s.cols + j] = m[i * s.cols + j] - v;
         }
     }
+    // a column of P that vanished (M of lower rank than the factors) gave a zero column of
+    // Q, which the next step's P = M Q would keep at zero for good: it is drawn again, alike
+    // on every rank (the sum is agreed, and so are the seed and the draws)
+    for c in 0..s.rank {
+        if (0..s.cols).all(|j| q_sum[j * s.rank + c] == 0.0) {
+            mem.draws += 1;
+            let mut rng = SplitMix(mem.seed ^ mem.draws.wrapping_mul(0xD1B5_4A32_D192_ED03));
+            (0..s.cols).for_each(|j| q_sum[j * s.rank + c] = rng.normal());
+        }
+    }
     mem.q = q_sum;
 }
 
 /// Gram-Schmidt on the `cols` columns of a row-major `rows` × `cols` matrix: each column
-/// normalised, then removed from the ones after it. A column that vanishes stays (near) zero
-/// rather than dividing by zero.
+/// normalised, then removed from the ones after it. A column that the earlier ones (nearly)
+/// span becomes zero: what is left of it is rounding, which normalised would be a direction
+/// of no meaning and not orthogonal to the others (a matrix of lower rank than the factors
+/// would then come back wrong).
 pub fn orthogonalize(a: &mut [f32], rows: usize, cols: usize) {
     const EPS: f32 = 1e-8;
-    for c in 0..cols {
-        let norm = (0..rows)
+    // left of a column, relative to its norm before the projections, below which it is rounding
+    const SPANNED: f32 = 1e-4;
+    let norm_of = |a: &[f32], c: usize| {
+        (0..rows)
             .map(|r| a[r * cols + c] * a[r * cols + c])
             .sum::<f32>()
-            .sqrt();
+            .sqrt()
+    };
+    let before: Vec<f32> = (0..cols).map(|c| norm_of(a, c)).collect();
+    for c in 0..cols {
+        let norm = norm_of(a, c);
+        if norm <= SPANNED * before[c] {
+            (0..rows).for_each(|r| a[r * cols + c] = 0.0);
+            continue;
+        }
         for r in 0..rows {
             a[r * cols + c] /= norm + EPS;
         }
@@ -412,6 +484,47 @@ mod tests {
             assert!((got - want).abs() < 1e-4, "{got} {want}");
         }
         assert!(mems[0].residual.iter().all(|e| e.abs() < 1e-4));
+    }
+
+    #[test]
+    fn a_matrix_of_lower_rank_than_the_factors_comes_back_exactly_step_after_step() {
+        // rank 1 under factors of rank 4 (a linear layer's gradient of one sample): two
+        // columns of P are rounding only
+        let s = Shape::of(&[20, 16], 4).unwrap();
+        let (a, b) = (values(20, 5), values(16, 6));
+        let m: Vec<f32> = (0..20 * 16).map(|x| a[x / 16] * b[x % 16]).collect();
+        let mut mems = vec![Memory::new(&s, 11); 3];
+        for k in 0..3 {
+            let outs = step(&vec![m.clone(); 3], &mut mems, &s);
+            for (got, want) in outs[1].iter().zip(&m) {
+                assert!((got - want).abs() < 1e-4, "step {k}: {got} {want}");
+            }
+            // no column of Q stays zero, and every rank's Q is the same
+            for c in 0..s.rank {
+                assert!((0..s.cols).any(|j| mems[0].q[j * s.rank + c] != 0.0));
+            }
+            assert!(mems.iter().all(|mm| mm.q == mems[0].q));
+        }
+    }
+
+    #[test]
+    fn memory_is_kept_per_name_reset_on_a_new_shape_and_never_kept_for_unnamed_tensors() {
+        let store = PowerMemory::default();
+        let s = Shape::of(&[8, 6], 2).unwrap();
+        let first = store.take("w", &s);
+        // the same name draws the same Q everywhere; another name another one
+        assert_eq!(first, PowerMemory::default().take("w", &s));
+        assert_ne!(first.q, store.take("v", &s).q);
+        let mut kept = first.clone();
+        kept.residual[3] = 1.5;
+        store.put("w", kept.clone());
+        assert_eq!(store.take("w", &s), kept);
+        store.put("w", kept.clone());
+        // a new shape starts afresh
+        let t = Shape::of(&[6, 8], 2).unwrap();
+        assert!(store.take("w", &t).residual.iter().all(|v| *v == 0.0));
+        store.put("allreduce.noname.7", kept);
+        assert_eq!(store.len(), 1);
     }
 
     #[test]

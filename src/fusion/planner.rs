@@ -150,6 +150,7 @@ mod tests {
     const NONE: Codecs = Codecs {
         setting: Compression::None,
         min_bytes: 0,
+        powersgd_rank: crate::compress::POWERSGD_RANK,
     };
 
     fn resp(name: &str, kind: OpKind, dtype: DataType, elems: i64) -> Response {
@@ -334,6 +335,7 @@ mod tests {
         let mixed = Codecs {
             setting: Compression::Mixed,
             min_bytes: 64,
+            powersgd_rank: crate::compress::POWERSGD_RANK,
         };
         let mut d = resp("d", OpKind::Allreduce, DataType::F32, 16);
         d.compression = Some(Compression::None);

@@ -300,7 +300,7 @@ mod tests {
             reduce_op: ReduceOp::Max,
             prescale: 0.5,
             postscale: 2.0,
-            compression: Compression::from_code(i as usize % 5),
+            compression: Compression::from_code(i as usize % Compression::ALL.len()),
             multistep: Multistep {
                 every: i as u32,
                 warmup: 7,

@@ -263,6 +263,8 @@ const BLOCK_CALLS: usize = 8;
 pub(crate) struct Carried {
     /// The `u8` codec's residuals.
     pub feedback: Feedback,
+    /// PowerSGD's residuals and factors.
+    pub powersgd: crate::compress::powersgd::PowerMemory,
     /// Gossiped tensors' rounds.
     pub rounds: gossip::Rounds,
     /// Compressed gossip's public copies.
@@ -342,11 +344,10 @@ impl Executor {
         sink: ActivitySink,
     ) -> Result<Option<gpu::Recorded>> {
         let head = resps[0];
-        let bytes = batch_bytes(resps);
         if plan.route == Route::Hierarchical {
             rt.metrics.add_hierarchical_batch();
         }
-        rt.metrics.add_wire(plan.codec, head.dtype, bytes as u64);
+        rt.metrics.add_wire(plan.codec, resps.iter().copied());
         let codec = plan.codec;
         if head.kind == OpKind::Gossip && plan.route != Route::Pairs {
             // the exact average, run as an allreduce batch: no rounds (`plan::choose`)
@@ -385,6 +386,7 @@ impl Executor {
         let wire = Wire {
             codec,
             feedback: &self.carried.feedback,
+            powersgd: &self.carried.powersgd,
         };
         // host memory is ready when enqueued
         sink(Some("WAIT_FOR_DATA"));
@@ -434,6 +436,7 @@ impl Executor {
         let wire = Wire {
             codec: plan.codec,
             feedback,
+            powersgd: &self.carried.powersgd,
         };
         // counted where it runs: a batch whose flag travels with it never takes the hierarchy
         let mut run =

@@ -444,7 +444,7 @@ pub(crate) fn run_plan_batch(
         return Ok(true);
     }
     rt.metrics.add_batch(entries.len() as u64, bytes as u64);
-    rt.metrics.add_wire(codec, resps[0].dtype, bytes as u64);
+    rt.metrics.add_wire(codec, resps.iter());
     let outcome = match plan.nan_check {
         true => {
             let mut ios: Vec<&mut dyn TensorIo> =

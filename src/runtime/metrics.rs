@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use crate::compress::Codec;
 use crate::dtype::DataType;
+use crate::message::Response;
 
 #[derive(Default)]
 pub struct Metrics {
@@ -24,6 +25,7 @@ pub struct Metrics {
     wire_fp16: AtomicU64,
     wire_bf16: AtomicU64,
     wire_u8: AtomicU64,
+    wire_powersgd: AtomicU64,
 }
 
 /// A copy of the counters at one moment. Every field counts from init.
@@ -56,6 +58,8 @@ pub struct MetricsSnapshot {
     pub wire_bf16: u64,
     /// ... and as 8-bit blocks (values only, without the blocks' headers).
     pub wire_u8: u64,
+    /// ... and as PowerSGD's two factors.
+    pub wire_powersgd: u64,
 }
 
 impl Metrics {
@@ -77,14 +81,19 @@ impl Metrics {
         }
     }
 
-    /// A batch of `bytes` tensor bytes put on the wire as `codec` carries them.
-    pub(crate) fn add_wire(&self, codec: Codec, dtype: DataType, bytes: u64) {
-        let wire = bytes / dtype.size() as u64 * codec.wire(dtype).size() as u64;
+    /// A batch's tensors put on the wire as `codec` carries them.
+    pub(crate) fn add_wire<'a>(&self, codec: Codec, resps: impl IntoIterator<Item = &'a Response>) {
+        let wire = resps.into_iter().map(|r| codec.wire_bytes(r) as u64).sum();
+        self.add_wire_bytes(codec, wire);
+    }
+
+    fn add_wire_bytes(&self, codec: Codec, wire: u64) {
         let counter = match codec {
             Codec::None => &self.wire_uncompressed,
             Codec::Half(DataType::BF16) => &self.wire_bf16,
             Codec::Half(_) => &self.wire_fp16,
             Codec::U8 => &self.wire_u8,
+            Codec::PowerSgd(_) => &self.wire_powersgd,
         };
         counter.fetch_add(wire, Ordering::Relaxed);
     }
@@ -114,6 +123,7 @@ impl Metrics {
             wire_fp16: get(&self.wire_fp16),
             wire_bf16: get(&self.wire_bf16),
             wire_u8: get(&self.wire_u8),
+            wire_powersgd: get(&self.wire_powersgd),
         }
     }
 }
@@ -131,10 +141,11 @@ mod tests {
         m.add_batch(4, 400);
         m.add_graph_launch();
         m.add_hierarchical_batch();
-        m.add_wire(Codec::None, DataType::F64, 80);
-        m.add_wire(Codec::Half(DataType::F16), DataType::F32, 400);
-        m.add_wire(Codec::Half(DataType::BF16), DataType::F32, 40);
-        m.add_wire(Codec::U8, DataType::F32, 40);
+        m.add_wire_bytes(Codec::None, 80);
+        m.add_wire_bytes(Codec::Half(DataType::F16), 200);
+        m.add_wire_bytes(Codec::Half(DataType::BF16), 20);
+        m.add_wire_bytes(Codec::U8, 10);
+        m.add_wire_bytes(Codec::PowerSgd(4), 7);
         assert_eq!(
             m.snapshot(),
             MetricsSnapshot {
@@ -152,6 +163,7 @@ mod tests {
                 wire_fp16: 200,
                 wire_bf16: 20,
                 wire_u8: 10,
+                wire_powersgd: 7,
             }
         );
     }

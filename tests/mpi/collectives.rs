@@ -1653,3 +1653,171 @@ pub(crate) fn compressed_in_sets() {
     );
     finish_job();
 }
+
+/// One tensor's PowerSGD in f64, written plainly from the method's formulas: the reference the
+/// runtime's batches are held to. Every rank computes every rank's part (the inputs are
+/// functions of the rank), so each can check its own output.
+struct PowerReference {
+    rows: usize,
+    cols: usize,
+    rank: usize,
+    /// cols × rank, agreed.
+    q: Vec<f64>,
+    /// Per rank, rows × cols.
+    residual: Vec<Vec<f64>>,
+}
+
+impl PowerReference {
+    fn new(shape: &[i64], rank: usize, q0: &[f32], ranks: usize) -> PowerReference {
+        let rows = shape[0] as usize;
+        let cols = shape[1..].iter().product::<i64>() as usize;
+        PowerReference {
+            rows,
+            cols,
+            rank,
+            q: q0.iter().map(|v| *v as f64).collect(),
+            residual: vec![vec![0.0; rows * cols]; ranks],
+        }
+    }
+
+    /// One step over every rank's (prescaled) gradient: the approximation of their average.
+    fn step(&mut self, grads: &[Vec<f64>]) -> Vec<f64> {
+        let (n, m, k) = (self.rows, self.cols, self.rank);
+        let ms: Vec<Vec<f64>> = (grads.iter().zip(&self.residual))
+            .map(|(g, e)| g.iter().zip(e).map(|(a, b)| a + b).collect())
+            .collect();
+        let mut p = vec![0.0; n * k];
+        for mm in &ms {
+            for i in 0..n {
+                for c in 0..k {
+                    p[i * k + c] += (0..m)
+                        .map(|j| mm[i * m + j] * self.q[j * k + c])
+                        .sum::<f64>();
+                }
+            }
+        }
+        for c in 0..k {
+            let norm = (0..n).map(|i| p[i * k + c].powi(2)).sum::<f64>().sqrt();
+            (0..n).for_each(|i| p[i * k + c] /= norm + 1e-8);
+            for d in c + 1..k {
+                let dot: f64 = (0..n).map(|i| p[i * k + c] * p[i * k + d]).sum();
+                (0..n).for_each(|i| p[i * k + d] -= dot * p[i * k + c]);
+            }
+        }
+        let mut q = vec![0.0; m * k];
+        for mm in &ms {
+            for j in 0..m {
+                for c in 0..k {
+                    q[j * k + c] += (0..n).map(|i| mm[i * m + j] * p[i * k + c]).sum::<f64>();
+                }
+            }
+        }
+        q.iter_mut().for_each(|v| *v /= grads.len() as f64);
+        let approx: Vec<f64> = (0..n * m)
+            .map(|x| (0..k).map(|c| p[x / m * k + c] * q[x % m * k + c]).sum())
+            .collect();
+        for (e, mm) in self.residual.iter_mut().zip(&ms) {
+            *e = mm.iter().zip(&approx).map(|(a, b)| a - b).collect();
+        }
+        self.q = q;
+        approx
+    }
+}
+
+/// `FERROVOD_COMPRESSION=powersgd`: a batch of two matrices averaged with scales, a matrix
+/// summed alone, and a vector and a small matrix that travel uncompressed, over eight steps,
+/// each rank's output against an f64 reference of the same method (error feedback and the
+/// warm-started Q included), and the wire counter at the factors' bytes.
+pub(crate) fn powersgd_compressed() {
+    use ferrovod::compress::powersgd::{PowerMemory, Shape};
+    init();
+    let (me, n) = (rank(), size());
+    let mut plan = PlanWatch::new();
+    let rank_setting: usize = std::env::var("FERROVOD_POWERSGD_RANK")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(ferrovod::compress::POWERSGD_RANK);
+    let shapes: [&[i64]; 5] = [&[24, 3, 3, 2], &[40, 30], &[50], &[3, 2], &[16, 16]];
+    // (tensors, op, prescale, postscale)
+    let groups: [(&[usize], ReduceOp, f64, f64); 3] = [
+        (&[0, 1], ReduceOp::Average, 2.0, 0.5),
+        (&[4], ReduceOp::Sum, 1.0, 1.0),
+        (&[2, 3], ReduceOp::Average, 1.0, 1.0),
+    ];
+    let len = |t: usize| shapes[t].iter().product::<i64>() as usize;
+    // a low-rank part that persists across steps and a part that changes with the step and rank
+    let v = |t: usize, i: usize, r: usize, step: usize| {
+        let (a, b) = (i % 7, i / 7);
+        ((a as f64 + 1.0) * (b as f64 % 5.0 - 2.0)) / 10.0
+            + (((i * 7919 + t * 104_729 + r * 31 + step * 577) % 1000) as f64 / 1000.0 - 0.5)
+    };
+    let name = |t: usize| format!("psgd.{t}");
+    let fresh = PowerMemory::default();
+    let mut refs: Vec<Option<PowerReference>> = (0..shapes.len())
+        .map(|t| {
+            Shape::of(shapes[t], rank_setting).map(|s| {
+                let q0 = fresh.take(&name(t), &s).q;
+                PowerReference::new(shapes[t], s.rank, &q0, n)
+            })
+        })
+        .collect();
+    assert!(refs[0].is_some() && refs[1].is_some() && refs[4].is_some());
+    assert!(refs[2].is_none() && refs[3].is_none());
+    let factor_bytes: u64 = [0usize, 1, 4]
+        .iter()
+        .map(|t| {
+            let s = Shape::of(shapes[*t], rank_setting).unwrap();
+            ((s.p_len() + s.q_len()) * 4) as u64
+        })
+        .sum();
+    let metrics = || runtime::runtime().unwrap().metrics.snapshot();
+    for step in 0..8 {
+        plan.step_start();
+        let before = metrics();
+        let handles: Vec<_> = groups
+            .iter()
+            .map(|(ts, op, pre, post)| {
+                let tensors = ts
+                    .iter()
+                    .map(|t| {
+                        let vals: Vec<f64> = (0..len(*t)).map(|i| v(*t, i, me, step)).collect();
+                        tensor(&name(*t), DataType::F32, shapes[*t], &vals, false)
+                    })
+                    .collect();
+                let mut spec = OpSpec::new(OpKind::Allreduce, tensors);
+                (spec.reduce_op, spec.prescale, spec.postscale) = (*op, *pre, *post);
+                submit(spec).unwrap()
+            })
+            .collect();
+        for ((ts, op, pre, post), h) in groups.iter().zip(handles) {
+            for (res, t) in finish(h).unwrap().iter().zip(ts.iter()) {
+                let got = output(res, DataType::F32);
+                let grads: Vec<Vec<f64>> = (0..n)
+                    .map(|r| (0..len(*t)).map(|i| v(*t, i, r, step) * pre).collect())
+                    .collect();
+                let ranks = if *op == ReduceOp::Sum { n as f64 } else { 1.0 };
+                let want: Vec<f64> = match refs[*t].as_mut() {
+                    Some(reference) => reference.step(&grads),
+                    None => (0..len(*t))
+                        .map(|i| grads.iter().map(|g| g[i]).sum::<f64>() / n as f64)
+                        .collect(),
+                };
+                let scale = post * ranks;
+                let top = want.iter().fold(0f64, |a, b| a.max(b.abs())) * scale;
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let err = (g - w * scale).abs();
+                    assert!(
+                        err <= 1e-4 * top + 1e-6,
+                        "step {step} tensor {t} element {i}: got {g}, want {} (largest {top})",
+                        w * scale
+                    );
+                }
+            }
+        }
+        assert_eq!(metrics().wire_powersgd - before.wire_powersgd, factor_bytes);
+        plan.step_end(step);
+    }
+    plan.froze(1);
+    uncompressed_ops_stay_exact("powersgd");
+    finish_job();
+}

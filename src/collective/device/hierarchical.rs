@@ -38,10 +38,10 @@ pub fn allreduce_hierarchical(
             let enc = Encoding::of(codec, head, ranks)?;
             (enc.wire, enc.op, enc.pre, enc.post)
         }
-        Codec::U8 => {
-            return Err(Error::Internal(
-                "u8 batches do not run hierarchically on GPUs".into(),
-            ));
+        Codec::U8 | Codec::PowerSgd(_) => {
+            return Err(Error::Internal(format!(
+                "{codec:?} batches do not run hierarchically on GPUs"
+            )));
         }
     };
     let size = dtype.size();

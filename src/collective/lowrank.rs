@@ -1,0 +1,105 @@
+//! PowerSGD's allreduce (`compress::powersgd` holds its local phases) over a `Transport`: the
+//! batch's tensors each start their step, every tensor's P is summed in one f32 allreduce,
+//! each tensor orthogonalises its P and computes its Q, every Q is summed in a second
+//! allreduce, and each tensor finishes with the approximation of the ranks' average and its
+//! new residual. Two collectives per batch, of (rows + cols) × rank values per tensor.
+
+use crate::collective::{ActivitySink, TensorIo};
+use crate::compress::Reduction;
+use crate::compress::powersgd::{self, Memory, PowerMemory, Shape};
+use crate::dtype::DataType;
+use crate::error::{Error, Result};
+use crate::message::{ReduceOp, Response};
+use crate::transport::Transport;
+
+/// One tensor's step between the phases.
+struct Step {
+    shape: Shape,
+    memory: Memory,
+    m: Vec<f32>,
+    p: Vec<f32>,
+}
+
+/// Allreduces a batch of f32 sums or averages (`red`: PowerSGD's `Reduction`) as factors of
+/// `rank` columns, each tensor's state kept in `store` under its name.
+pub fn allreduce(
+    t: &dyn Transport,
+    red: &Reduction,
+    rank: usize,
+    store: &PowerMemory,
+    resps: &[&Response],
+    ios: &mut [&mut dyn TensorIo],
+    act: ActivitySink,
+) -> Result<()> {
+    act(Some("POWERSGD_START"));
+    let pre = red.pre as f32;
+    let mut steps = Vec::with_capacity(resps.len());
+    for (r, io) in resps.iter().zip(ios.iter()) {
+        let shape = Shape::of(&r.shape, rank)
+            .filter(|s| s.len() * 4 == io.input().len())
+            .ok_or_else(|| {
+                Error::Internal(format!(
+                    "tensor '{}' of shape {:?} cannot travel as PowerSGD of rank {rank}",
+                    r.name, r.shape
+                ))
+            })?;
+        let grad: Vec<f32> = io
+            .input()
+            .chunks_exact(4)
+            .map(|b| f32_of(b) * pre)
+            .collect();
+        let memory = store.take(&r.name, &shape);
+        let (m, p) = powersgd::start(&grad, &memory, &shape);
+        steps.push(Step {
+            shape,
+            memory,
+            m,
+            p,
+        });
+    }
+    act(Some("POWERSGD_ALLREDUCE_P"));
+    let sums = sum(t, steps.iter().map(|s| &s.p[..]))?;
+    act(Some("POWERSGD_MIDDLE"));
+    let mut qs = Vec::with_capacity(steps.len());
+    let mut at = 0;
+    for s in steps.iter_mut() {
+        let n = s.shape.p_len();
+        s.p.copy_from_slice(&sums[at..at + n]);
+        at += n;
+        qs.push(powersgd::middle(&s.m, &mut s.p, &s.shape));
+    }
+    act(Some("POWERSGD_ALLREDUCE_Q"));
+    let mut q_sums = sum(t, qs.iter().map(|q| &q[..]))?.into_iter();
+    act(Some("POWERSGD_FINISH"));
+    let post = red.post as f32;
+    for ((s, r), io) in steps.into_iter().zip(resps).zip(ios.iter_mut()) {
+        let Step {
+            shape,
+            mut memory,
+            m,
+            p,
+        } = s;
+        let q_sum: Vec<f32> = q_sums.by_ref().take(shape.q_len()).collect();
+        let mut approx = vec![0.0f32; shape.len()];
+        powersgd::finish(&m, &p, q_sum, t.size(), &mut memory, &mut approx, &shape);
+        let (_, out) = io.split_io();
+        for (o, v) in out.chunks_exact_mut(4).zip(&approx) {
+            o.copy_from_slice(&(v * post).to_le_bytes());
+        }
+        // unnamed tensors keep nothing (`PowerMemory::put`)
+        store.put(&r.name, memory);
+    }
+    act(None);
+    Ok(())
+}
+
+/// The ranks' elementwise sum of the concatenated `parts`, in one f32 allreduce.
+fn sum<'a>(t: &dyn Transport, parts: impl Iterator<Item = &'a [f32]>) -> Result<Vec<f32>> {
+    let mut bytes: Vec<u8> = parts.flatten().flat_map(|v| v.to_le_bytes()).collect();
+    t.allreduce(None, &mut bytes, DataType::F32, ReduceOp::Sum)?;
+    Ok(bytes.chunks_exact(4).map(f32_of).collect())
+}
+
+fn f32_of(b: &[u8]) -> f32 {
+    f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+}
