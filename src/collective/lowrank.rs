@@ -12,11 +12,11 @@ use crate::error::{Error, Result};
 use crate::message::{ReduceOp, Response};
 use crate::transport::Transport;
 
-/// One tensor's step between the phases.
+/// One tensor's step between the phases: its matrix view, its memory (holding M from `start`
+/// to `finish`) and its P.
 struct Step {
     shape: Shape,
     memory: Memory,
-    m: Vec<f32>,
     p: Vec<f32>,
 }
 
@@ -32,7 +32,6 @@ pub fn allreduce(
     act: ActivitySink,
 ) -> Result<()> {
     act(Some("POWERSGD_START"));
-    let pre = red.pre as f32;
     let mut steps = Vec::with_capacity(resps.len());
     for (r, io) in resps.iter().zip(ios.iter()) {
         let shape = Shape::of(&r.shape, rank)
@@ -43,19 +42,9 @@ pub fn allreduce(
                     r.name, r.shape
                 ))
             })?;
-        let grad: Vec<f32> = io
-            .input()
-            .chunks_exact(4)
-            .map(|b| f32_of(b) * pre)
-            .collect();
-        let memory = store.take(&r.name, &shape);
-        let (m, p) = powersgd::start(&grad, &memory, &shape);
-        steps.push(Step {
-            shape,
-            memory,
-            m,
-            p,
-        });
+        let mut memory = store.take(&r.name, &shape);
+        let p = powersgd::start(io.input(), red.pre as f32, &mut memory, &shape);
+        steps.push(Step { shape, memory, p });
     }
     act(Some("POWERSGD_ALLREDUCE_P"));
     let sums = sum(t, steps.iter().map(|s| &s.p[..]))?;
@@ -66,26 +55,23 @@ pub fn allreduce(
         let n = s.shape.p_len();
         s.p.copy_from_slice(&sums[at..at + n]);
         at += n;
-        qs.push(powersgd::middle(&s.m, &mut s.p, &s.shape));
+        qs.push(powersgd::middle(&s.memory, &mut s.p, &s.shape));
     }
     act(Some("POWERSGD_ALLREDUCE_Q"));
-    let mut q_sums = sum(t, qs.iter().map(|q| &q[..]))?.into_iter();
+    let q_sums = sum(t, qs.iter().map(|q| &q[..]))?;
     act(Some("POWERSGD_FINISH"));
-    let post = red.post as f32;
+    let mut at = 0;
     for ((s, r), io) in steps.into_iter().zip(resps).zip(ios.iter_mut()) {
         let Step {
             shape,
             mut memory,
-            m,
             p,
         } = s;
-        let q_sum: Vec<f32> = q_sums.by_ref().take(shape.q_len()).collect();
-        let mut approx = vec![0.0f32; shape.len()];
-        powersgd::finish(&m, &p, q_sum, t.size(), &mut memory, &mut approx, &shape);
+        let q_sum = q_sums[at..at + shape.q_len()].to_vec();
+        at += shape.q_len();
         let (_, out) = io.split_io();
-        for (o, v) in out.chunks_exact_mut(4).zip(&approx) {
-            o.copy_from_slice(&(v * post).to_le_bytes());
-        }
+        let post = red.post as f32;
+        powersgd::finish(&p, q_sum, t.size(), post, &mut memory, out, &shape);
         // unnamed tensors keep nothing (`PowerMemory::put`)
         store.put(&r.name, memory);
     }

@@ -129,72 +129,142 @@ impl PowerMemory {
     }
 }
 
-/// Phase one: M = `grad` + the residual (returned), and P = M Q (returned, to be summed over
-/// the ranks).
-pub fn start(grad: &[f32], mem: &Memory, s: &Shape) -> (Vec<f32>, Vec<f32>) {
-    let m: Vec<f32> = grad.iter().zip(&mem.residual).map(|(g, r)| g + r).collect();
+/// Phase one: M = `pre` × `grad` (little-endian f32 bytes) + the residual, written over the
+/// residual in `mem` (one pass, no copy of the tensor), and P = M Q, returned to be summed over
+/// the ranks.
+pub fn start(grad: &[u8], pre: f32, mem: &mut Memory, s: &Shape) -> Vec<f32> {
     let mut p = vec![0.0f32; s.p_len()];
-    for i in 0..s.rows {
-        let row = &m[i * s.cols..(i + 1) * s.cols];
-        let out = &mut p[i * s.rank..(i + 1) * s.rank];
-        for (j, v) in row.iter().enumerate() {
-            let q = &mem.q[j * s.rank..(j + 1) * s.rank];
-            out.iter_mut().zip(q).for_each(|(o, q)| *o += v * q);
+    // the factors' width as a constant where it is a usual one: the inner products unroll
+    match s.rank {
+        1 => start_k::<1>(grad, pre, mem, s, &mut p),
+        2 => start_k::<2>(grad, pre, mem, s, &mut p),
+        4 => start_k::<4>(grad, pre, mem, s, &mut p),
+        8 => start_k::<8>(grad, pre, mem, s, &mut p),
+        _ => start_k::<0>(grad, pre, mem, s, &mut p),
+    }
+    p
+}
+
+/// `start` with `K` = the rank (0: any rank, read from `s`).
+fn start_k<const K: usize>(grad: &[u8], pre: f32, mem: &mut Memory, s: &Shape, p: &mut [f32]) {
+    // K itself where it is one, so that each chunk's length is a constant
+    let k = if K > 0 { K } else { s.rank };
+    let rows = (mem.residual.chunks_exact_mut(s.cols)).zip(grad.chunks_exact(4 * s.cols));
+    for ((m, g), out) in rows.zip(p.chunks_exact_mut(k)) {
+        let mut acc = [0.0f32; K];
+        for ((v, g), q) in m
+            .iter_mut()
+            .zip(g.chunks_exact(4))
+            .zip(mem.q.chunks_exact(k))
+        {
+            *v += f32::from_le_bytes([g[0], g[1], g[2], g[3]]) * pre;
+            if K > 0 {
+                (0..K).for_each(|c| acc[c] += *v * q[c]);
+            } else {
+                out.iter_mut().zip(q).for_each(|(o, q)| *o += *v * q);
+            }
+        }
+        if K > 0 {
+            out.copy_from_slice(&acc);
         }
     }
-    (m, p)
 }
 
 /// Phase two, once `p` holds the ranks' sum: P's columns made orthonormal (in place), and
-/// Q = Mᵀ P (returned, to be summed over the ranks).
-pub fn middle(m: &[f32], p: &mut [f32], s: &Shape) -> Vec<f32> {
+/// Q = Mᵀ P (returned, to be summed over the ranks), M being what `start` left in `mem`.
+pub fn middle(mem: &Memory, p: &mut [f32], s: &Shape) -> Vec<f32> {
     orthogonalize(p, s.rows, s.rank);
     let mut q = vec![0.0f32; s.q_len()];
-    for i in 0..s.rows {
-        let row = &m[i * s.cols..(i + 1) * s.cols];
-        let pr = &p[i * s.rank..(i + 1) * s.rank];
-        for (j, v) in row.iter().enumerate() {
-            let out = &mut q[j * s.rank..(j + 1) * s.rank];
-            out.iter_mut().zip(pr).for_each(|(o, p)| *o += v * p);
-        }
+    match s.rank {
+        1 => middle_k::<1>(mem, p, s, &mut q),
+        2 => middle_k::<2>(mem, p, s, &mut q),
+        4 => middle_k::<4>(mem, p, s, &mut q),
+        8 => middle_k::<8>(mem, p, s, &mut q),
+        _ => middle_k::<0>(mem, p, s, &mut q),
     }
     q
 }
 
-/// Phase three, once `q_sum` holds the ranks' sum: `out` = P Qᵀ with Q the ranks' average
-/// (the approximation of the average of the ranks' M), the residual M − `out` and the
-/// averaged Q kept in `mem` for the next step.
+/// `middle`'s product with `K` = the rank (0: any rank).
+fn middle_k<const K: usize>(mem: &Memory, p: &[f32], s: &Shape, q: &mut [f32]) {
+    // K itself where it is one, so that each chunk's length is a constant
+    let k = if K > 0 { K } else { s.rank };
+    for (m, pr) in mem.residual.chunks_exact(s.cols).zip(p.chunks_exact(k)) {
+        if K > 0 {
+            let pr: [f32; K] = pr.try_into().expect("a row of P");
+            for (v, out) in m.iter().zip(q.chunks_exact_mut(K)) {
+                (0..K).for_each(|c| out[c] += v * pr[c]);
+            }
+        } else {
+            for (v, out) in m.iter().zip(q.chunks_exact_mut(k)) {
+                out.iter_mut().zip(pr).for_each(|(o, p)| *o += v * p);
+            }
+        }
+    }
+}
+
+/// Phase three, once `q_sum` holds the ranks' sum: `out` (little-endian f32 bytes) = `post` ×
+/// P Qᵀ with Q the ranks' average (the approximation of the average of the ranks' M), the
+/// residual M − P Qᵀ written over M in `mem`, and the averaged Q kept for the next step.
 pub fn finish(
-    m: &[f32],
     p: &[f32],
     mut q_sum: Vec<f32>,
     ranks: usize,
+    post: f32,
     mem: &mut Memory,
-    out: &mut [f32],
+    out: &mut [u8],
     s: &Shape,
 ) {
+    let k = s.rank;
     let scale = 1.0 / ranks.max(1) as f32;
     q_sum.iter_mut().for_each(|v| *v *= scale);
-    for i in 0..s.rows {
-        let pr = &p[i * s.rank..(i + 1) * s.rank];
-        for j in 0..s.cols {
-            let q = &q_sum[j * s.rank..(j + 1) * s.rank];
-            let v: f32 = pr.iter().zip(q).map(|(a, b)| a * b).sum();
-            out[i * s.cols + j] = v;
-            mem.residual[i * s.cols + j] = m[i * s.cols + j] - v;
-        }
+    match k {
+        1 => finish_k::<1>(p, &q_sum, post, mem, out, s),
+        2 => finish_k::<2>(p, &q_sum, post, mem, out, s),
+        4 => finish_k::<4>(p, &q_sum, post, mem, out, s),
+        8 => finish_k::<8>(p, &q_sum, post, mem, out, s),
+        _ => finish_k::<0>(p, &q_sum, post, mem, out, s),
     }
     // a column of P that vanished (M of lower rank than the factors) gave a zero column of
     // Q, which the next step's P = M Q would keep at zero for good: it is drawn again, alike
     // on every rank (the sum is agreed, and so are the seed and the draws)
-    for c in 0..s.rank {
-        if (0..s.cols).all(|j| q_sum[j * s.rank + c] == 0.0) {
+    for c in 0..k {
+        if (0..s.cols).all(|j| q_sum[j * k + c] == 0.0) {
             mem.draws += 1;
             let mut rng = SplitMix(mem.seed ^ mem.draws.wrapping_mul(0xD1B5_4A32_D192_ED03));
-            (0..s.cols).for_each(|j| q_sum[j * s.rank + c] = rng.normal());
+            (0..s.cols).for_each(|j| q_sum[j * k + c] = rng.normal());
         }
     }
     mem.q = q_sum;
+}
+
+/// `finish`'s product and residual with `K` = the rank (0: any rank).
+fn finish_k<const K: usize>(
+    p: &[f32],
+    q: &[f32],
+    post: f32,
+    mem: &mut Memory,
+    out: &mut [u8],
+    s: &Shape,
+) {
+    // K itself where it is one, so that each chunk's length is a constant
+    let k = if K > 0 { K } else { s.rank };
+    let rows = (mem.residual.chunks_exact_mut(s.cols)).zip(out.chunks_exact_mut(4 * s.cols));
+    for ((m, o), pr) in rows.zip(p.chunks_exact(k)) {
+        for ((v, o), q) in m
+            .iter_mut()
+            .zip(o.chunks_exact_mut(4))
+            .zip(q.chunks_exact(k))
+        {
+            let approx: f32 = if K > 0 {
+                (0..K).map(|c| pr[c] * q[c]).sum()
+            } else {
+                pr.iter().zip(q).map(|(a, b)| a * b).sum()
+            };
+            o.copy_from_slice(&(approx * post).to_le_bytes());
+            *v -= approx;
+        }
+    }
 }
 
 /// Gram-Schmidt on the `cols` columns of a row-major `rows` × `cols` matrix: each column
@@ -337,33 +407,30 @@ mod tests {
 
     /// The phases on `ranks` simulated ranks, the sums done here as the allreduces would.
     fn step(grads: &[Vec<f32>], mems: &mut [Memory], s: &Shape) -> Vec<Vec<f32>> {
-        let started: Vec<(Vec<f32>, Vec<f32>)> = grads
+        let bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        let started: Vec<Vec<f32>> = grads
             .iter()
-            .zip(mems.iter())
-            .map(|(g, mem)| start(g, mem, s))
+            .zip(mems.iter_mut())
+            .map(|(g, mem)| start(&bytes(g), 1.0, mem, s))
             .collect();
         let p_sum: Vec<f32> = (0..s.p_len())
-            .map(|i| started.iter().map(|(_, p)| p[i]).sum())
+            .map(|i| started.iter().map(|p| p[i]).sum())
             .collect();
         let mut ps = vec![p_sum; grads.len()];
-        let qs: Vec<Vec<f32>> = started
-            .iter()
-            .zip(ps.iter_mut())
-            .map(|((m, _), p)| middle(m, p, s))
+        let qs: Vec<Vec<f32>> = (mems.iter().zip(ps.iter_mut()))
+            .map(|(mem, p)| middle(mem, p, s))
             .collect();
         let q_sum: Vec<f32> = (0..s.q_len())
             .map(|i| qs.iter().map(|q| q[i]).sum())
             .collect();
-        let mut outs = vec![vec![0.0f32; s.len()]; grads.len()];
+        let mut outs = Vec::new();
         for (k, mem) in mems.iter_mut().enumerate() {
-            finish(
-                &started[k].0,
-                &ps[k],
-                q_sum.clone(),
-                grads.len(),
-                mem,
-                &mut outs[k],
-                s,
+            let mut out = vec![0u8; 4 * s.len()];
+            finish(&ps[k], q_sum.clone(), grads.len(), 1.0, mem, &mut out, s);
+            outs.push(
+                out.chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
             );
         }
         outs
