@@ -83,3 +83,19 @@ def test_training_with_powersgd_reaches_the_uncompressed_accuracy():
     assert plain > 0.9
     print("digits accuracy: none %.4f, powersgd %.4f" % (plain, compressed))
     assert compressed >= plain - 0.01, (compressed, plain)
+
+
+def test_ranks_asking_for_other_codecs_fail_alike():
+    from ferrovod import _core
+    from ferrovod.exceptions import PreconditionError
+
+    me = hvd.rank()
+    x = np.ones((16, 12), np.float32)
+    codec = _core.COMPRESSION_POWERSGD if me == 0 else _core.COMPRESSION_NONE
+    with pytest.raises(PreconditionError, match="Mismatched compression: .*powersgd"):
+        _core.enqueue(_core.ALLREDUCE, [x], ["psgd.mismatch"], compression=codec).wait()
+    # the job goes on: the same tensor asked alike
+    (out,) = _core.enqueue(_core.ALLREDUCE, [x * (me + 1)], ["psgd.mismatch"],
+                           compression=_core.COMPRESSION_POWERSGD).wait()
+    n = hvd.size()
+    np.testing.assert_allclose(out, x * (n * (n + 1) // 2), rtol=1e-4)
