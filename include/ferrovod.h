@@ -191,6 +191,11 @@ enum fv_compression
    name; the rank is the job's `FERROVOD_POWERSGD_RANK`).
    */
   FV_COMPRESSION_POWERSGD = 6,
+  /*
+   Top-k: the largest magnitudes only, as (index, value) pairs, with error feedback (the
+   ratio is the job's `FERROVOD_TOPK_RATIO`).
+   */
+  FV_COMPRESSION_TOPK = 7,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -308,6 +313,10 @@ typedef struct fv_metrics {
    ... and as PowerSGD's two factors.
    */
   uint64_t wire_powersgd;
+  /*
+   ... and as top-k's (index, value) pairs.
+   */
+  uint64_t wire_topk;
 } fv_metrics;
 
 /*

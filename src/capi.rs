@@ -178,6 +178,9 @@ pub enum OpCompression {
     /// PowerSGD: matrices as two low-rank factors with error feedback (state kept per tensor
     /// name; the rank is the job's `FERROVOD_POWERSGD_RANK`).
     Powersgd = 6,
+    /// Top-k: the largest magnitudes only, as (index, value) pairs, with error feedback (the
+    /// ratio is the job's `FERROVOD_TOPK_RATIO`).
+    Topk = 7,
 }
 
 /// The core's compression for a C value (None: the job's); an error for unknown values.
@@ -191,6 +194,7 @@ fn compression(c: i32) -> Result<Option<Compression>> {
         C::Mixed,
         C::U8,
         C::Powersgd,
+        C::Topk,
     ];
     let k = (known.into_iter().find(|k| *k as i32 == c))
         .ok_or_else(|| Error::InvalidArgument(format!("unknown compression {c}")))?;
@@ -202,6 +206,7 @@ fn compression(c: i32) -> Result<Option<Compression>> {
         C::Mixed => Some(Compression::Mixed),
         C::U8 => Some(Compression::U8),
         C::Powersgd => Some(Compression::PowerSgd),
+        C::Topk => Some(Compression::TopK),
     })
 }
 
@@ -486,6 +491,8 @@ pub struct fv_metrics {
     pub wire_u8: u64,
     /// ... and as PowerSGD's two factors.
     pub wire_powersgd: u64,
+    /// ... and as top-k's (index, value) pairs.
+    pub wire_topk: u64,
 }
 
 /// Reads the counters into `*out`.
@@ -510,6 +517,7 @@ pub extern "C" fn fv_read_metrics(out: *mut fv_metrics) -> Status {
                 wire_bf16: m.wire_bf16,
                 wire_u8: m.wire_u8,
                 wire_powersgd: m.wire_powersgd,
+                wire_topk: m.wire_topk,
             },
             "out",
         )

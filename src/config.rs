@@ -165,6 +165,9 @@ pub struct Config {
     pub compression_min_bytes: Option<usize>,
     /// `FERROVOD_POWERSGD_RANK`: under `powersgd`, the factors' columns.
     pub powersgd_rank: usize,
+    /// `FERROVOD_TOPK_RATIO` and `FERROVOD_TOPK_MOMENTUM`: under `topk`, the share of each
+    /// tensor's values sent and the momentum correction's factor.
+    pub topk: crate::compress::TopK,
     /// AIACC's `PERSEUS_ALLREDUCE_NANCHECK`: allreduces whose result holds NaN or Inf fail
     /// (`compress::check_finite`).
     pub nan_check: bool,
@@ -384,6 +387,10 @@ impl Config {
                 1,
                 1024,
             ),
+            topk: crate::compress::TopK::of(
+                src.num("FERROVOD_TOPK_RATIO", 0.01, 1e-6, 1.0),
+                src.num("FERROVOD_TOPK_MOMENTUM", 0.0, 0.0, 0.999),
+            ),
             nan_check: src.bool("PERSEUS_ALLREDUCE_NANCHECK"),
             multistep: src.num("FERROVOD_MULTISTEP", 1, 1, 1 << 20),
             gossip_sync_every: src.num("FERROVOD_GOSSIP_SYNC_EVERY", 10, 0, 1 << 20),
@@ -412,7 +419,7 @@ fn compression_from(src: &Source) -> crate::message::Compression {
     ) {
         (Some(v), _) => Compression::parse(&v).unwrap_or_else(|| {
             tracing::warn!(
-                "FERROVOD_COMPRESSION={v} is not none, fp16, bf16, mixed, u8 or powersgd; using none"
+                "FERROVOD_COMPRESSION={v} is not none, fp16, bf16, mixed, u8, powersgd or topk; using none"
             );
             Compression::None
         }),

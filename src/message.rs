@@ -185,19 +185,23 @@ pub enum Compression {
     /// Matrices as two low-rank factors with error feedback (`compress::powersgd`); the rank
     /// is the job's `FERROVOD_POWERSGD_RANK`.
     PowerSgd,
+    /// The largest magnitudes only, as (index, value) pairs, with error feedback
+    /// (`compress::topk`); the ratio is the job's `FERROVOD_TOPK_RATIO`.
+    TopK,
 }
 
 impl Compression {
-    pub const ALL: [Compression; 6] = [
+    pub const ALL: [Compression; 7] = [
         Compression::None,
         Compression::Fp16,
         Compression::Bf16,
         Compression::Mixed,
         Compression::U8,
         Compression::PowerSgd,
+        Compression::TopK,
     ];
 
-    /// `none`, `fp16`, `bf16`, `mixed`, `u8` or `powersgd` (`FERROVOD_COMPRESSION`).
+    /// `none`, `fp16`, `bf16`, `mixed`, `u8`, `powersgd` or `topk` (`FERROVOD_COMPRESSION`).
     pub fn parse(s: &str) -> Option<Compression> {
         let s = s.trim().to_ascii_lowercase();
         Compression::ALL.into_iter().find(|c| c.name() == s)
@@ -211,6 +215,7 @@ impl Compression {
             Compression::Mixed => "mixed",
             Compression::U8 => "u8",
             Compression::PowerSgd => "powersgd",
+            Compression::TopK => "topk",
         }
     }
 

@@ -36,7 +36,7 @@ ANY_SOURCE = -1
 AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT = 0, 1, 2, 3, 4, 5
 # fv_compression: how an allreduce's f32 values travel (JOB: as FERROVOD_COMPRESSION says)
 (COMPRESSION_JOB, COMPRESSION_NONE, COMPRESSION_FP16, COMPRESSION_BF16, COMPRESSION_MIXED,
- COMPRESSION_U8, COMPRESSION_POWERSGD) = range(7)
+ COMPRESSION_U8, COMPRESSION_POWERSGD, COMPRESSION_TOPK) = range(8)
 # fv_multistep_mode: what a multistep allreduce does with the calls between communications
 MULTISTEP_ACCUMULATE, MULTISTEP_LATEST = 0, 1
 
@@ -135,7 +135,7 @@ class _Metrics(ctypes.Structure):
     _fields_ = [(name, ctypes.c_uint64) for name in (
         "cycles", "control_collectives", "control_bytes", "negotiation_ns", "data_collectives",
         "data_bytes", "fused_batches", "tensors", "graph_launches", "wire_uncompressed", "wire_fp16",
-        "wire_bf16", "wire_u8", "wire_powersgd")]
+        "wire_bf16", "wire_u8", "wire_powersgd", "wire_topk")]
 
 
 def library_path():

@@ -33,8 +33,8 @@ class Framework:
 
 
 def compression_for(fw):
-    """The `Compression` namespace (none, fp16, bf16, mixed, u8, powersgd) over framework
-    `fw`."""
+    """The `Compression` namespace (none, fp16, bf16, mixed, u8, powersgd, topk) over
+    framework `fw`."""
 
     class NoneCompressor(Compressor):
         """Nothing compressed here (the job's FERROVOD_COMPRESSION still applies in the core)."""
@@ -94,6 +94,14 @@ def compression_for(fw):
         # buckets for it
         keeps_shapes = True
 
+    class TopKCompressor(NoneCompressor):
+        """ferrovod extension: float32 sums and averages travel as each rank's values of largest
+        magnitude (FERROVOD_TOPK_RATIO of them, 1 % by default) as (index, value) pairs, with
+        error feedback and optional momentum correction (FERROVOD_TOPK_MOMENTUM), state kept per
+        tensor name. Host memory only so far: GPU tensors travel as they are."""
+
+        core = _core.COMPRESSION_TOPK
+
     class Compression:
         none = NoneCompressor
         fp16 = FP16Compressor
@@ -101,6 +109,7 @@ def compression_for(fw):
         mixed = MixedCompressor
         u8 = U8Compressor
         powersgd = PowerSGDCompressor
+        topk = TopKCompressor
 
     return Compression
 

@@ -144,8 +144,8 @@ fn diff_len(codec: Codec, values: usize) -> usize {
     match codec {
         Codec::Half(w) => values * w.size(),
         Codec::U8 => values.div_ceil(BLOCK) * quantize::HEADER + values,
-        // gossip never travels as PowerSGD (`Codecs::of`)
-        Codec::None | Codec::PowerSgd(_) => values * 4,
+        // gossip never travels as PowerSGD or top-k (`Codecs::of`)
+        Codec::None | Codec::PowerSgd(_) | Codec::TopK(_) => values * 4,
     }
 }
 
@@ -176,7 +176,7 @@ fn encode_block(codec: Codec, d: &[f32], out: &mut [u8], back: &mut [f32]) {
             quantize::encode(d, out, back);
             back.iter_mut().zip(d).for_each(|(l, v)| *l = v - *l);
         }
-        Codec::None | Codec::PowerSgd(_) => {
+        Codec::None | Codec::PowerSgd(_) | Codec::TopK(_) => {
             for ((v, o), b) in d.iter().zip(out.chunks_exact_mut(4)).zip(back) {
                 o.copy_from_slice(&v.to_le_bytes());
                 *b = *v;
@@ -202,8 +202,10 @@ fn decode_block(codec: Codec, src: &[u8], out: &mut [f32]) {
         Codec::Half(DataType::BF16) => widen::<bf16>(src, out, bf16::from_le_bytes),
         Codec::Half(_) => widen::<f16>(src, out, f16::from_le_bytes),
         Codec::U8 => quantize::decode(src, out, false),
-        Codec::None | Codec::PowerSgd(_) => (out.iter_mut().zip(src.chunks_exact(4)))
-            .for_each(|(o, s)| *o = f32::from_le_bytes([s[0], s[1], s[2], s[3]])),
+        Codec::None | Codec::PowerSgd(_) | Codec::TopK(_) => {
+            (out.iter_mut().zip(src.chunks_exact(4)))
+                .for_each(|(o, s)| *o = f32::from_le_bytes([s[0], s[1], s[2], s[3]]))
+        }
     }
 }
 

@@ -16,6 +16,7 @@ pub mod plan;
 pub mod quantized;
 pub mod replay;
 pub mod ring;
+pub mod sparse;
 
 pub use native::{BatchMemory, HostBatch, reducescatter_rows};
 
@@ -107,7 +108,7 @@ impl Encoding {
             match self.codec {
                 Codec::None => elementwise::copy_scaled(d, s, self.dtype, self.pre)?,
                 Codec::Half(w) => lost[t] += elementwise::encode_half(d, s, w, self.pre)?,
-                Codec::U8 | Codec::PowerSgd(_) => {
+                Codec::U8 | Codec::PowerSgd(_) | Codec::TopK(_) => {
                     return Err(Error::Internal(format!(
                         "{:?} batches are not packed as bytes",
                         self.codec
@@ -127,7 +128,7 @@ impl Encoding {
             match self.codec {
                 Codec::None => elementwise::copy_scaled(d, s, self.dtype, self.post)?,
                 Codec::Half(w) => elementwise::decode_half(d, s, w, self.post)?,
-                Codec::U8 | Codec::PowerSgd(_) => {
+                Codec::U8 | Codec::PowerSgd(_) | Codec::TopK(_) => {
                     return Err(Error::Internal(format!(
                         "{:?} batches are not unpacked as bytes",
                         self.codec
@@ -219,6 +220,9 @@ pub fn allreduce_batch(
     }
     if let Codec::PowerSgd(rank) = codec {
         return lowrank::allreduce(t, &enc, rank, wire.powersgd, resps, ios, act);
+    }
+    if let Codec::TopK(params) = codec {
+        return sparse::allreduce(t, &enc, params, wire.topk, resps, ios, act);
     }
     let phase = phase(how);
     if ios.len() == 1 && codec == Codec::None {

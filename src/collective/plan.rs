@@ -96,7 +96,9 @@ pub fn choose(
     if !on_device(head) {
         let route = match head.kind {
             // PowerSGD's factors are small: the transport's own allreduce sums them
-            OpKind::Allreduce if matches!(codec, Codec::PowerSgd(_)) => Route::Native,
+            OpKind::Allreduce if matches!(codec, Codec::PowerSgd(_) | Codec::TopK(_)) => {
+                Route::Native
+            }
             OpKind::Allreduce if hierarchical => Route::Hierarchical,
             OpKind::Allreduce if s.ring_min_bytes > 0 && bytes >= s.ring_min_bytes => Route::Ring,
             OpKind::Allgather if levels.is_some_and(|l| l.allgather) => Route::Hierarchical,
@@ -145,12 +147,13 @@ pub fn choose(
 }
 
 /// Whether an offline-plan batch's escape flag must travel alone before the batch
-/// (`collective::Flag`): u8 blocks and PowerSGD's factors cannot carry it among their values, and the ring's and the
+/// (`collective::Flag`): u8 blocks, PowerSGD's factors and top-k's pairs cannot carry it among their values, and the ring's and the
 /// hierarchical route's transfers wait under the watchdog, not under the plan's bounded wait, so
 /// every rank must know the batch runs before any starts it. Native allreduces carry the flag in
 /// the same bounded call.
 pub fn flag_alone(plan: &BatchPlan) -> bool {
-    matches!(plan.codec, Codec::U8 | Codec::PowerSgd(_)) || plan.route != Route::Native
+    matches!(plan.codec, Codec::U8 | Codec::PowerSgd(_) | Codec::TopK(_))
+        || plan.route != Route::Native
 }
 
 #[cfg(test)]
@@ -194,6 +197,10 @@ mod tests {
             setting: compression,
             min_bytes: 0,
             powersgd_rank: crate::compress::POWERSGD_RANK,
+            topk: crate::compress::TopK {
+                ratio_ppm: 10_000,
+                momentum_permille: 0,
+            },
         };
         codecs.of(r)
     }

@@ -33,6 +33,51 @@ pub struct Codecs {
     pub min_bytes: usize,
     /// `powersgd`: the factors' columns (`FERROVOD_POWERSGD_RANK`).
     pub powersgd_rank: usize,
+    /// `topk`: its ratio and momentum (`FERROVOD_TOPK_RATIO`, `FERROVOD_TOPK_MOMENTUM`).
+    pub topk: TopK,
+}
+
+/// Top-k's agreed settings, as whole numbers so that a codec can carry them: the share of a
+/// tensor's values sent, in millionths, and the momentum correction's factor, in thousandths
+/// (0: none).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TopK {
+    pub ratio_ppm: u32,
+    pub momentum_permille: u32,
+}
+
+impl Default for TopK {
+    fn default() -> TopK {
+        TopK {
+            ratio_ppm: 10_000,
+            momentum_permille: 0,
+        }
+    }
+}
+
+impl TopK {
+    /// From the settings' values (a ratio in (0, 1], a momentum in [0, 1)).
+    pub fn of(ratio: f64, momentum: f64) -> TopK {
+        TopK {
+            ratio_ppm: ((ratio * 1e6).round() as u32).clamp(1, 1_000_000),
+            momentum_permille: ((momentum * 1e3).round() as u32).min(999),
+        }
+    }
+
+    pub fn ratio(self) -> f64 {
+        self.ratio_ppm as f64 / 1e6
+    }
+
+    pub fn momentum(self) -> f32 {
+        self.momentum_permille as f32 / 1e3
+    }
+
+    /// Pairs sent of a tensor of `len` values; None where they would not be smaller than the
+    /// tensor (a pair is two values).
+    pub fn k(self, len: usize) -> Option<usize> {
+        let k = topk::k_of(len, self.ratio()).ok()?;
+        (2 * k < len).then_some(k)
+    }
 }
 
 /// PowerSGD's factor width unless `FERROVOD_POWERSGD_RANK` says otherwise.
@@ -44,6 +89,7 @@ impl Default for Codecs {
             setting: Compression::None,
             min_bytes: MIXED_MIN_BYTES,
             powersgd_rank: POWERSGD_RANK,
+            topk: TopK::default(),
         }
     }
 }
@@ -53,7 +99,8 @@ impl Codecs {
     /// (identical on every rank). Only f32 sums, averages and gossip compress: a 16-bit min,
     /// max or product would change results beyond rounding, and other dtypes gain nothing or
     /// lose range. PowerSGD takes host allreduces of matrices whose factors are smaller than
-    /// they are; vectors, small matrices, gossip and GPU tensors travel as they are.
+    /// they are, top-k host allreduces whose pairs are fewer bytes than their values; other
+    /// tensors, gossip and GPU tensors travel as they are.
     pub fn of(&self, r: &Response) -> Codec {
         let reduces = match r.kind {
             OpKind::Allreduce => matches!(r.reduce_op, ReduceOp::Sum | ReduceOp::Average),
@@ -76,6 +123,15 @@ impl Codecs {
                     r.kind == OpKind::Allreduce && r.device == crate::message::CPU_DEVICE;
                 match powersgd::Shape::of(&r.shape, self.powersgd_rank) {
                     Some(s) if host_allreduce => Codec::PowerSgd(s.rank),
+                    _ => Codec::None,
+                }
+            }
+            Compression::TopK => {
+                let host_allreduce =
+                    r.kind == OpKind::Allreduce && r.device == crate::message::CPU_DEVICE;
+                let len = r.num_elements().max(0) as usize;
+                match self.topk.k(len) {
+                    Some(_) if host_allreduce => Codec::TopK(self.topk),
                     _ => Codec::None,
                 }
             }
@@ -122,6 +178,11 @@ impl Reduction {
             (Codec::PowerSgd(_), ReduceOp::Sum) => {
                 (ReduceOp::Sum, head.prescale, head.postscale * size as f64)
             }
+            // the pairs are summed where they land
+            (Codec::TopK(_), ReduceOp::Average) => {
+                (ReduceOp::Sum, head.prescale, head.postscale / size as f64)
+            }
+            (Codec::TopK(_), ReduceOp::Sum) => (ReduceOp::Sum, head.prescale, head.postscale),
             (codec, other) => {
                 return Err(Error::Internal(format!(
                     "a {other:?} allreduce cannot travel as {codec:?}"
@@ -199,6 +260,10 @@ pub enum Codec {
     /// allreduce; what the approximation misses is added to the tensor's next contribution
     /// (`PowerMemory`).
     PowerSgd(usize),
+    /// f32 tensors as each rank's k values of largest magnitude, (index, value) pairs gathered
+    /// by every rank and summed in rank order; what was not sent is added to the tensor's next
+    /// contribution (`topk::TopkMemory`).
+    TopK(TopK),
 }
 
 impl Codec {
@@ -208,7 +273,7 @@ impl Codec {
             Codec::None => dtype,
             Codec::Half(w) => w,
             Codec::U8 => DataType::U8,
-            Codec::PowerSgd(_) => dtype,
+            Codec::PowerSgd(_) | Codec::TopK(_) => dtype,
         }
     }
 
@@ -219,6 +284,9 @@ impl Codec {
         match self {
             Codec::PowerSgd(rank) => powersgd::Shape::of(&r.shape, rank)
                 .map_or(bytes, |s| (s.p_len() + s.q_len()) * r.dtype.size()),
+            Codec::TopK(t) => t
+                .k(bytes / r.dtype.size())
+                .map_or(bytes, |k| k * topk::PAIR_BYTES),
             _ => bytes / r.dtype.size() * self.wire(r.dtype).size(),
         }
     }
@@ -328,6 +396,7 @@ pub struct Wire<'a> {
     pub codec: Codec,
     pub feedback: &'a Feedback,
     pub powersgd: &'a powersgd::PowerMemory,
+    pub topk: &'a topk::TopkMemory,
 }
 
 #[cfg(test)]
@@ -391,6 +460,40 @@ mod tests {
         // on the wire: the two factors, (64 + 32) x 4 values
         assert_eq!(Codec::PowerSgd(4).wire_bytes(&r), (64 + 32) * 4 * 4);
         assert_eq!(Codec::U8.wire_bytes(&r), 64 * 32);
+    }
+
+    #[test]
+    fn topk_takes_host_allreduces_whose_pairs_are_smaller_than_their_values() {
+        let c = codecs(Compression::TopK);
+        let params = TopK::default();
+        let with = |n: i64, kind, device| {
+            let mut r = resp(kind, DataType::F32, ReduceOp::Sum);
+            (r.shape, r.device) = (vec![n], device);
+            c.of(&r)
+        };
+        let host = crate::message::CPU_DEVICE;
+        assert_eq!(with(1000, OpKind::Allreduce, host), Codec::TopK(params));
+        // 1 % of 100 is one pair of two values: still fewer bytes; of 2, one pair is not
+        assert_eq!(with(100, OpKind::Allreduce, host), Codec::TopK(params));
+        assert_eq!(with(2, OpKind::Allreduce, host), Codec::None);
+        assert_eq!(with(1000, OpKind::Gossip, host), Codec::None);
+        assert_eq!(with(1000, OpKind::Allreduce, 0), Codec::None);
+        let mut r = resp(OpKind::Allreduce, DataType::F32, ReduceOp::Average);
+        r.shape = vec![1000];
+        assert_eq!(Codec::TopK(params).wire_bytes(&r), 10 * topk::PAIR_BYTES);
+        let red = Reduction::of(Codec::TopK(params), &r, 4).unwrap();
+        assert_eq!((red.op, red.post), (ReduceOp::Sum, 0.25));
+        // the settings round to whole millionths and thousandths
+        let t = TopK::of(0.0025, 0.9);
+        assert_eq!((t.ratio_ppm, t.momentum_permille), (2500, 900));
+        assert_eq!((t.ratio(), t.momentum()), (0.0025, 0.9));
+        assert_eq!(
+            TopK::of(1e-9, 5.0),
+            TopK {
+                ratio_ppm: 1,
+                momentum_permille: 999
+            }
+        );
     }
 
     #[test]
@@ -467,6 +570,10 @@ mod tests {
             setting: Compression::Mixed,
             min_bytes: 4096,
             powersgd_rank: crate::compress::POWERSGD_RANK,
+            topk: crate::compress::TopK {
+                ratio_ppm: 10_000,
+                momentum_permille: 0,
+            },
         };
         let mut r = resp(OpKind::Allreduce, DataType::F32, ReduceOp::Average);
         r.shape = vec![1023];

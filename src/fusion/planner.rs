@@ -151,6 +151,10 @@ mod tests {
         setting: Compression::None,
         min_bytes: 0,
         powersgd_rank: crate::compress::POWERSGD_RANK,
+        topk: crate::compress::TopK {
+            ratio_ppm: 10_000,
+            momentum_permille: 0,
+        },
     };
 
     fn resp(name: &str, kind: OpKind, dtype: DataType, elems: i64) -> Response {
@@ -336,6 +340,10 @@ mod tests {
             setting: Compression::Mixed,
             min_bytes: 64,
             powersgd_rank: crate::compress::POWERSGD_RANK,
+            topk: crate::compress::TopK {
+                ratio_ppm: 10_000,
+                momentum_permille: 0,
+            },
         };
         let mut d = resp("d", OpKind::Allreduce, DataType::F32, 16);
         d.compression = Some(Compression::None);

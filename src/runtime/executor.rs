@@ -265,6 +265,8 @@ pub(crate) struct Carried {
     pub feedback: Feedback,
     /// PowerSGD's residuals and factors.
     pub powersgd: crate::compress::powersgd::PowerMemory,
+    /// Top-k's residuals and momenta.
+    pub topk: crate::compress::topk::TopkMemory,
     /// Gossiped tensors' rounds.
     pub rounds: gossip::Rounds,
     /// Compressed gossip's public copies.
@@ -387,6 +389,7 @@ impl Executor {
             codec,
             feedback: &self.carried.feedback,
             powersgd: &self.carried.powersgd,
+            topk: &self.carried.topk,
         };
         // host memory is ready when enqueued
         sink(Some("WAIT_FOR_DATA"));
@@ -437,6 +440,7 @@ impl Executor {
             codec: plan.codec,
             feedback,
             powersgd: &self.carried.powersgd,
+            topk: &self.carried.topk,
         };
         // counted where it runs: a batch whose flag travels with it never takes the hierarchy
         let mut run =

@@ -6,6 +6,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::compress::Codec;
+#[cfg(test)]
+use crate::compress::TopK;
 use crate::dtype::DataType;
 use crate::message::Response;
 
@@ -26,6 +28,7 @@ pub struct Metrics {
     wire_bf16: AtomicU64,
     wire_u8: AtomicU64,
     wire_powersgd: AtomicU64,
+    wire_topk: AtomicU64,
 }
 
 /// A copy of the counters at one moment. Every field counts from init.
@@ -60,6 +63,8 @@ pub struct MetricsSnapshot {
     pub wire_u8: u64,
     /// ... and as PowerSGD's two factors.
     pub wire_powersgd: u64,
+    /// ... and as top-k's (index, value) pairs.
+    pub wire_topk: u64,
 }
 
 impl Metrics {
@@ -94,6 +99,7 @@ impl Metrics {
             Codec::Half(_) => &self.wire_fp16,
             Codec::U8 => &self.wire_u8,
             Codec::PowerSgd(_) => &self.wire_powersgd,
+            Codec::TopK(_) => &self.wire_topk,
         };
         counter.fetch_add(wire, Ordering::Relaxed);
     }
@@ -124,6 +130,7 @@ impl Metrics {
             wire_bf16: get(&self.wire_bf16),
             wire_u8: get(&self.wire_u8),
             wire_powersgd: get(&self.wire_powersgd),
+            wire_topk: get(&self.wire_topk),
         }
     }
 }
@@ -146,6 +153,7 @@ mod tests {
         m.add_wire_bytes(Codec::Half(DataType::BF16), 20);
         m.add_wire_bytes(Codec::U8, 10);
         m.add_wire_bytes(Codec::PowerSgd(4), 7);
+        m.add_wire_bytes(Codec::TopK(TopK::default()), 3);
         assert_eq!(
             m.snapshot(),
             MetricsSnapshot {
@@ -164,6 +172,7 @@ mod tests {
                 wire_bf16: 20,
                 wire_u8: 10,
                 wire_powersgd: 7,
+                wire_topk: 3,
             }
         );
     }

@@ -1821,3 +1821,112 @@ pub(crate) fn powersgd_compressed() {
     uncompressed_ops_stay_exact("powersgd");
     finish_job();
 }
+
+/// `FERROVOD_COMPRESSION=topk`: a batch of two tensors averaged with scales and one summed
+/// alone, over six steps, each rank's output against an f64 reference of the method (each
+/// rank's k largest of its gradient plus residual, ties to the lower index, summed over the
+/// ranks; what was not sent kept), the wire counter at the pairs' bytes, and a tensor too small
+/// to gain travelling as it is.
+pub(crate) fn topk_compressed() {
+    init();
+    let (me, n) = (rank(), size());
+    let mut plan = PlanWatch::new();
+    let ratio: f64 = std::env::var("FERROVOD_TOPK_RATIO")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.01);
+    let lens = [700usize, 1500, 2, 333];
+    let groups: [(&[usize], ReduceOp, f64, f64); 3] = [
+        (&[0, 1], ReduceOp::Average, 2.0, 0.5),
+        (&[3], ReduceOp::Sum, 1.0, 1.0),
+        (&[2], ReduceOp::Sum, 1.0, 1.0),
+    ];
+    let k_of = |len: usize| ((len as f64 * ratio).ceil() as usize).clamp(1, len);
+    let v = |t: usize, i: usize, r: usize, step: usize| {
+        (((i * 7919 + t * 104_729 + r * 31 + step * 577) % 1000) as f64 / 1000.0 - 0.5)
+            * (1.0 + (i % 13) as f64)
+    };
+    // per tensor, per rank: what was not sent
+    let mut residual: Vec<Vec<Vec<f64>>> = lens.iter().map(|l| vec![vec![0.0; *l]; n]).collect();
+    let pair_bytes: u64 = [0usize, 1, 3]
+        .iter()
+        .map(|t| 8 * k_of(lens[*t]) as u64)
+        .sum();
+    let metrics = || runtime::runtime().unwrap().metrics.snapshot();
+    for step in 0..6 {
+        plan.step_start();
+        let before = metrics();
+        let handles: Vec<_> = groups
+            .iter()
+            .map(|(ts, op, pre, post)| {
+                let tensors = ts
+                    .iter()
+                    .map(|t| {
+                        let vals: Vec<f64> = (0..lens[*t]).map(|i| v(*t, i, me, step)).collect();
+                        tensor(
+                            &format!("topk.{t}"),
+                            DataType::F32,
+                            &[lens[*t] as i64],
+                            &vals,
+                            false,
+                        )
+                    })
+                    .collect();
+                let mut spec = OpSpec::new(OpKind::Allreduce, tensors);
+                (spec.reduce_op, spec.prescale, spec.postscale) = (*op, *pre, *post);
+                submit(spec).unwrap()
+            })
+            .collect();
+        for ((ts, op, pre, post), h) in groups.iter().zip(handles) {
+            for (res, t) in finish(h).unwrap().iter().zip(ts.iter()) {
+                let got = output(res, DataType::F32);
+                let scale = post
+                    / if *op == ReduceOp::Average {
+                        n as f64
+                    } else {
+                        1.0
+                    };
+                let mut want = vec![0.0; lens[*t]];
+                for (r, kept) in residual[*t].iter_mut().enumerate() {
+                    let acc: Vec<f64> = (0..lens[*t])
+                        .map(|i| (v(*t, i, r, step) * pre) as f32 as f64 + kept[i])
+                        .collect();
+                    let sent: Vec<usize> = if *t == 2 {
+                        (0..lens[*t]).collect() // travels as it is
+                    } else {
+                        let mut order: Vec<usize> = (0..lens[*t]).collect();
+                        order.sort_by(|a, b| {
+                            acc[*b]
+                                .abs()
+                                .partial_cmp(&acc[*a].abs())
+                                .unwrap()
+                                .then(a.cmp(b))
+                        });
+                        order.truncate(k_of(lens[*t]));
+                        order
+                    };
+                    let mut left = acc.clone();
+                    for i in sent {
+                        want[i] += acc[i];
+                        left[i] = 0.0;
+                    }
+                    if *t != 2 {
+                        *kept = left;
+                    }
+                }
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let w = w * scale;
+                    assert!(
+                        (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                        "step {step} tensor {t} element {i}: got {g}, want {w}"
+                    );
+                }
+            }
+        }
+        assert_eq!(metrics().wire_topk - before.wire_topk, pair_bytes);
+        plan.step_end(step);
+    }
+    plan.froze(1);
+    uncompressed_ops_stay_exact("topk");
+    finish_job();
+}

@@ -38,7 +38,7 @@ pub fn allreduce_hierarchical(
             let enc = Encoding::of(codec, head, ranks)?;
             (enc.wire, enc.op, enc.pre, enc.post)
         }
-        Codec::U8 | Codec::PowerSgd(_) => {
+        Codec::U8 | Codec::PowerSgd(_) | Codec::TopK(_) => {
             return Err(Error::Internal(format!(
                 "{codec:?} batches do not run hierarchically on GPUs"
             )));

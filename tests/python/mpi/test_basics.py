@@ -115,7 +115,7 @@ def test_metrics_count_this_process_traffic():
     assert set(before) == {"cycles", "control_collectives", "control_bytes", "negotiation_ns",
                            "data_collectives", "data_bytes", "fused_batches", "tensors",
                            "graph_launches", "wire_uncompressed", "wire_fp16", "wire_bf16",
-                           "wire_u8", "wire_powersgd"}
+                           "wire_u8", "wire_powersgd", "wire_topk"}
     hs = [_core.enqueue(_core.ALLREDUCE, [np.ones(25, np.float32)], ["metrics.%d" % k])
           for k in range(3)]
     for h in hs:
