@@ -106,21 +106,7 @@ pub fn select(grad: &[f32], mem: &mut Memory, k: usize, momentum: f32) -> Vec<(u
             *v += g;
         }
     }
-    let k = k.min(n);
-    let mut order: Vec<u32> = (0..n as u32).collect();
-    let v = &mem.residual;
-    let larger = |a: &u32, b: &u32| {
-        let (x, y) = (v[*a as usize].abs(), v[*b as usize].abs());
-        // NaN counts as largest: it is sent, and the sum shows it
-        y.partial_cmp(&x)
-            .unwrap_or_else(|| y.is_nan().cmp(&x.is_nan()))
-            .then(a.cmp(b))
-    };
-    if k < n && k > 0 {
-        order.select_nth_unstable_by(k - 1, larger);
-    }
-    order.truncate(k);
-    order.sort_unstable();
+    let order = largest(&mem.residual, k.min(n));
     let pairs: Vec<(u32, f32)> = order
         .iter()
         .map(|&i| (i, mem.residual[i as usize]))
@@ -132,6 +118,48 @@ pub fn select(grad: &[f32], mem: &mut Memory, k: usize, momentum: f32) -> Vec<(u
         }
     }
     pairs
+}
+
+/// The indices of the `k` entries of largest magnitude of `v`, ascending; ties to the lower
+/// index, NaN larger than any number. A magnitude's ordering is that of its bit pattern with
+/// the sign cleared (NaN's lies above infinity's), so a histogram of the patterns' top 16 bits
+/// finds the bucket that holds the k-th largest in one pass; only that bucket is sorted.
+fn largest(v: &[f32], k: usize) -> Vec<u32> {
+    let key = |x: f32| x.to_bits() & 0x7fff_ffff;
+    if k == 0 {
+        return Vec::new();
+    }
+    let mut counts = vec![0usize; 1 << 16];
+    v.iter().for_each(|x| counts[(key(*x) >> 16) as usize] += 1);
+    // the bucket of the k-th largest, and how many lie above it
+    let (mut bucket, mut above) = (counts.len(), 0);
+    while bucket > 0 {
+        bucket -= 1;
+        if above + counts[bucket] >= k {
+            break;
+        }
+        above += counts[bucket];
+    }
+    let mut picked = Vec::with_capacity(k);
+    let mut edge = Vec::with_capacity(counts[bucket]);
+    for (i, x) in v.iter().enumerate() {
+        let b = (key(*x) >> 16) as usize;
+        if b > bucket {
+            picked.push(i as u32);
+        } else if b == bucket {
+            edge.push(i as u32);
+        }
+    }
+    // within the bucket: larger first, then the lower index
+    let need = k - above;
+    if need < edge.len() {
+        edge.select_nth_unstable_by(need - 1, |a, b| {
+            key(v[*b as usize]).cmp(&key(v[*a as usize])).then(a.cmp(b))
+        });
+    }
+    picked.extend_from_slice(&edge[..need]);
+    picked.sort_unstable();
+    picked
 }
 
 /// The pairs as bytes for the exchange.
