@@ -735,7 +735,7 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
             return _done_work([])
         one = tensors[0]
         if len(tensors) == 1 and one.is_contiguous() and one.device.type in ("cpu", "cuda"):
-            return self._allreduce_one(tensors[0], op, prescale)
+            return self._allreduce_one(one, op, prescale)
         return self._run(_core.ALLREDUCE, tensors, _signature("allreduce", tensors),
                          outputs=list(tensors), finish=lambda _v: list(tensors), reduce_op=op,
                          prescale=prescale, postscale=1.0,
