@@ -167,7 +167,8 @@ pub struct Config {
     pub powersgd_rank: usize,
     /// `FERROVOD_TOPK_RATIO` and `FERROVOD_TOPK_MOMENTUM`: under `topk`, the share of each
     /// tensor's values sent and the momentum correction's factor.
-    pub topk: crate::compress::TopK,
+    pub topk_ratio: f64,
+    pub topk_momentum: f64,
     /// AIACC's `PERSEUS_ALLREDUCE_NANCHECK`: allreduces whose result holds NaN or Inf fail
     /// (`compress::check_finite`).
     pub nan_check: bool,
@@ -383,14 +384,12 @@ impl Config {
             compression_min_bytes: src.opt_num("FERROVOD_COMPRESSION_MIN_BYTES", 0, MAX_BYTES),
             powersgd_rank: src.num(
                 "FERROVOD_POWERSGD_RANK",
-                crate::compress::POWERSGD_RANK,
+                crate::message::POWERSGD_RANK,
                 1,
                 1024,
             ),
-            topk: crate::compress::TopK::of(
-                src.num("FERROVOD_TOPK_RATIO", 0.01, 1e-6, 1.0),
-                src.num("FERROVOD_TOPK_MOMENTUM", 0.0, 0.0, 0.999),
-            ),
+            topk_ratio: src.num("FERROVOD_TOPK_RATIO", 0.01, 1e-6, 1.0),
+            topk_momentum: src.num("FERROVOD_TOPK_MOMENTUM", 0.0, 0.0, 0.999),
             nan_check: src.bool("PERSEUS_ALLREDUCE_NANCHECK"),
             multistep: src.num("FERROVOD_MULTISTEP", 1, 1, 1 << 20),
             gossip_sync_every: src.num("FERROVOD_GOSSIP_SYNC_EVERY", 10, 0, 1 << 20),

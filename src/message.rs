@@ -166,6 +166,9 @@ pub struct Request {
     pub multistep: Multistep,
 }
 
+/// PowerSGD's factor width unless `FERROVOD_POWERSGD_RANK` says otherwise.
+pub const POWERSGD_RANK: usize = 4;
+
 /// How an allreduce's values may travel (the codecs: `compress`), as a job
 /// (`FERROVOD_COMPRESSION`, or AIACC's `PERSEUS_ALLREDUCE_DTYPE`; agreed from rank 0) or one
 /// operation (the C API's `fv_op.compression`) asks.

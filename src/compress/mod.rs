@@ -80,8 +80,7 @@ impl TopK {
     }
 }
 
-/// PowerSGD's factor width unless `FERROVOD_POWERSGD_RANK` says otherwise.
-pub const POWERSGD_RANK: usize = 4;
+pub use crate::message::POWERSGD_RANK;
 
 impl Default for Codecs {
     fn default() -> Codecs {

@@ -163,6 +163,7 @@ impl JobSettings {
     /// Rank 0's values everywhere. Call on a communicator still at the default MPI count limit,
     /// so that this broadcast itself is split identically on every rank.
     pub fn from_rank0(world: &MpiComm, cfg: &crate::config::Config) -> Result<JobSettings> {
+        let topk = crate::compress::TopK::of(cfg.topk_ratio, cfg.topk_momentum);
         let mine = [
             cfg.fusion_threshold,
             cfg.fusion_direct_bytes.unwrap_or(UNSET),
@@ -189,8 +190,8 @@ impl JobSettings {
             usize::from(cfg.gossip_exact_inside_node),
             cfg.nccl_streams,
             cfg.powersgd_rank,
-            cfg.topk.ratio_ppm as usize,
-            cfg.topk.momentum_permille as usize,
+            topk.ratio_ppm as usize,
+            topk.momentum_permille as usize,
         ];
         let bytes: Vec<u8> = mine
             .iter()
