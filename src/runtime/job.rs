@@ -163,7 +163,6 @@ impl JobSettings {
     /// Rank 0's values everywhere. Call on a communicator still at the default MPI count limit,
     /// so that this broadcast itself is split identically on every rank.
     pub fn from_rank0(world: &MpiComm, cfg: &crate::config::Config) -> Result<JobSettings> {
-        let topk = crate::compress::TopK::of(cfg.topk_ratio, cfg.topk_momentum);
         let mine = [
             cfg.fusion_threshold,
             cfg.fusion_direct_bytes.unwrap_or(UNSET),
@@ -190,8 +189,8 @@ impl JobSettings {
             usize::from(cfg.gossip_exact_inside_node),
             cfg.nccl_streams,
             cfg.powersgd_rank,
-            topk.ratio_ppm as usize,
-            topk.momentum_permille as usize,
+            crate::compress::TopK::of(cfg.topk_ratio, cfg.topk_momentum).ratio_ppm as usize,
+            crate::compress::TopK::of(cfg.topk_ratio, cfg.topk_momentum).momentum_permille as usize,
         ];
         let bytes: Vec<u8> = mine
             .iter()
