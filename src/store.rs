@@ -15,6 +15,7 @@
 //! alike on every rank.
 
 use std::hash::Hash;
+use std::sync::Mutex;
 
 use crate::hashing::HashMap;
 
@@ -53,6 +54,54 @@ pub fn is_unnamed(name: &str) -> bool {
                     .split_once("of")
                     .is_some_and(|(i, k)| digits(i) && digits(k))
         }
+    }
+}
+
+/// A codec's host state per tensor name (`Recent` behind a lock: shared by a process set's
+/// communicators, whichever runs a tensor's batch). An unnamed tensor's state is never kept; a
+/// value taken out leaves its entry, so that a steady step allocates neither the name nor the
+/// value again.
+pub struct Named<V>(Mutex<Recent<String, V>>);
+
+impl<V> Default for Named<V> {
+    fn default() -> Named<V> {
+        Named(Mutex::new(Recent::default()))
+    }
+}
+
+impl<V: Default> Named<V> {
+    /// `name`'s value, taken out, where `fits` says it still fits the tensor; else `fresh()`.
+    pub fn take_or(
+        &self,
+        name: &str,
+        fits: impl FnOnce(&V) -> bool,
+        fresh: impl FnOnce() -> V,
+    ) -> V {
+        let mut map = self.0.lock().expect("per-name store");
+        match map.take(&name.to_owned()).0 {
+            Some(v) if fits(&v) => v,
+            _ => fresh(),
+        }
+    }
+
+    pub fn put(&self, name: &str, value: V) {
+        if is_unnamed(name) {
+            return;
+        }
+        let mut map = self.0.lock().expect("per-name store");
+        match map.touch(&name.to_owned()) {
+            Some(slot) => *slot = value,
+            None => map.put(name.to_owned(), value),
+        }
+    }
+
+    /// Names holding a value.
+    pub fn len(&self) -> usize {
+        self.0.lock().expect("per-name store").len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 

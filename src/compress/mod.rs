@@ -8,8 +8,6 @@ pub mod powersgd;
 pub mod quantize;
 pub mod topk;
 
-use std::sync::Mutex;
-
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
 pub use crate::message::Compression;
@@ -110,6 +108,8 @@ impl Codecs {
         if !compressible {
             return Codec::None;
         }
+        // the codecs written for host allreduces only
+        let host_allreduce = r.kind == OpKind::Allreduce && r.device == crate::message::CPU_DEVICE;
         match r.compression.unwrap_or(self.setting) {
             Compression::None => Codec::None,
             Compression::Fp16 => Codec::Half(DataType::F16),
@@ -117,17 +117,11 @@ impl Codecs {
             Compression::Mixed if r.fused_bytes() >= self.min_bytes => Codec::Half(DataType::F16),
             Compression::Mixed => Codec::None,
             Compression::U8 => Codec::U8,
-            Compression::PowerSgd => {
-                let host_allreduce =
-                    r.kind == OpKind::Allreduce && r.device == crate::message::CPU_DEVICE;
-                match powersgd::Shape::of(&r.shape, self.powersgd_rank) {
-                    Some(s) if host_allreduce => Codec::PowerSgd(s.rank),
-                    _ => Codec::None,
-                }
-            }
+            Compression::PowerSgd => match powersgd::Shape::of(&r.shape, self.powersgd_rank) {
+                Some(s) if host_allreduce => Codec::PowerSgd(s.rank),
+                _ => Codec::None,
+            },
             Compression::TopK => {
-                let host_allreduce =
-                    r.kind == OpKind::Allreduce && r.device == crate::message::CPU_DEVICE;
                 let len = r.num_elements().max(0) as usize;
                 match self.topk.k(len) {
                     Some(_) if host_allreduce => Codec::TopK(self.topk),
@@ -292,41 +286,15 @@ impl Codec {
 }
 
 /// What the `u8` codec's rounding lost, per tensor name: added to the tensor's next
-/// contribution, so the error does not accumulate over steps (error feedback). Shared by a
-/// process set's communicators, whichever runs a tensor's batch. Bounded as `store` says:
-/// unnamed tensors keep no residual, and names unused for the store's window are dropped.
-#[derive(Default)]
-pub struct Feedback(Mutex<Recent<String, Vec<f32>>>);
+/// contribution, so the error does not accumulate over steps (error feedback). Bounded as
+/// `store` says: unnamed tensors keep no residual, and names unused for the store's window are
+/// dropped.
+pub type Feedback = store::Named<Vec<f32>>;
 
 impl Feedback {
-    /// The residual of `name` (zeros if none, or if the tensor's size changed), taken out; its
-    /// entry stays, so that a steady step allocates neither the name nor the values again.
+    /// The residual of `name` (zeros if none, or if the tensor's size changed), taken out.
     pub fn take(&self, name: &str, len: usize) -> Vec<f32> {
-        let mut map = self.0.lock().expect("feedback");
-        match map.take(&name.to_owned()).0 {
-            Some(r) if r.len() == len => r,
-            _ => vec![0.0; len],
-        }
-    }
-
-    pub fn put(&self, name: &str, residual: Vec<f32>) {
-        if store::is_unnamed(name) {
-            return;
-        }
-        let mut map = self.0.lock().expect("feedback");
-        match map.touch(&name.to_owned()) {
-            Some(slot) => *slot = residual,
-            None => map.put(name.to_owned(), residual),
-        }
-    }
-
-    /// Names holding a residual.
-    pub fn len(&self) -> usize {
-        self.0.lock().expect("feedback").len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.take_or(name, |r| r.len() == len, || vec![0.0; len])
     }
 }
 

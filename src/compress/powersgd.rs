@@ -12,9 +12,7 @@
 //! Everything here is a function of agreed data (the shape, the rank, a seed) and of the
 //! rank's own values, so the ranks' factors and approximations agree.
 
-use std::sync::Mutex;
-
-use crate::store::{self, Recent};
+use crate::store;
 
 /// A tensor's matrix view and its factors' width.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -90,42 +88,18 @@ impl Memory {
 }
 
 /// Each tensor's `Memory`, per tensor name: the residual and the warm-started Q of its last
-/// step. Shared by a process set's communicators, whichever runs a tensor's batch, and bounded
-/// as `store` says: unnamed tensors keep none (each call starts afresh), and names unused for
-/// the store's window are dropped. Used in the agreed batch order, so every rank keeps and
-/// drops the same Q.
-#[derive(Default)]
-pub struct PowerMemory(Mutex<Recent<String, Memory>>);
+/// step, bounded as `store` says (unnamed tensors keep none: each call starts afresh). Used in
+/// the agreed batch order, so every rank keeps and drops the same Q.
+pub type PowerMemory = store::Named<Memory>;
 
 impl PowerMemory {
-    /// `name`'s memory, taken out (a first step's if none, or if the tensor's shape changed);
-    /// its entry stays, so that a steady step allocates neither the name nor the values again.
+    /// `name`'s memory, taken out (a first step's if none, or if the tensor's shape changed).
     pub fn take(&self, name: &str, shape: &Shape) -> Memory {
-        let mut map = self.0.lock().expect("powersgd memory");
-        match map.take(&name.to_owned()).0 {
-            Some(m) if m.residual.len() == shape.len() && m.q.len() == shape.q_len() => m,
-            _ => Memory::new(shape, store::fingerprint(&name)),
-        }
-    }
-
-    pub fn put(&self, name: &str, memory: Memory) {
-        if store::is_unnamed(name) {
-            return;
-        }
-        let mut map = self.0.lock().expect("powersgd memory");
-        match map.touch(&name.to_owned()) {
-            Some(slot) => *slot = memory,
-            None => map.put(name.to_owned(), memory),
-        }
-    }
-
-    /// Names holding a memory.
-    pub fn len(&self) -> usize {
-        self.0.lock().expect("powersgd memory").len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.take_or(
+            name,
+            |m| m.residual.len() == shape.len() && m.q.len() == shape.q_len(),
+            || Memory::new(shape, store::fingerprint(&name)),
+        )
     }
 }
 

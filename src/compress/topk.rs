@@ -9,10 +9,8 @@
 //! of agreed data (the tensor's length and the job's ratio), so every rank sends the same
 //! number of pairs and the exchange is an allgather of equal sizes.
 
-use std::sync::Mutex;
-
 use crate::error::{Error, Result};
-use crate::store::{self, Recent};
+use crate::store;
 
 /// Bytes of one pair on the wire: a little-endian u32 index, then the f32 value.
 pub(crate) const PAIR_BYTES: usize = 8;
@@ -51,40 +49,18 @@ impl Memory {
     }
 }
 
-/// Each tensor's `Memory`, per tensor name. Shared by a process set's communicators, whichever
-/// runs a tensor's batch, and bounded as `store` says: unnamed tensors keep none, and names
-/// unused for the store's window are dropped.
-#[derive(Default)]
-pub struct TopkMemory(Mutex<Recent<String, Memory>>);
+/// Each tensor's `Memory`, per tensor name, bounded as `store` says (unnamed tensors keep
+/// none).
+pub type TopkMemory = store::Named<Memory>;
 
 impl TopkMemory {
     /// `name`'s memory, taken out (zeros if none, or if the tensor's size changed).
     pub fn take(&self, name: &str, len: usize) -> Memory {
-        let mut map = self.0.lock().expect("top-k memory");
-        match map.take(&name.to_owned()).0 {
-            Some(m) if m.residual.len() == len && m.momentum.len() == len => m,
-            _ => Memory::new(len),
-        }
-    }
-
-    pub fn put(&self, name: &str, memory: Memory) {
-        if store::is_unnamed(name) {
-            return;
-        }
-        let mut map = self.0.lock().expect("top-k memory");
-        match map.touch(&name.to_owned()) {
-            Some(slot) => *slot = memory,
-            None => map.put(name.to_owned(), memory),
-        }
-    }
-
-    /// Names holding a memory.
-    pub fn len(&self) -> usize {
-        self.0.lock().expect("top-k memory").len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.take_or(
+            name,
+            |m| m.residual.len() == len && m.momentum.len() == len,
+            || Memory::new(len),
+        )
     }
 }
 

@@ -1739,7 +1739,7 @@ pub(crate) fn powersgd_compressed() {
         .unwrap_or(ferrovod::compress::POWERSGD_RANK);
     let shapes: [&[i64]; 5] = [&[24, 3, 3, 2], &[40, 30], &[50], &[3, 2], &[16, 16]];
     // (tensors, op, prescale, postscale)
-    let groups: [(&[usize], ReduceOp, f64, f64); 3] = [
+    let groups: [Group; 3] = [
         (&[0, 1], ReduceOp::Average, 2.0, 0.5),
         (&[4], ReduceOp::Sum, 1.0, 1.0),
         (&[2, 3], ReduceOp::Average, 1.0, 1.0),
@@ -1774,21 +1774,10 @@ pub(crate) fn powersgd_compressed() {
     for step in 0..8 {
         plan.step_start();
         let before = metrics();
-        let handles: Vec<_> = groups
-            .iter()
-            .map(|(ts, op, pre, post)| {
-                let tensors = ts
-                    .iter()
-                    .map(|t| {
-                        let vals: Vec<f64> = (0..len(*t)).map(|i| v(*t, i, me, step)).collect();
-                        tensor(&name(*t), DataType::F32, shapes[*t], &vals, false)
-                    })
-                    .collect();
-                let mut spec = OpSpec::new(OpKind::Allreduce, tensors);
-                (spec.reduce_op, spec.prescale, spec.postscale) = (*op, *pre, *post);
-                submit(spec).unwrap()
-            })
-            .collect();
+        let handles = submit_groups(&groups, |t| {
+            let vals: Vec<f64> = (0..len(t)).map(|i| v(t, i, me, step)).collect();
+            tensor(&name(t), DataType::F32, shapes[t], &vals, false)
+        });
         for ((ts, op, pre, post), h) in groups.iter().zip(handles) {
             for (res, t) in finish(h).unwrap().iter().zip(ts.iter()) {
                 let got = output(res, DataType::F32);
@@ -1836,7 +1825,7 @@ pub(crate) fn topk_compressed() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(0.01);
     let lens = [700usize, 1500, 2, 333];
-    let groups: [(&[usize], ReduceOp, f64, f64); 3] = [
+    let groups: [Group; 3] = [
         (&[0, 1], ReduceOp::Average, 2.0, 0.5),
         (&[3], ReduceOp::Sum, 1.0, 1.0),
         (&[2], ReduceOp::Sum, 1.0, 1.0),
@@ -1856,27 +1845,11 @@ pub(crate) fn topk_compressed() {
     for step in 0..6 {
         plan.step_start();
         let before = metrics();
-        let handles: Vec<_> = groups
-            .iter()
-            .map(|(ts, op, pre, post)| {
-                let tensors = ts
-                    .iter()
-                    .map(|t| {
-                        let vals: Vec<f64> = (0..lens[*t]).map(|i| v(*t, i, me, step)).collect();
-                        tensor(
-                            &format!("topk.{t}"),
-                            DataType::F32,
-                            &[lens[*t] as i64],
-                            &vals,
-                            false,
-                        )
-                    })
-                    .collect();
-                let mut spec = OpSpec::new(OpKind::Allreduce, tensors);
-                (spec.reduce_op, spec.prescale, spec.postscale) = (*op, *pre, *post);
-                submit(spec).unwrap()
-            })
-            .collect();
+        let handles = submit_groups(&groups, |t| {
+            let vals: Vec<f64> = (0..lens[t]).map(|i| v(t, i, me, step)).collect();
+            let shape = [lens[t] as i64];
+            tensor(&format!("topk.{t}"), DataType::F32, &shape, &vals, false)
+        });
         for ((ts, op, pre, post), h) in groups.iter().zip(handles) {
             for (res, t) in finish(h).unwrap().iter().zip(ts.iter()) {
                 let got = output(res, DataType::F32);

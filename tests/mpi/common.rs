@@ -108,6 +108,24 @@ pub(crate) fn submit(spec: OpSpec) -> Result<Arc<Handle>, Error> {
     runtime::runtime()?.enqueue(spec)
 }
 
+/// Tensors allreduced as one operation: their indices, the reduction, prescale and postscale.
+pub(crate) type Group<'a> = (&'a [usize], ReduceOp, f64, f64);
+
+/// One f32 allreduce per group, submitted together, each tensor made by `make` from its index.
+pub(crate) fn submit_groups(
+    groups: &[Group],
+    make: impl Fn(usize) -> TensorSpec,
+) -> Vec<Arc<Handle>> {
+    groups
+        .iter()
+        .map(|(ts, op, pre, post)| {
+            let mut spec = OpSpec::new(OpKind::Allreduce, ts.iter().map(|t| make(*t)).collect());
+            (spec.reduce_op, spec.prescale, spec.postscale) = (*op, *pre, *post);
+            submit(spec).unwrap()
+        })
+        .collect()
+}
+
 pub(crate) fn finish(h: Arc<Handle>) -> Result<Vec<TensorResult>, Error> {
     let r = h.wait(Some(Duration::from_secs(120)));
     let rt = runtime::runtime()?;

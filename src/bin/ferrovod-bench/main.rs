@@ -355,9 +355,13 @@ fn find_data_file(file: &str) -> String {
 
 /// (name, element count) in forward order.
 fn load_grads(path: &str) -> Vec<(String, usize)> {
-    load_shapes(path)
-        .into_iter()
-        .map(|(name, shape)| (name, shape.iter().product::<i64>() as usize))
+    counts(&load_shapes(path))
+}
+
+/// (name, element count) of each (name, shape).
+fn counts(shapes: &[(String, Vec<i64>)]) -> Vec<(String, usize)> {
+    (shapes.iter())
+        .map(|(name, shape)| (name.clone(), shape.iter().product::<i64>() as usize))
         .collect()
 }
 
@@ -612,9 +616,7 @@ fn main() {
     } else {
         Vec::new()
     };
-    let grads: Vec<(String, usize)> = (shapes.iter())
-        .map(|(n, s)| (n.clone(), s.iter().product::<i64>() as usize))
-        .collect();
+    let grads = counts(&shapes);
     let total: usize = grads.iter().map(|(_, n)| n).sum();
 
     // Two rounds of (raw MPI, then ferrovod on the same MPI). Raw MPI never runs while
