@@ -35,7 +35,7 @@ FERROVOD_POLL=1 cargo test --release --test mpi -- join
 # fuzz the C boundary's argument checks, the wire/plan decoders, the settings parser, codecs
 # and vote words, and enqueue/wait/release on a live one-rank runtime, for a bounded time
 # (FUZZ_SECONDS each; longer by hand, see docs/fuzzing.md)
-stage "fuzz targets (${FUZZ_SECONDS:-30} s each)"
+stage "fuzz targets (${FUZZ_SECONDS:-20} s each)"
 (cd fuzz && cargo fmt --check)
 fuzz_log=$(mktemp)
 for target in wire enqueue settings live; do
@@ -43,7 +43,7 @@ for target in wire enqueue settings live; do
   # (git keeps no empty folder, so both are made here)
   mkdir -p "fuzz/corpus/$target" "fuzz/seeds/$target"
   if ! cargo fuzz run -s none -O "$target" "fuzz/corpus/$target" "fuzz/seeds/$target" -- \
-    -max_total_time="${FUZZ_SECONDS:-30}" >"$fuzz_log" 2>&1; then
+    -max_total_time="${FUZZ_SECONDS:-20}" >"$fuzz_log" 2>&1; then
     tail -n 80 "$fuzz_log"
     echo "fuzz target $target failed (its input is in fuzz/artifacts/$target/)" >&2
     exit 1
