@@ -22,33 +22,39 @@ pub fn allreduce(
     act: ActivitySink,
 ) -> Result<()> {
     act(Some("TOPK_SELECT"));
-    let pre = red.pre as f32;
-    let mut ks = Vec::with_capacity(resps.len());
-    let mut send = Vec::new();
-    for (r, io) in resps.iter().zip(ios.iter()) {
-        let len = io.input().len() / 4;
-        let k = params.k(len).ok_or_else(|| {
-            Error::Internal(format!(
-                "tensor '{}' of {len} values cannot travel as top-k at ratio {}",
-                r.name,
-                params.ratio()
-            ))
-        })?;
-        let grad: Vec<f32> = (io.input().chunks_exact(4))
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) * pre)
-            .collect();
-        let mut memory = store.take(&r.name, len);
-        let pairs = topk::select(&grad, &mut memory, k, params.momentum());
-        send.extend_from_slice(&topk::encode(&pairs));
+    let ks = resps
+        .iter()
+        .zip(ios.iter())
+        .map(|(r, io)| {
+            let len = io.input().len() / 4;
+            params.k(len).ok_or_else(|| {
+                Error::Internal(format!(
+                    "tensor '{}' of {len} values cannot travel as top-k at ratio {}",
+                    r.name,
+                    params.ratio()
+                ))
+            })
+        })
+        .collect::<Result<Vec<usize>>>()?;
+    let each = ks.iter().sum::<usize>() * topk::PAIR_BYTES;
+    let mut send = Vec::with_capacity(each);
+    for ((r, io), k) in resps.iter().zip(ios.iter()).zip(&ks) {
+        let grad = io.input();
+        let mut memory = store.take(&r.name, grad.len() / 4);
+        topk::select(
+            grad,
+            red.pre as f32,
+            &mut memory,
+            *k,
+            params.momentum(),
+            &mut send,
+        );
         store.put(&r.name, memory);
-        ks.push(k);
     }
     act(Some("TOPK_ALLGATHER"));
-    let each = send.len();
     let mut gathered = vec![0u8; each * t.size()];
     t.allgatherv(Some(&send), &mut gathered, &vec![each; t.size()])?;
     act(Some("TOPK_SUM"));
-    let post = red.post as f32;
     let mut at = 0;
     for (io, k) in ios.iter_mut().zip(ks) {
         let bytes = k * topk::PAIR_BYTES;
@@ -56,12 +62,7 @@ pub fn allreduce(
             .map(|r| &gathered[r * each + at..r * each + at + bytes])
             .collect();
         at += bytes;
-        let (_, out) = io.split_io();
-        let mut sum = vec![0.0f32; out.len() / 4];
-        topk::decode(&parts, &mut sum, post)?;
-        for (o, v) in out.chunks_exact_mut(4).zip(&sum) {
-            o.copy_from_slice(&v.to_le_bytes());
-        }
+        topk::decode(&parts, io.split_io().1, red.post as f32)?;
     }
     act(None);
     Ok(())

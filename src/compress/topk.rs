@@ -64,60 +64,190 @@ impl TopkMemory {
     }
 }
 
-/// The local phase: with momentum `m` > 0, u = m u + `grad` (else u = `grad`); v = the
-/// residual plus u; the `k` entries of largest |v| (ties to the lower index, so the choice is the same
-/// wherever the values are) are returned as (index, value) in index order, and removed from
-/// v, which becomes the residual; the momentum of the sent entries is cleared.
-pub fn select(grad: &[f32], mem: &mut Memory, k: usize, momentum: f32) -> Vec<(u32, f32)> {
-    let n = grad.len();
-    if momentum > 0.0 {
-        for (u, g) in mem.momentum.iter_mut().zip(grad) {
-            *u = momentum * *u + g;
-        }
-        for (v, u) in mem.residual.iter_mut().zip(&mem.momentum) {
-            *v += u;
-        }
-    } else {
-        for (v, g) in mem.residual.iter_mut().zip(grad) {
-            *v += g;
+/// The local phase: `grad` is the gradient as little-endian f32 bytes, taken times `scale`.
+/// With momentum `m` > 0, u = m u + grad (else u = grad); v = the residual plus u; the `k`
+/// entries of largest |v| (ties to the lower index, so the choice is the same wherever the
+/// values are) are appended to `send` as pairs (`PAIR_BYTES` each) in index order, and removed
+/// from v, which becomes the residual; the momentum of the sent entries is cleared.
+pub fn select(
+    grad: &[u8],
+    scale: f32,
+    mem: &mut Memory,
+    k: usize,
+    momentum: f32,
+    send: &mut Vec<u8>,
+) {
+    let value = |b: &[u8]| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) * scale;
+    let n = mem.residual.len();
+    let k = k.min(n);
+    // a large tensor: a sample of v gives a floor that at least k values are likely to reach;
+    // the values at or above it are collected as v is formed, and the k are chosen among them
+    let floor = (n >= DIRECT_BELOW && k > 0).then(|| {
+        let v_at = |i: usize| {
+            let g = value(&grad[4 * i..4 * i + 4]);
+            if momentum > 0.0 {
+                mem.residual[i] + (momentum * mem.momentum[i] + g)
+            } else {
+                mem.residual[i] + g
+            }
+        };
+        sampled_floor(n, k, v_at)
+    });
+    let mut reached = Vec::new();
+    const BLOCK: usize = 4096;
+    let blocks = mem
+        .residual
+        .chunks_mut(BLOCK)
+        .zip(mem.momentum.chunks_mut(BLOCK))
+        .zip(grad.chunks(BLOCK * 4));
+    for (b, ((vs, us), gs)) in blocks.enumerate() {
+        accumulate(vs, us, gs, scale, momentum);
+        if let Some(floor) = floor {
+            reaching(vs, (b * BLOCK) as u32, floor, &mut reached);
         }
     }
-    let order = largest(&mem.residual, k.min(n));
-    let pairs: Vec<(u32, f32)> = order
-        .iter()
-        .map(|&i| (i, mem.residual[i as usize]))
-        .collect();
-    for &(i, _) in &pairs {
-        mem.residual[i as usize] = 0.0;
+    let order = match floor {
+        None => choose(&mem.residual, (0..n as u32).collect(), k),
+        Some(_) if reached.len() >= k => choose(&mem.residual, reached, k),
+        // the sample's floor was too high: count them all
+        Some(_) => {
+            let mut counts = vec![0u32; 1 << 16];
+            mem.residual
+                .iter()
+                .for_each(|x| counts[(key(*x) >> 16) as usize] += 1);
+            from_histogram(&mem.residual, k, &counts)
+        }
+    };
+    send.reserve(order.len() * PAIR_BYTES);
+    for &i in &order {
+        let slot = &mut mem.residual[i as usize];
+        send.extend_from_slice(&i.to_le_bytes());
+        send.extend_from_slice(&slot.to_le_bytes());
+        *slot = 0.0;
         if momentum > 0.0 {
             mem.momentum[i as usize] = 0.0;
         }
     }
-    pairs
 }
 
-/// The indices of the `k` entries of largest magnitude of `v`, ascending; ties to the lower
-/// index, NaN larger than any number. A magnitude's ordering is that of its bit pattern with
-/// the sign cleared (NaN's lies above infinity's), so a histogram of the patterns' top 16 bits
-/// finds the bucket that holds the k-th largest in one pass; only that bucket is sorted.
-fn largest(v: &[f32], k: usize) -> Vec<u32> {
-    let key = |x: f32| x.to_bits() & 0x7fff_ffff;
+/// v += u where u = `momentum` × u + g (`momentum` > 0), else v += g; g = `scale` × the
+/// little-endian f32 values of `grad`.
+#[inline(never)]
+fn accumulate(v: &mut [f32], u: &mut [f32], grad: &[u8], scale: f32, momentum: f32) {
+    let g = grad.chunks_exact(4);
+    let value = |b: &[u8]| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) * scale;
+    if momentum > 0.0 {
+        for ((v, u), g) in v.iter_mut().zip(u.iter_mut()).zip(g) {
+            *u = momentum * *u + value(g);
+            *v += *u;
+        }
+    } else {
+        for (v, g) in v.iter_mut().zip(g) {
+            *v += value(g);
+        }
+    }
+}
+
+/// Appends `base` + i for every `v[i]` whose key reaches `floor`; groups of values none of
+/// which reaches it (nearly all) cost one vector comparison, the others no branch per value.
+#[inline(never)]
+fn reaching(v: &[f32], base: u32, floor: u32, out: &mut Vec<u32>) {
+    const GROUP: usize = 16;
+    let mut push = |at: usize, group: &[f32]| {
+        for (j, x) in group.iter().enumerate() {
+            if key(*x) >= floor {
+                out.push(base + (at + j) as u32);
+            }
+        }
+    };
+    let groups = v.chunks_exact(GROUP);
+    let rest = groups.remainder();
+    for (c, group) in groups.enumerate() {
+        let group: &[f32; GROUP] = group.try_into().expect("a whole group");
+        if group
+            .iter()
+            .fold(0u32, |n, x| n | u32::from(key(*x) >= floor))
+            != 0
+        {
+            push(c * GROUP, group);
+        }
+    }
+    push(v.len() - rest.len(), rest);
+}
+
+/// Below this many values `select` chooses among all indices directly; above, a histogram
+/// narrows the choice to one bucket first.
+const DIRECT_BELOW: usize = 1 << 16;
+
+/// A magnitude's ordering is that of its bit pattern with the sign cleared (NaN's lies above
+/// infinity's).
+fn key(x: f32) -> u32 {
+    x.to_bits() & 0x7fff_ffff
+}
+
+/// Larger magnitude first, then the lower index.
+fn before(v: &[f32], a: u32, b: u32) -> std::cmp::Ordering {
+    key(v[b as usize]).cmp(&key(v[a as usize])).then(a.cmp(&b))
+}
+
+/// Of `idx` (ascending indices of `v`, every one of the `k` largest among them), the `k` of
+/// largest magnitude, ascending; ties to the lower index, NaN larger than any number.
+fn choose(v: &[f32], mut idx: Vec<u32>, k: usize) -> Vec<u32> {
+    if k >= idx.len() {
+        return idx;
+    }
     if k == 0 {
         return Vec::new();
     }
-    let mut counts = vec![0usize; 1 << 16];
-    v.iter().for_each(|x| counts[(key(*x) >> 16) as usize] += 1);
+    // one word per candidate whose order is the choice's (the key, then the lower index), so
+    // that the selection compares words instead of looking the values up; the k-th largest
+    // word then picks the chosen in index order
+    let word = |i: u32| (u64::from(key(v[i as usize])) << 32) | u64::from(u32::MAX - i);
+    let mut words: Vec<u64> = idx.iter().map(|i| word(*i)).collect();
+    let (_, kth, _) = words.select_nth_unstable_by(k - 1, |a, b| b.cmp(a));
+    let kth = *kth;
+    idx.retain(|i| word(*i) >= kth);
+    idx
+}
+
+/// One value in at least this many is sampled for `sampled_floor`, and about `SAMPLES` in all.
+const SAMPLE_STRIDE: usize = 64;
+const SAMPLES: usize = 4096;
+
+/// A key that at least `k` of the `n` values (`v_at(i)`, i < n) likely reach: the key an evenly
+/// spaced sample reaches at 1.25 times k's share, plus a margin. Only speed depends on it: `select`
+/// counts exactly where too few reach it.
+fn sampled_floor(n: usize, k: usize, v_at: impl Fn(usize) -> f32) -> u32 {
+    let mut sample: Vec<u32> = (0..n)
+        .step_by((n / SAMPLES).max(SAMPLE_STRIDE))
+        .map(|i| key(v_at(i)))
+        .collect();
+    let m = sample.len();
+    let want = (5 * k * m).div_ceil(4 * n) + 8;
+    if want >= m {
+        return 0;
+    }
+    let (_, nth, _) = sample.select_nth_unstable_by(want - 1, |a, b| b.cmp(a));
+    *nth
+}
+
+/// The same choice as `choose` among all indices, for large tensors: `counts`, a histogram of the keys'
+/// top 16 bits, finds the bucket that holds the k-th largest; only that bucket is sorted.
+fn from_histogram(v: &[f32], k: usize, counts: &[u32]) -> Vec<u32> {
+    if k == 0 {
+        return Vec::new();
+    }
     // the bucket of the k-th largest, and how many lie above it
     let (mut bucket, mut above) = (counts.len(), 0);
     while bucket > 0 {
         bucket -= 1;
-        if above + counts[bucket] >= k {
+        if above + counts[bucket] as usize >= k {
             break;
         }
-        above += counts[bucket];
+        above += counts[bucket] as usize;
     }
     let mut picked = Vec::with_capacity(k);
-    let mut edge = Vec::with_capacity(counts[bucket]);
+    let mut edge = Vec::with_capacity(counts[bucket] as usize);
     for (i, x) in v.iter().enumerate() {
         let b = (key(*x) >> 16) as usize;
         if b > bucket {
@@ -129,30 +259,20 @@ fn largest(v: &[f32], k: usize) -> Vec<u32> {
     // within the bucket: larger first, then the lower index
     let need = k - above;
     if need < edge.len() {
-        edge.select_nth_unstable_by(need - 1, |a, b| {
-            key(v[*b as usize]).cmp(&key(v[*a as usize])).then(a.cmp(b))
-        });
+        edge.select_nth_unstable_by(need - 1, |a, b| before(v, *a, *b));
     }
     picked.extend_from_slice(&edge[..need]);
     picked.sort_unstable();
     picked
 }
 
-/// The pairs as bytes for the exchange.
-pub fn encode(pairs: &[(u32, f32)]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(pairs.len() * PAIR_BYTES);
-    for (i, v) in pairs {
-        out.extend_from_slice(&i.to_le_bytes());
-        out.extend_from_slice(&v.to_le_bytes());
-    }
-    out
-}
-
-/// The phase after the exchange: `out` = `scale` × the sum of every rank's pairs (`gathered`:
-/// each rank's encoded pairs, in rank order, so every rank adds in the same order and gets the
-/// same values). A malformed part (not whole pairs, an index beyond `out`) is an error.
-pub fn decode(gathered: &[&[u8]], out: &mut [f32], scale: f32) -> Result<()> {
-    out.iter_mut().for_each(|v| *v = 0.0);
+/// The phase after the exchange: `out` (little-endian f32 bytes) = the sum over every rank's
+/// pairs of `scale` × the value (`gathered`: each rank's encoded pairs, in rank order, so every
+/// rank adds in the same order and gets the same values). A malformed part (not whole pairs,
+/// an index beyond `out`) is an error.
+pub fn decode(gathered: &[&[u8]], out: &mut [u8], scale: f32) -> Result<()> {
+    out.fill(0);
+    let len = out.len() / 4;
     for (rank, bytes) in gathered.iter().enumerate() {
         if bytes.len() % PAIR_BYTES != 0 {
             return Err(Error::Internal(format!(
@@ -163,22 +283,55 @@ pub fn decode(gathered: &[&[u8]], out: &mut [f32], scale: f32) -> Result<()> {
         for pair in bytes.chunks_exact(PAIR_BYTES) {
             let i = u32::from_le_bytes(pair[..4].try_into().expect("4 bytes")) as usize;
             let v = f32::from_le_bytes(pair[4..].try_into().expect("4 bytes"));
-            let len = out.len();
-            let slot = out.get_mut(i).ok_or_else(|| {
-                Error::Internal(format!(
-                    "top-k pair from rank {rank} names value {i} of a tensor of {len}"
-                ))
-            })?;
-            *slot += v;
+            let slot: &mut [u8; 4] = out
+                .get_mut(i * 4..i * 4 + 4)
+                .and_then(|s| s.try_into().ok())
+                .ok_or_else(|| {
+                    Error::Internal(format!(
+                        "top-k pair from rank {rank} names value {i} of a tensor of {len}"
+                    ))
+                })?;
+            *slot = (f32::from_le_bytes(*slot) + v * scale).to_le_bytes();
         }
     }
-    out.iter_mut().for_each(|v| *v *= scale);
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn bytes(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    fn floats(b: &[u8]) -> Vec<f32> {
+        b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    }
+
+    fn encode(pairs: &[(u32, f32)]) -> Vec<u8> {
+        pairs
+            .iter()
+            .flat_map(|(i, v)| i.to_le_bytes().into_iter().chain(v.to_le_bytes()))
+            .collect()
+    }
+
+    /// `select` at scale 1, its pairs decoded.
+    fn pick(g: &[f32], mem: &mut Memory, k: usize, momentum: f32) -> Vec<(u32, f32)> {
+        let mut send = vec![0xAB]; // appended to, not replaced
+        select(&bytes(g), 1.0, mem, k, momentum, &mut send);
+        assert_eq!(send.remove(0), 0xAB);
+        send.chunks_exact(PAIR_BYTES)
+            .map(|p| {
+                (
+                    u32::from_le_bytes(p[..4].try_into().unwrap()),
+                    f32::from_le_bytes(p[4..].try_into().unwrap()),
+                )
+            })
+            .collect()
+    }
 
     fn values(n: usize, seed: u64) -> Vec<f32> {
         // distinct magnitudes in a scrambled order, some negative
@@ -228,7 +381,7 @@ mod tests {
         for t in 0..5 {
             let g = values(n, t);
             let v: Vec<f64> = g.iter().zip(&carried).map(|(g, e)| *g as f64 + e).collect();
-            let pairs = select(&g, &mut mem, 7, 0.0);
+            let pairs = pick(&g, &mut mem, 7, 0.0);
             let want = reference_top(&v, 7);
             assert_eq!(pairs.iter().map(|p| p.0 as usize).collect::<Vec<_>>(), want);
             // sent + residual = input + last residual
@@ -249,12 +402,12 @@ mod tests {
     fn momentum_correction_accumulates_and_masks_what_was_sent() {
         let g = [1.0f32, -3.0, 0.5, 2.0];
         let mut mem = Memory::new(4);
-        let pairs = select(&g, &mut mem, 1, 0.9);
+        let pairs = pick(&g, &mut mem, 1, 0.9);
         assert_eq!(pairs, vec![(1, -3.0)]);
         assert_eq!(mem.momentum, vec![1.0, 0.0, 0.5, 2.0]);
         assert_eq!(mem.residual, vec![1.0, 0.0, 0.5, 2.0]);
         // next step: u = 0.9 u + g, v = residual + u
-        let pairs = select(&g, &mut mem, 1, 0.9);
+        let pairs = pick(&g, &mut mem, 1, 0.9);
         let u = [1.9f32, -3.0, 0.95, 3.8];
         assert_eq!(pairs.len(), 1);
         assert!(
@@ -271,10 +424,10 @@ mod tests {
     #[test]
     fn ties_go_to_the_lower_index_and_nan_is_sent() {
         let mut mem = Memory::new(5);
-        let pairs = select(&[1.0, -2.0, 2.0, 2.0, 0.0], &mut mem, 2, 0.0);
+        let pairs = pick(&[1.0, -2.0, 2.0, 2.0, 0.0], &mut mem, 2, 0.0);
         assert_eq!(pairs, vec![(1, -2.0), (2, 2.0)]);
         let mut mem = Memory::new(3);
-        let pairs = select(&[1.0, f32::NAN, 5.0], &mut mem, 1, 0.0);
+        let pairs = pick(&[1.0, f32::NAN, 5.0], &mut mem, 1, 0.0);
         assert_eq!(pairs.len(), 1);
         assert_eq!(pairs[0].0, 1);
     }
@@ -283,11 +436,85 @@ mod tests {
     fn the_gathered_pairs_sum_alike_and_bad_bytes_are_refused() {
         let a = encode(&[(0, 1.0), (3, 2.0)]);
         let b = encode(&[(3, 4.0), (4, -1.0)]);
-        let mut out = vec![9.0f32; 5];
+        let mut out = bytes(&[9.0f32; 5]);
         decode(&[&a, &b], &mut out, 0.5).unwrap();
-        assert_eq!(out, vec![0.5, 0.0, 0.0, 3.0, -0.5]);
+        assert_eq!(floats(&out), vec![0.5, 0.0, 0.0, 3.0, -0.5]);
         assert!(decode(&[&a[..5]], &mut out, 1.0).is_err());
         let far = encode(&[(5, 1.0)]);
         assert!(decode(&[&far], &mut out, 1.0).is_err());
+    }
+
+    fn largest_by_histogram(v: &[f32], k: usize) -> Vec<u32> {
+        let mut counts = vec![0u32; 1 << 16];
+        v.iter().for_each(|x| counts[(key(*x) >> 16) as usize] += 1);
+        from_histogram(v, k, &counts)
+    }
+
+    #[test]
+    fn the_histogram_and_the_direct_choice_agree() {
+        // many ties (few distinct magnitudes), NaN and both signs, at several k
+        let n = DIRECT_BELOW + 4097;
+        let v: Vec<f32> = (0..n)
+            .map(|i| match i % 997 {
+                0 => f32::NAN,
+                j => ((j % 37) as f32 - 18.0) * 0.25,
+            })
+            .collect();
+        for k in [1, 2, 37, 1000, n / 3, n - 1, n] {
+            let all = choose(&v, (0..n as u32).collect(), k);
+            assert_eq!(largest_by_histogram(&v, k), all, "k {k}");
+            // and select's way, through the sampled floor
+            let mut mem = Memory::new(n);
+            let pairs = pick(&v, &mut mem, k, 0.0);
+            assert_eq!(pairs.iter().map(|p| p.0).collect::<Vec<_>>(), all, "k {k}");
+        }
+        let w: Vec<f64> = v.iter().map(|x| *x as f64).collect();
+        let top = largest_by_histogram(&v, 500);
+        assert_eq!(top.len(), 500);
+        // all the NaNs first, then the largest magnitudes at the lower indices
+        let nan = (0..n).filter(|i| i % 997 == 0).count();
+        let rest: Vec<usize> = reference_top(
+            &w.iter()
+                .map(|x| if x.is_nan() { 0.0 } else { *x })
+                .collect::<Vec<_>>(),
+            500 - nan,
+        );
+        let mut want: Vec<u32> = (0..n).filter(|i| i % 997 == 0).map(|i| i as u32).collect();
+        want.extend(rest.iter().map(|i| *i as u32));
+        want.sort();
+        assert_eq!(top, want);
+    }
+
+    #[test]
+    fn the_gradient_is_scaled_on_the_way_in() {
+        let mut mem = Memory::new(3);
+        let mut send = Vec::new();
+        select(&bytes(&[2.0, -8.0, 1.0]), 0.5, &mut mem, 1, 0.0, &mut send);
+        assert_eq!(send, encode(&[(1, -4.0)]));
+        assert_eq!(mem.residual, vec![1.0, 0.0, 0.5]);
+    }
+
+    #[test]
+    fn a_floor_too_high_falls_back_to_counting() {
+        // the sampled values (every SAMPLE_STRIDE-th, for this n) are the large ones, so the sample's floor
+        // is reached by far fewer than k values
+        let n = 2 * DIRECT_BELOW;
+        let v: Vec<f32> = (0..n)
+            .map(|i| {
+                if i % SAMPLE_STRIDE == 0 {
+                    100.0
+                } else {
+                    (i % 7) as f32
+                }
+            })
+            .collect();
+        let k = n / 4;
+        let floor = sampled_floor(n, k, |i| v[i]);
+        assert!(v.iter().filter(|x| key(**x) >= floor).count() < k);
+        let mut mem = Memory::new(n);
+        let pairs = pick(&v, &mut mem, k, 0.0);
+        let w: Vec<f64> = v.iter().map(|x| *x as f64).collect();
+        let want: Vec<u32> = reference_top(&w, k).iter().map(|i| *i as u32).collect();
+        assert_eq!(pairs.iter().map(|p| p.0).collect::<Vec<_>>(), want);
     }
 }

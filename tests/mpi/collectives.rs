@@ -1811,8 +1811,9 @@ pub(crate) fn powersgd_compressed() {
     finish_job();
 }
 
-/// `FERROVOD_COMPRESSION=topk`: a batch of two tensors averaged with scales and one summed
-/// alone, over six steps, each rank's output against an f64 reference of the method (each
+/// `FERROVOD_COMPRESSION=topk`: a batch of two tensors averaged with scales and one of two
+/// summed (the second large enough, 70,000 values, that the choice goes through a sampled
+/// floor, with many ties), over six steps, each rank's output against an f64 reference of the method (each
 /// rank's k largest of its gradient plus residual, ties to the lower index, summed over the
 /// ranks; what was not sent kept), the wire counter at the pairs' bytes, and a tensor too small
 /// to gain travelling as it is.
@@ -1824,10 +1825,10 @@ pub(crate) fn topk_compressed() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(0.01);
-    let lens = [700usize, 1500, 2, 333];
+    let lens = [700usize, 1500, 2, 333, 70_000];
     let groups: [Group; 3] = [
         (&[0, 1], ReduceOp::Average, 2.0, 0.5),
-        (&[3], ReduceOp::Sum, 1.0, 1.0),
+        (&[3, 4], ReduceOp::Sum, 1.0, 1.0),
         (&[2], ReduceOp::Sum, 1.0, 1.0),
     ];
     let k_of = |len: usize| ((len as f64 * ratio).ceil() as usize).clamp(1, len);
@@ -1837,7 +1838,7 @@ pub(crate) fn topk_compressed() {
     };
     // per tensor, per rank: what was not sent
     let mut residual: Vec<Vec<Vec<f64>>> = lens.iter().map(|l| vec![vec![0.0; *l]; n]).collect();
-    let pair_bytes: u64 = [0usize, 1, 3]
+    let pair_bytes: u64 = [0usize, 1, 3, 4]
         .iter()
         .map(|t| 8 * k_of(lens[*t]) as u64)
         .sum();
@@ -1861,8 +1862,9 @@ pub(crate) fn topk_compressed() {
                     };
                 let mut want = vec![0.0; lens[*t]];
                 for (r, kept) in residual[*t].iter_mut().enumerate() {
+                    // the residual is kept in f32, as the method keeps it
                     let acc: Vec<f64> = (0..lens[*t])
-                        .map(|i| (v(*t, i, r, step) * pre) as f32 as f64 + kept[i])
+                        .map(|i| ((v(*t, i, r, step) * pre) as f32 + kept[i] as f32) as f64)
                         .collect();
                     let sent: Vec<usize> = if *t == 2 {
                         (0..lens[*t]).collect() // travels as it is
