@@ -158,7 +158,9 @@ typedef int32_t fv_reduce_op;
 
 /*
  How an allreduce's f32 values travel (`fv_op.compression`); only f32 sums and averages are
- compressed, other allreduces travel as they are whatever is asked.
+ compressed, other allreduces travel as they are whatever is asked. PowerSGD and top-k take
+ an operation's own parameter in the value's bits 8 to 30 (`FV_COMPRESSION_TOPK | (50000 <<
+ 8)`: top-k of 5 %); 0 there is the job's.
  */
 enum fv_compression
 #if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
@@ -188,12 +190,12 @@ enum fv_compression
   FV_COMPRESSION_U8 = 5,
   /*
    PowerSGD: matrices as two low-rank factors with error feedback (state kept per tensor
-   name; the rank is the job's `FERROVOD_POWERSGD_RANK`).
+   name); bits 8 and up: the rank, 1 to 1024 (0: the job's `FERROVOD_POWERSGD_RANK`).
    */
   FV_COMPRESSION_POWERSGD = 6,
   /*
-   Top-k: the largest magnitudes only, as (index, value) pairs, with error feedback (the
-   ratio is the job's `FERROVOD_TOPK_RATIO`).
+   Top-k: the largest magnitudes only, as (index, value) pairs, with error feedback; bits 8
+   and up: the ratio in millionths, 1 to 1000000 (0: the job's `FERROVOD_TOPK_RATIO`).
    */
   FV_COMPRESSION_TOPK = 7,
 };
@@ -453,8 +455,6 @@ typedef struct fv_op {
    */
   int32_t tag;
 } fv_op;
-
-
 
 
 

@@ -160,7 +160,9 @@ fn multistep(op: &fv_op) -> Result<Option<Multistep>> {
 }
 
 /// How an allreduce's f32 values travel (`fv_op.compression`); only f32 sums and averages are
-/// compressed, other allreduces travel as they are whatever is asked.
+/// compressed, other allreduces travel as they are whatever is asked. PowerSGD and top-k take
+/// an operation's own parameter in the value's bits 8 to 30 (`FV_COMPRESSION_TOPK | (50000 <<
+/// 8)`: top-k of 5 %); 0 there is the job's.
 #[repr(i32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OpCompression {
@@ -176,15 +178,21 @@ pub enum OpCompression {
     /// 8-bit min-max quantization with error feedback (residuals kept per tensor name).
     U8 = 5,
     /// PowerSGD: matrices as two low-rank factors with error feedback (state kept per tensor
-    /// name; the rank is the job's `FERROVOD_POWERSGD_RANK`).
+    /// name); bits 8 and up: the rank, 1 to 1024 (0: the job's `FERROVOD_POWERSGD_RANK`).
     Powersgd = 6,
-    /// Top-k: the largest magnitudes only, as (index, value) pairs, with error feedback (the
-    /// ratio is the job's `FERROVOD_TOPK_RATIO`).
+    /// Top-k: the largest magnitudes only, as (index, value) pairs, with error feedback; bits 8
+    /// and up: the ratio in millionths, 1 to 1000000 (0: the job's `FERROVOD_TOPK_RATIO`).
     Topk = 7,
 }
 
-/// The core's compression for a C value (None: the job's); an error for unknown values.
-fn compression(c: i32) -> Result<Option<Compression>> {
+/// The core's compression for a C value (None: the job's); an error for unknown values and
+/// parameters out of range.
+fn compression(value: i32) -> Result<Option<Compression>> {
+    let bad = |why: String| Error::InvalidArgument(format!("compression {value}: {why}"));
+    if value < 0 {
+        return Err(bad("unknown compression".into()));
+    }
+    let (c, param) = (value & 0xff, (value >> 8) as u32);
     use OpCompression as C;
     let known = [
         C::Default,
@@ -197,17 +205,21 @@ fn compression(c: i32) -> Result<Option<Compression>> {
         C::Topk,
     ];
     let k = (known.into_iter().find(|k| *k as i32 == c))
-        .ok_or_else(|| Error::InvalidArgument(format!("unknown compression {c}")))?;
-    Ok(match k {
+        .ok_or_else(|| bad("unknown compression".into()))?;
+    let asked = match k {
+        C::Default if param > 0 => {
+            return Err(bad("the job's compression takes no parameter".into()));
+        }
         C::Default => None,
         C::None => Some(Compression::None),
         C::Fp16 => Some(Compression::Fp16),
         C::Bf16 => Some(Compression::Bf16),
         C::Mixed => Some(Compression::Mixed),
         C::U8 => Some(Compression::U8),
-        C::Powersgd => Some(Compression::PowerSgd),
-        C::Topk => Some(Compression::TopK),
-    })
+        C::Powersgd => Some(Compression::PowerSgd(0)),
+        C::Topk => Some(Compression::TopK(0)),
+    };
+    asked.map(|c| c.with_param(param).map_err(bad)).transpose()
 }
 
 /// Options for `fv_init`; pass NULL for all ranks of MPI_COMM_WORLD.
@@ -1157,6 +1169,36 @@ mod tests {
         use super::tensor_index;
         assert_eq!(tensor_index(3).unwrap(), 3);
         assert!(tensor_index(-1).is_err());
+    }
+
+    #[test]
+    fn a_compression_value_carries_powersgds_and_topks_own_parameter() {
+        use super::OpCompression;
+        use crate::message::Compression as M;
+        let (psgd, topk) = (OpCompression::Powersgd as i32, OpCompression::Topk as i32);
+        assert_eq!(super::compression(0).unwrap(), None);
+        assert_eq!(super::compression(topk).unwrap(), Some(M::TopK(0)));
+        assert_eq!(
+            super::compression(topk | (50_000 << 8)).unwrap(),
+            Some(M::TopK(50_000))
+        );
+        assert_eq!(
+            super::compression(psgd | (2 << 8)).unwrap(),
+            Some(M::PowerSgd(2))
+        );
+        // out of range, on a codec without one, on the job's, unknown codes, negative values
+        for bad in [
+            topk | (1_000_001 << 8),
+            psgd | (1025 << 8),
+            OpCompression::Fp16 as i32 | (1 << 8),
+            1 << 8,
+            8,
+            -1,
+            i32::MIN,
+        ] {
+            let e = super::compression(bad).unwrap_err().to_string();
+            assert!(e.contains(&format!("compression {bad}")), "{e}");
+        }
     }
 
     #[test]

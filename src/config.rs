@@ -386,7 +386,7 @@ impl Config {
                 "FERROVOD_POWERSGD_RANK",
                 crate::message::POWERSGD_RANK,
                 1,
-                1024,
+                crate::message::POWERSGD_MAX_RANK as usize,
             ),
             topk_ratio: src.num("FERROVOD_TOPK_RATIO", 0.01, 1e-6, 1.0),
             topk_momentum: src.num("FERROVOD_TOPK_MOMENTUM", 0.0, 0.0, 0.999),

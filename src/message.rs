@@ -185,13 +185,17 @@ pub enum Compression {
     Mixed,
     /// 8-bit min-max quantization with error feedback (`compress::quantize`).
     U8,
-    /// Matrices as two low-rank factors with error feedback (`compress::powersgd`); the rank
-    /// is the job's `FERROVOD_POWERSGD_RANK`.
-    PowerSgd,
+    /// Matrices as two low-rank factors with error feedback (`compress::powersgd`), of this
+    /// rank (0: the job's `FERROVOD_POWERSGD_RANK`).
+    PowerSgd(u32),
     /// The largest magnitudes only, as (index, value) pairs, with error feedback
-    /// (`compress::topk`); the ratio is the job's `FERROVOD_TOPK_RATIO`.
-    TopK,
+    /// (`compress::topk`), this share of them in millionths (0: the job's
+    /// `FERROVOD_TOPK_RATIO`).
+    TopK(u32),
 }
+
+/// The largest rank an operation may ask PowerSGD for (`FERROVOD_POWERSGD_RANK`'s too).
+pub const POWERSGD_MAX_RANK: u32 = 1024;
 
 impl Compression {
     pub const ALL: [Compression; 7] = [
@@ -200,8 +204,8 @@ impl Compression {
         Compression::Bf16,
         Compression::Mixed,
         Compression::U8,
-        Compression::PowerSgd,
-        Compression::TopK,
+        Compression::PowerSgd(0),
+        Compression::TopK(0),
     ];
 
     /// `none`, `fp16`, `bf16`, `mixed`, `u8`, `powersgd` or `topk` (`FERROVOD_COMPRESSION`).
@@ -217,8 +221,44 @@ impl Compression {
             Compression::Bf16 => "bf16",
             Compression::Mixed => "mixed",
             Compression::U8 => "u8",
-            Compression::PowerSgd => "powersgd",
-            Compression::TopK => "topk",
+            Compression::PowerSgd(_) => "powersgd",
+            Compression::TopK(_) => "topk",
+        }
+    }
+
+    /// The name, with the operation's own parameter where it has one (`topk (ratio 0.05)`).
+    pub fn describe(self) -> String {
+        match self {
+            Compression::PowerSgd(r) if r > 0 => format!("powersgd (rank {r})"),
+            Compression::TopK(p) if p > 0 => format!("topk (ratio {})", p as f64 / 1e6),
+            c => c.name().to_string(),
+        }
+    }
+
+    /// The codec's parameter (0 where it has none, or where it is the job's).
+    pub fn param(self) -> u32 {
+        match self {
+            Compression::PowerSgd(p) | Compression::TopK(p) => p,
+            _ => 0,
+        }
+    }
+
+    /// This compression with parameter `p`: an error where it takes none (`p` > 0) or `p` is out
+    /// of its range (PowerSGD's rank above `POWERSGD_MAX_RANK`, top-k's share above a million
+    /// millionths).
+    pub fn with_param(self, p: u32) -> std::result::Result<Compression, String> {
+        match self {
+            _ if p == 0 => Ok(self),
+            Compression::PowerSgd(_) if p <= POWERSGD_MAX_RANK => Ok(Compression::PowerSgd(p)),
+            Compression::TopK(_) if p <= 1_000_000 => Ok(Compression::TopK(p)),
+            Compression::PowerSgd(_) => {
+                Err(format!("PowerSGD rank {p} is above {POWERSGD_MAX_RANK}"))
+            }
+            Compression::TopK(_) => Err(format!("top-k ratio of {p} millionths is above one")),
+            c => Err(format!(
+                "{} compression takes no parameter ({p} given)",
+                c.name()
+            )),
         }
     }
 
@@ -235,7 +275,15 @@ impl Compression {
     /// The value on the wire and in the C API (`FV_COMPRESSION_*` less one: 0 there is "the
     /// job's").
     pub fn code(self) -> usize {
-        self as usize
+        match self {
+            Compression::None => 0,
+            Compression::Fp16 => 1,
+            Compression::Bf16 => 2,
+            Compression::Mixed => 3,
+            Compression::U8 => 4,
+            Compression::PowerSgd(_) => 5,
+            Compression::TopK(_) => 6,
+        }
     }
 
     pub fn from_code(c: usize) -> Option<Compression> {

@@ -85,22 +85,39 @@ def compression_for(fw):
     class PowerSGDCompressor(NoneCompressor):
         """ferrovod extension: float32 sums and averages of matrices (a tensor seen as its first
         dimension by the rest) travel as PowerSGD's two low-rank factors with error feedback,
-        state kept per tensor name, rank FERROVOD_POWERSGD_RANK; vectors and matrices whose
-        factors would not be smaller travel as they are. Host memory only so far: GPU tensors
-        travel as they are."""
+        state kept per tensor name, rank FERROVOD_POWERSGD_RANK (or `powersgd(rank=r)`'s);
+        vectors and matrices whose factors would not be smaller travel as they are. Host memory
+        only so far: GPU tensors travel as they are."""
 
         core = _core.COMPRESSION_POWERSGD
         # the core needs each gradient's own shape: optimizers must not flatten gradients into
         # buckets for it
         keeps_shapes = True
 
+        def __init__(self, rank):
+            """`Compression.powersgd(rank=r)`: factors of r columns (1 to 1024) for the
+            operations given this compressor, whatever the job's rank."""
+            self.core = _with_param(_core.COMPRESSION_POWERSGD, rank, "PowerSGD rank", 1,
+                                    _MAX_RANK)
+
     class TopKCompressor(NoneCompressor):
         """ferrovod extension: float32 sums and averages travel as each rank's values of largest
-        magnitude (FERROVOD_TOPK_RATIO of them, 1 % by default) as (index, value) pairs, with
-        error feedback and optional momentum correction (FERROVOD_TOPK_MOMENTUM), state kept per
-        tensor name. Host memory only so far: GPU tensors travel as they are."""
+        magnitude (FERROVOD_TOPK_RATIO of them, 1 % by default, or `topk(ratio)`'s) as (index,
+        value) pairs, with error feedback and optional momentum correction
+        (FERROVOD_TOPK_MOMENTUM), state kept per tensor name. Host memory only so far: GPU
+        tensors travel as they are."""
 
         core = _core.COMPRESSION_TOPK
+
+        def __init__(self, ratio):
+            """`Compression.topk(ratio)`: this share of the values (0 < ratio <= 1, in whole
+            millionths) for the operations given this compressor, whatever the job's ratio."""
+            try:
+                ppm = max(1, int(round(float(ratio) * 1e6))) if 0 < float(ratio) <= 1 else 0
+            except (TypeError, ValueError):
+                ppm = 0
+            self.core = _with_param(_core.COMPRESSION_TOPK, ppm, "top-k ratio", 1, 10 ** 6,
+                                    shown=ratio)
 
     class Compression:
         none = NoneCompressor
@@ -112,6 +129,17 @@ def compression_for(fw):
         topk = TopKCompressor
 
     return Compression
+
+
+# PowerSGD's largest rank (the core's POWERSGD_MAX_RANK)
+_MAX_RANK = 1024
+
+
+def _with_param(code, param, what, lo, hi, shown=None):
+    """The fv_compression value of `code` with an operation's own parameter (bits 8 and up)."""
+    if isinstance(param, bool) or not isinstance(param, int) or not lo <= param <= hi:
+        raise ValueError("%s %r is out of range" % (what, param if shown is None else shown))
+    return code | (param << 8)
 
 
 def core_codec(compression, is_float32, op):

@@ -117,14 +117,25 @@ impl Codecs {
             Compression::Mixed if r.fused_bytes() >= self.min_bytes => Codec::Half(DataType::F16),
             Compression::Mixed => Codec::None,
             Compression::U8 => Codec::U8,
-            Compression::PowerSgd => match powersgd::Shape::of(&r.shape, self.powersgd_rank) {
-                Some(s) if host_allreduce => Codec::PowerSgd(s.rank),
-                _ => Codec::None,
-            },
-            Compression::TopK => {
+            Compression::PowerSgd(own) => {
+                let rank = if own > 0 {
+                    own as usize
+                } else {
+                    self.powersgd_rank
+                };
+                match powersgd::Shape::of(&r.shape, rank) {
+                    Some(s) if host_allreduce => Codec::PowerSgd(s.rank),
+                    _ => Codec::None,
+                }
+            }
+            Compression::TopK(own) => {
                 let len = r.num_elements().max(0) as usize;
-                match self.topk.k(len) {
-                    Some(_) if host_allreduce => Codec::TopK(self.topk),
+                let params = TopK {
+                    ratio_ppm: if own > 0 { own } else { self.topk.ratio_ppm },
+                    ..self.topk
+                };
+                match params.k(len) {
+                    Some(_) if host_allreduce => Codec::TopK(params),
                     _ => Codec::None,
                 }
             }
@@ -398,7 +409,7 @@ mod tests {
 
     #[test]
     fn powersgd_takes_host_allreduces_of_matrices_whose_factors_are_smaller() {
-        let c = codecs(Compression::PowerSgd);
+        let c = codecs(Compression::PowerSgd(0));
         let with = |shape: &[i64], kind, op, device| {
             let mut r = resp(kind, DataType::F32, op);
             (r.shape, r.device) = (shape.to_vec(), device);
@@ -431,7 +442,7 @@ mod tests {
 
     #[test]
     fn topk_takes_host_allreduces_whose_pairs_are_smaller_than_their_values() {
-        let c = codecs(Compression::TopK);
+        let c = codecs(Compression::TopK(0));
         let params = TopK::default();
         let with = |n: i64, kind, device| {
             let mut r = resp(kind, DataType::F32, ReduceOp::Sum);
@@ -445,6 +456,23 @@ mod tests {
         assert_eq!(with(2, OpKind::Allreduce, host), Codec::None);
         assert_eq!(with(1000, OpKind::Gossip, host), Codec::None);
         assert_eq!(with(1000, OpKind::Allreduce, 0), Codec::None);
+        // an operation's own ratio (the job's momentum stays); at 60 % a pair costs more than
+        // the values it replaces
+        let mut r = resp(OpKind::Allreduce, DataType::F32, ReduceOp::Sum);
+        r.shape = vec![1000];
+        r.compression = Some(Compression::TopK(250_000));
+        let own = TopK {
+            ratio_ppm: 250_000,
+            ..params
+        };
+        assert_eq!(c.of(&r), Codec::TopK(own));
+        assert_eq!(own.k(1000), Some(250));
+        r.compression = Some(Compression::TopK(600_000));
+        assert_eq!(c.of(&r), Codec::None);
+        // and PowerSGD's own rank
+        r.shape = vec![64, 32];
+        r.compression = Some(Compression::PowerSgd(2));
+        assert_eq!(c.of(&r), Codec::PowerSgd(2));
         let mut r = resp(OpKind::Allreduce, DataType::F32, ReduceOp::Average);
         r.shape = vec![1000];
         assert_eq!(Codec::TopK(params).wire_bytes(&r), 10 * topk::PAIR_BYTES);
@@ -568,7 +596,24 @@ mod tests {
         for c in Compression::ALL {
             assert_eq!(Compression::from_code(c.code()), Some(c));
             assert_eq!(Compression::parse(c.name()), Some(c));
+            assert_eq!(c.param(), 0);
         }
+        // an operation's own parameter: PowerSGD's rank, top-k's ratio in millionths
+        let topk = Compression::TopK(0);
+        assert_eq!(topk.with_param(50_000), Ok(Compression::TopK(50_000)));
+        assert_eq!(
+            topk.with_param(50_000).unwrap().describe(),
+            "topk (ratio 0.05)"
+        );
+        assert!(topk.with_param(1_000_001).is_err());
+        let psgd = Compression::PowerSgd(0);
+        assert_eq!(psgd.with_param(8).unwrap().describe(), "powersgd (rank 8)");
+        assert!(
+            psgd.with_param(crate::message::POWERSGD_MAX_RANK + 1)
+                .is_err()
+        );
+        assert!(Compression::Fp16.with_param(1).is_err());
+        assert_eq!(Compression::Fp16.with_param(0), Ok(Compression::Fp16));
         assert_eq!(Compression::from_code(Compression::ALL.len()), None);
         assert_eq!(
             Codec::Half(DataType::F16).wire(DataType::F32),

@@ -174,7 +174,7 @@ pub fn find_mismatch(reqs: &[Request], any_joined: bool) -> Option<String> {
     if matches!(kind, OpKind::Allreduce | OpKind::Gossip)
         && let Some((a, b)) = first_difference(reqs, |r| r.compression)
     {
-        let said = |r: &Request| r.compression.map_or("the job's", |c| c.name());
+        let said = |r: &Request| r.compression.map_or("the job's".into(), |c| c.describe());
         return mismatch(
             format!(
                 "Mismatched compression: One rank asked for {} compression, but another rank asked for {}.",
@@ -356,6 +356,15 @@ mod tests {
         assert!(find_mismatch(&[a.clone(), b], false).unwrap().starts_with(
             "Mismatched compression: One rank asked for the job's compression, but another rank asked for fp16."
         ));
+        // the same codec with another parameter of its own
+        let (mut x, mut y) = (a.clone(), a.clone());
+        y.rank = 1;
+        x.compression = Some(crate::message::Compression::TopK(10_000));
+        y.compression = Some(crate::message::Compression::TopK(0));
+        let got = find_mismatch(&[x, y], false).unwrap();
+        assert!(got.starts_with(
+            "Mismatched compression: One rank asked for topk (ratio 0.01) compression, but another rank asked for topk."
+        ), "{got}");
         let mut b = a.clone();
         b.rank = 1;
         b.reduce_op = ReduceOp::Min;
@@ -372,7 +381,8 @@ mod tests {
         let mut y = x.clone();
         y.rank = 1;
         y.root = 1;
-        assert!(find_mismatch(&[x, y], false).unwrap().starts_with(
+        let got = find_mismatch(&[x, y], false).unwrap();
+        assert!(got.starts_with(
             "Mismatched BROADCAST root ranks: One rank specified root rank 0, but another rank specified root rank 1."
         ));
     }

@@ -31,9 +31,13 @@ impl Writer {
     fn u8(&mut self, v: u8) {
         self.0.push(v);
     }
-    /// 0: the job's; else the compression's code plus one.
+    /// 0: the job's; else the compression's code plus one, then its parameter where it takes
+    /// one.
     fn compression(&mut self, c: Option<Compression>) {
         self.u8(c.map_or(0, |c| c.code() as u8 + 1));
+        if let Some(c @ (Compression::PowerSgd(_) | Compression::TopK(_))) = c {
+            self.u32(c.param());
+        }
     }
     fn u32(&mut self, v: u32) {
         self.0.extend_from_slice(&v.to_le_bytes());
@@ -125,11 +129,19 @@ impl<'a> Reader<'a> {
         ReduceOp::from_i32(self.i32()?).ok_or_else(|| corrupt("unknown reduce op"))
     }
     fn compression(&mut self) -> Result<Option<Compression>> {
-        match self.u8()? {
-            0 => Ok(None),
+        let c = match self.u8()? {
+            0 => return Ok(None),
             c => Compression::from_code(c as usize - 1)
-                .map(Some)
-                .ok_or_else(|| corrupt("unknown compression")),
+                .ok_or_else(|| corrupt("unknown compression"))?,
+        };
+        match c {
+            Compression::PowerSgd(_) | Compression::TopK(_) => {
+                let p = self.u32()?;
+                c.with_param(p)
+                    .map(Some)
+                    .map_err(|_| corrupt("compression parameter out of range"))
+            }
+            c => Ok(Some(c)),
         }
     }
     fn multistep(&mut self) -> Result<Multistep> {
@@ -300,7 +312,12 @@ mod tests {
             reduce_op: ReduceOp::Max,
             prescale: 0.5,
             postscale: 2.0,
-            compression: Compression::from_code(i as usize % Compression::ALL.len()),
+            compression: Compression::from_code(i as usize % Compression::ALL.len()).map(
+                |c| match c {
+                    Compression::PowerSgd(_) | Compression::TopK(_) => c.with_param(3).unwrap(),
+                    c => c,
+                },
+            ),
             multistep: Multistep {
                 every: i as u32,
                 warmup: 7,
@@ -311,10 +328,27 @@ mod tests {
 
     #[test]
     fn requests_round_trip() {
+        // every compression, PowerSGD's and top-k's with their own parameters
         let list = RequestList {
-            requests: (0..5).map(sample_request).collect(),
+            requests: (0..8).map(sample_request).collect(),
         };
+        assert!(
+            list.requests
+                .iter()
+                .any(|r| r.compression == Some(Compression::TopK(3)))
+        );
         assert_eq!(decode_requests(&encode_requests(&list)).unwrap(), list);
+        // a parameter out of its range is refused
+        let bytes = encode_requests(&RequestList {
+            requests: vec![sample_request(6)],
+        });
+        let at = bytes
+            .windows(5)
+            .rposition(|w| w == [7, 3, 0, 0, 0])
+            .unwrap();
+        let mut bad = bytes.clone();
+        bad[at + 1..at + 5].copy_from_slice(&2_000_000u32.to_le_bytes());
+        assert!(decode_requests(&bad).is_err());
     }
 
     #[test]

@@ -6,10 +6,9 @@ uncompressed run's accuracy."""
 import numpy as np
 import pytest
 import torch
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 import horovod.torch as hvd
+from digits_training import accuracy
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -42,42 +41,11 @@ def test_an_average_of_low_rank_matrices_comes_back_exact():
     assert hvd.metrics()["wire_powersgd"] - before == (48 + 20) * 4 * 4
 
 
-def accuracy(compression, epochs=12, batch=16):
-    d = load_digits()
-    x = torch.tensor(d.data / 16.0, dtype=torch.float32)
-    y = torch.tensor(d.target, dtype=torch.int64)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=0)
-    me, n = hvd.rank(), hvd.size()
-    # as many steps on every rank: the smallest shard's batches
-    steps = (len(x_train) // n) // batch
-    x_train, y_train = x_train[me::n], y_train[me::n]
-    torch.manual_seed(1234)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                   named_parameters=model.named_parameters(prefix=compression),
-                                   compression=getattr(hvd.Compression, compression))
-    rng = np.random.RandomState(me)
-    for _ in range(epochs):
-        order = rng.permutation(len(x_train))
-        for s in range(steps):
-            idx = order[s * batch:(s + 1) * batch]
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x_train[idx]), y_train[idx]).backward()
-            opt.step()
-    with torch.no_grad():
-        acc = (model(x_test).argmax(1) == y_test).double().mean().item()
-    # every rank's model is the same: its weights are averaged alike
-    w = model[0].weight.detach().clone()
-    np.testing.assert_array_equal(hvd.broadcast(w, root_rank=0, name="psgd.w." + compression), w)
-    return acc
-
-
 def test_training_with_powersgd_reaches_the_uncompressed_accuracy():
     before = hvd.metrics()["wire_powersgd"]
-    plain = accuracy("none")
+    plain = accuracy(hvd.Compression.none, "none")
     assert hvd.metrics()["wire_powersgd"] == before
-    compressed = accuracy("powersgd")
+    compressed = accuracy(hvd.Compression.powersgd, "powersgd")
     # both weight matrices went as factors
     assert hvd.metrics()["wire_powersgd"] > before
     assert plain > 0.9

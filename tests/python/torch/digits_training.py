@@ -1,0 +1,43 @@
+"""The digits MLP trained under horovod.torch with a compressor, for the codecs' accuracy tests:
+its test accuracy (every rank's model checked equal)."""
+
+import numpy as np
+import torch
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+
+import horovod.torch as hvd
+
+
+def accuracy(compression, prefix, epochs=12, batch=16):
+    """Test accuracy of the MLP (64-64-10, SGD with momentum) after `epochs` epochs, gradients
+    averaged with `compression` (a `hvd.Compression` member, or an instance with its own
+    parameter) under names starting with `prefix`."""
+    d = load_digits()
+    x = torch.tensor(d.data / 16.0, dtype=torch.float32)
+    y = torch.tensor(d.target, dtype=torch.int64)
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=0)
+    me, n = hvd.rank(), hvd.size()
+    # as many steps on every rank: the smallest shard's batches
+    steps = (len(x_train) // n) // batch
+    x_train, y_train = x_train[me::n], y_train[me::n]
+    torch.manual_seed(1234)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   named_parameters=model.named_parameters(prefix=prefix),
+                                   compression=compression)
+    rng = np.random.RandomState(me)
+    for _ in range(epochs):
+        order = rng.permutation(len(x_train))
+        for s in range(steps):
+            idx = order[s * batch:(s + 1) * batch]
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x_train[idx]), y_train[idx]).backward()
+            opt.step()
+    with torch.no_grad():
+        acc = (model(x_test).argmax(1) == y_test).double().mean().item()
+    # every rank's model is the same: its weights are averaged alike
+    w = model[0].weight.detach().clone()
+    np.testing.assert_array_equal(hvd.broadcast(w, root_rank=0, name="digits.w." + prefix), w)
+    return acc
