@@ -367,7 +367,7 @@ def choice_settings(config_rs, message_rs):
         field = body[body.index('src.str("%s")' % key):]
         default = re.search(r"None\s*=>\s*%s::(\w+)" % owner, field).group(1).lower()
         found[key] = (default, parse_arms(config_rs, owner))
-    names = set(re.findall(r'Compression::\w+\s*=>\s*"(\w+)"', method(message_rs, "Compression", "pub fn name")))
+    names = set(re.findall(r'Compression::\w+(?:\(_\))?\s*=>\s*"(\w+)"', method(message_rs, "Compression", "pub fn name")))
     default = re.search(r"\(None,\s*None\)\s*=>\s*Compression::(\w+)", fn_body(config_rs, "fn compression_from"))
     found["FERROVOD_COMPRESSION"] = (default.group(1).lower(), names)
     perseus = set(re.findall(r'"(\w+)"\s*=>\s*Some', method(message_rs, "Compression", "pub fn from_perseus")))
