@@ -189,8 +189,9 @@ pub enum OpCompression {
 /// parameters out of range.
 fn compression(value: i32) -> Result<Option<Compression>> {
     let bad = |why: String| Error::InvalidArgument(format!("compression {value}: {why}"));
+    let unknown = || Error::InvalidArgument(format!("unknown compression {value}"));
     if value < 0 {
-        return Err(bad("unknown compression".into()));
+        return Err(unknown());
     }
     let (c, param) = (value & 0xff, (value >> 8) as u32);
     use OpCompression as C;
@@ -204,8 +205,7 @@ fn compression(value: i32) -> Result<Option<Compression>> {
         C::Powersgd,
         C::Topk,
     ];
-    let k = (known.into_iter().find(|k| *k as i32 == c))
-        .ok_or_else(|| bad("unknown compression".into()))?;
+    let k = (known.into_iter().find(|k| *k as i32 == c)).ok_or_else(unknown)?;
     let asked = match k {
         C::Default if param > 0 => {
             return Err(bad("the job's compression takes no parameter".into()));

@@ -125,23 +125,52 @@ fn start_k<const K: usize>(grad: &[u8], pre: f32, mem: &mut Memory, s: &Shape, p
     let k = if K > 0 { K } else { s.rank };
     let rows = (mem.residual.chunks_exact_mut(s.cols)).zip(grad.chunks_exact(4 * s.cols));
     for ((m, g), out) in rows.zip(p.chunks_exact_mut(k)) {
-        let mut acc = [0.0f32; K];
+        if K > 0 {
+            out.copy_from_slice(&row_times_q::<K>(m, g, pre, &mem.q));
+            continue;
+        }
         for ((v, g), q) in m
             .iter_mut()
             .zip(g.chunks_exact(4))
             .zip(mem.q.chunks_exact(k))
         {
             *v += f32::from_le_bytes([g[0], g[1], g[2], g[3]]) * pre;
-            if K > 0 {
-                (0..K).for_each(|c| acc[c] += *v * q[c]);
-            } else {
-                out.iter_mut().zip(q).for_each(|(o, q)| *o += *v * q);
-            }
-        }
-        if K > 0 {
-            out.copy_from_slice(&acc);
+            out.iter_mut().zip(q).for_each(|(o, q)| *o += *v * q);
         }
     }
+}
+
+/// One row of M formed (`m` += `pre` × `g`) and its product with Q (`q`: cols × K). The
+/// columns go four at a time into four sums, added at the end: one running sum would make
+/// every product wait for the previous addition.
+fn row_times_q<const K: usize>(m: &mut [f32], g: &[u8], pre: f32, q: &[f32]) -> [f32; K] {
+    const LANES: usize = 4;
+    let value = |g: &[u8]| f32::from_le_bytes([g[0], g[1], g[2], g[3]]) * pre;
+    let mut acc = [[0.0f32; K]; LANES];
+    let mut ms = m.chunks_exact_mut(LANES);
+    let mut gs = g.chunks_exact(4 * LANES);
+    let mut qs = q.chunks_exact(K * LANES);
+    for ((m, g), q) in (&mut ms).zip(&mut gs).zip(&mut qs) {
+        for lane in 0..LANES {
+            m[lane] += value(&g[4 * lane..4 * lane + 4]);
+            let v = m[lane];
+            (0..K).for_each(|c| acc[lane][c] += v * q[K * lane + c]);
+        }
+    }
+    let mut sum = [0.0f32; K];
+    for ((v, g), q) in ms
+        .into_remainder()
+        .iter_mut()
+        .zip(gs.remainder().chunks_exact(4))
+        .zip(qs.remainder().chunks_exact(K))
+    {
+        *v += value(g);
+        (0..K).for_each(|c| sum[c] += *v * q[c]);
+    }
+    for a in acc {
+        (0..K).for_each(|c| sum[c] += a[c]);
+    }
+    sum
 }
 
 /// Phase two, once `p` holds the ranks' sum: P's columns made orthonormal (in place), and

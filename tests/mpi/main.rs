@@ -70,6 +70,21 @@ pub(crate) const STOP_IN_BATCH: &[(&str, &str)] = &[
     ("FERROVOD_TEST_FAULT", "stop_in_batch:1"),
 ];
 
+/// `STOP_IN_BATCH` with the batch travelling as PowerSGD's factors, and as top-k's pairs.
+pub(crate) const STOP_IN_BATCH_POWERSGD: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+    ("FERROVOD_TEST_FAULT", "stop_in_batch:1"),
+    ("FERROVOD_COMPRESSION", "powersgd"),
+];
+
+pub(crate) const STOP_IN_BATCH_TOPK: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+    ("FERROVOD_TEST_FAULT", "stop_in_batch:1"),
+    ("FERROVOD_COMPRESSION", "topk"),
+];
+
 pub(crate) const SLOW_IN_BATCH: &[(&str, &str)] = &[
     ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
     ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
@@ -475,6 +490,9 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     ("rank_stopped", 3, STALL_FAST_HOROVOD, false),
     ("rank_stopped_in_batch", 2, STOP_IN_BATCH, false),
     ("rank_stopped_in_batch", 3, STOP_IN_BATCH, false),
+    // a rank missing from a PowerSGD exchange, and from a top-k one
+    ("rank_stopped_in_batch", 2, STOP_IN_BATCH_POWERSGD, false),
+    ("rank_stopped_in_batch", 3, STOP_IN_BATCH_TOPK, false),
     // the stall limits are rank 0's, whatever the other ranks' environments say
     (
         "stall_env_differs",

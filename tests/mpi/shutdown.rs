@@ -266,13 +266,15 @@ pub(crate) fn rank_stopped() {
 /// aborted, and rank 0 ends as a framework would on the error.
 pub(crate) fn rank_stopped_in_batch() {
     init();
+    // a matrix, so that under PowerSGD and top-k the waiting ranks are inside the codec's
+    // exchange
     let err = run(OpSpec::new(
         OpKind::Allreduce,
         vec![tensor(
             "stopped.in.batch",
             DataType::F32,
-            &[1],
-            &[1.0],
+            &[64, 32],
+            &[1.0; 64 * 32],
             false,
         )],
     ))
