@@ -97,8 +97,7 @@ def compression_for(fw):
         def __init__(self, rank):
             """`Compression.powersgd(rank=r)`: factors of r columns (1 to 1024) for the
             operations given this compressor, whatever the job's rank."""
-            self.core = _with_param(_core.COMPRESSION_POWERSGD, rank, "PowerSGD rank", 1,
-                                    _MAX_RANK)
+            self.core = powersgd_code(rank)
 
     class TopKCompressor(NoneCompressor):
         """ferrovod extension: float32 sums and averages travel as each rank's values of largest
@@ -112,12 +111,7 @@ def compression_for(fw):
         def __init__(self, ratio):
             """`Compression.topk(ratio)`: this share of the values (0 < ratio <= 1, in whole
             millionths) for the operations given this compressor, whatever the job's ratio."""
-            try:
-                ppm = max(1, int(round(float(ratio) * 1e6))) if 0 < float(ratio) <= 1 else 0
-            except (TypeError, ValueError):
-                ppm = 0
-            self.core = _with_param(_core.COMPRESSION_TOPK, ppm, "top-k ratio", 1, 10 ** 6,
-                                    shown=ratio)
+            self.core = topk_code(ratio)
 
     class Compression:
         none = NoneCompressor
@@ -135,11 +129,23 @@ def compression_for(fw):
 _MAX_RANK = 1024
 
 
-def _with_param(code, param, what, lo, hi, shown=None):
-    """The fv_compression value of `code` with an operation's own parameter (bits 8 and up)."""
-    if isinstance(param, bool) or not isinstance(param, int) or not lo <= param <= hi:
-        raise ValueError("%s %r is out of range" % (what, param if shown is None else shown))
-    return code | (param << 8)
+def powersgd_code(rank):
+    """The fv_compression value of PowerSGD with an operation's own rank (bits 8 and up)."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= _MAX_RANK:
+        raise ValueError("PowerSGD rank %r is out of range (1 to %d)" % (rank, _MAX_RANK))
+    return _core.COMPRESSION_POWERSGD | (rank << 8)
+
+
+def topk_code(ratio):
+    """The fv_compression value of top-k with an operation's own ratio, in millionths (bits 8
+    and up)."""
+    try:
+        ok = not isinstance(ratio, bool) and 0 < float(ratio) <= 1
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError("top-k ratio %r is out of range (0 < ratio <= 1)" % (ratio,))
+    return _core.COMPRESSION_TOPK | (max(1, int(round(float(ratio) * 1e6))) << 8)
 
 
 def core_codec(compression, is_float32, op):

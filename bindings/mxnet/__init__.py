@@ -14,6 +14,7 @@ import warnings
 import mxnet as mx
 import numpy as np
 
+from ferrovod import compression as _compression
 from ferrovod import objects as _objects
 from ferrovod import _core  # loads libferrovod (RTLD_GLOBAL) before the op library needs it
 from ferrovod.mxnet.build import op_library_path
@@ -401,15 +402,37 @@ class _U8Compressor(_CoreOnly):
     core = _core.COMPRESSION_U8
 
 
+class _PowerSGDCompressor(_CoreOnly):
+    """PowerSGD's low-rank factors (the job's rank, or `Compression.powersgd(rank=r)`'s)."""
+
+    core = _core.COMPRESSION_POWERSGD
+    keeps_shapes = True
+
+    def __init__(self, rank):
+        self.core = _compression.powersgd_code(rank)
+
+
+class _TopKCompressor(_CoreOnly):
+    """Top-k's (index, value) pairs (the job's ratio, or `Compression.topk(ratio)`'s)."""
+
+    core = _core.COMPRESSION_TOPK
+
+    def __init__(self, ratio):
+        self.core = _compression.topk_code(ratio)
+
+
 class Compression:
     """How gradients travel: `none`, `fp16` (Horovod's; float32 in the core's codec, other
-    floating dtypes cast here), and ferrovod's `bf16`, `mixed`, `u8` (core only)."""
+    floating dtypes cast here), and ferrovod's `bf16`, `mixed`, `u8`, `powersgd`, `topk` (core
+    only)."""
 
     none = _NoneCompressor
     fp16 = _FP16Compressor
     bf16 = _BF16Compressor
     mixed = _MixedCompressor
     u8 = _U8Compressor
+    powersgd = _PowerSGDCompressor
+    topk = _TopKCompressor
 
 
 def _reduce_grads(grads, names, predivide, num_groups, process_set, compression):

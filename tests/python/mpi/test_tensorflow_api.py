@@ -189,3 +189,19 @@ def test_tf1_graph_training_with_distributed_optimizer_and_hook():
     np.testing.assert_allclose(after, [1.0 - 0.5, -0.5 * (n - 1) / 2], rtol=1e-6)
     with pytest.raises(RuntimeError, match="eager"):
         hvd.broadcast_global_variables(0)
+
+
+def test_an_allreduce_with_its_own_topk_ratio():
+    """`hvd.Compression.topk(ratio)`: the operation's own share of the values, each rank's
+    largest (ties to the lower index) summed, against NumPy."""
+    r, n = hvd.rank(), hvd.size()
+    xs = [np.random.RandomState(40 + k).standard_normal(40).astype(np.float32) for k in range(n)]
+    before = hvd.metrics()["wire_topk"]
+    y = hvd.allreduce(tf.constant(xs[r]), op=hvd.Sum, name="tf.topk.own",
+                      compression=hvd.Compression.topk(0.25))
+    want = np.zeros(40)
+    for x in xs:
+        sent = sorted(range(40), key=lambda i: (-abs(x[i]), i))[:10]
+        want[sent] += x[sent]
+    np.testing.assert_allclose(y.numpy(), want, rtol=1e-5, atol=1e-6)
+    assert hvd.metrics()["wire_topk"] - before == 10 * 8

@@ -737,3 +737,23 @@ def test_join_lets_one_rank_finish_alone():
         x = hvd.allreduce(mx.nd.ones((3,)) * 5, op=hvd.Sum, name="joinee")
         np.testing.assert_array_equal(x.asnumpy(), np.full(3, 5.0))
     assert hvd.join() == 0
+
+
+def test_gradients_with_their_own_topk_ratio():
+    """The trainer's gradient averaging with `hvd.Compression.topk(ratio)`: each rank's largest
+    quarter (ties to the lower index) averaged, against NumPy."""
+    from ferrovod import _core
+    from ferrovod.mxnet import _reduce_grads, global_process_set
+
+    r, n = hvd.rank(), hvd.size()
+    xs = [np.random.RandomState(60 + k).standard_normal(40).astype(np.float32) for k in range(n)]
+    g = mx.nd.array(xs[r], dtype="float32")
+    before = _core.metrics()["wire_topk"]
+    _reduce_grads([g], ["mx.topk.own"], 1.0, 0, global_process_set, hvd.Compression.topk(0.25))
+    g.wait_to_read()
+    want = np.zeros(40)
+    for x in xs:
+        sent = sorted(range(40), key=lambda i: (-abs(x[i]), i))[:10]
+        want[sent] += x[sent]
+    np.testing.assert_allclose(g.asnumpy(), want / n, rtol=1e-5, atol=1e-6)
+    assert _core.metrics()["wire_topk"] - before == 10 * 8
