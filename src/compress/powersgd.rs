@@ -190,18 +190,42 @@ pub fn middle(mem: &Memory, p: &mut [f32], s: &Shape) -> Vec<f32> {
 
 /// `middle`'s product with `K` = the rank (0: any rank).
 fn middle_k<const K: usize>(mem: &Memory, p: &[f32], s: &Shape, q: &mut [f32]) {
-    // K itself where it is one, so that each chunk's length is a constant
-    let k = if K > 0 { K } else { s.rank };
-    for (m, pr) in mem.residual.chunks_exact(s.cols).zip(p.chunks_exact(k)) {
-        if K > 0 {
-            let pr: [f32; K] = pr.try_into().expect("a row of P");
-            for (v, out) in m.iter().zip(q.chunks_exact_mut(K)) {
-                (0..K).for_each(|c| out[c] += v * pr[c]);
-            }
-        } else {
+    if K == 0 {
+        let k = s.rank;
+        for (m, pr) in mem.residual.chunks_exact(s.cols).zip(p.chunks_exact(k)) {
             for (v, out) in m.iter().zip(q.chunks_exact_mut(k)) {
                 out.iter_mut().zip(pr).for_each(|(o, p)| *o += v * p);
             }
+        }
+        return;
+    }
+    // four rows of M per pass over Q: each of Q's rows is read and written once for four
+    // values instead of one
+    let row = |r: &[f32]| -> [f32; K] { r.try_into().expect("a row of P") };
+    let mut ms = mem.residual.chunks_exact(4 * s.cols);
+    let mut ps = p.chunks_exact(4 * K);
+    for (m, pr) in (&mut ms).zip(&mut ps) {
+        let (m01, m23) = m.split_at(2 * s.cols);
+        let ((m0, m1), (m2, m3)) = (m01.split_at(s.cols), m23.split_at(s.cols));
+        let (p0, p1, p2, p3) = (
+            row(&pr[..K]),
+            row(&pr[K..2 * K]),
+            row(&pr[2 * K..3 * K]),
+            row(&pr[3 * K..]),
+        );
+        let values = m0.iter().zip(m1).zip(m2).zip(m3);
+        for ((((a, b), c), d), out) in values.zip(q.chunks_exact_mut(K)) {
+            (0..K).for_each(|i| out[i] += a * p0[i] + b * p1[i] + c * p2[i] + d * p3[i]);
+        }
+    }
+    let rest = ms
+        .remainder()
+        .chunks_exact(s.cols)
+        .zip(ps.remainder().chunks_exact(K));
+    for (m, pr) in rest {
+        let pr = row(pr);
+        for (v, out) in m.iter().zip(q.chunks_exact_mut(K)) {
+            (0..K).for_each(|c| out[c] += v * pr[c]);
         }
     }
 }

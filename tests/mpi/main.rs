@@ -492,7 +492,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     ("rank_stopped_in_batch", 3, STOP_IN_BATCH, false),
     // a rank missing from a PowerSGD exchange, and from a top-k one
     ("rank_stopped_in_batch", 2, STOP_IN_BATCH_POWERSGD, false),
-    ("rank_stopped_in_batch", 3, STOP_IN_BATCH_TOPK, false),
+    ("rank_stopped_in_batch", 2, STOP_IN_BATCH_TOPK, false),
     // the stall limits are rank 0's, whatever the other ranks' environments say
     (
         "stall_env_differs",
