@@ -110,13 +110,7 @@ pub fn select(
         None => choose(&mem.residual, (0..n as u32).collect(), k),
         Some(_) if reached.len() >= k => choose(&mem.residual, reached, k),
         // the sample's floor was too high: count them all
-        Some(_) => {
-            let mut counts = vec![0u32; 1 << 16];
-            mem.residual
-                .iter()
-                .for_each(|x| counts[(key(*x) >> 16) as usize] += 1);
-            from_histogram(&mem.residual, k, &counts)
-        }
+        Some(_) => from_histogram(&mem.residual, k, &histogram(&mem.residual)),
     };
     send.reserve(order.len() * PAIR_BYTES);
     for &i in &order {
@@ -229,6 +223,13 @@ fn sampled_floor(n: usize, k: usize, v_at: impl Fn(usize) -> f32) -> u32 {
     }
     let (_, nth, _) = sample.select_nth_unstable_by(want - 1, |a, b| b.cmp(a));
     *nth
+}
+
+/// How many of `v`'s keys fall in each bucket of their top 16 bits.
+fn histogram(v: &[f32]) -> Vec<u32> {
+    let mut counts = vec![0u32; 1 << 16];
+    v.iter().for_each(|x| counts[(key(*x) >> 16) as usize] += 1);
+    counts
 }
 
 /// The same choice as `choose` among all indices, for large tensors: `counts`, a histogram of the keys'
@@ -445,9 +446,7 @@ mod tests {
     }
 
     fn largest_by_histogram(v: &[f32], k: usize) -> Vec<u32> {
-        let mut counts = vec![0u32; 1 << 16];
-        v.iter().for_each(|x| counts[(key(*x) >> 16) as usize] += 1);
-        from_histogram(v, k, &counts)
+        from_histogram(v, k, &histogram(v))
     }
 
     #[test]
