@@ -4,7 +4,7 @@
 //! every rank in rank order.
 
 use crate::collective::{ActivitySink, TensorIo};
-use crate::compress::topk::{self, TopkMemory};
+use crate::compress::topk::{self, Gradient, TopkMemory};
 use crate::compress::{Reduction, TopK};
 use crate::error::{Error, Result};
 use crate::message::Response;
@@ -38,9 +38,15 @@ pub fn allreduce(
         .collect::<Result<Vec<usize>>>()?;
     let each = ks.iter().sum::<usize>() * topk::PAIR_BYTES;
     let mut send = Vec::with_capacity(each);
-    for ((r, io), k) in resps.iter().zip(ios.iter()).zip(&ks) {
-        let grad = io.input();
-        let mut memory = store.take(&r.name, grad.len() / 4);
+    // in-place tensors: the gradient is zeroed as it is read (`Gradient::Cleared`)
+    let mut cleared = Vec::with_capacity(ios.len());
+    for ((r, io), k) in resps.iter().zip(ios.iter_mut()).zip(&ks) {
+        let mut memory = store.take(&r.name, io.input().len() / 4);
+        let grad = match io.split_io() {
+            (Some(input), _) => Gradient::Kept(input),
+            (None, out) => Gradient::Cleared(out),
+        };
+        cleared.push(matches!(grad, Gradient::Cleared(_)));
         topk::select(
             grad,
             red.pre as f32,
@@ -56,13 +62,13 @@ pub fn allreduce(
     t.allgatherv(Some(&send), &mut gathered, &vec![each; t.size()])?;
     act(Some("TOPK_SUM"));
     let mut at = 0;
-    for (io, k) in ios.iter_mut().zip(ks) {
+    for ((io, k), cleared) in ios.iter_mut().zip(ks).zip(cleared) {
         let bytes = k * topk::PAIR_BYTES;
         let parts: Vec<&[u8]> = (0..t.size())
             .map(|r| &gathered[r * each + at..r * each + at + bytes])
             .collect();
         at += bytes;
-        topk::decode(&parts, io.split_io().1, red.post as f32)?;
+        topk::decode(&parts, io.split_io().1, red.post as f32, cleared)?;
     }
     act(None);
     Ok(())

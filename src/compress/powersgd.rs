@@ -199,34 +199,40 @@ fn middle_k<const K: usize>(mem: &Memory, p: &[f32], s: &Shape, q: &mut [f32]) {
         }
         return;
     }
-    // four rows of M per pass over Q: each of Q's rows is read and written once for four
-    // values instead of one
+    // four rows of M per pass over Qᵀ (rank × cols): each of its values is read and written
+    // once for four values of M, and each pass goes along the rows (vector code)
     let row = |r: &[f32]| -> [f32; K] { r.try_into().expect("a row of P") };
-    let mut ms = mem.residual.chunks_exact(4 * s.cols);
+    let n = s.cols;
+    let mut qt = vec![0.0f32; q.len()];
+    let mut ms = mem.residual.chunks_exact(4 * n);
     let mut ps = p.chunks_exact(4 * K);
     for (m, pr) in (&mut ms).zip(&mut ps) {
-        let (m01, m23) = m.split_at(2 * s.cols);
-        let ((m0, m1), (m2, m3)) = (m01.split_at(s.cols), m23.split_at(s.cols));
+        let (m01, m23) = m.split_at(2 * n);
+        let ((m0, m1), (m2, m3)) = (m01.split_at(n), m23.split_at(n));
         let (p0, p1, p2, p3) = (
             row(&pr[..K]),
             row(&pr[K..2 * K]),
             row(&pr[2 * K..3 * K]),
             row(&pr[3 * K..]),
         );
-        let values = m0.iter().zip(m1).zip(m2).zip(m3);
-        for ((((a, b), c), d), out) in values.zip(q.chunks_exact_mut(K)) {
-            (0..K).for_each(|i| out[i] += a * p0[i] + b * p1[i] + c * p2[i] + d * p3[i]);
+        for (c, t) in qt.chunks_exact_mut(n).enumerate() {
+            let values = m0.iter().zip(m1).zip(m2).zip(m3);
+            for ((((a, b), cc), d), o) in values.zip(t.iter_mut()) {
+                *o += a * p0[c] + b * p1[c] + cc * p2[c] + d * p3[c];
+            }
         }
     }
     let rest = ms
         .remainder()
-        .chunks_exact(s.cols)
+        .chunks_exact(n)
         .zip(ps.remainder().chunks_exact(K));
     for (m, pr) in rest {
-        let pr = row(pr);
-        for (v, out) in m.iter().zip(q.chunks_exact_mut(K)) {
-            (0..K).for_each(|c| out[c] += v * pr[c]);
+        for (c, t) in qt.chunks_exact_mut(n).enumerate() {
+            t.iter_mut().zip(m).for_each(|(o, v)| *o += v * pr[c]);
         }
+    }
+    for (c, t) in qt.chunks_exact(n).enumerate() {
+        t.iter().enumerate().for_each(|(j, v)| q[j * K + c] = *v);
     }
 }
 
@@ -265,7 +271,10 @@ pub fn finish(
     mem.q = q_sum;
 }
 
-/// `finish`'s product and residual with `K` = the rank (0: any rank).
+/// `finish`'s product and residual with `K` = the rank (0: any rank). Each value of a row of
+/// P Qᵀ is `K` products with values of Qᵀ (rank × cols) taken along the row, summed in the
+/// order c = 0, 1, …: vector code along the row, where a dot product per value with a row of
+/// Q (cols × rank) would not be.
 fn finish_k<const K: usize>(
     p: &[f32],
     q: &[f32],
@@ -276,22 +285,39 @@ fn finish_k<const K: usize>(
 ) {
     // K itself where it is one, so that each chunk's length is a constant
     let k = if K > 0 { K } else { s.rank };
-    let rows = (mem.residual.chunks_exact_mut(s.cols)).zip(out.chunks_exact_mut(4 * s.cols));
+    let n = s.cols;
+    let qt = transpose(q, k);
+    let rows = (mem.residual.chunks_exact_mut(n)).zip(out.chunks_exact_mut(4 * n));
     for ((m, o), pr) in rows.zip(p.chunks_exact(k)) {
-        for ((v, o), q) in m
-            .iter_mut()
-            .zip(o.chunks_exact_mut(4))
-            .zip(q.chunks_exact(k))
-        {
-            let approx: f32 = if K > 0 {
-                (0..K).map(|c| pr[c] * q[c]).sum()
-            } else {
-                pr.iter().zip(q).map(|(a, b)| a * b).sum()
-            };
-            o.copy_from_slice(&(approx * post).to_le_bytes());
-            *v -= approx;
+        let values = m.iter_mut().zip(o.chunks_exact_mut(4)).enumerate();
+        if K == 0 {
+            for (j, (v, o)) in values {
+                let a = (1..k).fold(pr[0] * qt[j], |a, c| a + pr[c] * qt[c * n + j]);
+                o.copy_from_slice(&(a * post).to_le_bytes());
+                *v -= a;
+            }
+            continue;
+        }
+        let t: [&[f32]; K] = std::array::from_fn(|c| &qt[c * n..(c + 1) * n]);
+        let pr: [f32; K] = std::array::from_fn(|c| pr[c]);
+        for (j, (v, o)) in values {
+            let a = (1..K).fold(pr[0] * t[0][j], |a, c| a + pr[c] * t[c][j]);
+            o.copy_from_slice(&(a * post).to_le_bytes());
+            *v -= a;
         }
     }
+}
+
+/// Q (cols × `k`, row-major) as `k` rows of `cols`: Qᵀ.
+fn transpose(q: &[f32], k: usize) -> Vec<f32> {
+    let cols = q.len() / k.max(1);
+    let mut qt = vec![0.0f32; q.len()];
+    for (j, qr) in q.chunks_exact(k).enumerate() {
+        qr.iter()
+            .enumerate()
+            .for_each(|(c, v)| qt[c * cols + j] = *v);
+    }
+    qt
 }
 
 /// Gram-Schmidt on the `cols` columns of a row-major `rows` × `cols` matrix: each column

@@ -64,13 +64,31 @@ impl TopkMemory {
     }
 }
 
-/// The local phase: `grad` is the gradient as little-endian f32 bytes, taken times `scale`.
+/// Where a tensor's gradient lies (little-endian f32 bytes): apart from the output, or in the
+/// output's own buffer (an in-place allreduce). `select` zeroes the latter block by block
+/// once it has read it, while it is in cache, so that `decode` adds onto zeros without a
+/// pass of its own over the tensor.
+pub enum Gradient<'a> {
+    Kept(&'a [u8]),
+    Cleared(&'a mut [u8]),
+}
+
+impl Gradient<'_> {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Gradient::Kept(g) => g,
+            Gradient::Cleared(g) => g,
+        }
+    }
+}
+
+/// The local phase: `grad` is the gradient, taken times `scale`.
 /// With momentum `m` > 0, u = m u + grad (else u = grad); v = the residual plus u; the `k`
 /// entries of largest |v| (ties to the lower index, so the choice is the same wherever the
 /// values are) are appended to `send` as pairs (`PAIR_BYTES` each) in index order, and removed
 /// from v, which becomes the residual; the momentum of the sent entries is cleared.
 pub fn select(
-    grad: &[u8],
+    mut grad: Gradient,
     scale: f32,
     mem: &mut Memory,
     k: usize,
@@ -83,6 +101,7 @@ pub fn select(
     // a large tensor: a sample of v gives a floor that at least k values are likely to reach;
     // the values at or above it are collected as v is formed, and the k are chosen among them
     let floor = (n >= DIRECT_BELOW && k > 0).then(|| {
+        let grad = grad.bytes();
         let v_at = |i: usize| {
             let g = value(&grad[4 * i..4 * i + 4]);
             if momentum > 0.0 {
@@ -95,15 +114,29 @@ pub fn select(
     });
     let mut reached = Vec::new();
     const BLOCK: usize = 4096;
-    let blocks = mem
+    let mut blocks = mem
         .residual
         .chunks_mut(BLOCK)
-        .zip(mem.momentum.chunks_mut(BLOCK))
-        .zip(grad.chunks(BLOCK * 4));
-    for (b, ((vs, us), gs)) in blocks.enumerate() {
+        .zip(mem.momentum.chunks_mut(BLOCK));
+    let mut block = |b: usize, gs: &[u8]| {
+        let (vs, us) = blocks
+            .next()
+            .expect("a block of v per block of the gradient");
         accumulate(vs, us, gs, scale, momentum);
         if let Some(floor) = floor {
             reaching(vs, (b * BLOCK) as u32, floor, &mut reached);
+        }
+    };
+    match &mut grad {
+        Gradient::Kept(g) => g
+            .chunks(BLOCK * 4)
+            .enumerate()
+            .for_each(|(b, gs)| block(b, gs)),
+        Gradient::Cleared(g) => {
+            for (b, gs) in g.chunks_mut(BLOCK * 4).enumerate() {
+                block(b, gs);
+                gs.fill(0);
+            }
         }
     }
     let order = match floor {
@@ -269,10 +302,13 @@ fn from_histogram(v: &[f32], k: usize, counts: &[u32]) -> Vec<u32> {
 
 /// The phase after the exchange: `out` (little-endian f32 bytes) = the sum over every rank's
 /// pairs of `scale` × the value (`gathered`: each rank's encoded pairs, in rank order, so every
-/// rank adds in the same order and gets the same values). A malformed part (not whole pairs,
-/// an index beyond `out`) is an error.
-pub fn decode(gathered: &[&[u8]], out: &mut [u8], scale: f32) -> Result<()> {
-    out.fill(0);
+/// rank adds in the same order and gets the same values); `cleared`: `out` holds zeros
+/// already (`Gradient::Cleared`). A malformed part (not whole pairs, an index beyond `out`)
+/// is an error.
+pub fn decode(gathered: &[&[u8]], out: &mut [u8], scale: f32, cleared: bool) -> Result<()> {
+    if !cleared {
+        out.fill(0);
+    }
     let len = out.len() / 4;
     for (rank, bytes) in gathered.iter().enumerate() {
         if bytes.len() % PAIR_BYTES != 0 {
@@ -322,7 +358,7 @@ mod tests {
     /// `select` at scale 1, its pairs decoded.
     fn pick(g: &[f32], mem: &mut Memory, k: usize, momentum: f32) -> Vec<(u32, f32)> {
         let mut send = vec![0xAB]; // appended to, not replaced
-        select(&bytes(g), 1.0, mem, k, momentum, &mut send);
+        select(Gradient::Kept(&bytes(g)), 1.0, mem, k, momentum, &mut send);
         assert_eq!(send.remove(0), 0xAB);
         send.chunks_exact(PAIR_BYTES)
             .map(|p| {
@@ -438,11 +474,47 @@ mod tests {
         let a = encode(&[(0, 1.0), (3, 2.0)]);
         let b = encode(&[(3, 4.0), (4, -1.0)]);
         let mut out = bytes(&[9.0f32; 5]);
-        decode(&[&a, &b], &mut out, 0.5).unwrap();
+        decode(&[&a, &b], &mut out, 0.5, false).unwrap();
         assert_eq!(floats(&out), vec![0.5, 0.0, 0.0, 3.0, -0.5]);
-        assert!(decode(&[&a[..5]], &mut out, 1.0).is_err());
+        assert!(decode(&[&a[..5]], &mut out, 1.0, false).is_err());
         let far = encode(&[(5, 1.0)]);
-        assert!(decode(&[&far], &mut out, 1.0).is_err());
+        assert!(decode(&[&far], &mut out, 1.0, false).is_err());
+    }
+
+    #[test]
+    fn an_in_place_gradient_is_cleared_as_read_and_sums_alike() {
+        // both sides of the sampled floor's size, with momentum and without
+        for (n, momentum) in [(1000, 0.0), (DIRECT_BELOW + 12_345, 0.9)] {
+            let v: Vec<f32> = (0..n)
+                .map(|i| ((i * 7919 % 1013) as f32 - 506.0) * 0.01)
+                .collect();
+            let k = n / 50;
+            let (mut kept, mut cleared) = (Memory::new(n), Memory::new(n));
+            for step in 0..2 {
+                let g = bytes(&v.iter().map(|x| x * (step + 1) as f32).collect::<Vec<_>>());
+                let (mut a, mut b) = (Vec::new(), Vec::new());
+                select(Gradient::Kept(&g), 0.5, &mut kept, k, momentum, &mut a);
+                let mut buffer = g.clone();
+                select(
+                    Gradient::Cleared(&mut buffer),
+                    0.5,
+                    &mut cleared,
+                    k,
+                    momentum,
+                    &mut b,
+                );
+                assert_eq!(a, b, "n {n} step {step}");
+                assert_eq!(kept, cleared);
+                assert!(buffer.iter().all(|x| *x == 0), "the buffer is cleared");
+                // the sum onto the cleared buffer is the sum onto one filled first
+                let other = encode(&[(0, 1.0), (n as u32 - 1, 2.0)]);
+                let mut filled = bytes(&vec![7.0f32; n]);
+                decode(&[&a, &other], &mut filled, 2.0, false).unwrap();
+                decode(&[&b, &other], &mut buffer, 2.0, true).unwrap();
+                assert_eq!(filled, buffer);
+                assert!(floats(&buffer).iter().filter(|x| **x != 0.0).count() >= k);
+            }
+        }
     }
 
     fn largest_by_histogram(v: &[f32], k: usize) -> Vec<u32> {
@@ -488,7 +560,14 @@ mod tests {
     fn the_gradient_is_scaled_on_the_way_in() {
         let mut mem = Memory::new(3);
         let mut send = Vec::new();
-        select(&bytes(&[2.0, -8.0, 1.0]), 0.5, &mut mem, 1, 0.0, &mut send);
+        select(
+            Gradient::Kept(&bytes(&[2.0, -8.0, 1.0])),
+            0.5,
+            &mut mem,
+            1,
+            0.0,
+            &mut send,
+        );
         assert_eq!(send, encode(&[(1, -4.0)]));
         assert_eq!(mem.residual, vec![1.0, 0.0, 0.5]);
     }
