@@ -44,8 +44,9 @@ _LAUNCH = ("The ferrovod backend takes its ranks from MPI: start the job with mp
 class Options:
     """What `init_process_group(backend="ferrovod", pg_options=Options(...))` (or `new_group`'s
     `pg_options`) can set: `compression`, one of `hvd.Compression`'s codecs (fp16, bf16, mixed,
-    u8) applied by ferrovod's core to float32 sums and averages (None: as the job's
-    FERROVOD_COMPRESSION says)."""
+    u8, topk, powersgd) applied by ferrovod's core to float32 sums and averages (None: as the
+    job's FERROVOD_COMPRESSION says); PowerSGD takes matrices only, so not DDP's flat buckets
+    (`hvd.ddp_comm_hook` hands it each parameter's gradient in its shape)."""
 
     def __init__(self, compression=None):
         self.compression = compression

@@ -55,12 +55,42 @@ def _release_finished():
 
 class DDPHookState:
     """What `ddp_comm_hook` reduces over and how: a process set (default all ranks) and a
-    compression (`hvd.Compression.fp16`, `bf16`, `mixed`, `u8`: float32 buckets travel in the
-    core's codec; default: as the job's FERROVOD_COMPRESSION says)."""
+    compression (`hvd.Compression.fp16`, `bf16`, `mixed`, `u8`, `topk`, `powersgd`: float32
+    buckets travel in the core's codec; default: as the job's FERROVOD_COMPRESSION says).
+    Under `powersgd` each parameter's gradient is reduced in its own shape (a bucket is flat,
+    and PowerSGD compresses matrices), named after the parameter, so that its residual and Q
+    stay with it when DDP rebuilds its buckets after the first step."""
 
     def __init__(self, process_set=global_process_set, compression=None):
         self.process_set = process_set
         self.compression = compression
+
+
+# parameters reduced one by one (under powersgd) are numbered in the order first seen, which is
+# the same on every rank (DDP hands the buckets over in order, and their parameters too); the
+# number is kept on the parameter itself
+_param_numbers = itertools.count()
+
+
+def _param_name(param):
+    number = getattr(param, "_ferrovod_ddp_number", None)
+    if number is None:
+        number = param._ferrovod_ddp_number = next(_param_numbers)
+    return "ddp.param.%d" % number
+
+
+def _by_parameter(bucket, buffer):
+    """The bucket's gradients as views of its flat buffer, each in its parameter's shape, with
+    the parameters' names; None where they do not tile the buffer in order."""
+    params = bucket.parameters()
+    views, at = [], 0
+    for p in params:
+        n = p.numel()
+        views.append(buffer[at:at + n].view(p.shape))
+        at += n
+    if at != buffer.numel():
+        return None
+    return views, [_param_name(p) for p in params]
 
 
 def ddp_comm_hook(state, bucket):
@@ -85,9 +115,11 @@ def ddp_comm_hook(state, bucket):
         if codec is None:
             raise ValueError("ddp_comm_hook compresses in ferrovod's core only: float32 buckets "
                              "with one of hvd.Compression's codecs")
-    hid = mpi_ops._enqueue(_core.ALLREDUCE, [buffer], ["ddp.bucket.%d" % bucket.index()],
-                           [buffer], None, process_set, done=_DONE, done_user_data=key,
-                           reduce_op=mpi_ops.Average,
+    tensors, names = [buffer], ["ddp.bucket.%d" % bucket.index()]
+    if codec is not None and codec & 0xFF == _core.COMPRESSION_POWERSGD:
+        tensors, names = _by_parameter(bucket, buffer) or (tensors, names)
+    hid = mpi_ops._enqueue(_core.ALLREDUCE, tensors, names, tensors, None, process_set,
+                           done=_DONE, done_user_data=key, reduce_op=mpi_ops.Average,
                            compression=_core.COMPRESSION_JOB if codec is None else codec)
     with _lock:
         _to_release.append((hid, fut))

@@ -67,3 +67,63 @@ def test_ranks_asking_for_other_codecs_fail_alike():
                            compression=_core.COMPRESSION_POWERSGD).wait()
     n = hvd.size()
     np.testing.assert_allclose(out, x * (n * (n + 1) // 2), rtol=1e-4)
+
+
+def _gloo_group():
+    """A gloo process group for DDP's construction (its parameter broadcast)."""
+    import socket
+
+    import torch.distributed as dist
+
+    port = None
+    if hvd.rank() == 0:
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+    port = hvd.broadcast_object(port, root_rank=0, name="psgd.ddp.port")
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port,
+                            rank=hvd.rank(), world_size=hvd.size())
+
+
+def test_the_ddp_hook_reduces_each_parameter_in_its_shape():
+    """DDP's bucket is flat; under powersgd the hook hands the core each gradient in its
+    parameter's shape. One sample per rank makes each rank's weight gradient of rank 1, so the
+    average (rank <= 4) comes back exact: the model follows one process on the whole batch,
+    step after step (bucket rebuilds included), and the weight travels as its factors."""
+    import copy
+
+    import torch.distributed as dist
+
+    me, n = hvd.rank(), hvd.size()
+    _gloo_group()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(20, 48)
+    ref = copy.deepcopy(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(hvd.DDPHookState(compression=hvd.Compression.powersgd),
+                           hvd.ddp_comm_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def sample(rank, step):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        return torch.randn(1, 20, generator=g), torch.randn(1, 48, generator=g)
+
+    try:
+        for step in range(4):
+            before = hvd.metrics()["wire_powersgd"]
+            opt.zero_grad()
+            x, y = sample(me, step)
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+            # the 48 x 20 weight as (48 + 20) x 4 values of f32; the bias as it is
+            assert hvd.metrics()["wire_powersgd"] - before == (48 + 20) * 4 * 4
+            ref_opt.zero_grad()
+            xs, ys = zip(*[sample(q, step) for q in range(n)])
+            torch.nn.functional.mse_loss(ref(torch.cat(xs)), torch.cat(ys)).backward()
+            ref_opt.step()
+            for a, b in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-4, atol=1e-4)
+    finally:
+        dist.destroy_process_group()

@@ -471,6 +471,34 @@ def test_the_codec_option_compresses_float32_sums(device, codec, bound):
     close(z, (every.double() * 100).sum(0), torch.float64)
 
 
+def test_top_k_and_powersgd_as_options():
+    """The host codecs through the group's options: top-k sums every rank's largest values
+    (against NumPy), PowerSGD an average of matrices of rank 1 exactly, each with its counter."""
+    n = size()
+    gen = torch.Generator().manual_seed(11)
+    every = torch.randn(n, 40, generator=gen)
+    g = dist.new_group(list(range(n)),
+                       pg_options=backend.Options(compression=hvd.Compression.topk(0.25)))
+    before = hvd.metrics()["wire_topk"]
+    x = every[rank()].clone()
+    dist.all_reduce(x, group=g)
+    want = np.zeros(40)
+    for row in every.double().numpy():
+        sent = sorted(range(40), key=lambda i: (-abs(row[i]), i))[:10]
+        want[sent] += row[sent]
+    np.testing.assert_allclose(x.double().numpy(), want, rtol=1e-6, atol=1e-6)
+    assert hvd.metrics()["wire_topk"] - before == 10 * 8
+    g = dist.new_group(list(range(n)),
+                       pg_options=backend.Options(compression=hvd.Compression.powersgd))
+    us, vs = torch.randn(n, 48, 1, generator=gen), torch.randn(n, 1, 20, generator=gen)
+    before = hvd.metrics()["wire_powersgd"]
+    m = (us[rank()] @ vs[rank()]).contiguous()
+    dist.all_reduce(m, op=dist.ReduceOp.AVG, group=g)
+    want = sum((us[q] @ vs[q]).double() for q in range(n)) / n
+    np.testing.assert_allclose(m.double().numpy(), want.numpy(), rtol=1e-4, atol=1e-4)
+    assert hvd.metrics()["wire_powersgd"] - before == (48 + 20) * 4 * 4
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_send_and_recv_around_the_ring(device, dtype):
