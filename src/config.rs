@@ -165,6 +165,12 @@ pub struct Config {
     pub compression_min_bytes: Option<usize>,
     /// `FERROVOD_POWERSGD_RANK`: under `powersgd`, the factors' columns.
     pub powersgd_rank: usize,
+    /// `FERROVOD_POWERSGD_START`: under `powersgd`, each named tensor's first allreduces that
+    /// travel uncompressed.
+    pub powersgd_start: u64,
+    /// `FERROVOD_TOPK_WARMUP_STEPS`: under `topk`, each named tensor's first allreduces that
+    /// send a larger share (DGC's warm-up).
+    pub topk_warmup: u64,
     /// `FERROVOD_TOPK_RATIO` and `FERROVOD_TOPK_MOMENTUM`: under `topk`, the share of each
     /// tensor's values sent and the momentum correction's factor.
     pub topk_ratio: f64,
@@ -388,6 +394,8 @@ impl Config {
                 1,
                 crate::message::POWERSGD_MAX_RANK as usize,
             ),
+            powersgd_start: src.num("FERROVOD_POWERSGD_START", 0, 0, 1 << 40),
+            topk_warmup: src.num("FERROVOD_TOPK_WARMUP_STEPS", 0, 0, 1 << 40),
             topk_ratio: src.num("FERROVOD_TOPK_RATIO", 0.01, 1e-6, 1.0),
             topk_momentum: src.num("FERROVOD_TOPK_MOMENTUM", 0.0, 0.0, 0.999),
             nan_check: src.bool("PERSEUS_ALLREDUCE_NANCHECK"),

@@ -95,6 +95,12 @@ impl<V: Default> Named<V> {
         }
     }
 
+    /// What `look` makes of `name`'s value (None: it has none), counted as no use.
+    pub fn peek<R>(&self, name: &str, look: impl FnOnce(Option<&V>) -> R) -> R {
+        let map = self.0.lock().expect("per-name store");
+        look(map.peek(&name.to_owned()))
+    }
+
     /// Names holding a value.
     pub fn len(&self) -> usize {
         self.0.lock().expect("per-name store").len()
@@ -167,6 +173,11 @@ impl<K: Hash + Eq + Clone, V> Recent<K, V> {
     {
         let value = self.touch(key).map(std::mem::take);
         (value, self.sweep())
+    }
+
+    /// `key`'s value, not marked used.
+    pub fn peek(&self, key: &K) -> Option<&V> {
+        self.map.get(key).map(|e| &e.value)
     }
 
     /// `key`'s value, marked used, or `None` (then nothing is counted: `put` counts it).

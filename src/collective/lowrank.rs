@@ -2,7 +2,9 @@
 //! batch's tensors each start their step, every tensor's P is summed in one f32 allreduce,
 //! each tensor orthogonalises its P and computes its Q, every Q is summed in a second
 //! allreduce, and each tensor finishes with the approximation of the ranks' average and its
-//! new residual. Two collectives per batch, of (rows + cols) × rank values per tensor.
+//! new residual. Two collectives per batch, of (rows + cols) × rank values per tensor. A
+//! tensor's first `start` allreduces (`PowerMemory::warming`) are summed as they are, in one
+//! more f32 allreduce for the batch's tensors that are.
 
 use crate::collective::{ActivitySink, TensorIo};
 use crate::compress::Reduction;
@@ -21,16 +23,55 @@ struct Step {
 }
 
 /// Allreduces a batch of f32 sums or averages (`red`: PowerSGD's `Reduction`) as factors of
-/// `rank` columns, each tensor's state kept in `store` under its name.
+/// `rank` columns, each tensor's state kept in `store` under its name, except the first
+/// `start` allreduces of each named tensor, which are summed as they are.
+#[allow(clippy::too_many_arguments)] // the batch, its codec's settings and state, who hears
 pub fn allreduce(
     t: &dyn Transport,
     red: &Reduction,
     rank: usize,
+    start: u64,
     store: &PowerMemory,
     resps: &[&Response],
     ios: &mut [&mut dyn TensorIo],
     act: ActivitySink,
 ) -> Result<()> {
+    let warming: Vec<bool> = (resps.iter().zip(ios.iter()))
+        .map(|(r, io)| {
+            Shape::of(&r.shape, rank).is_some_and(|s| {
+                s.len() * 4 == io.input().len() && store.warming(&r.name, &s, start)
+            })
+        })
+        .collect();
+    if warming.iter().any(|w| *w) {
+        act(Some("POWERSGD_ALLREDUCE_WARMING"));
+        let parts = (ios.iter().zip(&warming)).filter(|(_, w)| **w);
+        let values = parts.flat_map(|(io, _)| io.input().chunks_exact(4).map(f32_of));
+        let pre = red.pre as f32;
+        let sums = sum_values(t, values.map(|v| v * pre))?;
+        // `post` is the factor on the ranks' average (the approximation's)
+        let (ranks, post, mut at) = (t.size() as f32, red.post as f32, 0);
+        for ((r, io), _) in (resps.iter().zip(ios.iter_mut()).zip(&warming)).filter(|(_, w)| **w) {
+            let (_, out) = io.split_io();
+            let n = out.len() / 4;
+            for (o, v) in out.chunks_exact_mut(4).zip(&sums[at..at + n]) {
+                o.copy_from_slice(&(v / ranks * post).to_le_bytes());
+            }
+            at += n;
+            // counted: the tensor's memory is made (and its step counted) as a compressed one's
+            let shape = Shape::of(&r.shape, rank).expect("a matrix");
+            let mut memory = store.take(&r.name, &shape);
+            memory.steps += 1;
+            store.put(&r.name, memory);
+        }
+    }
+    let compressed = (resps.iter().zip(ios.iter_mut()).zip(&warming)).filter(|(_, w)| !**w);
+    let (resps, mut ios): (Vec<&Response>, Vec<&mut &mut dyn TensorIo>) =
+        compressed.map(|(ri, _)| ri).unzip();
+    if resps.is_empty() {
+        act(None);
+        return Ok(());
+    }
     act(Some("POWERSGD_START"));
     let mut steps = Vec::with_capacity(resps.len());
     for (r, io) in resps.iter().zip(ios.iter()) {
@@ -43,6 +84,7 @@ pub fn allreduce(
                 ))
             })?;
         let mut memory = store.take(&r.name, &shape);
+        memory.steps = memory.steps.saturating_add(1);
         let p = powersgd::start(io.input(), red.pre as f32, &mut memory, &shape);
         steps.push(Step { shape, memory, p });
     }
@@ -81,7 +123,12 @@ pub fn allreduce(
 
 /// The ranks' elementwise sum of the concatenated `parts`, in one f32 allreduce.
 fn sum<'a>(t: &dyn Transport, parts: impl Iterator<Item = &'a [f32]>) -> Result<Vec<f32>> {
-    let mut bytes: Vec<u8> = parts.flatten().flat_map(|v| v.to_le_bytes()).collect();
+    sum_values(t, parts.flatten().copied())
+}
+
+/// The ranks' elementwise sum of `values`, in one f32 allreduce.
+fn sum_values(t: &dyn Transport, values: impl Iterator<Item = f32>) -> Result<Vec<f32>> {
+    let mut bytes: Vec<u8> = values.flat_map(|v| v.to_le_bytes()).collect();
     t.allreduce(None, &mut bytes, DataType::F32, ReduceOp::Sum)?;
     Ok(bytes.chunks_exact(4).map(f32_of).collect())
 }

@@ -219,10 +219,12 @@ pub fn allreduce_batch(
         return allreduce_u8(t, &enc, wire.feedback, resps, ios, fusion, act);
     }
     if let Codec::PowerSgd(rank) = codec {
-        return lowrank::allreduce(t, &enc, rank, wire.powersgd, resps, ios, act);
+        let (start, store) = (wire.powersgd_start, wire.powersgd);
+        return lowrank::allreduce(t, &enc, rank, start, store, resps, ios, act);
     }
     if let Codec::TopK(params) = codec {
-        return sparse::allreduce(t, &enc, params, wire.topk, resps, ios, act);
+        let (warmup, store) = (wire.topk_warmup, wire.topk);
+        return sparse::allreduce(t, &enc, params, warmup, store, resps, ios, act);
     }
     let phase = phase(how);
     if ios.len() == 1 && codec == Codec::None {

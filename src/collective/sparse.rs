@@ -11,11 +11,14 @@ use crate::message::Response;
 use crate::transport::Transport;
 
 /// Allreduces a batch of f32 sums or averages (`red`: top-k's `Reduction`) as each rank's
-/// largest values at `params`' ratio, each tensor's residual and momentum kept in `store`.
+/// largest values at `params`' ratio (a larger share over each named tensor's first `warmup`
+/// allreduces: `TopK::k_at`), each tensor's residual and momentum kept in `store`.
+#[allow(clippy::too_many_arguments)] // the batch, its codec's settings and state, who hears
 pub fn allreduce(
     t: &dyn Transport,
     red: &Reduction,
     params: TopK,
+    warmup: u64,
     store: &TopkMemory,
     resps: &[&Response],
     ios: &mut [&mut dyn TensorIo],
@@ -27,7 +30,8 @@ pub fn allreduce(
         .zip(ios.iter())
         .map(|(r, io)| {
             let len = io.input().len() / 4;
-            params.k(len).ok_or_else(|| {
+            let step = store.steps(&r.name, len);
+            params.k_at(len, step, warmup).ok_or_else(|| {
                 Error::Internal(format!(
                     "tensor '{}' of {len} values cannot travel as top-k at ratio {}",
                     r.name,
@@ -42,6 +46,7 @@ pub fn allreduce(
     let mut cleared = Vec::with_capacity(ios.len());
     for ((r, io), k) in resps.iter().zip(ios.iter_mut()).zip(&ks) {
         let mut memory = store.take(&r.name, io.input().len() / 4);
+        memory.steps = memory.steps.saturating_add(1);
         let grad = match io.split_io() {
             (Some(input), _) => Gradient::Kept(input),
             (None, out) => Gradient::Cleared(out),

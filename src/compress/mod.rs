@@ -76,6 +76,19 @@ impl TopK {
         let k = topk::k_of(len, self.ratio()).ok()?;
         (2 * k < len).then_some(k)
     }
+
+    /// `k` at a tensor's `step`-th allreduce (from 0) under a warm-up of `warmup` steps, as
+    /// DGC's: the share sent starts at 25 % and is quartered at each quarter of the warm-up
+    /// (25, 6.25, 1.5625, 0.39 %), never below the ratio. In whole numbers, so that every rank
+    /// gets the same k.
+    pub fn k_at(self, len: usize, step: u64, warmup: u64) -> Option<usize> {
+        if step >= warmup {
+            return self.k(len);
+        }
+        let stage = (step * 4 / warmup) as u32;
+        let ratio_ppm = (250_000u32 >> (2 * stage)).max(self.ratio_ppm);
+        TopK { ratio_ppm, ..self }.k(len).or(self.k(len))
+    }
 }
 
 pub use crate::message::POWERSGD_RANK;
@@ -374,7 +387,34 @@ pub struct Wire<'a> {
     pub codec: Codec,
     pub feedback: &'a Feedback,
     pub powersgd: &'a powersgd::PowerMemory,
+    /// PowerSGD's first allreduces of each tensor that travel uncompressed
+    /// (`FERROVOD_POWERSGD_START`, agreed).
+    pub powersgd_start: u64,
     pub topk: &'a topk::TopkMemory,
+    /// Top-k's first allreduces of each tensor that send a larger share
+    /// (`FERROVOD_TOPK_WARMUP_STEPS`, agreed: `TopK::k_at`).
+    pub topk_warmup: u64,
+}
+
+impl Wire<'_> {
+    /// How `r` travels in this batch and the bytes it puts on the wire: as the codec says,
+    /// except a tensor in PowerSGD's first steps, which goes as it is.
+    pub fn sent(&self, r: &Response) -> (Codec, usize) {
+        if let Codec::PowerSgd(rank) = self.codec
+            && powersgd::Shape::of(&r.shape, rank)
+                .is_some_and(|s| self.powersgd.warming(&r.name, &s, self.powersgd_start))
+        {
+            return (Codec::None, Codec::None.wire_bytes(r));
+        }
+        if let Codec::TopK(params) = self.codec {
+            let len = r.num_elements().max(0) as usize;
+            let step = self.topk.steps(&r.name, len);
+            if let Some(k) = params.k_at(len, step, self.topk_warmup) {
+                return (self.codec, k * topk::PAIR_BYTES);
+            }
+        }
+        (self.codec, self.codec.wire_bytes(r))
+    }
 }
 
 #[cfg(test)]
@@ -405,6 +445,22 @@ mod tests {
             setting,
             ..Codecs::default()
         }
+    }
+
+    #[test]
+    fn top_k_warms_up_from_a_quarter_by_quarters_never_below_its_ratio() {
+        let one = TopK::of(0.01, 0.0);
+        let ks: Vec<Option<usize>> = (0..10).map(|s| one.k_at(1000, s, 8)).collect();
+        let want = [250, 250, 63, 63, 16, 16, 10, 10, 10, 10];
+        assert_eq!(ks, want.map(Some));
+        assert_eq!(one.k_at(1000, 0, 0), Some(10), "no warm-up");
+        // above a quarter already: the ratio throughout
+        let wide = TopK::of(0.4, 0.0);
+        assert!((0..4).all(|s| wide.k_at(1000, s, 4) == Some(400)));
+        // unnamed tensors never count steps (`TopkMemory::steps`), so never warm up
+        let store = topk::TopkMemory::default();
+        assert_eq!(store.steps("allreduce.noname.1", 1000), u64::MAX);
+        assert_eq!(store.steps("w", 1000), 0);
     }
 
     #[test]

@@ -69,6 +69,9 @@ pub struct Memory {
     /// drawn again: `finish`).
     pub seed: u64,
     pub draws: u64,
+    /// Allreduces of the tensor so far (those of its first steps that travelled uncompressed
+    /// included: `PowerMemory::warming`).
+    pub steps: u64,
 }
 
 impl Memory {
@@ -83,6 +86,7 @@ impl Memory {
             q,
             seed,
             draws: 0,
+            steps: 0,
         }
     }
 }
@@ -93,14 +97,27 @@ impl Memory {
 pub type PowerMemory = store::Named<Memory>;
 
 impl PowerMemory {
+    /// Whether `name` travels uncompressed this time: one of its first `start` allreduces
+    /// (counted in its memory, alike on every rank: the ranks reduce the same names in the same
+    /// order). Unnamed tensors keep no count, so no first steps: they compress from the first.
+    pub fn warming(&self, name: &str, shape: &Shape, start: u64) -> bool {
+        let steps = |m: Option<&Memory>| m.filter(|m| fits(m, shape)).map_or(0, |m| m.steps);
+        start > 0 && !store::is_unnamed(name) && self.peek(name, steps) < start
+    }
+
     /// `name`'s memory, taken out (a first step's if none, or if the tensor's shape changed).
     pub fn take(&self, name: &str, shape: &Shape) -> Memory {
         self.take_or(
             name,
-            |m| m.residual.len() == shape.len() && m.q.len() == shape.q_len(),
+            |m| fits(m, shape),
             || Memory::new(shape, store::fingerprint(&name)),
         )
     }
+}
+
+/// Whether `m` is the memory of a tensor of `shape` (else the tensor starts afresh).
+fn fits(m: &Memory, shape: &Shape) -> bool {
+    m.residual.len() == shape.len() && m.q.len() == shape.q_len()
 }
 
 /// Phase one: M = `pre` × `grad` (little-endian f32 bytes) + the residual, written over the
@@ -645,6 +662,24 @@ mod tests {
         assert!(store.take("w", &t).residual.iter().all(|v| *v == 0.0));
         store.put("allreduce.noname.7", kept);
         assert_eq!(store.len(), 1);
+    }
+
+    #[test]
+    fn the_first_steps_are_counted_per_name_and_shape_and_never_for_unnamed_tensors() {
+        let store = PowerMemory::default();
+        let s = Shape::of(&[8, 6], 2).unwrap();
+        assert!(!store.warming("w", &s, 0), "no first steps by default");
+        for step in 0..3 {
+            assert!(store.warming("w", &s, 3), "step {step}");
+            let mut m = store.take("w", &s);
+            m.steps += 1;
+            store.put("w", m);
+        }
+        assert!(!store.warming("w", &s, 3));
+        assert!(store.warming("w", &s, 4));
+        // a new shape starts its count afresh; unnamed tensors keep none and are never counted
+        assert!(store.warming("w", &Shape::of(&[6, 8], 2).unwrap(), 3));
+        assert!(!store.warming("allreduce.noname.3", &s, 3));
     }
 
     #[test]

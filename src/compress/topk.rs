@@ -38,6 +38,8 @@ pub fn k_of(len: usize, ratio: f64) -> Result<usize> {
 pub struct Memory {
     pub residual: Vec<f32>,
     pub momentum: Vec<f32>,
+    /// Allreduces of the tensor so far (for the warm-up's share: `TopK::k_at`).
+    pub steps: u64,
 }
 
 impl Memory {
@@ -45,6 +47,7 @@ impl Memory {
         Memory {
             residual: vec![0.0; len],
             momentum: vec![0.0; len],
+            steps: 0,
         }
     }
 }
@@ -56,12 +59,23 @@ pub type TopkMemory = store::Named<Memory>;
 impl TopkMemory {
     /// `name`'s memory, taken out (zeros if none, or if the tensor's size changed).
     pub fn take(&self, name: &str, len: usize) -> Memory {
-        self.take_or(
-            name,
-            |m| m.residual.len() == len && m.momentum.len() == len,
-            || Memory::new(len),
-        )
+        self.take_or(name, |m| fits(m, len), || Memory::new(len))
     }
+
+    /// `name`'s allreduces so far, as `take` would find them (the same on every rank: the
+    /// ranks reduce the same names in the same order); none for unnamed tensors, which keep
+    /// no memory, so no warm-up either.
+    pub fn steps(&self, name: &str, len: usize) -> u64 {
+        match crate::store::is_unnamed(name) {
+            true => u64::MAX,
+            false => self.peek(name, |m| m.filter(|m| fits(m, len)).map_or(0, |m| m.steps)),
+        }
+    }
+}
+
+/// Whether `m` is the memory of a tensor of `len` values (else the tensor starts afresh).
+fn fits(m: &Memory, len: usize) -> bool {
+    m.residual.len() == len && m.momentum.len() == len
 }
 
 /// Where a tensor's gradient lies (little-endian f32 bytes): apart from the output, or in the

@@ -273,6 +273,20 @@ pub(crate) struct Carried {
     pub replicas: gossip::Replicas,
 }
 
+impl Carried {
+    /// How a batch of `codec` travels: the codec with the state it carries.
+    fn wire(&self, codec: Codec, starts: (u64, u64)) -> Wire<'_> {
+        Wire {
+            codec,
+            feedback: &self.feedback,
+            powersgd: &self.powersgd,
+            powersgd_start: starts.0,
+            topk: &self.topk,
+            topk_warmup: starts.1,
+        }
+    }
+}
+
 /// Where batches run: a communicator with its host fusion buffer and its NCCL streams (and, for
 /// hierarchical collectives, its two levels). Each set has one, and so has each of its channels.
 pub(crate) struct Executor {
@@ -289,6 +303,9 @@ pub(crate) struct Executor {
     pub carried: Arc<Carried>,
     /// Every this many rounds a gossip is an exact average (0: never; agreed).
     gossip_sync_every: u32,
+    /// PowerSGD's uncompressed first allreduces of each tensor, and top-k's warm-up steps
+    /// (agreed).
+    starts: (u64, u64),
 }
 
 impl Executor {
@@ -314,7 +331,13 @@ impl Executor {
             codecs: settings.compression,
             carried,
             gossip_sync_every: settings.gossip_sync_every,
+            starts: (settings.powersgd_start, settings.topk_warmup),
         }
+    }
+
+    /// How a batch of `codec` travels: the codec with the state it carries.
+    pub fn wire(&self, codec: Codec) -> Wire<'_> {
+        self.carried.wire(codec, self.starts)
     }
 
     /// The plan of a batch whose values travel as `codec` (agreed: from its responses, the
@@ -349,7 +372,8 @@ impl Executor {
         if plan.route == Route::Hierarchical {
             rt.metrics.add_hierarchical_batch();
         }
-        rt.metrics.add_wire(plan.codec, resps.iter().copied());
+        rt.metrics
+            .add_wire(&self.wire(plan.codec), resps.iter().copied());
         let codec = plan.codec;
         if head.kind == OpKind::Gossip && plan.route != Route::Pairs {
             // the exact average, run as an allreduce batch: no rounds (`plan::choose`)
@@ -385,12 +409,7 @@ impl Executor {
             .map(Some);
         }
         let how = host_algorithms(&plan, head.kind, hierarchy, gossip);
-        let wire = Wire {
-            codec,
-            feedback: &self.carried.feedback,
-            powersgd: &self.carried.powersgd,
-            topk: &self.carried.topk,
-        };
+        let wire = self.carried.wire(codec, self.starts);
         // host memory is ready when enqueued
         sink(Some("WAIT_FOR_DATA"));
         let mut ios: Vec<&mut dyn TensorIo> =
@@ -435,13 +454,7 @@ impl Executor {
         let refs: Vec<&Response> = resps.iter().collect();
         let hierarchy = self.hierarchy.as_ref();
         let how = host_algorithms(plan, resps[0].kind, hierarchy, None);
-        let (data, feedback) = (&self.data, &self.carried.feedback);
-        let wire = Wire {
-            codec: plan.codec,
-            feedback,
-            powersgd: &self.carried.powersgd,
-            topk: &self.carried.topk,
-        };
+        let (data, wire) = (&self.data, self.carried.wire(plan.codec, self.starts));
         // counted where it runs: a batch whose flag travels with it never takes the hierarchy
         let mut run =
             |fusion: &mut FusionBuffer, ios: &mut [&mut dyn TensorIo], act: ActivitySink| {

@@ -150,6 +150,10 @@ pub(crate) struct JobSettings {
     pub gossip_exact_inside_node: bool,
     /// `HOROVOD_NUM_NCCL_STREAMS`.
     pub nccl_streams: usize,
+    /// PowerSGD's uncompressed first allreduces of each named tensor.
+    pub powersgd_start: u64,
+    /// Top-k's warm-up steps of each named tensor.
+    pub topk_warmup: u64,
     /// `HOROVOD_STALL_CHECK_DISABLE`, `HOROVOD_STALL_CHECK_TIME_SECONDS` and
     /// `HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`: one rank giving up before the others would
     /// report them missing while they still wait.
@@ -191,6 +195,8 @@ impl JobSettings {
             cfg.powersgd_rank,
             crate::compress::TopK::of(cfg.topk_ratio, cfg.topk_momentum).ratio_ppm as usize,
             crate::compress::TopK::of(cfg.topk_ratio, cfg.topk_momentum).momentum_permille as usize,
+            cfg.powersgd_start as usize,
+            cfg.topk_warmup as usize,
         ];
         let bytes: Vec<u8> = mine
             .iter()
@@ -203,7 +209,7 @@ impl JobSettings {
             .collect();
         if v[..] != mine[..] {
             tracing::warn!(
-                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS (PERSEUS_ALLREDUCE_STREAMS) / HOROVOD_AUTOTUNE / FERROVOD_AUTOTUNE_WINDOW_CYCLES / FERROVOD_GPU_GRAPHS / FERROVOD_ALGORITHM / HOROVOD_HIERARCHICAL_ALLREDUCE / FERROVOD_RING_MIN_BYTES / HOROVOD_HIERARCHICAL_ALLGATHER / FERROVOD_COMPRESSION (PERSEUS_ALLREDUCE_DTYPE) / FERROVOD_COMPRESSION_MIN_BYTES / PERSEUS_ALLREDUCE_NANCHECK / FERROVOD_MULTISTEP / FERROVOD_GOSSIP_SYNC_EVERY / HOROVOD_STALL_CHECK_DISABLE / HOROVOD_STALL_CHECK_TIME_SECONDS / HOROVOD_STALL_SHUTDOWN_TIME_SECONDS / FERROVOD_GOSSIP_EXACT_INSIDE_NODE / HOROVOD_NUM_NCCL_STREAMS / FERROVOD_POWERSGD_RANK / FERROVOD_TOPK_RATIO / FERROVOD_TOPK_MOMENTUM differ from rank 0's; using rank 0's values {v:?}"
+                "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS (PERSEUS_ALLREDUCE_STREAMS) / HOROVOD_AUTOTUNE / FERROVOD_AUTOTUNE_WINDOW_CYCLES / FERROVOD_GPU_GRAPHS / FERROVOD_ALGORITHM / HOROVOD_HIERARCHICAL_ALLREDUCE / FERROVOD_RING_MIN_BYTES / HOROVOD_HIERARCHICAL_ALLGATHER / FERROVOD_COMPRESSION (PERSEUS_ALLREDUCE_DTYPE) / FERROVOD_COMPRESSION_MIN_BYTES / PERSEUS_ALLREDUCE_NANCHECK / FERROVOD_MULTISTEP / FERROVOD_GOSSIP_SYNC_EVERY / HOROVOD_STALL_CHECK_DISABLE / HOROVOD_STALL_CHECK_TIME_SECONDS / HOROVOD_STALL_SHUTDOWN_TIME_SECONDS / FERROVOD_GOSSIP_EXACT_INSIDE_NODE / HOROVOD_NUM_NCCL_STREAMS / FERROVOD_POWERSGD_RANK / FERROVOD_TOPK_RATIO / FERROVOD_TOPK_MOMENTUM / FERROVOD_POWERSGD_START / FERROVOD_TOPK_WARMUP_STEPS differ from rank 0's; using rank 0's values {v:?}"
             );
         }
         Ok(JobSettings {
@@ -239,6 +245,8 @@ impl JobSettings {
             },
             gossip_exact_inside_node: v[21] != 0,
             nccl_streams: v[22],
+            powersgd_start: v[26] as u64,
+            topk_warmup: v[27] as u64,
         })
     }
 }

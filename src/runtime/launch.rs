@@ -8,6 +8,7 @@ use std::time::Duration;
 use crate::collective::plan::{self};
 use crate::collective::replay::{ReplayKey, batch_fingerprint};
 use crate::collective::{self, TensorIo};
+use crate::compress::Codec;
 use crate::error::{Error, Result, Stall};
 use crate::fusion::planner::plan_segments;
 use crate::hashing::HashMap;
@@ -379,7 +380,11 @@ pub(crate) fn run_plan_batch(
     let refs: Vec<&Response> = resps.iter().collect();
     let bytes = batch_bytes(&refs);
     let plan = set.executor.plan_frozen(&refs);
-    let codec = plan.codec;
+    // counted before the batch runs (which counts PowerSGD's first steps) and added if it ran
+    let sent: Vec<(Codec, usize)> = {
+        let wire = set.executor.wire(plan.codec);
+        refs.iter().map(|r| wire.sent(r)).collect()
+    };
     let flagged = {
         // a rank without the batch's tensors has no spans to mark
         let traced: &[String] = if have { &names } else { &[] };
@@ -444,7 +449,9 @@ pub(crate) fn run_plan_batch(
         return Ok(true);
     }
     rt.metrics.add_batch(entries.len() as u64, bytes as u64);
-    rt.metrics.add_wire(codec, resps.iter());
+    for (codec, bytes) in sent {
+        rt.metrics.add_wire_bytes(codec, bytes as u64);
+    }
     let outcome = match plan.nan_check {
         true => {
             let mut ios: Vec<&mut dyn TensorIo> =

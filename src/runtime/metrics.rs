@@ -5,9 +5,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use crate::compress::Codec;
 #[cfg(test)]
 use crate::compress::TopK;
+use crate::compress::{Codec, Wire};
 use crate::dtype::DataType;
 use crate::message::Response;
 
@@ -86,13 +86,15 @@ impl Metrics {
         }
     }
 
-    /// A batch's tensors put on the wire as `codec` carries them.
-    pub(crate) fn add_wire<'a>(&self, codec: Codec, resps: impl IntoIterator<Item = &'a Response>) {
-        let wire = resps.into_iter().map(|r| codec.wire_bytes(r) as u64).sum();
-        self.add_wire_bytes(codec, wire);
+    /// A batch's tensors put on the wire as `wire` carries them (`Wire::sent`).
+    pub(crate) fn add_wire<'a>(&self, wire: &Wire, resps: impl IntoIterator<Item = &'a Response>) {
+        for r in resps {
+            let (codec, bytes) = wire.sent(r);
+            self.add_wire_bytes(codec, bytes as u64);
+        }
     }
 
-    fn add_wire_bytes(&self, codec: Codec, wire: u64) {
+    pub(crate) fn add_wire_bytes(&self, codec: Codec, wire: u64) {
         let counter = match codec {
             Codec::None => &self.wire_uncompressed,
             Codec::Half(DataType::BF16) => &self.wire_bf16,

@@ -1727,7 +1727,9 @@ impl PowerReference {
 /// `FERROVOD_COMPRESSION=powersgd`: a batch of two matrices averaged with scales, a matrix
 /// summed alone, and a vector and a small matrix that travel uncompressed, over eight steps,
 /// each rank's output against an f64 reference of the same method (error feedback and the
-/// warm-started Q included), and the wire counter at the factors' bytes.
+/// warm-started Q included), and the wire counter at the factors' bytes. Under
+/// `FERROVOD_POWERSGD_START=s` the first s steps are exact averages with the matrices' whole
+/// bytes on the wire, and the method starts afresh at step s.
 pub(crate) fn powersgd_compressed() {
     use ferrovod::compress::powersgd::{PowerMemory, Shape};
     init();
@@ -1737,6 +1739,10 @@ pub(crate) fn powersgd_compressed() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(ferrovod::compress::POWERSGD_RANK);
+    let start: usize = std::env::var("FERROVOD_POWERSGD_START")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
     let shapes: [&[i64]; 5] = [&[24, 3, 3, 2], &[40, 30], &[50], &[3, 2], &[16, 16]];
     // (tensors, op, prescale, postscale)
     let groups: [Group; 3] = [
@@ -1786,8 +1792,8 @@ pub(crate) fn powersgd_compressed() {
                     .collect();
                 let ranks = if *op == ReduceOp::Sum { n as f64 } else { 1.0 };
                 let want: Vec<f64> = match refs[*t].as_mut() {
-                    Some(reference) => reference.step(&grads),
-                    None => (0..len(*t))
+                    Some(reference) if step >= start => reference.step(&grads),
+                    _ => (0..len(*t))
                         .map(|i| grads.iter().map(|g| g[i]).sum::<f64>() / n as f64)
                         .collect(),
                 };
@@ -1803,7 +1809,14 @@ pub(crate) fn powersgd_compressed() {
                 }
             }
         }
-        assert_eq!(metrics().wire_powersgd - before.wire_powersgd, factor_bytes);
+        let (after, whole) = (metrics(), [0usize, 1, 4].iter().map(|t| len(*t) as u64 * 4));
+        if step < start {
+            assert_eq!(after.wire_powersgd, before.wire_powersgd);
+            let plain = after.wire_uncompressed - before.wire_uncompressed;
+            assert_eq!(plain, whole.sum::<u64>() + (len(2) + len(3)) as u64 * 4);
+        } else {
+            assert_eq!(after.wire_powersgd - before.wire_powersgd, factor_bytes);
+        }
         plan.step_end(step);
     }
     plan.froze(1);
@@ -1831,17 +1844,28 @@ pub(crate) fn topk_compressed() {
         (&[3, 4], ReduceOp::Sum, 1.0, 1.0),
         (&[2], ReduceOp::Sum, 1.0, 1.0),
     ];
-    let k_of = |len: usize| ((len as f64 * ratio).ceil() as usize).clamp(1, len);
+    // DGC's warm-up: the share sent over a tensor's first `warmup` steps, by quarter
+    let warmup: usize = std::env::var("FERROVOD_TOPK_WARMUP_STEPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let share = |step: usize| match step < warmup {
+        true => ratio.max([0.25, 0.0625, 0.015625, 0.003906][step * 4 / warmup]),
+        false => ratio,
+    };
+    let k_at = |len: usize, step: usize| ((len as f64 * share(step)).ceil() as usize).clamp(1, len);
     let v = |t: usize, i: usize, r: usize, step: usize| {
         (((i * 7919 + t * 104_729 + r * 31 + step * 577) % 1000) as f64 / 1000.0 - 0.5)
             * (1.0 + (i % 13) as f64)
     };
     // per tensor, per rank: what was not sent
     let mut residual: Vec<Vec<Vec<f64>>> = lens.iter().map(|l| vec![vec![0.0; *l]; n]).collect();
-    let pair_bytes: u64 = [0usize, 1, 3, 4]
-        .iter()
-        .map(|t| 8 * k_of(lens[*t]) as u64)
-        .sum();
+    let pair_bytes = |step: usize| -> u64 {
+        [0usize, 1, 3, 4]
+            .iter()
+            .map(|t| 8 * k_at(lens[*t], step) as u64)
+            .sum()
+    };
     let metrics = || runtime::runtime().unwrap().metrics.snapshot();
     for step in 0..6 {
         plan.step_start();
@@ -1877,7 +1901,7 @@ pub(crate) fn topk_compressed() {
                                 .unwrap()
                                 .then(a.cmp(b))
                         });
-                        order.truncate(k_of(lens[*t]));
+                        order.truncate(k_at(lens[*t], step));
                         order
                     };
                     let mut left = acc.clone();
@@ -1898,7 +1922,7 @@ pub(crate) fn topk_compressed() {
                 }
             }
         }
-        assert_eq!(metrics().wire_topk - before.wire_topk, pair_bytes);
+        assert_eq!(metrics().wire_topk - before.wire_topk, pair_bytes(step));
         plan.step_end(step);
     }
     plan.froze(1);

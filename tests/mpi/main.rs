@@ -581,6 +581,26 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         true,
     ),
     (
+        "powersgd_compressed",
+        3,
+        &[
+            ("FERROVOD_COMPRESSION", "powersgd"),
+            ("FERROVOD_POWERSGD_START", "3"),
+        ],
+        true,
+    ),
+    (
+        "powersgd_compressed",
+        2,
+        &[
+            ("FERROVOD_COMPRESSION", "powersgd"),
+            ("FERROVOD_POWERSGD_START", "3"),
+            ("FERROVOD_NEGOTIATION", "offline"),
+            ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+        ],
+        true,
+    ),
+    (
         "topk_compressed",
         2,
         &[("FERROVOD_COMPRESSION", "topk")],
@@ -600,6 +620,26 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         2,
         &[
             ("FERROVOD_COMPRESSION", "topk"),
+            ("FERROVOD_NEGOTIATION", "offline"),
+            ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+        ],
+        true,
+    ),
+    (
+        "topk_compressed",
+        3,
+        &[
+            ("FERROVOD_COMPRESSION", "topk"),
+            ("FERROVOD_TOPK_WARMUP_STEPS", "4"),
+        ],
+        true,
+    ),
+    (
+        "topk_compressed",
+        2,
+        &[
+            ("FERROVOD_COMPRESSION", "topk"),
+            ("FERROVOD_TOPK_WARMUP_STEPS", "4"),
             ("FERROVOD_NEGOTIATION", "offline"),
             ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
         ],
