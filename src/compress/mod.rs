@@ -398,7 +398,8 @@ pub struct Wire<'a> {
 
 impl Wire<'_> {
     /// How `r` travels in this batch and the bytes it puts on the wire: as the codec says,
-    /// except a tensor in PowerSGD's first steps, which goes as it is.
+    /// except a tensor in PowerSGD's first steps, which goes as it is, and top-k's pairs at the
+    /// tensor's share of this step (its warm-up's or the ratio's).
     pub fn sent(&self, r: &Response) -> (Codec, usize) {
         if let Codec::PowerSgd(rank) = self.codec
             && powersgd::Shape::of(&r.shape, rank)

@@ -2,7 +2,7 @@
 """One launch of the combination matrix, run on every rank under mpirun:
 
     mpirun -np N python tests/matrix/cell.py --framework capi|tf|torch|mxnet --memory host|cuda
-        --codec none|fp16|bf16|mixed|u8 --mode online|offline|multistep|gossip
+        --codec none|fp16|bf16|mixed|u8|topk|powersgd --mode online|offline|multistep|gossip
         --naming named,unnamed
 
 The job settings of the codec and mode (plan.job_env) are set here before ferrovod starts. Each
@@ -108,6 +108,7 @@ class Cell:
         self.a_run = 0.0  # largest |value| any compressed contribution had (u8's bound)
         self.compressed_ops = 0  # operations whose f32 values the codec was to compress
         self.cum = None  # u8: running sum of ar_sum_L's errors
+        self.topk_left = {}  # top-k, named: (label, tensor) -> every rank's residual (f32)
         self.notes = []
         self.unique = 0
 
@@ -160,10 +161,14 @@ class Cell:
 
     def codec_of(self, dtype, nbytes, gossip=False):
         """The codec a tensor travels with (README, Compression): only f32 sums, averages and
-        gossip compress; mixed compresses tensors of 32 KiB or more; GPU gossip never does."""
+        gossip compress; mixed compresses tensors of 32 KiB or more; GPU gossip never does;
+        top-k and PowerSGD take host allreduces only, PowerSGD matrices only (every tensor here
+        is a vector, so it travels as it is)."""
         if dtype != np.float32:
             return "exact"
         if gossip and self.memory == "cuda":
+            return "none"
+        if self.codec == "powersgd" or (self.codec == "topk" and (gossip or self.memory == "cuda")):
             return "none"
         if self.codec == "mixed":
             return "fp16" if nbytes >= MIXED_MIN_BYTES else "none"
@@ -183,6 +188,10 @@ class Cell:
             # what one step loses, plus last step's loss that feedback returns now (README:
             # "twice that once feedback returns the previous loss")
             t = 2 * self.u8_loss(a) + 1e-5 * n * a
+        elif codec == "topk":
+            # the reference's selection summed in f32 (`a`: here the largest |sum|, since the
+            # residuals that come back can outgrow any one input)
+            t = 1e-6 * n * a
         else:
             raise ValueError(codec)
         # averages are divided by n (before a 16-bit cast; after u8's sum)
@@ -265,6 +274,9 @@ class Cell:
             self.a_run = max([self.a_run] + [a for a, k in zip(amax, codecs) if k != "exact"])
         for j, (o, t, k, a) in enumerate(zip(outs, contribs, codecs, amax)):
             want = np.sum(t, axis=0)
+            if k == "topk":
+                want = self.topk_sum(label, j, t)
+                a = max(a, float(np.max(np.abs(want))))
             if op == "avg":
                 want = want / n
             self.check("%s[%d] %s/%s" % (label, j, op, k), o, want,
@@ -272,6 +284,26 @@ class Cell:
             if label == "ar_sum_L" and k == "u8" and self.named:
                 err = np.asarray(o, dtype=np.float64) - want
                 self.cum = err if self.cum is None else self.cum + err
+
+    def topk_sum(self, label, j, contribs):
+        """Top-k's sum of every rank's contribution (f32 values): each rank adds its residual
+        (named tensors keep it from call to call; unnamed ones start at zero), sends its k
+        largest magnitudes (1 %, rounded up; ties to the lower index) and keeps the rest."""
+        n, length = self.n, len(contribs[0])
+        k = min(max(int(np.ceil(length * 0.01)), 1), length)
+        left = self.topk_left.get((label, j)) if self.named else None
+        if left is None:
+            left = [np.zeros(length, np.float32) for _ in range(n)]
+        total = np.zeros(length)
+        for q in range(n):
+            acc = contribs[q].astype(np.float32) + left[q]
+            sent = np.lexsort((np.arange(length), -np.abs(acc)))[:k]
+            total[sent] += acc[sent]
+            acc[sent] = 0.0
+            left[q] = acc
+        if self.named:
+            self.topk_left[(label, j)] = left
+        return total
 
     def collectives_step(self, step):
         n, r = self.n, self.rank
@@ -405,8 +437,10 @@ class Cell:
             if not worst <= bound:
                 self.fail("u8 error feedback: the running sum of ar_sum_L's errors reached %.3g, "
                           "beyond one step's bound %.3g" % (worst, bound))
-        wire = {k: m1[k] - m0[k] for k in ("wire_fp16", "wire_bf16", "wire_u8")}
-        counter = {"fp16": "wire_fp16", "mixed": "wire_fp16", "bf16": "wire_bf16", "u8": "wire_u8"}
+        wire = {k: m1[k] - m0[k]
+                for k in ("wire_fp16", "wire_bf16", "wire_u8", "wire_topk", "wire_powersgd")}
+        counter = {"fp16": "wire_fp16", "mixed": "wire_fp16", "bf16": "wire_bf16", "u8": "wire_u8",
+                   "topk": "wire_topk"}
         if self.compressed_ops and self.codec in counter and wire[counter[self.codec]] == 0:
             self.fail("codec %s was not used: %s stayed 0 (metrics %s)"
                       % (self.codec, counter[self.codec], wire))
@@ -436,7 +470,7 @@ class Cell:
             "gpu_mib": None, "secs": round(secs, 2),
             "metrics": {k: m1[k] - m0[k] for k in (
                 "control_collectives", "data_collectives", "wire_uncompressed", "wire_fp16",
-                "wire_bf16", "wire_u8")},
+                "wire_bf16", "wire_u8", "wire_topk", "wire_powersgd")},
         }
         if self.gpu0 is not None and gpu1 is not None:
             out["gpu_mib"] = [round(self.gpu0 / 2.0 ** 20, 1), round(gpu1 / 2.0 ** 20, 1),

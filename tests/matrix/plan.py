@@ -5,7 +5,7 @@ only: scripts/matrix.sh reads it before any framework is imported."""
 FRAMEWORKS = ("capi", "tf", "torch", "mxnet")
 # TensorFlow ops run on host memory only, and the GPU machines have no MXNet (README)
 GPU_FRAMEWORKS = ("capi", "torch")
-CODECS = ("none", "fp16", "bf16", "mixed", "u8")
+CODECS = ("none", "fp16", "bf16", "mixed", "u8", "topk", "powersgd")
 MODES = ("online", "offline", "multistep", "gossip")
 NAMINGS = ("named", "unnamed")
 # not in the matrix, a probe for cell.py --naming: a fresh name per call that is not the
@@ -108,6 +108,9 @@ SAMPLE = (
     ("tf", 4, "mixed", "gossip", ("named",)),
     ("torch", 2, "bf16", "multistep", BOTH),
     ("torch", 4, "u8", "offline", BOTH),
+    ("torch", 2, "topk", "online", BOTH),
+    ("capi", 4, "topk", "multistep", BOTH),
+    ("tf", 4, "powersgd", "offline", BOTH),
     ("mxnet", 2, "none", "offline", BOTH),
     ("mxnet", 4, "mixed", "online", BOTH),
 )

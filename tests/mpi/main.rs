@@ -85,6 +85,16 @@ pub(crate) const STOP_IN_BATCH_TOPK: &[(&str, &str)] = &[
     ("FERROVOD_COMPRESSION", "topk"),
 ];
 
+/// `STOP_IN_BATCH_POWERSGD` with the tensor in PowerSGD's uncompressed first steps: the
+/// survivors wait in that sum.
+pub(crate) const STOP_IN_BATCH_POWERSGD_START: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
+    ("FERROVOD_TEST_FAULT", "stop_in_batch:1"),
+    ("FERROVOD_COMPRESSION", "powersgd"),
+    ("FERROVOD_POWERSGD_START", "100"),
+];
+
 pub(crate) const SLOW_IN_BATCH: &[(&str, &str)] = &[
     ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
     ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
@@ -492,6 +502,12 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     ("rank_stopped_in_batch", 3, STOP_IN_BATCH, false),
     // a rank missing from a PowerSGD exchange, and from a top-k one
     ("rank_stopped_in_batch", 2, STOP_IN_BATCH_POWERSGD, false),
+    (
+        "rank_stopped_in_batch",
+        2,
+        STOP_IN_BATCH_POWERSGD_START,
+        false,
+    ),
     ("rank_stopped_in_batch", 2, STOP_IN_BATCH_TOPK, false),
     // the stall limits are rank 0's, whatever the other ranks' environments say
     (
