@@ -86,6 +86,8 @@ def _by_parameter(bucket, buffer):
     views, at = [], 0
     for p in params:
         n = p.numel()
+        if at + n > buffer.numel():
+            return None
         views.append(buffer[at:at + n].view(p.shape))
         at += n
     if at != buffer.numel():

@@ -49,13 +49,14 @@ pub fn allreduce(
         let values = parts.flat_map(|(io, _)| io.input().chunks_exact(4).map(f32_of));
         let pre = red.pre as f32;
         let sums = sum_values(t, values.map(|v| v * pre))?;
-        // `post` is the factor on the ranks' average (the approximation's)
-        let (ranks, post, mut at) = (t.size() as f32, red.post as f32, 0);
+        // `post` is the factor on the ranks' average (the approximation's): on the sum, post /
+        // ranks, which is 1 for a plain sum (exact) and what an uncompressed average applies
+        let (factor, mut at) = ((red.post / t.size() as f64) as f32, 0);
         for ((r, io), _) in (resps.iter().zip(ios.iter_mut()).zip(&warming)).filter(|(_, w)| **w) {
             let (_, out) = io.split_io();
             let n = out.len() / 4;
             for (o, v) in out.chunks_exact_mut(4).zip(&sums[at..at + n]) {
-                o.copy_from_slice(&(v / ranks * post).to_le_bytes());
+                o.copy_from_slice(&(v * factor).to_le_bytes());
             }
             at += n;
             // counted: the tensor's memory is made (and its step counted) as a compressed one's

@@ -212,6 +212,7 @@ impl JobSettings {
                 "HOROVOD_FUSION_THRESHOLD / FERROVOD_FUSION_DIRECT_BYTES / HOROVOD_CACHE_CAPACITY / FERROVOD_MPI_MAX_COUNT / FERROVOD_LOCAL_SIZE / FERROVOD_NEGOTIATION / FERROVOD_PLAN_WARMUP_STEPS / FERROVOD_CHANNELS (PERSEUS_ALLREDUCE_STREAMS) / HOROVOD_AUTOTUNE / FERROVOD_AUTOTUNE_WINDOW_CYCLES / FERROVOD_GPU_GRAPHS / FERROVOD_ALGORITHM / HOROVOD_HIERARCHICAL_ALLREDUCE / FERROVOD_RING_MIN_BYTES / HOROVOD_HIERARCHICAL_ALLGATHER / FERROVOD_COMPRESSION (PERSEUS_ALLREDUCE_DTYPE) / FERROVOD_COMPRESSION_MIN_BYTES / PERSEUS_ALLREDUCE_NANCHECK / FERROVOD_MULTISTEP / FERROVOD_GOSSIP_SYNC_EVERY / HOROVOD_STALL_CHECK_DISABLE / HOROVOD_STALL_CHECK_TIME_SECONDS / HOROVOD_STALL_SHUTDOWN_TIME_SECONDS / FERROVOD_GOSSIP_EXACT_INSIDE_NODE / HOROVOD_NUM_NCCL_STREAMS / FERROVOD_POWERSGD_RANK / FERROVOD_TOPK_RATIO / FERROVOD_TOPK_MOMENTUM / FERROVOD_POWERSGD_START / FERROVOD_TOPK_WARMUP_STEPS differ from rank 0's; using rank 0's values {v:?}"
             );
         }
+        let (powersgd_start, topk_warmup) = first_steps(v[7], v[26] as u64, v[27] as u64);
         Ok(JobSettings {
             fusion_threshold: v[0],
             fusion_direct_bytes: (v[1] != UNSET).then_some(v[1]),
@@ -245,8 +246,34 @@ impl JobSettings {
             },
             gossip_exact_inside_node: v[21] != 0,
             nccl_streams: v[22],
-            powersgd_start: v[26] as u64,
-            topk_warmup: v[27] as u64,
+            powersgd_start,
+            topk_warmup,
         })
+    }
+}
+
+/// PowerSGD's uncompressed first steps and top-k's warm-up under `channels` (all agreed). Both
+/// size a batch's collectives by each tensor's count of allreduces, kept in a store that the
+/// set's channels share; with several channels the ranks use that store in different orders,
+/// so its evictions, and so the counts, could differ between ranks. They are off there.
+fn first_steps(channels: usize, powersgd_start: u64, topk_warmup: u64) -> (u64, u64) {
+    if channels > 1 && (powersgd_start > 0 || topk_warmup > 0) {
+        tracing::warn!(
+            "FERROVOD_POWERSGD_START and FERROVOD_TOPK_WARMUP_STEPS need FERROVOD_CHANNELS=1 (the per-tensor counts they read are not agreed across channels); they are off in this job"
+        );
+        return (0, 0);
+    }
+    (powersgd_start, topk_warmup)
+}
+
+#[cfg(test)]
+mod first_steps_tests {
+    use super::first_steps;
+
+    #[test]
+    fn the_codecs_first_steps_are_off_with_several_channels() {
+        assert_eq!(first_steps(1, 5, 8), (5, 8));
+        assert_eq!(first_steps(4, 5, 8), (0, 0));
+        assert_eq!(first_steps(4, 0, 0), (0, 0));
     }
 }
