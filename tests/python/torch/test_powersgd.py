@@ -9,6 +9,7 @@ import torch
 
 import horovod.torch as hvd
 from digits_training import accuracy
+from rendezvous import free_port_from_rank0
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -71,17 +72,9 @@ def test_ranks_asking_for_other_codecs_fail_alike():
 
 def _gloo_group():
     """A gloo process group for DDP's construction (its parameter broadcast)."""
-    import socket
-
     import torch.distributed as dist
 
-    port = None
-    if hvd.rank() == 0:
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
-    port = hvd.broadcast_object(port, root_rank=0, name="psgd.ddp.port")
+    port = free_port_from_rank0("psgd.ddp.port")
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port,
                             rank=hvd.rank(), world_size=hvd.size())
 

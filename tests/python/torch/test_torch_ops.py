@@ -8,13 +8,13 @@ On CPU tensors always; on CUDA tensors too where CUDA is available (each rank on
 local_rank), and FERROVOD_TEST_GPU=1 makes their absence a failure."""
 
 import os
-import socket
 
 import numpy as np
 import pytest
 import torch
 
 import horovod.torch as hvd
+from rendezvous import free_port_from_rank0
 
 DEVICES = ["cpu"]
 if torch.cuda.is_available() or os.environ.get("FERROVOD_TEST_GPU") == "1":
@@ -617,15 +617,6 @@ def test_sync_batch_norm_equals_batch_norm_on_whole_batch(device):
     torch.testing.assert_close(sync(x).detach(), plain(whole)[start:start + 3 + r].detach())
 
 
-def _free_port_from_rank0():
-    port = None
-    if hvd.rank() == 0:
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
-    return hvd.broadcast_object(port, root_rank=0, name="ddp.port")
-
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("state", ["none", "set", "fp16"])
@@ -636,7 +627,7 @@ def test_ddp_comm_hook_matches_one_process(device, state):
     d = dev(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device == "cuda" else "gloo",
-                                init_method="tcp://127.0.0.1:%d" % _free_port_from_rank0(),
+                                init_method="tcp://127.0.0.1:%d" % free_port_from_rank0("ddp.port"),
                                 rank=r, world_size=n)
     model = _model(seed=r).to(d)  # DDP broadcasts rank 0's parameters at construction
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0001)
