@@ -7,6 +7,9 @@
   ddp_ferrovod  the same DDP over torch.distributed's `ferrovod` backend (no hook),
   ferrovod  horovod.torch's DistributedOptimizer on ferrovod (gradient hooks, NCCL),
   ferrovod_pergrad  the same with one allreduce per gradient (FERROVOD_TORCH_BUCKET_BYTES=0),
+  ferrovod_powersgd  the same under ferrovod's PowerSGD (Compression.powersgd, rank 4),
+  ddp_powersgd  DDP with PyTorch's own PowerSGD hook (powerSGD_hook, rank 4, error feedback and
+            warm start, compressing from its third step: the least it allows with both),
   <mode>_sync  a mode with a host barrier between backward and the step,
 
 in rounds that alternate the modes (so that clock and thermal drift hit each alike), fp32 and
@@ -65,7 +68,7 @@ def ferrovod_group():
 def make(mode, model_name, device, groups=0):
     torch.manual_seed(0)
     model = build(model_name).to(device)
-    if mode in ("ddp", "ddp_hook", "ddp_ferrovod"):
+    if mode in ("ddp", "ddp_hook", "ddp_ferrovod", "ddp_powersgd"):
         # ddp_ferrovod: the same DDP over torch.distributed's `ferrovod` backend (a group of every
         # rank; made once, in the same order on every rank)
         group = ferrovod_group() if mode == "ddp_ferrovod" else None
@@ -73,18 +76,26 @@ def make(mode, model_name, device, groups=0):
                                                             process_group=group)
         if mode == "ddp_hook":
             wrapped.register_comm_hook(None, hvd.ddp_comm_hook)
+        if mode == "ddp_powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+            state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                                       start_powerSGD_iter=2)
+            wrapped.register_comm_hook(state, psgd.powerSGD_hook)
         opt = torch.optim.SGD(wrapped.parameters(), lr=0.01, momentum=0.9)
         return wrapped, opt
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    if mode in ("ferrovod", "ferrovod_pergrad"):
+    if mode in ("ferrovod", "ferrovod_pergrad", "ferrovod_powersgd"):
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         # groups > 0: Horovod's `groups`, the gradients enqueued as that many grouped allreduces;
         # ferrovod_pergrad: one allreduce per gradient (no buckets)
         saved = os.environ.get("FERROVOD_TORCH_BUCKET_BYTES")
         if mode == "ferrovod_pergrad":
             os.environ["FERROVOD_TORCH_BUCKET_BYTES"] = "0"
+        compression = (hvd.Compression.powersgd(rank=4) if mode == "ferrovod_powersgd"
+                       else hvd.Compression.none)
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                       groups=groups or None)
+                                       groups=groups or None, compression=compression)
         if mode == "ferrovod_pergrad":
             if saved is None:
                 del os.environ["FERROVOD_TORCH_BUCKET_BYTES"]
@@ -279,6 +290,10 @@ def main():
             if "ddp_hook" in row and "ddp" in row:
                 print("gpu np=%d %s-train ddp+ferrovod-hook/ddp = %.3f%s" % (
                     n, name, row["ddp_hook"] / row["ddp"],
+                    "" if precision == "fp32" else " (%s)" % precision))
+            if "ferrovod_powersgd" in row and "ddp_powersgd" in row:
+                print("gpu np=%d %s-train powersgd ferrovod/torch-hook = %.3f%s" % (
+                    n, name, row["ferrovod_powersgd"] / row["ddp_powersgd"],
                     "" if precision == "fp32" else " (%s)" % precision))
             if "ddp_ferrovod" in row and "ddp" in row:
                 print("gpu np=%d %s-train ddp-ferrovod/ddp-nccl = %.3f%s" % (

@@ -53,10 +53,12 @@ pub enum DeviceRoute<'a> {
     Hierarchical(device::Levels<'a>),
 }
 
-/// How a GPU batch runs (agreed): its plan, and for gossip its rounds.
+/// How a GPU batch runs (agreed): its plan, for gossip its rounds, and the state its codec
+/// carries.
 pub struct DeviceHow<'a> {
     pub plan: crate::collective::plan::BatchPlan,
     pub gossip: Option<gossip::Schedule<'a>>,
+    pub wire: Wire<'a>,
 }
 
 /// Enqueues one batch of GPU tensors on `lane` over `route`; `host` carries what must be agreed
@@ -80,6 +82,9 @@ pub fn device(
         }
         (Codec::U8, DeviceRoute::Flat(t)) if head.kind == OpKind::Allreduce => {
             return device::allreduce_u8(*t, lane, resps, ios, sink);
+        }
+        (Codec::PowerSgd(rank), DeviceRoute::Flat(t)) if head.kind == OpKind::Allreduce => {
+            return device::allreduce_powersgd(*t, lane, &how.wire, rank, resps, ios, sink);
         }
         _ => {
             return Err(Error::Internal(format!(

@@ -1,5 +1,6 @@
-//! PowerSGD's allreduce (`compress::powersgd` holds its local phases) over a `Transport`: the
-//! batch's tensors each start their step, every tensor's P is summed in one f32 allreduce,
+//! PowerSGD's allreduce (`compress::powersgd` holds its local phases), written once over
+//! either memory (`Factors`: the host's here, the GPU's in `device::lowrank`): the batch's
+//! tensors each start their step, every tensor's P is summed in one f32 allreduce,
 //! each tensor orthogonalises its P and computes its Q, every Q is summed in a second
 //! allreduce, and each tensor finishes with the approximation of the ranks' average and its
 //! new residual. Two collectives per batch, of (rows + cols) × rank values per tensor. A
@@ -14,17 +15,73 @@ use crate::error::{Error, Result};
 use crate::message::{ReduceOp, Response};
 use crate::transport::Transport;
 
-/// One tensor's step between the phases: its matrix view, its memory (holding M from `start`
-/// to `finish`) and its P.
-struct Step {
-    shape: Shape,
-    memory: Memory,
-    p: Vec<f32>,
+/// PowerSGD's phases over one memory (host or GPU), for a batch's tensors (indices into its
+/// responses): what `run` orders, as `quantized::Blocks` is for u8.
+pub trait Factors {
+    /// Sums `tensors` as they are (their first steps), each counted in its memory.
+    fn sum_warming(&mut self, tensors: &[usize]) -> Result<()>;
+    /// M = the gradient + the residual and P = M Q, for each of `tensors` (the rest of the
+    /// batch's phases work on these).
+    fn start(&mut self, tensors: &[usize]) -> Result<()>;
+    /// Every tensor's P summed over the ranks, in one allreduce.
+    fn sum_p(&mut self) -> Result<()>;
+    /// Each P orthogonalised, and Q = Mᵀ P.
+    fn middle(&mut self) -> Result<()>;
+    /// Every tensor's Q summed over the ranks, in one allreduce.
+    fn sum_q(&mut self) -> Result<()>;
+    /// Each output = the approximation P Qᵀ of the ranks' average; the new residual and Q
+    /// kept.
+    fn finish(&mut self) -> Result<()>;
 }
 
-/// Allreduces a batch of f32 sums or averages (`red`: PowerSGD's `Reduction`) as factors of
-/// `rank` columns, each tensor's state kept in `store` under its name, except the first
-/// `start` allreduces of each named tensor, which are summed as they are.
+/// A batch's step, the same over either memory: the tensors in their first steps (`warming`)
+/// summed as they are, the others through the factors.
+pub fn run(f: &mut dyn Factors, warming: &[bool], act: ActivitySink) -> Result<()> {
+    let (warm, compressed): (Vec<usize>, Vec<usize>) =
+        (0..warming.len()).partition(|i| warming[*i]);
+    if !warm.is_empty() {
+        act(Some("POWERSGD_ALLREDUCE_WARMING"));
+        f.sum_warming(&warm)?;
+    }
+    if !compressed.is_empty() {
+        act(Some("POWERSGD_START"));
+        f.start(&compressed)?;
+        act(Some("POWERSGD_ALLREDUCE_P"));
+        f.sum_p()?;
+        act(Some("POWERSGD_MIDDLE"));
+        f.middle()?;
+        act(Some("POWERSGD_ALLREDUCE_Q"));
+        f.sum_q()?;
+        act(Some("POWERSGD_FINISH"));
+        f.finish()?;
+    }
+    act(None);
+    Ok(())
+}
+
+/// Which of a batch's tensors are in their first `start` allreduces (`PowerMemory::warming`):
+/// a pure function of the agreed responses and the store, alike on every rank.
+pub fn warming(resps: &[&Response], rank: usize, start: u64, store: &PowerMemory) -> Vec<bool> {
+    (resps.iter())
+        .map(|r| Shape::of(&r.shape, rank).is_some_and(|s| store.warming(&r.name, &s, start)))
+        .collect()
+}
+
+/// The matrix view of `r` under `rank`, which the batch's codec promised (`Codecs::of`).
+pub fn shape(r: &Response, rank: usize, values: usize) -> Result<Shape> {
+    Shape::of(&r.shape, rank)
+        .filter(|s| s.len() == values)
+        .ok_or_else(|| {
+            Error::Internal(format!(
+                "tensor '{}' of shape {:?} cannot travel as PowerSGD of rank {rank}",
+                r.name, r.shape
+            ))
+        })
+}
+
+/// Allreduces a batch of f32 sums or averages in host memory (`red`: PowerSGD's `Reduction`)
+/// as factors of `rank` columns, each tensor's state kept in `store` under its name, except the
+/// first `start` allreduces of each named tensor, which are summed as they are.
 #[allow(clippy::too_many_arguments)] // the batch, its codec's settings and state, who hears
 pub fn allreduce(
     t: &dyn Transport,
@@ -36,90 +93,128 @@ pub fn allreduce(
     ios: &mut [&mut dyn TensorIo],
     act: ActivitySink,
 ) -> Result<()> {
-    let warming: Vec<bool> = (resps.iter().zip(ios.iter()))
-        .map(|(r, io)| {
-            Shape::of(&r.shape, rank).is_some_and(|s| {
-                s.len() * 4 == io.input().len() && store.warming(&r.name, &s, start)
-            })
-        })
-        .collect();
-    if warming.iter().any(|w| *w) {
-        act(Some("POWERSGD_ALLREDUCE_WARMING"));
-        let parts = (ios.iter().zip(&warming)).filter(|(_, w)| **w);
-        let values = parts.flat_map(|(io, _)| io.input().chunks_exact(4).map(f32_of));
-        let pre = red.pre as f32;
-        let sums = sum_values(t, values.map(|v| v * pre))?;
+    let warming = warming(resps, rank, start, store);
+    let mut host = Host {
+        t,
+        red,
+        rank,
+        store,
+        resps,
+        ios,
+        steps: Vec::new(),
+        sums: Vec::new(),
+    };
+    run(&mut host, &warming, act)
+}
+
+/// One tensor's step between the phases: its index in the batch, its matrix view, its memory
+/// (holding M from `start` to `finish`), its P and then its Q.
+struct Step {
+    tensor: usize,
+    shape: Shape,
+    memory: Memory,
+    p: Vec<f32>,
+    q: Vec<f32>,
+}
+
+/// Host memory: the phases of `compress::powersgd` over the tensors' bytes.
+struct Host<'a, 'b> {
+    t: &'a dyn Transport,
+    red: &'a Reduction,
+    rank: usize,
+    store: &'a PowerMemory,
+    resps: &'a [&'a Response],
+    ios: &'a mut [&'b mut dyn TensorIo],
+    steps: Vec<Step>,
+    /// The latest sum over the ranks (every P, then every Q).
+    sums: Vec<f32>,
+}
+
+impl Factors for Host<'_, '_> {
+    fn sum_warming(&mut self, tensors: &[usize]) -> Result<()> {
+        let pre = self.red.pre as f32;
+        let values = (tensors.iter())
+            .flat_map(|i| self.ios[*i].input().chunks_exact(4).map(f32_of))
+            .map(|v| v * pre);
+        let sums = sum_values(self.t, values)?;
         // `post` is the factor on the ranks' average (the approximation's): on the sum, post /
         // ranks, which is 1 for a plain sum (exact) and what an uncompressed average applies
-        let (factor, mut at) = ((red.post / t.size() as f64) as f32, 0);
-        for ((r, io), _) in (resps.iter().zip(ios.iter_mut()).zip(&warming)).filter(|(_, w)| **w) {
-            let (_, out) = io.split_io();
+        let (factor, mut at) = ((self.red.post / self.t.size() as f64) as f32, 0);
+        for i in tensors {
+            let (_, out) = self.ios[*i].split_io();
             let n = out.len() / 4;
             for (o, v) in out.chunks_exact_mut(4).zip(&sums[at..at + n]) {
                 o.copy_from_slice(&(v * factor).to_le_bytes());
             }
             at += n;
             // counted: the tensor's memory is made (and its step counted) as a compressed one's
-            let shape = Shape::of(&r.shape, rank).expect("a matrix");
-            let mut memory = store.take(&r.name, &shape);
+            let r = self.resps[*i];
+            let shape = shape(r, self.rank, n)?;
+            let mut memory = self.store.take(&r.name, &shape);
             memory.steps += 1;
-            store.put(&r.name, memory);
+            self.store.put(&r.name, memory);
         }
+        Ok(())
     }
-    let compressed = (resps.iter().zip(ios.iter_mut()).zip(&warming)).filter(|(_, w)| !**w);
-    let (resps, mut ios): (Vec<&Response>, Vec<&mut &mut dyn TensorIo>) =
-        compressed.map(|(ri, _)| ri).unzip();
-    if resps.is_empty() {
-        act(None);
-        return Ok(());
+
+    fn start(&mut self, tensors: &[usize]) -> Result<()> {
+        for i in tensors {
+            let (r, io) = (self.resps[*i], &self.ios[*i]);
+            let shape = shape(r, self.rank, io.input().len() / 4)?;
+            let mut memory = self.store.take(&r.name, &shape);
+            memory.steps = memory.steps.saturating_add(1);
+            let p = powersgd::start(io.input(), self.red.pre as f32, &mut memory, &shape);
+            self.steps.push(Step {
+                tensor: *i,
+                shape,
+                memory,
+                p,
+                q: Vec::new(),
+            });
+        }
+        Ok(())
     }
-    act(Some("POWERSGD_START"));
-    let mut steps = Vec::with_capacity(resps.len());
-    for (r, io) in resps.iter().zip(ios.iter()) {
-        let shape = Shape::of(&r.shape, rank)
-            .filter(|s| s.len() * 4 == io.input().len())
-            .ok_or_else(|| {
-                Error::Internal(format!(
-                    "tensor '{}' of shape {:?} cannot travel as PowerSGD of rank {rank}",
-                    r.name, r.shape
-                ))
-            })?;
-        let mut memory = store.take(&r.name, &shape);
-        memory.steps = memory.steps.saturating_add(1);
-        let p = powersgd::start(io.input(), red.pre as f32, &mut memory, &shape);
-        steps.push(Step { shape, memory, p });
+
+    fn sum_p(&mut self) -> Result<()> {
+        self.sums = sum(self.t, self.steps.iter().map(|s| &s.p[..]))?;
+        Ok(())
     }
-    act(Some("POWERSGD_ALLREDUCE_P"));
-    let sums = sum(t, steps.iter().map(|s| &s.p[..]))?;
-    act(Some("POWERSGD_MIDDLE"));
-    let mut qs = Vec::with_capacity(steps.len());
-    let mut at = 0;
-    for s in steps.iter_mut() {
-        let n = s.shape.p_len();
-        s.p.copy_from_slice(&sums[at..at + n]);
-        at += n;
-        qs.push(powersgd::middle(&s.memory, &mut s.p, &s.shape));
+
+    fn middle(&mut self) -> Result<()> {
+        let mut at = 0;
+        for s in self.steps.iter_mut() {
+            let n = s.shape.p_len();
+            s.p.copy_from_slice(&self.sums[at..at + n]);
+            at += n;
+            s.q = powersgd::middle(&s.memory, &mut s.p, &s.shape);
+        }
+        Ok(())
     }
-    act(Some("POWERSGD_ALLREDUCE_Q"));
-    let q_sums = sum(t, qs.iter().map(|q| &q[..]))?;
-    act(Some("POWERSGD_FINISH"));
-    let mut at = 0;
-    for ((s, r), io) in steps.into_iter().zip(resps).zip(ios.iter_mut()) {
-        let Step {
-            shape,
-            mut memory,
-            p,
-        } = s;
-        let q_sum = q_sums[at..at + shape.q_len()].to_vec();
-        at += shape.q_len();
-        let (_, out) = io.split_io();
-        let post = red.post as f32;
-        powersgd::finish(&p, q_sum, t.size(), post, &mut memory, out, &shape);
-        // unnamed tensors keep nothing (`PowerMemory::put`)
-        store.put(&r.name, memory);
+
+    fn sum_q(&mut self) -> Result<()> {
+        self.sums = sum(self.t, self.steps.iter().map(|s| &s.q[..]))?;
+        Ok(())
     }
-    act(None);
-    Ok(())
+
+    fn finish(&mut self) -> Result<()> {
+        let (mut at, post) = (0, self.red.post as f32);
+        for s in std::mem::take(&mut self.steps) {
+            let Step {
+                tensor,
+                shape,
+                mut memory,
+                p,
+                ..
+            } = s;
+            let q_sum = self.sums[at..at + shape.q_len()].to_vec();
+            at += shape.q_len();
+            let (_, out) = self.ios[tensor].split_io();
+            powersgd::finish(&p, q_sum, self.t.size(), post, &mut memory, out, &shape);
+            // unnamed tensors keep nothing (`PowerMemory::put`)
+            self.store.put(&self.resps[tensor].name, memory);
+        }
+        Ok(())
+    }
 }
 
 /// The ranks' elementwise sum of the concatenated `parts`, in one f32 allreduce.

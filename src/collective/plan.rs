@@ -124,6 +124,8 @@ pub fn choose(
     // is the exact average instead
     let route = match head.kind {
         OpKind::Allreduce if !reduces => Route::Ring,
+        // PowerSGD's factors are small: NCCL's own allreduce sums them
+        OpKind::Allreduce if matches!(codec, Codec::PowerSgd(_)) => Route::Native,
         OpKind::Allreduce if hierarchical && codec != Codec::U8 => Route::Hierarchical,
         OpKind::Gossip if s.gossip_pairs => Route::Pairs,
         _ => Route::Native,
@@ -140,9 +142,13 @@ pub fn choose(
         codec,
         nan_check,
         peers,
-        // a hierarchical batch waits for the stream on the host, and a u8 batch's residuals
-        // move with its tensors' sizes: neither can be a graph; nor the ring, not captured yet
-        replayable: s.graphs && allreduce && route == Route::Native && codec != Codec::U8,
+        // a hierarchical batch waits for the stream on the host, and a u8 or PowerSGD batch's
+        // state moves with its tensors' sizes and steps: none can be a graph; nor the ring,
+        // not captured yet
+        replayable: s.graphs
+            && allreduce
+            && route == Route::Native
+            && matches!(codec, Codec::None | Codec::Half(_)),
     }
 }
 
@@ -328,6 +334,13 @@ mod tests {
         assert_eq!(
             (p.route, p.codec, p.peers, p.replayable),
             (Route::Native, Codec::U8, true, false)
+        );
+        // PowerSGD: NCCL's allreduce of the factors, even with levels; never a graph
+        let psgd = Codec::PowerSgd(4);
+        let p = choose(&f32_ar, 1 << 20, psgd, &s, Some(&HIER));
+        assert_eq!(
+            (p.route, p.codec, p.peers, p.replayable),
+            (Route::Native, psgd, false, false)
         );
         // codecs apply to GPU allreduces only; alltoall and gossip need peers
         for kind in [

@@ -108,9 +108,9 @@ impl Codecs {
     /// The codec of one tensor: a pure function of its agreed response and the agreed settings
     /// (identical on every rank). Only f32 sums, averages and gossip compress: a 16-bit min,
     /// max or product would change results beyond rounding, and other dtypes gain nothing or
-    /// lose range. PowerSGD takes host allreduces of matrices whose factors are smaller than
-    /// they are, top-k host allreduces whose pairs are fewer bytes than their values; other
-    /// tensors, gossip and GPU tensors travel as they are.
+    /// lose range. PowerSGD takes allreduces of matrices whose factors are smaller than they
+    /// are, top-k host allreduces whose pairs are fewer bytes than their values; other tensors,
+    /// gossip and top-k's GPU tensors travel as they are.
     pub fn of(&self, r: &Response) -> Codec {
         let reduces = match r.kind {
             OpKind::Allreduce => matches!(r.reduce_op, ReduceOp::Sum | ReduceOp::Average),
@@ -121,8 +121,9 @@ impl Codecs {
         if !compressible {
             return Codec::None;
         }
-        // the codecs written for host allreduces only
-        let host_allreduce = r.kind == OpKind::Allreduce && r.device == crate::message::CPU_DEVICE;
+        let allreduce = r.kind == OpKind::Allreduce;
+        // top-k is written for host allreduces only
+        let host_allreduce = allreduce && r.device == crate::message::CPU_DEVICE;
         match r.compression.unwrap_or(self.setting) {
             Compression::None => Codec::None,
             Compression::Fp16 => Codec::Half(DataType::F16),
@@ -137,7 +138,7 @@ impl Codecs {
                     self.powersgd_rank
                 };
                 match powersgd::Shape::of(&r.shape, rank) {
-                    Some(s) if host_allreduce => Codec::PowerSgd(s.rank),
+                    Some(s) if allreduce => Codec::PowerSgd(s.rank),
                     _ => Codec::None,
                 }
             }
@@ -465,7 +466,7 @@ mod tests {
     }
 
     #[test]
-    fn powersgd_takes_host_allreduces_of_matrices_whose_factors_are_smaller() {
+    fn powersgd_takes_allreduces_of_matrices_whose_factors_are_smaller() {
         let c = codecs(Compression::PowerSgd(0));
         let with = |shape: &[i64], kind, op, device| {
             let mut r = resp(kind, DataType::F32, op);
@@ -479,12 +480,15 @@ mod tests {
         // factors as wide as the matrix's smaller side would be larger than it
         assert_eq!(with(&[3, 1000], ar, sum, host), Codec::None);
         assert_eq!(with(&[5, 1000], ar, sum, host), Codec::PowerSgd(4));
-        // vectors, small matrices, other reductions, gossip and GPU tensors as they are
+        // on GPUs alike
+        assert_eq!(with(&[64, 32], ar, sum, 0), Codec::PowerSgd(4));
+        assert_eq!(with(&[3, 1000], ar, sum, 0), Codec::None);
+        // vectors, small matrices, other reductions and gossip as they are
         assert_eq!(with(&[4096], ar, sum, host), Codec::None);
         assert_eq!(with(&[4, 4], ar, sum, host), Codec::None);
         assert_eq!(with(&[64, 32], ar, ReduceOp::Max, host), Codec::None);
         assert_eq!(with(&[64, 32], OpKind::Gossip, avg, host), Codec::None);
-        assert_eq!(with(&[64, 32], ar, sum, 0), Codec::None);
+        assert_eq!(with(&[64, 32], OpKind::Gossip, avg, 0), Codec::None);
         // a sum's approximation is of the average, times the ranks
         let mut r = resp(ar, DataType::F32, sum);
         r.shape = vec![64, 32];

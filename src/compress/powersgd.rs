@@ -12,7 +12,10 @@
 //! Everything here is a function of agreed data (the shape, the rank, a seed) and of the
 //! rank's own values, so the ranks' factors and approximations agree.
 
+use std::sync::Arc;
+
 use crate::store;
+use crate::transport::cuda::DeviceMem;
 
 /// A tensor's matrix view and its factors' width.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -72,6 +75,49 @@ pub struct Memory {
     /// Allreduces of the tensor so far (those of its first steps that travelled uncompressed
     /// included: `PowerMemory::warming`).
     pub steps: u64,
+    /// A GPU tensor's state (its host vectors then stay empty).
+    pub device: Option<OnDevice>,
+}
+
+/// Where a GPU tensor's memory lives: its matrix view, its GPU, and from its first compressed
+/// step its residual, Q and Q's redraws there (`DeviceFactors`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct OnDevice {
+    pub shape: Shape,
+    pub ordinal: i32,
+    pub factors: Option<DeviceFactors>,
+}
+
+/// A GPU tensor's residual (rows × cols f32), Q (cols × rank f32) and the count of Q's column
+/// redraws (a u64), in device memory that ferrovod allocated. Freed when the store drops the
+/// tensor's memory, by the synchronous free, which waits for the work still using it.
+#[derive(Clone)]
+pub struct DeviceFactors(pub Arc<[DeviceMem; 3]>);
+
+impl DeviceFactors {
+    pub fn residual(&self) -> &DeviceMem {
+        &self.0[0]
+    }
+
+    pub fn q(&self) -> &DeviceMem {
+        &self.0[1]
+    }
+
+    pub fn draws(&self) -> &DeviceMem {
+        &self.0[2]
+    }
+}
+
+impl std::fmt::Debug for DeviceFactors {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceFactors({:#x})", self.residual().ptr())
+    }
+}
+
+impl PartialEq for DeviceFactors {
+    fn eq(&self, other: &DeviceFactors) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
 }
 
 impl Memory {
@@ -87,6 +133,7 @@ impl Memory {
             seed,
             draws: 0,
             steps: 0,
+            device: None,
         }
     }
 }
@@ -101,7 +148,9 @@ impl PowerMemory {
     /// (counted in its memory, alike on every rank: the ranks reduce the same names in the same
     /// order). Unnamed tensors keep no count, so no first steps: they compress from the first.
     pub fn warming(&self, name: &str, shape: &Shape, start: u64) -> bool {
-        let steps = |m: Option<&Memory>| m.filter(|m| fits(m, shape)).map_or(0, |m| m.steps);
+        let of_shape =
+            |m: &&Memory| fits(m, shape) || m.device.as_ref().is_some_and(|d| d.shape == *shape);
+        let steps = |m: Option<&Memory>| m.filter(of_shape).map_or(0, |m| m.steps);
         start > 0 && !store::is_unnamed(name) && self.peek(name, steps) < start
     }
 
@@ -113,11 +162,29 @@ impl PowerMemory {
             || Memory::new(shape, store::fingerprint(&name)),
         )
     }
+
+    /// `name`'s memory as a tensor of `shape` on GPU `ordinal`, taken out: a fresh one (whose
+    /// factors the caller allocates and starts on the GPU) if none, or if the tensor's shape
+    /// or GPU changed.
+    pub fn take_device(&self, name: &str, shape: &Shape, ordinal: i32) -> Memory {
+        let on = |m: &Memory| {
+            (m.device.as_ref()).is_some_and(|d| d.shape == *shape && d.ordinal == ordinal)
+        };
+        self.take_or(name, on, || Memory {
+            seed: store::fingerprint(&name),
+            device: Some(OnDevice {
+                shape: *shape,
+                ordinal,
+                factors: None,
+            }),
+            ..Memory::default()
+        })
+    }
 }
 
 /// Whether `m` is the memory of a tensor of `shape` (else the tensor starts afresh).
 fn fits(m: &Memory, shape: &Shape) -> bool {
-    m.residual.len() == shape.len() && m.q.len() == shape.q_len()
+    m.device.is_none() && m.residual.len() == shape.len() && m.q.len() == shape.q_len()
 }
 
 /// Phase one: M = `pre` × `grad` (little-endian f32 bytes) + the residual, written over the
@@ -281,7 +348,7 @@ pub fn finish(
     for c in 0..k {
         if (0..s.cols).all(|j| q_sum[j * k + c] == 0.0) {
             mem.draws += 1;
-            let mut rng = SplitMix(mem.seed ^ mem.draws.wrapping_mul(0xD1B5_4A32_D192_ED03));
+            let mut rng = SplitMix(mem.seed ^ mem.draws.wrapping_mul(REDRAW));
             (0..s.cols).for_each(|j| q_sum[j * k + c] = rng.normal());
         }
     }
@@ -370,6 +437,11 @@ pub fn orthogonalize(a: &mut [f32], rows: usize, cols: usize) {
         }
     }
 }
+
+/// What a redraw's count is multiplied by before it is mixed into the tensor's seed: the
+/// generator of the `draws`-th redraw of a column starts at `seed ^ draws × REDRAW` (the GPU
+/// kernels draw alike).
+pub(crate) const REDRAW: u64 = 0xD1B5_4A32_D192_ED03;
 
 /// A small generator for Q's first values: the same sequence from the same seed everywhere.
 struct SplitMix(u64);

@@ -394,7 +394,11 @@ impl Executor {
                 local: &h.local,
                 cross: &h.cross,
             });
-            let how = DeviceHow { plan, gossip };
+            let how = DeviceHow {
+                plan,
+                gossip,
+                wire: self.carried.wire(codec, self.starts),
+            };
             return gpu::run_device_batch(
                 rt,
                 &mut self.gpu,

@@ -520,7 +520,7 @@ fn enqueue_on_streams(
     gpu.bind()?;
     let k = l.batches % l.streams.len();
     l.batches += 1;
-    if how.plan.codec == Codec::U8 {
+    if matches!(how.plan.codec, Codec::U8 | Codec::PowerSgd(_)) {
         // a tensor's residual was last used by a batch on any stream
         let others: Vec<Arc<Event>> = (l.streams.iter().enumerate())
             .filter(|(i, _)| *i != k)

@@ -285,6 +285,20 @@ pub(crate) const HIERARCHICAL_ONE_NODE: &[(&str, &str)] = &[
     ("FERROVOD_LOCAL_SIZE", "2"),
 ];
 
+/// PowerSGD on GPU tensors: alone, with its first steps uncompressed, under offline
+/// negotiation.
+const POWERSGD: &[(&str, &str)] = &[("FERROVOD_COMPRESSION", "powersgd")];
+const POWERSGD_START: &[(&str, &str)] = &[
+    ("FERROVOD_COMPRESSION", "powersgd"),
+    ("FERROVOD_POWERSGD_START", "3"),
+    ("FERROVOD_POWERSGD_RANK", "2"),
+];
+const POWERSGD_OFFLINE: &[(&str, &str)] = &[
+    ("FERROVOD_COMPRESSION", "powersgd"),
+    ("FERROVOD_NEGOTIATION", "offline"),
+    ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+];
+
 /// Whether a scenario's ranks may share a GPU: one rank per node opens no NCCL communicator
 /// over two ranks.
 fn shares_gpus(name: &str, env: &[(&str, &str)]) -> bool {
@@ -991,6 +1005,13 @@ pub(crate) const GPU_SCENARIOS: &[Scenario] = &[
     ("gpu_u8", 4, &[], true),
     ("u8_compressed", 2, &[("FERROVOD_COMPRESSION", "u8")], true),
     ("u8_compressed", 4, &[("FERROVOD_COMPRESSION", "u8")], true),
+    // PowerSGD's kernels against the f64 reference: one rank (its own approximation, every
+    // phase but the sums' traffic: runs on a one-GPU machine), then 2 and 4 ranks
+    ("powersgd_compressed", 1, POWERSGD, true),
+    ("powersgd_compressed", 1, POWERSGD_START, true),
+    ("powersgd_compressed", 2, POWERSGD, true),
+    ("powersgd_compressed", 2, POWERSGD_OFFLINE, true),
+    ("powersgd_compressed", 4, POWERSGD_START, true),
     // the 16-bit codecs through the hierarchical GPU allreduce (one node of two GPUs: NCCL
     // reduce-scatter and allgather between them)
     ("compressed", 2, FP16_HIERARCHICAL, true),

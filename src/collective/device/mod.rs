@@ -18,11 +18,13 @@ use crate::transport::{DeviceTransport, Transport};
 mod codecs;
 mod gossip;
 mod hierarchical;
+mod lowrank;
 mod native;
 
 pub use codecs::{allreduce_half, allreduce_u8};
 pub use gossip::gossip_batch;
 pub use hierarchical::{Levels, allreduce_hierarchical};
+pub use lowrank::allreduce_powersgd;
 pub use native::DeviceBatch;
 
 /// The device memory of one tensor taking part in a collective.

@@ -9,13 +9,13 @@ from sklearn.model_selection import train_test_split
 import horovod.torch as hvd
 
 
-def accuracy(compression, prefix, epochs=12, batch=16):
+def accuracy(compression, prefix, epochs=12, batch=16, device="cpu"):
     """Test accuracy of the MLP (64-64-10, SGD with momentum) after `epochs` epochs, gradients
     averaged with `compression` (a `hvd.Compression` member, or an instance with its own
-    parameter) under names starting with `prefix`."""
+    parameter) under names starting with `prefix`, the model and data on `device`."""
     d = load_digits()
-    x = torch.tensor(d.data / 16.0, dtype=torch.float32)
-    y = torch.tensor(d.target, dtype=torch.int64)
+    x = torch.tensor(d.data / 16.0, dtype=torch.float32, device=device)
+    y = torch.tensor(d.target, dtype=torch.int64, device=device)
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=0)
     me, n = hvd.rank(), hvd.size()
     # as many steps on every rank: the smallest shard's batches
@@ -23,6 +23,7 @@ def accuracy(compression, prefix, epochs=12, batch=16):
     x_train, y_train = x_train[me::n], y_train[me::n]
     torch.manual_seed(1234)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    model = model.to(device)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                    named_parameters=model.named_parameters(prefix=prefix),
@@ -39,5 +40,5 @@ def accuracy(compression, prefix, epochs=12, batch=16):
         acc = (model(x_test).argmax(1) == y_test).double().mean().item()
     # every rank's model is the same: its weights are averaged alike
     w = model[0].weight.detach().clone()
-    np.testing.assert_array_equal(hvd.broadcast(w, root_rank=0, name="digits.w." + prefix), w)
+    assert torch.equal(hvd.broadcast(w, root_rank=0, name="digits.w." + prefix), w)
     return acc

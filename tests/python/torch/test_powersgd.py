@@ -1,7 +1,10 @@
-"""PowerSGD through horovod.torch under mpirun (CPU tensors): an allreduce of matrices of low
-rank comes back exact, vectors and small matrices travel as they are, the wire counter moves
-by the factors' bytes, and the digits MLP trained with `Compression.powersgd` reaches the
-uncompressed run's accuracy."""
+"""PowerSGD through horovod.torch under mpirun (CPU tensors, and CUDA tensors where CUDA is,
+or FERROVOD_TEST_GPU=1 asks for it): an allreduce of matrices of low rank comes back exact,
+vectors and small matrices travel as they are, the wire counter moves by the factors' bytes,
+and the digits MLP trained with `Compression.powersgd` reaches the uncompressed run's
+accuracy."""
+
+import os
 
 import numpy as np
 import pytest
@@ -12,13 +15,22 @@ from digits_training import accuracy
 from rendezvous import free_port_from_rank0
 
 
+DEVICES = ["cpu"]
+if torch.cuda.is_available() or os.environ.get("FERROVOD_TEST_GPU") == "1":
+    DEVICES.append("cuda")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def initialized():
     hvd.init()
+    if "cuda" in DEVICES:
+        assert torch.cuda.is_available(), "FERROVOD_TEST_GPU=1 but CUDA is not available"
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
     yield
 
 
-def test_an_average_of_low_rank_matrices_comes_back_exact():
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_average_of_low_rank_matrices_comes_back_exact(device):
     me, n = hvd.rank(), hvd.size()
     g = torch.Generator().manual_seed(7)
     # every rank's matrix has rank 1, so the average has rank <= n <= 4 (the default rank):
@@ -28,29 +40,32 @@ def test_an_average_of_low_rank_matrices_comes_back_exact():
     mats = [u @ v for u, v in zip(us, vs)]
     want = sum(m.double() for m in mats) / n
     before = hvd.metrics()["wire_powersgd"]
-    got = hvd.allreduce(mats[me].clone(), name="psgd.lowrank",
+    got = hvd.allreduce(mats[me].clone().to(device), name="psgd.lowrank." + device,
                         compression=hvd.Compression.powersgd)
-    np.testing.assert_allclose(got.double().numpy(), want.numpy(), rtol=1e-4, atol=1e-4)
+    assert got.device.type == device
+    np.testing.assert_allclose(got.double().cpu().numpy(), want.numpy(), rtol=1e-4, atol=1e-4)
     # (48 + 20) x 4 values of f32 on the wire, not 48 x 20
     assert hvd.metrics()["wire_powersgd"] - before == (48 + 20) * 4 * 4
     # a vector and a small matrix travel as they are: exact sums
     for shape in ((30,), (3, 2)):
         x = torch.arange(np.prod(shape), dtype=torch.float32).reshape(shape) * (me + 1)
-        got = hvd.allreduce(x, name="psgd.small.%d" % len(shape), op=hvd.Sum,
-                            compression=hvd.Compression.powersgd)
-        np.testing.assert_array_equal(got.numpy(), x.numpy() / (me + 1) * (n * (n + 1) // 2))
+        got = hvd.allreduce(x.to(device), name="psgd.small.%d.%s" % (len(shape), device),
+                            op=hvd.Sum, compression=hvd.Compression.powersgd)
+        np.testing.assert_array_equal(got.cpu().numpy(),
+                                      x.numpy() / (me + 1) * (n * (n + 1) // 2))
     assert hvd.metrics()["wire_powersgd"] - before == (48 + 20) * 4 * 4
 
 
-def test_training_with_powersgd_reaches_the_uncompressed_accuracy():
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_with_powersgd_reaches_the_uncompressed_accuracy(device):
     before = hvd.metrics()["wire_powersgd"]
-    plain = accuracy(hvd.Compression.none, "none")
+    plain = accuracy(hvd.Compression.none, "none." + device, device=device)
     assert hvd.metrics()["wire_powersgd"] == before
-    compressed = accuracy(hvd.Compression.powersgd, "powersgd")
+    compressed = accuracy(hvd.Compression.powersgd, "powersgd." + device, device=device)
     # both weight matrices went as factors
     assert hvd.metrics()["wire_powersgd"] > before
     assert plain > 0.9
-    print("digits accuracy: none %.4f, powersgd %.4f" % (plain, compressed))
+    print("digits accuracy on %s: none %.4f, powersgd %.4f" % (device, plain, compressed))
     assert compressed >= plain - 0.01, (compressed, plain)
 
 
