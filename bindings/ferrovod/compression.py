@@ -86,8 +86,8 @@ def compression_for(fw):
         """ferrovod extension: float32 sums and averages of matrices (a tensor seen as its first
         dimension by the rest) travel as PowerSGD's two low-rank factors with error feedback,
         state kept per tensor name, rank FERROVOD_POWERSGD_RANK (or `powersgd(rank=r)`'s);
-        vectors and matrices whose factors would not be smaller travel as they are. Host memory
-        only so far: GPU tensors travel as they are."""
+        vectors and matrices whose factors would not be smaller travel as they are; on host
+        memory and on GPUs."""
 
         core = _core.COMPRESSION_POWERSGD
         # the core needs each gradient's own shape: optimizers must not flatten gradients into
@@ -103,8 +103,7 @@ def compression_for(fw):
         """ferrovod extension: float32 sums and averages travel as each rank's values of largest
         magnitude (FERROVOD_TOPK_RATIO of them, 1 % by default, or `topk(ratio)`'s) as (index,
         value) pairs, with error feedback and optional momentum correction
-        (FERROVOD_TOPK_MOMENTUM), state kept per tensor name. Host memory only so far: GPU
-        tensors travel as they are."""
+        (FERROVOD_TOPK_MOMENTUM), state kept per tensor name; on host memory and on GPUs."""
 
         core = _core.COMPRESSION_TOPK
 

@@ -8,6 +8,8 @@
   ferrovod  horovod.torch's DistributedOptimizer on ferrovod (gradient hooks, NCCL),
   ferrovod_pergrad  the same with one allreduce per gradient (FERROVOD_TORCH_BUCKET_BYTES=0),
   ferrovod_powersgd  the same under ferrovod's PowerSGD (Compression.powersgd, rank 4),
+  ddp_hook_powersgd  DDP with ferrovod's hook under its PowerSGD (rank 4): each parameter's
+            gradient reduced in its shape,
   ddp_powersgd  DDP with PyTorch's own PowerSGD hook (powerSGD_hook, rank 4, error feedback and
             warm start, compressing from its third step: the least it allows with both),
   <mode>_sync  a mode with a host barrier between backward and the step,
@@ -68,7 +70,7 @@ def ferrovod_group():
 def make(mode, model_name, device, groups=0):
     torch.manual_seed(0)
     model = build(model_name).to(device)
-    if mode in ("ddp", "ddp_hook", "ddp_ferrovod", "ddp_powersgd"):
+    if mode in ("ddp", "ddp_hook", "ddp_ferrovod", "ddp_powersgd", "ddp_hook_powersgd"):
         # ddp_ferrovod: the same DDP over torch.distributed's `ferrovod` backend (a group of every
         # rank; made once, in the same order on every rank)
         group = ferrovod_group() if mode == "ddp_ferrovod" else None
@@ -76,6 +78,9 @@ def make(mode, model_name, device, groups=0):
                                                             process_group=group)
         if mode == "ddp_hook":
             wrapped.register_comm_hook(None, hvd.ddp_comm_hook)
+        if mode == "ddp_hook_powersgd":
+            state = hvd.DDPHookState(compression=hvd.Compression.powersgd(rank=4))
+            wrapped.register_comm_hook(state, hvd.ddp_comm_hook)
         if mode == "ddp_powersgd":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
@@ -294,6 +299,10 @@ def main():
             if "ferrovod_powersgd" in row and "ddp_powersgd" in row:
                 print("gpu np=%d %s-train powersgd ferrovod/torch-hook = %.3f%s" % (
                     n, name, row["ferrovod_powersgd"] / row["ddp_powersgd"],
+                    "" if precision == "fp32" else " (%s)" % precision))
+            if "ddp_hook_powersgd" in row and "ddp_powersgd" in row:
+                print("gpu np=%d %s-train powersgd ferrovod-hook/torch-hook = %.3f%s" % (
+                    n, name, row["ddp_hook_powersgd"] / row["ddp_powersgd"],
                     "" if precision == "fp32" else " (%s)" % precision))
             if "ddp_ferrovod" in row and "ddp" in row:
                 print("gpu np=%d %s-train ddp-ferrovod/ddp-nccl = %.3f%s" % (

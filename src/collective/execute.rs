@@ -86,6 +86,9 @@ pub fn device(
         (Codec::PowerSgd(rank), DeviceRoute::Flat(t)) if head.kind == OpKind::Allreduce => {
             return device::allreduce_powersgd(*t, lane, &how.wire, rank, resps, ios, sink);
         }
+        (Codec::TopK(params), DeviceRoute::Flat(t)) if head.kind == OpKind::Allreduce => {
+            return device::allreduce_topk(*t, lane, &how.wire, params, resps, ios, sink);
+        }
         _ => {
             return Err(Error::Internal(format!(
                 "GPU batches have no codec {codec:?} on this route"

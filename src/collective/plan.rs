@@ -124,8 +124,9 @@ pub fn choose(
     // is the exact average instead
     let route = match head.kind {
         OpKind::Allreduce if !reduces => Route::Ring,
-        // PowerSGD's factors are small: NCCL's own allreduce sums them
-        OpKind::Allreduce if matches!(codec, Codec::PowerSgd(_)) => Route::Native,
+        // PowerSGD's factors and top-k's pairs are small: NCCL's own allreduce sums the
+        // first, its allgather gathers the second
+        OpKind::Allreduce if matches!(codec, Codec::PowerSgd(_) | Codec::TopK(_)) => Route::Native,
         OpKind::Allreduce if hierarchical && codec != Codec::U8 => Route::Hierarchical,
         OpKind::Gossip if s.gossip_pairs => Route::Pairs,
         _ => Route::Native,
@@ -142,9 +143,9 @@ pub fn choose(
         codec,
         nan_check,
         peers,
-        // a hierarchical batch waits for the stream on the host, and a u8 or PowerSGD batch's
-        // state moves with its tensors' sizes and steps: none can be a graph; nor the ring,
-        // not captured yet
+        // a hierarchical batch waits for the stream on the host, and a u8, PowerSGD or top-k
+        // batch's state moves with its tensors' sizes and steps: none can be a graph; nor the
+        // ring, not captured yet
         replayable: s.graphs
             && allreduce
             && route == Route::Native
@@ -335,13 +336,18 @@ mod tests {
             (p.route, p.codec, p.peers, p.replayable),
             (Route::Native, Codec::U8, true, false)
         );
-        // PowerSGD: NCCL's allreduce of the factors, even with levels; never a graph
-        let psgd = Codec::PowerSgd(4);
-        let p = choose(&f32_ar, 1 << 20, psgd, &s, Some(&HIER));
-        assert_eq!(
-            (p.route, p.codec, p.peers, p.replayable),
-            (Route::Native, psgd, false, false)
-        );
+        // PowerSGD and top-k: NCCL's allreduce of the factors, allgather of the pairs, even
+        // with levels; never a graph
+        for codec in [
+            Codec::PowerSgd(4),
+            Codec::TopK(crate::compress::TopK::default()),
+        ] {
+            let p = choose(&f32_ar, 1 << 20, codec, &s, Some(&HIER));
+            assert_eq!(
+                (p.route, p.codec, p.peers, p.replayable),
+                (Route::Native, codec, false, false)
+            );
+        }
         // codecs apply to GPU allreduces only; alltoall and gossip need peers
         for kind in [
             OpKind::Gossip,

@@ -109,8 +109,8 @@ impl Codecs {
     /// (identical on every rank). Only f32 sums, averages and gossip compress: a 16-bit min,
     /// max or product would change results beyond rounding, and other dtypes gain nothing or
     /// lose range. PowerSGD takes allreduces of matrices whose factors are smaller than they
-    /// are, top-k host allreduces whose pairs are fewer bytes than their values; other tensors,
-    /// gossip and top-k's GPU tensors travel as they are.
+    /// are, top-k allreduces whose pairs are fewer bytes than their values; other tensors and
+    /// gossip travel as they are.
     pub fn of(&self, r: &Response) -> Codec {
         let reduces = match r.kind {
             OpKind::Allreduce => matches!(r.reduce_op, ReduceOp::Sum | ReduceOp::Average),
@@ -122,8 +122,6 @@ impl Codecs {
             return Codec::None;
         }
         let allreduce = r.kind == OpKind::Allreduce;
-        // top-k is written for host allreduces only
-        let host_allreduce = allreduce && r.device == crate::message::CPU_DEVICE;
         match r.compression.unwrap_or(self.setting) {
             Compression::None => Codec::None,
             Compression::Fp16 => Codec::Half(DataType::F16),
@@ -149,7 +147,7 @@ impl Codecs {
                     ..self.topk
                 };
                 match params.k(len) {
-                    Some(_) if host_allreduce => Codec::TopK(params),
+                    Some(_) if allreduce => Codec::TopK(params),
                     _ => Codec::None,
                 }
             }
@@ -502,7 +500,7 @@ mod tests {
     }
 
     #[test]
-    fn topk_takes_host_allreduces_whose_pairs_are_smaller_than_their_values() {
+    fn topk_takes_allreduces_whose_pairs_are_smaller_than_their_values() {
         let c = codecs(Compression::TopK(0));
         let params = TopK::default();
         let with = |n: i64, kind, device| {
@@ -516,7 +514,9 @@ mod tests {
         assert_eq!(with(100, OpKind::Allreduce, host), Codec::TopK(params));
         assert_eq!(with(2, OpKind::Allreduce, host), Codec::None);
         assert_eq!(with(1000, OpKind::Gossip, host), Codec::None);
-        assert_eq!(with(1000, OpKind::Allreduce, 0), Codec::None);
+        // on GPUs alike
+        assert_eq!(with(1000, OpKind::Allreduce, 0), Codec::TopK(params));
+        assert_eq!(with(2, OpKind::Allreduce, 0), Codec::None);
         // an operation's own ratio (the job's momentum stays); at 60 % a pair costs more than
         // the values it replaces
         let mut r = resp(OpKind::Allreduce, DataType::F32, ReduceOp::Sum);

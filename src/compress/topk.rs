@@ -9,8 +9,11 @@
 //! of agreed data (the tensor's length and the job's ratio), so every rank sends the same
 //! number of pairs and the exchange is an allgather of equal sizes.
 
+use std::sync::Arc;
+
 use crate::error::{Error, Result};
 use crate::store;
+use crate::transport::cuda::DeviceMem;
 
 /// Bytes of one pair on the wire: a little-endian u32 index, then the f32 value.
 pub(crate) const PAIR_BYTES: usize = 8;
@@ -40,6 +43,40 @@ pub struct Memory {
     pub momentum: Vec<f32>,
     /// Allreduces of the tensor so far (for the warm-up's share: `TopK::k_at`).
     pub steps: u64,
+    /// A GPU tensor's residual and momentum (its host vectors then stay empty).
+    pub device: Option<OnDevice>,
+}
+
+/// A GPU tensor's residual and momentum (f32 each, `len` values), in device memory that
+/// ferrovod allocated on GPU `ordinal`, zeros at first. Freed when the store drops the
+/// tensor's memory, by the synchronous free, which waits for the work still using it.
+#[derive(Clone)]
+pub struct OnDevice {
+    pub len: usize,
+    pub ordinal: i32,
+    pub buffers: Arc<[DeviceMem; 2]>,
+}
+
+impl OnDevice {
+    pub fn residual(&self) -> &DeviceMem {
+        &self.buffers[0]
+    }
+
+    pub fn momentum(&self) -> &DeviceMem {
+        &self.buffers[1]
+    }
+}
+
+impl std::fmt::Debug for OnDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "OnDevice({} values on GPU {})", self.len, self.ordinal)
+    }
+}
+
+impl PartialEq for OnDevice {
+    fn eq(&self, other: &OnDevice) -> bool {
+        Arc::ptr_eq(&self.buffers, &other.buffers)
+    }
 }
 
 impl Memory {
@@ -48,6 +85,7 @@ impl Memory {
             residual: vec![0.0; len],
             momentum: vec![0.0; len],
             steps: 0,
+            device: None,
         }
     }
 }
@@ -66,16 +104,27 @@ impl TopkMemory {
     /// ranks reduce the same names in the same order); none for unnamed tensors, which keep
     /// no memory, so no warm-up either.
     pub fn steps(&self, name: &str, len: usize) -> u64 {
+        let of_len = |m: &&Memory| fits(m, len) || m.device.as_ref().is_some_and(|d| d.len == len);
         match crate::store::is_unnamed(name) {
             true => u64::MAX,
-            false => self.peek(name, |m| m.filter(|m| fits(m, len)).map_or(0, |m| m.steps)),
+            false => self.peek(name, |m| m.filter(of_len).map_or(0, |m| m.steps)),
         }
+    }
+
+    /// `name`'s memory as a tensor of `len` values on GPU `ordinal`, taken out: None where it
+    /// has none there yet (the caller allocates it, zeroed), or if the tensor's size or GPU
+    /// changed.
+    pub fn take_device(&self, name: &str, len: usize, ordinal: i32) -> Option<Memory> {
+        let on =
+            |m: &Memory| (m.device.as_ref()).is_some_and(|d| d.len == len && d.ordinal == ordinal);
+        let m = self.take_or(name, on, Memory::default);
+        m.device.is_some().then_some(m)
     }
 }
 
 /// Whether `m` is the memory of a tensor of `len` values (else the tensor starts afresh).
 fn fits(m: &Memory, len: usize) -> bool {
-    m.residual.len() == len && m.momentum.len() == len
+    m.device.is_none() && m.residual.len() == len && m.momentum.len() == len
 }
 
 /// Where a tensor's gradient lies (little-endian f32 bytes): apart from the output, or in the

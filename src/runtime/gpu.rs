@@ -520,7 +520,10 @@ fn enqueue_on_streams(
     gpu.bind()?;
     let k = l.batches % l.streams.len();
     l.batches += 1;
-    if matches!(how.plan.codec, Codec::U8 | Codec::PowerSgd(_)) {
+    if matches!(
+        how.plan.codec,
+        Codec::U8 | Codec::PowerSgd(_) | Codec::TopK(_)
+    ) {
         // a tensor's residual was last used by a batch on any stream
         let others: Vec<Arc<Event>> = (l.streams.iter().enumerate())
             .filter(|(i, _)| *i != k)

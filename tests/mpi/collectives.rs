@@ -1824,6 +1824,73 @@ pub(crate) fn powersgd_compressed() {
     finish_job();
 }
 
+/// `FERROVOD_COMPRESSION=topk` against the host's own phases bit for bit: every rank runs
+/// `topk::select` over every rank's values (with `FERROVOD_TOPK_MOMENTUM`'s correction) and
+/// `topk::decode` of their pairs, and its output must be those bits. Values are multiples of
+/// 1/8 in a narrow range, so many magnitudes tie at the threshold (ties go to the lower
+/// index), and one rank sends a NaN at one step. On GPUs this holds the kernels to the host's
+/// selection, residuals and sums.
+pub(crate) fn topk_exact() {
+    use ferrovod::compress::TopK;
+    use ferrovod::compress::topk::{self, Gradient, Memory};
+    init();
+    let (me, n) = (rank(), size());
+    let momentum: f64 = std::env::var("FERROVOD_TOPK_MOMENTUM")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+    let params = TopK::of(0.01, momentum);
+    let lens = [5000usize, 70_000, 333];
+    let v = |t: usize, i: usize, r: usize, step: usize| -> f32 {
+        if (t, i, r, step) == (0, 77, 0, 2) {
+            return f32::NAN;
+        }
+        ((i * 31 + t * 7 + r * 13 + step * 5) % 97) as f32 / 8.0 - 6.0
+    };
+    let mut mems: Vec<Vec<Memory>> = lens.iter().map(|l| vec![Memory::new(*l); n]).collect();
+    let groups: [Group; 1] = [(&[0, 1, 2], ReduceOp::Sum, 1.0, 1.0)];
+    for step in 0..5 {
+        let handles = submit_groups(&groups, |t| {
+            let vals: Vec<f64> = (0..lens[t]).map(|i| v(t, i, me, step) as f64).collect();
+            tensor(
+                &format!("topk.exact.{t}"),
+                DataType::F32,
+                &[lens[t] as i64],
+                &vals,
+                false,
+            )
+        });
+        let results = finish(handles.into_iter().next().unwrap()).unwrap();
+        for (t, res) in results.iter().enumerate() {
+            let got = output(res, DataType::F32);
+            let k = params.k(lens[t]).unwrap();
+            let parts: Vec<Vec<u8>> = (0..n)
+                .map(|r| {
+                    let grad: Vec<u8> = (0..lens[t])
+                        .flat_map(|i| v(t, i, r, step).to_le_bytes())
+                        .collect();
+                    let mut send = Vec::new();
+                    let m = params.momentum();
+                    topk::select(Gradient::Kept(&grad), 1.0, &mut mems[t][r], k, m, &mut send);
+                    send
+                })
+                .collect();
+            let mut want = vec![0u8; lens[t] * 4];
+            let refs: Vec<&[u8]> = parts.iter().map(|p| &p[..]).collect();
+            topk::decode(&refs, &mut want, 1.0, false).unwrap();
+            for (i, (g, w)) in got.iter().zip(want.chunks_exact(4)).enumerate() {
+                let w = f32::from_le_bytes([w[0], w[1], w[2], w[3]]);
+                let same = (g.is_nan() && w.is_nan()) || (*g as f32).to_bits() == w.to_bits();
+                assert!(
+                    same,
+                    "step {step} tensor {t} element {i}: got {g}, want {w}"
+                );
+            }
+        }
+    }
+    finish_job();
+}
+
 /// `FERROVOD_COMPRESSION=topk`: a batch of two tensors averaged with scales and one of two
 /// summed (the second large enough, 70,000 values, that the choice goes through a sampled
 /// floor, with many ties), over six steps, each rank's output against an f64 reference of the method (each

@@ -299,6 +299,22 @@ const POWERSGD_OFFLINE: &[(&str, &str)] = &[
     ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
 ];
 
+/// Top-k: alone, with momentum correction, with DGC's warm-up, under offline negotiation.
+const TOPK: &[(&str, &str)] = &[("FERROVOD_COMPRESSION", "topk")];
+const TOPK_MOMENTUM: &[(&str, &str)] = &[
+    ("FERROVOD_COMPRESSION", "topk"),
+    ("FERROVOD_TOPK_MOMENTUM", "0.9"),
+];
+const TOPK_WARMUP: &[(&str, &str)] = &[
+    ("FERROVOD_COMPRESSION", "topk"),
+    ("FERROVOD_TOPK_WARMUP_STEPS", "4"),
+];
+const TOPK_OFFLINE: &[(&str, &str)] = &[
+    ("FERROVOD_COMPRESSION", "topk"),
+    ("FERROVOD_NEGOTIATION", "offline"),
+    ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+];
+
 /// Whether a scenario's ranks may share a GPU: one rank per node opens no NCCL communicator
 /// over two ranks.
 fn shares_gpus(name: &str, env: &[(&str, &str)]) -> bool {
@@ -636,6 +652,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         &[("FERROVOD_COMPRESSION", "topk")],
         true,
     ),
+    ("topk_exact", 2, TOPK_MOMENTUM, true),
     (
         "topk_compressed",
         3,
@@ -1012,6 +1029,15 @@ pub(crate) const GPU_SCENARIOS: &[Scenario] = &[
     ("powersgd_compressed", 2, POWERSGD, true),
     ("powersgd_compressed", 2, POWERSGD_OFFLINE, true),
     ("powersgd_compressed", 4, POWERSGD_START, true),
+    // top-k's kernels: the host's selection, residuals and sums bit for bit, then the scenario
+    // against the f64 reference
+    ("topk_exact", 1, TOPK, true),
+    ("topk_exact", 1, TOPK_MOMENTUM, true),
+    ("topk_exact", 2, TOPK_MOMENTUM, true),
+    ("topk_exact", 4, TOPK, true),
+    ("topk_compressed", 1, TOPK_WARMUP, true),
+    ("topk_compressed", 2, TOPK, true),
+    ("topk_compressed", 2, TOPK_OFFLINE, true),
     // the 16-bit codecs through the hierarchical GPU allreduce (one node of two GPUs: NCCL
     // reduce-scatter and allgather between them)
     ("compressed", 2, FP16_HIERARCHICAL, true),
@@ -1545,6 +1571,7 @@ pub(crate) fn run_rank(name: &str) {
         "u8_compressed" => u8_compressed(),
         "powersgd_compressed" => powersgd_compressed(),
         "topk_compressed" => topk_compressed(),
+        "topk_exact" => topk_exact(),
         "compressed_in_sets" => compressed_in_sets(),
         "gossip" => gossip(),
         "p2p" => p2p(),

@@ -20,12 +20,14 @@ mod gossip;
 mod hierarchical;
 mod lowrank;
 mod native;
+mod sparse;
 
 pub use codecs::{allreduce_half, allreduce_u8};
 pub use gossip::gossip_batch;
 pub use hierarchical::{Levels, allreduce_hierarchical};
 pub use lowrank::allreduce_powersgd;
 pub use native::DeviceBatch;
+pub use sparse::allreduce_topk;
 
 /// The device memory of one tensor taking part in a collective.
 pub trait DeviceIo {

@@ -1,8 +1,11 @@
-"""Top-k through horovod.torch under mpirun (CPU tensors): an allreduce sums every rank's
+"""Top-k through horovod.torch under mpirun (CPU tensors, and CUDA tensors where CUDA is, or
+FERROVOD_TEST_GPU=1 asks for it): an allreduce sums every rank's
 largest values (1 % by default, or the operation's own ratio) and keeps the rest for the next
 call, against a NumPy reference; the wire counter moves by the pairs' bytes; ranks asking for
 other ratios fail alike; the digits MLP trained with top-k of 5 % reaches the uncompressed
 run's accuracy."""
+
+import os
 
 import numpy as np
 import pytest
@@ -12,9 +15,17 @@ import horovod.torch as hvd
 from digits_training import accuracy
 
 
+DEVICES = ["cpu"]
+if torch.cuda.is_available() or os.environ.get("FERROVOD_TEST_GPU") == "1":
+    DEVICES.append("cuda")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def initialized():
     hvd.init()
+    if "cuda" in DEVICES:
+        assert torch.cuda.is_available(), "FERROVOD_TEST_GPU=1 but CUDA is not available"
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
     yield
 
 
@@ -31,8 +42,9 @@ def reference(grads, residual, k):
     return want
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("ratio", [None, 0.25])
-def test_the_largest_values_are_summed_and_the_rest_kept_for_the_next_call(ratio):
+def test_the_largest_values_are_summed_and_the_rest_kept_for_the_next_call(ratio, device):
     me, n = hvd.rank(), hvd.size()
     length = 1000 if ratio is None else 40
     k = 10
@@ -42,10 +54,12 @@ def test_the_largest_values_are_summed_and_the_rest_kept_for_the_next_call(ratio
     residual = [np.zeros(length, np.float64) for _ in range(n)]
     for step in range(3):
         before = hvd.metrics()["wire_topk"]
-        got = hvd.allreduce(torch.from_numpy(grads[step * n + me].copy()),
-                            name="topk.v.%s" % ratio, op=hvd.Sum, compression=compression)
+        got = hvd.allreduce(torch.from_numpy(grads[step * n + me].copy()).to(device),
+                            name="topk.v.%s.%s" % (ratio, device), op=hvd.Sum,
+                            compression=compression)
+        assert got.device.type == device
         want = reference(grads[step * n:(step + 1) * n], residual, k)
-        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got.cpu().numpy(), want, rtol=1e-5, atol=1e-5)
         assert hvd.metrics()["wire_topk"] - before == k * 8
 
 
@@ -73,14 +87,15 @@ def test_ranks_asking_for_other_ratios_fail_alike():
     np.testing.assert_array_equal(got.numpy()[16:], np.zeros(48))
 
 
-def test_training_with_topk_reaches_the_uncompressed_accuracy():
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_with_topk_reaches_the_uncompressed_accuracy(device):
     """Top-k of 5 %: the MLP's 4,746 parameters see 1 % (47 values a step) too rarely at 4
     ranks' steps per epoch (BENCHMARKS.md)."""
     before = hvd.metrics()["wire_topk"]
-    plain = accuracy(hvd.Compression.none, "none")
+    plain = accuracy(hvd.Compression.none, "none." + device, device=device)
     assert hvd.metrics()["wire_topk"] == before
-    compressed = accuracy(hvd.Compression.topk(0.05), "topk")
+    compressed = accuracy(hvd.Compression.topk(0.05), "topk." + device, device=device)
     assert hvd.metrics()["wire_topk"] > before
     assert plain > 0.9
-    print("digits accuracy: none %.4f, topk 5 %% %.4f" % (plain, compressed))
+    print("digits accuracy on %s: none %.4f, topk 5 %% %.4f" % (device, plain, compressed))
     assert compressed >= plain - 0.01, (compressed, plain)
