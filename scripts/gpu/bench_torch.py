@@ -10,6 +10,7 @@
   ferrovod_powersgd  the same under ferrovod's PowerSGD (Compression.powersgd, rank 4),
   ddp_hook_powersgd  DDP with ferrovod's hook under its PowerSGD (rank 4): each parameter's
             gradient reduced in its shape,
+  ddp_hook_topk  DDP with ferrovod's hook under its top-k (1 % of each bucket),
   ddp_powersgd  DDP with PyTorch's own PowerSGD hook (powerSGD_hook, rank 4, error feedback and
             warm start, compressing from its third step: the least it allows with both),
   <mode>_sync  a mode with a host barrier between backward and the step,
@@ -70,7 +71,8 @@ def ferrovod_group():
 def make(mode, model_name, device, groups=0):
     torch.manual_seed(0)
     model = build(model_name).to(device)
-    if mode in ("ddp", "ddp_hook", "ddp_ferrovod", "ddp_powersgd", "ddp_hook_powersgd"):
+    if mode in ("ddp", "ddp_hook", "ddp_ferrovod", "ddp_powersgd", "ddp_hook_powersgd",
+                "ddp_hook_topk"):
         # ddp_ferrovod: the same DDP over torch.distributed's `ferrovod` backend (a group of every
         # rank; made once, in the same order on every rank)
         group = ferrovod_group() if mode == "ddp_ferrovod" else None
@@ -80,6 +82,9 @@ def make(mode, model_name, device, groups=0):
             wrapped.register_comm_hook(None, hvd.ddp_comm_hook)
         if mode == "ddp_hook_powersgd":
             state = hvd.DDPHookState(compression=hvd.Compression.powersgd(rank=4))
+            wrapped.register_comm_hook(state, hvd.ddp_comm_hook)
+        if mode == "ddp_hook_topk":
+            state = hvd.DDPHookState(compression=hvd.Compression.topk(0.01))
             wrapped.register_comm_hook(state, hvd.ddp_comm_hook)
         if mode == "ddp_powersgd":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd

@@ -653,6 +653,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         true,
     ),
     ("topk_exact", 2, TOPK_MOMENTUM, true),
+    ("codec_memory_flat", 2, &[], true),
     (
         "topk_compressed",
         3,
@@ -944,6 +945,16 @@ pub(crate) const GPU_SCENARIOS: &[Scenario] = &[
     // failure paths of GPU batches: none may hang
     ("rank_stopped", 2, STALL_FAST, false),
     ("rank_stopped_in_batch", 2, STOP_IN_BATCH, false),
+    // a rank stopped inside a GPU batch of PowerSGD's factors (and its uncompressed first
+    // steps) and of top-k's pairs: every rank ends with an error
+    ("rank_stopped_in_batch", 2, STOP_IN_BATCH_POWERSGD, false),
+    (
+        "rank_stopped_in_batch",
+        2,
+        STOP_IN_BATCH_POWERSGD_START,
+        false,
+    ),
+    ("rank_stopped_in_batch", 2, STOP_IN_BATCH_TOPK, false),
     ("fault_nccl_init", 2, NCCL_INIT_FAULT, false),
     ("gpu_alltoall_fault", 2, GPU_ALLTOALL_FAULT, false),
     ("gpu_staged_fault", 2, GPU_STAGED_FAULT, false),
@@ -1038,6 +1049,9 @@ pub(crate) const GPU_SCENARIOS: &[Scenario] = &[
     ("topk_compressed", 1, TOPK_WARMUP, true),
     ("topk_compressed", 2, TOPK, true),
     ("topk_compressed", 2, TOPK_OFFLINE, true),
+    // named and unnamed GPU tensors under both, 1,000 steps: the GPU's memory stays flat
+    ("codec_memory_flat", 1, &[], true),
+    ("codec_memory_flat", 2, &[], true),
     // the 16-bit codecs through the hierarchical GPU allreduce (one node of two GPUs: NCCL
     // reduce-scatter and allgather between them)
     ("compressed", 2, FP16_HIERARCHICAL, true),
@@ -1572,6 +1586,7 @@ pub(crate) fn run_rank(name: &str) {
         "powersgd_compressed" => powersgd_compressed(),
         "topk_compressed" => topk_compressed(),
         "topk_exact" => topk_exact(),
+        "codec_memory_flat" => codec_memory_flat(),
         "compressed_in_sets" => compressed_in_sets(),
         "gossip" => gossip(),
         "p2p" => p2p(),
