@@ -16,6 +16,7 @@ pub mod message;
 pub mod negotiate;
 pub mod probe;
 pub mod runtime;
+pub mod sim;
 pub mod store;
 
 #[allow(unsafe_code)]

@@ -14,7 +14,7 @@ const LAYERS: &[&[&str]] = &[
     &["compress"],
     &["fusion"],
     &["collective", "negotiate"],
-    &["runtime"],
+    &["runtime", "sim"],
     &["capi"],
 ];
 

@@ -15,7 +15,7 @@
 use std::sync::Arc;
 
 use crate::store;
-use crate::transport::cuda::DeviceMem;
+use crate::transport::cuda::StateMem;
 
 /// A tensor's matrix view and its factors' width.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -89,28 +89,29 @@ pub struct OnDevice {
 }
 
 /// A GPU tensor's residual (rows × cols f32), Q (cols × rank f32) and the count of Q's column
-/// redraws (a u64), in device memory that ferrovod allocated. Freed when the store drops the
-/// tensor's memory, by the synchronous free, which waits for the work still using it.
+/// redraws (a u64), in device memory that ferrovod allocated (`StateMem`: batches on other
+/// streams wait for the last one that used it; freed in stream order when the store drops
+/// it).
 #[derive(Clone)]
-pub struct DeviceFactors(pub Arc<[DeviceMem; 3]>);
+pub struct DeviceFactors(pub Arc<[StateMem; 3]>);
 
 impl DeviceFactors {
-    pub fn residual(&self) -> &DeviceMem {
+    pub fn residual(&self) -> &StateMem {
         &self.0[0]
     }
 
-    pub fn q(&self) -> &DeviceMem {
+    pub fn q(&self) -> &StateMem {
         &self.0[1]
     }
 
-    pub fn draws(&self) -> &DeviceMem {
+    pub fn draws(&self) -> &StateMem {
         &self.0[2]
     }
 }
 
 impl std::fmt::Debug for DeviceFactors {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "DeviceFactors({:#x})", self.residual().ptr())
+        write!(f, "DeviceFactors({:#x})", self.residual().range().ptr())
     }
 }
 

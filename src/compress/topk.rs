@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::store;
-use crate::transport::cuda::DeviceMem;
+use crate::transport::cuda::StateMem;
 
 /// Bytes of one pair on the wire: a little-endian u32 index, then the f32 value.
 pub(crate) const PAIR_BYTES: usize = 8;
@@ -48,21 +48,21 @@ pub struct Memory {
 }
 
 /// A GPU tensor's residual and momentum (f32 each, `len` values), in device memory that
-/// ferrovod allocated on GPU `ordinal`, zeros at first. Freed when the store drops the
-/// tensor's memory, by the synchronous free, which waits for the work still using it.
+/// ferrovod allocated on GPU `ordinal`, zeros at first (`StateMem`: batches on other streams
+/// wait for the last one that used it; freed in stream order when the store drops it).
 #[derive(Clone)]
 pub struct OnDevice {
     pub len: usize,
     pub ordinal: i32,
-    pub buffers: Arc<[DeviceMem; 2]>,
+    pub buffers: Arc<[StateMem; 2]>,
 }
 
 impl OnDevice {
-    pub fn residual(&self) -> &DeviceMem {
+    pub fn residual(&self) -> &StateMem {
         &self.buffers[0]
     }
 
-    pub fn momentum(&self) -> &DeviceMem {
+    pub fn momentum(&self) -> &StateMem {
         &self.buffers[1]
     }
 }

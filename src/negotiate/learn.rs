@@ -15,7 +15,7 @@ use crate::negotiate::ready_bitmap::GROUPS_PER_WORD;
 /// are launched from CUDA graphs while the step's later gradients are still computed. The
 /// sizes tried and their cost are in BENCHMARKS.md (2026-11-23, buckets
 /// replayed from CUDA graphs).
-const GPU_BUCKET_BYTES: usize = 48 << 20;
+pub(crate) const GPU_BUCKET_BYTES: usize = 48 << 20;
 
 /// What shapes the learned batches (agreed settings) and whether learning may proceed.
 #[derive(Clone, Copy, Debug)]

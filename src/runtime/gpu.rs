@@ -534,6 +534,9 @@ fn enqueue_on_streams(
         }
     }
     let w = &mut l.streams[k];
+    // codecs' state dropped since (an evicted name, a tensor of a new shape), freed after the
+    // batches that used it
+    gpu.free_retired(&w.stream)?;
     sink(Some("WAIT_FOR_DATA"));
     for e in entries.iter_mut() {
         if e.device.is_none() {

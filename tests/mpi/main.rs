@@ -315,6 +315,18 @@ const TOPK_OFFLINE: &[(&str, &str)] = &[
     ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
 ];
 
+/// Top-k and PowerSGD over two channels, with handles that complete at enqueue.
+const TOPK_CHANNELS: &[(&str, &str)] = &[
+    ("FERROVOD_COMPRESSION", "topk"),
+    ("FERROVOD_CHANNELS", "2"),
+    ("HOROVOD_ENABLE_ASYNC_COMPLETION", "1"),
+];
+const POWERSGD_CHANNELS: &[(&str, &str)] = &[
+    ("FERROVOD_COMPRESSION", "powersgd"),
+    ("FERROVOD_CHANNELS", "2"),
+    ("HOROVOD_ENABLE_ASYNC_COMPLETION", "1"),
+];
+
 /// Whether a scenario's ranks may share a GPU: one rank per node opens no NCCL communicator
 /// over two ranks.
 fn shares_gpus(name: &str, env: &[(&str, &str)]) -> bool {
@@ -1049,6 +1061,11 @@ pub(crate) const GPU_SCENARIOS: &[Scenario] = &[
     ("topk_compressed", 1, TOPK_WARMUP, true),
     ("topk_compressed", 2, TOPK, true),
     ("topk_compressed", 2, TOPK_OFFLINE, true),
+    // two channels whose batches take turns, and handles that complete at enqueue: a
+    // tensor's state is used by batches on either channel's stream, each after the last
+    ("topk_exact", 1, TOPK_CHANNELS, true),
+    ("powersgd_compressed", 1, POWERSGD_CHANNELS, true),
+    ("topk_exact", 2, TOPK_CHANNELS, true),
     // named and unnamed GPU tensors under both, 1,000 steps: the GPU's memory stays flat
     ("codec_memory_flat", 1, &[], true),
     ("codec_memory_flat", 2, &[], true),

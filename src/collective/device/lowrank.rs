@@ -9,7 +9,7 @@ use crate::collective::lowrank::{self, Factors};
 use crate::compress::Wire;
 use crate::compress::powersgd::{self, DeviceFactors, PowerMemory, Shape};
 use crate::store;
-use crate::transport::cuda::{Elementwise, KernelLibrary};
+use crate::transport::cuda::{Elementwise, KernelLibrary, StateMem};
 
 /// An f32 sum or average whose matrices travel as PowerSGD's factors of `rank` columns (the
 /// host's algorithm, `lowrank::run`), with the state `wire` carries.
@@ -184,12 +184,16 @@ impl Factors for OnGpu<'_, '_, '_> {
                     let fresh = d.factors.is_none();
                     if fresh {
                         d.factors = Some(DeviceFactors(std::sync::Arc::new([
-                            gpu.alloc(shape.len() * 4)?,
-                            gpu.alloc(shape.q_len() * 4)?,
-                            gpu.alloc(8)?,
+                            StateMem::new(gpu, stream, shape.len() * 4)?,
+                            StateMem::new(gpu, stream, shape.q_len() * 4)?,
+                            StateMem::new(gpu, stream, 8)?,
                         ])));
                     }
                     let f = d.factors.as_ref().expect("allocated above");
+                    // the last batch that used them may have run on another stream
+                    for m in f.0.iter() {
+                        m.before_use(stream)?;
+                    }
                     (
                         f.residual().range(),
                         f.q().range(),
@@ -283,6 +287,7 @@ impl Factors for OnGpu<'_, '_, '_> {
         let (gpu, stream) = (self.lane.gpu, self.lane.stream);
         let scale = 1.0 / self.t.size().max(1) as f32;
         let (mut p_at, mut q_at) = (0, 0);
+        let mut done = Vec::with_capacity(self.steps.len());
         for s in std::mem::take(&mut self.steps) {
             let sh = s.shape;
             let p = self.p.sub(p_at * 4, sh.p_len() * 4)?;
@@ -311,8 +316,18 @@ impl Factors for OnGpu<'_, '_, '_> {
                 &args,
                 blocks,
             )?;
+            done.push((s.tensor, s.memory));
+        }
+        // the batches after this one wait for it before they use the tensors' state
+        let used = std::sync::Arc::new(gpu.new_event()?);
+        used.record(stream)?;
+        for (tensor, memory) in done {
+            let factors = memory.device.as_ref().and_then(|d| d.factors.as_ref());
+            for m in factors.iter().flat_map(|f| f.0.iter()) {
+                m.used(&used);
+            }
             // unnamed tensors keep nothing (`PowerMemory::put`)
-            self.store.put(&self.resps[s.tensor].name, s.memory);
+            self.store.put(&self.resps[tensor].name, memory);
         }
         Ok(())
     }
@@ -341,6 +356,12 @@ fn orthogonalize(
     cols: usize,
 ) -> Result<()> {
     a.holds(rows * cols * 4, "PowerSGD factor")?;
+    // the kernel keeps each column's norm in a block's shared memory (the rank's range)
+    if cols > 1024 {
+        return Err(Error::Internal(format!(
+            "PowerSGD factors of {cols} columns (at most 1024)"
+        )));
+    }
     let kernel = kernel("fv_psgd_orthogonalize");
     gpu.launch_ranges(stream, kernel, &[a], &[rows as u64, cols as u64], (1, 1))
 }

@@ -11,6 +11,8 @@ use crate::compress::{Codec, DeviceFeedback};
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
 use crate::message::{ReduceOp, Response};
+use std::sync::Arc;
+
 use crate::transport::cuda::{Copy, DeviceMem, Gpu, Stream};
 use crate::transport::memory::DeviceRange;
 use crate::transport::{DeviceTransport, Transport};
@@ -45,7 +47,7 @@ pub trait DeviceIo {
 /// stream, its fusion buffer and graphs; work on one stream runs in order, so the buffer is
 /// reused without waiting).
 pub struct Lane<'a> {
-    pub gpu: &'a Gpu,
+    pub gpu: &'a Arc<Gpu>,
     pub stream: &'a Stream,
     pub fusion: &'a mut Option<DeviceMem>,
     /// The stream's graphs (forgotten when the fusion buffer moves).

@@ -11,7 +11,7 @@ use crate::collective::sparse::{self, Pairs};
 use crate::compress::topk::{self, OnDevice};
 use crate::compress::{TopK, Wire};
 use crate::store;
-use crate::transport::cuda::{Elementwise, KernelLibrary};
+use crate::transport::cuda::{Elementwise, KernelLibrary, StateMem};
 
 /// An f32 sum or average whose tensors travel as their k largest entries (the host's
 /// algorithm, `sparse::run`), with the state `wire` carries.
@@ -88,7 +88,7 @@ fn chunks(n: usize) -> (usize, usize) {
 
 struct OnGpu<'a, 'b> {
     t: &'a dyn DeviceTransport,
-    gpu: &'a Gpu,
+    gpu: &'a std::sync::Arc<Gpu>,
     stream: &'a Stream,
     pre: f32,
     post: f32,
@@ -120,7 +120,10 @@ impl Pairs for OnGpu<'_, '_> {
             Some(m) => (m, false),
             None if unnamed => (topk::Memory::default(), true),
             None => {
-                let buffers = [gpu.alloc(4 * n)?, gpu.alloc(4 * n)?];
+                let buffers = [
+                    StateMem::new(gpu, stream, 4 * n)?,
+                    StateMem::new(gpu, stream, 4 * n)?,
+                ];
                 let device = OnDevice {
                     len: n,
                     ordinal: gpu.ordinal,
@@ -135,7 +138,12 @@ impl Pairs for OnGpu<'_, '_> {
         };
         memory.steps = memory.steps.saturating_add(1);
         let (residual, momentum) = match &memory.device {
-            Some(d) => (d.residual().range(), d.momentum().range()),
+            Some(d) => {
+                // the last batch that used them may have run on another stream
+                d.residual().before_use(stream)?;
+                d.momentum().before_use(stream)?;
+                (d.residual().range(), d.momentum().range())
+            }
             None => (self.scratch.0.first(4 * n)?, self.scratch.1.first(4 * n)?),
         };
         if fresh {
@@ -186,6 +194,13 @@ impl Pairs for OnGpu<'_, '_> {
         let args = [n as u64, chunk as u64, mom];
         let ranges = [residual, momentum, state, counts, own];
         launch(gpu, stream, "fv_topk_write", &ranges, &args, count as u32)?;
+        if let Some(d) = &memory.device {
+            // the batches after this one wait for it before they use the tensor's state
+            let used = std::sync::Arc::new(gpu.new_event()?);
+            used.record(stream)?;
+            d.residual().used(&used);
+            d.momentum().used(&used);
+        }
         // unnamed tensors keep nothing (`TopkMemory::put`)
         self.store.put(&r.name, memory);
         Ok(())

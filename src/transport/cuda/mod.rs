@@ -61,6 +61,60 @@ pub struct Gpu {
     joiner: Mutex<Option<Stream>>,
     /// Events for `mark_stream`, reused.
     marks: Arc<MarkPool>,
+    /// Dropped `StateMem`, to free in a later batch's stream order (`free_retired`).
+    retired: Mutex<Vec<(DeviceMem, Option<Arc<Event>>)>>,
+}
+
+/// Device memory that outlives batches (a codec's per-name state), used by batches on several
+/// streams: each waits for the event after the last batch that used it (`before_use`, `used`).
+/// Dropped (its store evicting it, its tensor changing shape), it goes back to its GPU's queue
+/// and is freed in a later batch's stream order, after that event (`Gpu::free_retired`): no
+/// thread waits for the device, so a batch held up by a lost peer holds nothing else up.
+pub struct StateMem {
+    mem: Option<DeviceMem>,
+    gpu: Arc<Gpu>,
+    last: Mutex<Option<Arc<Event>>>,
+}
+
+impl StateMem {
+    /// `len` bytes allocated in `stream`'s order (first used there).
+    pub fn new(gpu: &Arc<Gpu>, stream: &Stream, len: usize) -> Result<StateMem> {
+        Ok(StateMem {
+            mem: Some(gpu.alloc_on(stream, len)?),
+            gpu: gpu.clone(),
+            last: Mutex::new(None),
+        })
+    }
+
+    pub fn range(&self) -> DeviceRange {
+        self.mem
+            .as_ref()
+            .map_or_else(DeviceRange::empty, DeviceMem::range)
+    }
+
+    /// Orders `stream` after the last batch that used this memory.
+    pub fn before_use(&self, stream: &Stream) -> Result<()> {
+        match self.last.lock().expect("state memory").as_ref() {
+            Some(e) => stream.wait(e),
+            None => Ok(()),
+        }
+    }
+
+    /// The work enqueued before `event` uses this memory.
+    pub fn used(&self, event: &Arc<Event>) {
+        *self.last.lock().expect("state memory") = Some(event.clone());
+    }
+}
+
+impl Drop for StateMem {
+    fn drop(&mut self) {
+        if let Some(mem) = self.mem.take() {
+            let last = self.last.lock().map(|mut l| l.take()).unwrap_or(None);
+            if let Ok(mut retired) = self.gpu.retired.lock() {
+                retired.push((mem, last));
+            }
+        }
+    }
 }
 
 /// Events for `mark_stream`, reused.
@@ -127,6 +181,7 @@ pub fn gpu(ordinal: i32) -> Result<Arc<Gpu>> {
         libraries: RwLock::default(),
         joiner: Mutex::new(None),
         marks: Arc::default(),
+        retired: Mutex::default(),
     });
     gpus.insert(ordinal, g.clone());
     Ok(g)
@@ -197,6 +252,19 @@ impl Gpu {
         let joined = self.new_event()?;
         joined.record(stream)?;
         Ok(joined)
+    }
+
+    /// Frees the dropped `StateMem` in `stream`'s order, each after the last batch that used
+    /// it.
+    pub fn free_retired(&self, stream: &Stream) -> Result<()> {
+        let retired = std::mem::take(&mut *self.retired.lock().expect("retired memory"));
+        for (mem, last) in retired {
+            if let Some(e) = last {
+                stream.wait(&e)?;
+            }
+            mem.free_on(stream)?;
+        }
+        Ok(())
     }
 
     /// Device memory allocated in `stream`'s order (usable by work enqueued on it after this).

@@ -1,0 +1,443 @@
+//! One step of the scale model, event by event: the gradients reach the framework in backward
+//! order, each is submitted, negotiation rounds agree on what every rank has (online: one
+//! vote per round once the names are cached; Horovod's protocol: a coordinator's gather and
+//! broadcast per round; offline: a frozen plan, no round at all), ferrovod's own fusion planner
+//! cuts each round's tensors into batches, its cost model picks each batch's algorithm, its
+//! codecs say the bytes on the wire, and the batches run on the set's lanes over the network
+//! model. The decisions are the library's functions; only the clock is the model's.
+
+use crate::collective::cost::{self, Link, Policy};
+use crate::compress::{Codec, Codecs};
+use crate::dtype::DataType;
+use crate::fusion::planner;
+use crate::message::{Multistep, OpKind, ReduceOp, Response};
+use crate::negotiate::learn;
+use crate::negotiate::plan::Plan;
+use crate::sim::network::{self, Algorithm, Fabric, Topology};
+
+/// A gradient of a model's shape set: its parameter's name and shape.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Gradient {
+    pub name: String,
+    pub shape: Vec<i64>,
+}
+
+impl Gradient {
+    pub fn values(&self) -> usize {
+        self.shape.iter().product::<i64>().max(0) as usize
+    }
+}
+
+/// A shape set as `../shared/data` keeps it: `name<TAB>AxBxC` lines in registration order
+/// (`#` starts a comment). Gradients come back in the reverse order.
+pub fn shapes(text: &str) -> Result<Vec<Gradient>, String> {
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let (name, dims) = line
+            .split_once('\t')
+            .ok_or_else(|| format!("line {}: no tab between name and shape", n + 1))?;
+        let shape = (dims.split('x'))
+            .map(|d| d.trim().parse::<i64>().ok().filter(|d| *d > 0))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| format!("line {}: shape {dims:?} is not AxBxC", n + 1))?;
+        out.push(Gradient {
+            name: name.to_string(),
+            shape,
+        });
+    }
+    Ok(out)
+}
+
+/// How the ranks agree on what to reduce.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Negotiation {
+    /// ferrovod's online protocol with the names cached: one AND-allreduce of a bit per cached
+    /// tensor per round.
+    Online,
+    /// A frozen plan: each batch starts once its tensors are submitted, no message.
+    Offline,
+    /// Horovod's protocol: every rank's requests gathered at the coordinator, the responses
+    /// broadcast, each round.
+    Horovod,
+}
+
+/// Bytes of one request in Horovod's protocol (name, shape, type, device, op) and of one
+/// response, as its wire format has them for a parameter's name.
+const REQUEST_BYTES: f64 = 96.0;
+const RESPONSE_BYTES: f64 = 80.0;
+
+/// What each rank's software costs, beside the network's time.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Host {
+    /// Seconds the framework takes to submit one tensor.
+    pub submit: f64,
+    /// Seconds from a submission to the background loop's round that can take it.
+    pub wake: f64,
+    /// Seconds of one round's own work on a rank, beside its messages.
+    pub round: f64,
+    /// Seconds each collective call costs beside its transfer (its set-up and launch).
+    pub call: f64,
+    /// Seconds per byte a batch of several tensors spends packed into and out of the fusion
+    /// buffer (host memory; a GPU's copies are kernels that overlap, 0).
+    pub pack: f64,
+    /// Seconds per value of a codec's own arithmetic (casts, PowerSGD's products, top-k's
+    /// selection) on one rank.
+    pub codec: f64,
+    /// Batches that run at once (NCCL streams; one on host memory).
+    pub lanes: usize,
+}
+
+/// A job of the model: where it runs and how ferrovod is set up.
+#[derive(Clone, Copy, Debug)]
+pub struct Job {
+    pub topology: Topology,
+    pub fabric: Fabric,
+    pub host: Host,
+    pub negotiation: Negotiation,
+    /// `HOROVOD_FUSION_THRESHOLD`.
+    pub threshold: usize,
+    /// Host tensors of this size or more run alone (`planner::direct_bytes`).
+    pub direct_bytes: usize,
+    pub codecs: Codecs,
+    /// Flat or hierarchical per batch (`cost::Policy`, the library's choice).
+    pub policy: Policy,
+    /// What a flat allreduce is on this engine.
+    pub flat: Algorithm,
+    /// GPU tensors (device 0) or host ones.
+    pub on_gpu: bool,
+}
+
+/// What one simulated step did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Step {
+    /// Seconds from the step's start until every batch is done.
+    pub end: f64,
+    /// Seconds when the last gradient was submitted.
+    pub submitted: f64,
+    pub batches: usize,
+    /// Negotiation rounds and the bytes one rank sent and received for them.
+    pub rounds: usize,
+    pub control_bytes: f64,
+    /// Each batch: (start, end, bytes on the wire per rank, algorithm).
+    pub trace: Vec<(f64, f64, usize, Algorithm)>,
+}
+
+/// The response every rank agrees on for `g`: an f32 average, as a training job's gradients.
+fn response(g: &Gradient, on_gpu: bool) -> Response {
+    Response {
+        kind: OpKind::Allreduce,
+        name: g.name.clone(),
+        dtype: DataType::F32,
+        shape: g.shape.clone(),
+        first_dims: Vec::new(),
+        root: 0,
+        device: if on_gpu {
+            0
+        } else {
+            crate::message::CPU_DEVICE
+        },
+        reduce_op: ReduceOp::Average,
+        prescale: 1.0,
+        postscale: 1.0,
+        compression: None,
+        multistep: Multistep::EVERY_CALL,
+        result: 0,
+        error: None,
+    }
+}
+
+impl Job {
+    /// The link negotiation's small messages take: the slowest the set spans.
+    fn control_link(&self) -> Link {
+        let (i, n) = (self.fabric.inside, self.fabric.nic);
+        match (self.topology.nodes, self.topology.per_node) {
+            (1, _) => i,
+            (_, 1) => n,
+            _ => Link {
+                alpha: i.alpha.max(n.alpha),
+                beta: i.beta.max(n.beta),
+            },
+        }
+    }
+
+    /// Seconds of one negotiation round over `cached` names of which `taken` are in it.
+    fn round(&self, cached: usize, taken: usize) -> (f64, f64) {
+        let p = self.topology.ranks();
+        let l = self.control_link();
+        match self.negotiation {
+            Negotiation::Offline => (0.0, 0.0),
+            Negotiation::Online => {
+                // the bit vector, in 64-bit words
+                let bytes = cached.div_ceil(64) as f64 * 8.0;
+                let t = network::halving_doubling(p, bytes, l);
+                (self.host.round + t, 2.0 * bytes * (p > 1) as u8 as f64)
+            }
+            Negotiation::Horovod => {
+                // gather every rank's requests at the coordinator, broadcast the responses
+                let depth = (usize::BITS - (p.max(1) - 1).leading_zeros()) as f64;
+                let gathered = (p - 1) as f64 * taken as f64 * REQUEST_BYTES;
+                let answer = taken as f64 * RESPONSE_BYTES;
+                let t = depth * l.alpha + gathered * l.beta + network::tree(p, answer, l) / 2.0;
+                (
+                    self.host.round + t,
+                    taken as f64 * (REQUEST_BYTES + RESPONSE_BYTES),
+                )
+            }
+        }
+    }
+
+    /// Seconds one batch of `resps` takes on its rank (set-up, packing, the codec's
+    /// arithmetic) and on the network, and its bytes per rank on the wire.
+    fn batch(&self, resps: &[&Response], codec: Codec) -> (f64, f64, usize, Algorithm) {
+        let fused: usize = resps.iter().map(|r| r.fused_bytes()).sum();
+        let values = fused / 4;
+        let wire: usize = resps.iter().map(|r| codec.wire_bytes(r)).sum();
+        let algorithm = match self.policy.choose(fused) {
+            cost::Algorithm::Flat => self.flat,
+            cost::Algorithm::Hierarchical => Algorithm::Hierarchical,
+        };
+        let t = self.topology;
+        let p = t.ranks();
+        let net = match codec {
+            // every rank's pairs to every rank
+            Codec::TopK(_) => {
+                let link = self.control_link();
+                (p - 1) as f64 * (link.alpha + wire as f64 * link.beta)
+            }
+            // P, then Q: two allreduces of about half the factors each
+            Codec::PowerSgd(_) => 2.0 * self.fabric.allreduce(t, wire as f64 / 2.0, algorithm),
+            _ => self.fabric.allreduce(t, wire as f64, algorithm),
+        };
+        let pack = if resps.len() > 1 {
+            self.host.pack * fused as f64
+        } else {
+            0.0
+        };
+        let arithmetic = match codec {
+            Codec::None => 0.0,
+            _ => self.host.codec * values as f64,
+        };
+        (self.host.call + pack + arithmetic, net, wire, algorithm)
+    }
+}
+
+/// One step of `job` whose gradients (`grads`, in the order they are produced: backward
+/// order) are ready at the times `ready` (seconds from the step's start, non-decreasing).
+pub fn step(job: &Job, grads: &[Gradient], ready: &[f64]) -> Step {
+    assert_eq!(grads.len(), ready.len(), "a time per gradient");
+    let resps: Vec<Response> = grads.iter().map(|g| response(g, job.on_gpu)).collect();
+    let mut submitted = Vec::with_capacity(grads.len());
+    let mut clock = 0.0f64;
+    for r in ready {
+        clock = clock.max(*r) + job.host.submit;
+        submitted.push(clock);
+    }
+    let mut out = Step {
+        submitted: submitted.last().copied().unwrap_or(0.0),
+        ..Step::default()
+    };
+    // a batch's own work runs on its lane (batches take turns on the NCCL streams, so one's
+    // set-up overlaps another's transfer); the transfers share the network, one at a time
+    let mut lanes = vec![0.0f64; job.host.lanes.max(1)];
+    let mut network_free = 0.0f64;
+    let mut run = |members: &[usize], at: f64, out: &mut Step| {
+        let refs: Vec<&Response> = members.iter().map(|i| &resps[*i]).collect();
+        for b in planner::plan_batches(&refs, job.threshold, job.direct_bytes, &job.codecs) {
+            let batch: Vec<&Response> = b.members.iter().map(|m| refs[*m]).collect();
+            let (local, net, wire, algorithm) = job.batch(&batch, b.codec);
+            let lane = (0..lanes.len())
+                .min_by(|a, b| lanes[*a].total_cmp(&lanes[*b]))
+                .expect("a lane");
+            let start = lanes[lane].max(at);
+            let sent = (start + local).max(network_free);
+            let end = sent + net;
+            (lanes[lane], network_free) = (end, end);
+            out.batches += 1;
+            out.trace.push((start, end, wire, algorithm));
+        }
+    };
+    match job.negotiation {
+        Negotiation::Offline => {
+            // the frozen plan's batches: the planner over the whole step, each batch started
+            // once its last tensor is submitted
+            let all: Vec<usize> = (0..resps.len()).collect();
+            let refs: Vec<&Response> = resps.iter().collect();
+            for b in planner::plan_batches(&refs, job.threshold, job.direct_bytes, &job.codecs) {
+                let at = b.members.iter().map(|m| submitted[*m]).fold(0.0, f64::max);
+                let members: Vec<usize> = b.members.iter().map(|m| all[*m]).collect();
+                run(&members, at, &mut out);
+            }
+        }
+        // on GPUs the online vote is one bit per learned bucket (the library's
+        // `Plan::from_buckets`), each voted once its last tensor is submitted
+        Negotiation::Online if job.on_gpu => {
+            let bucket = job.threshold.min(learn::GPU_BUCKET_BYTES);
+            let plan = Plan::from_buckets(&resps, bucket, job.direct_bytes, &job.codecs);
+            let (mut next, mut t) = (0, 0.0f64);
+            for b in &plan.batches {
+                let members: Vec<usize> = (next..next + b.len()).collect();
+                next += b.len();
+                t = t.max(submitted[next - 1] + job.host.wake);
+                let (cost, bytes) = job.round(plan.batches.len(), b.len());
+                t += cost;
+                out.rounds += 1;
+                out.control_bytes += bytes;
+                run(&members, t, &mut out);
+            }
+        }
+        Negotiation::Online | Negotiation::Horovod => {
+            let mut next = 0;
+            let mut t = 0.0f64;
+            while next < resps.len() {
+                t = t.max(submitted[next] + job.host.wake);
+                let taken = submitted[next..]
+                    .iter()
+                    .take_while(|s| **s <= t)
+                    .count()
+                    .max(1);
+                let (cost, bytes) = job.round(resps.len(), taken);
+                t += cost;
+                out.rounds += 1;
+                out.control_bytes += bytes;
+                let members: Vec<usize> = (next..next + taken).collect();
+                run(&members, t, &mut out);
+                next += taken;
+            }
+        }
+    }
+    out.end = lanes.iter().copied().fold(out.submitted, f64::max);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::compress::Compression;
+
+    fn grads(sizes: &[i64]) -> Vec<Gradient> {
+        (sizes.iter().enumerate())
+            .map(|(i, n)| Gradient {
+                name: format!("g{i}"),
+                shape: vec![*n],
+            })
+            .collect()
+    }
+
+    fn job(nodes: usize, negotiation: Negotiation) -> Job {
+        let link = Link {
+            alpha: 10e-6,
+            beta: 1e-9,
+        };
+        Job {
+            topology: Topology { nodes, per_node: 1 },
+            fabric: Fabric {
+                inside: link,
+                nic: link,
+            },
+            host: Host {
+                submit: 1e-6,
+                wake: 0.0,
+                round: 0.0,
+                call: 0.0,
+                pack: 0.0,
+                codec: 0.0,
+                lanes: 1,
+            },
+            negotiation,
+            threshold: 64 << 20,
+            direct_bytes: usize::MAX,
+            codecs: Codecs::default(),
+            policy: Policy::Flat,
+            flat: Algorithm::Ring,
+            on_gpu: false,
+        }
+    }
+
+    #[test]
+    fn shape_sets_read_as_the_data_files_write_them() {
+        let text = "# a comment\nconv.weight\t64x3x7x7\nbn.bias\t64\n\n";
+        let g = shapes(text).unwrap();
+        assert_eq!(g.len(), 2);
+        assert_eq!((g[0].values(), g[1].shape.clone()), (64 * 3 * 49, vec![64]));
+        assert!(shapes("x\t3xy").unwrap_err().contains("line 1"));
+        assert!(shapes("x 3").unwrap_err().contains("no tab"));
+    }
+
+    #[test]
+    fn gradients_ready_at_once_fuse_into_one_ring_whose_time_is_the_closed_form() {
+        let g = grads(&[1000, 2000, 3000]);
+        let j = job(4, Negotiation::Offline);
+        let s = step(&j, &g, &[0.0; 3]);
+        assert_eq!(s.batches, 1);
+        let bytes = 6000.0 * 4.0;
+        let want = 3e-6 + network::ring(4, bytes, j.fabric.nic);
+        assert!((s.end - want).abs() < 1e-12, "{} vs {want}", s.end);
+        assert_eq!(s.rounds, 0);
+    }
+
+    #[test]
+    fn online_rounds_take_what_was_submitted_and_cost_a_vote_each() {
+        let g = grads(&[1000, 1000, 1000]);
+        let mut j = job(2, Negotiation::Online);
+        // the loop wakes 5 us after a submission: the second and third gradients, 1 ms after
+        // the first and submitted 1 us apart, share a round
+        j.host.wake = 5e-6;
+        let s = step(&j, &g, &[0.0, 1e-3, 1e-3]);
+        assert_eq!((s.rounds, s.batches), (2, 2));
+        // one 8-byte word each way per round at two ranks
+        assert_eq!(s.control_bytes, 2.0 * 16.0);
+        let vote = network::halving_doubling(2, 8.0, j.fabric.nic);
+        let second = 1e-3 + 1e-6 + 5e-6 + vote;
+        let want = second + network::ring(2, 8000.0, j.fabric.nic);
+        assert!((s.end - want).abs() < 1e-12, "{} vs {want}", s.end);
+        // without the wait, a round each
+        j.host.wake = 0.0;
+        assert_eq!(step(&j, &g, &[0.0, 1e-3, 1e-3]).rounds, 3);
+        // Horovod's protocol: the same batches, a coordinator round each
+        let mut h = job(2, Negotiation::Horovod);
+        h.host.wake = 5e-6;
+        let h = step(&h, &g, &[0.0, 1e-3, 1e-3]);
+        assert_eq!((h.rounds, h.batches), (2, 2));
+        assert!(h.control_bytes > s.control_bytes);
+    }
+
+    #[test]
+    fn codecs_change_the_bytes_on_the_wire() {
+        let g = grads(&[1 << 20]);
+        let mut j = job(2, Negotiation::Offline);
+        let plain = step(&j, &g, &[0.0]);
+        j.codecs = Codecs {
+            setting: Compression::Fp16,
+            ..Codecs::default()
+        };
+        let half = step(&j, &g, &[0.0]);
+        assert_eq!(plain.trace[0].2, 4 << 20);
+        assert_eq!(half.trace[0].2, 2 << 20);
+        assert!(half.end < plain.end);
+    }
+
+    #[test]
+    fn a_second_lane_overlaps_a_batch_set_up_with_the_other_transfer() {
+        // two tensors of 40 MiB under a 64 MiB threshold: two batches, each 10 ms of set-up
+        // and about 42 ms of transfer
+        let g = grads(&[10 << 20, 10 << 20]);
+        let mut j = job(2, Negotiation::Offline);
+        j.host.call = 10e-3;
+        let one = step(&j, &g, &[0.0, 0.0]);
+        j.host.lanes = 2;
+        let two = step(&j, &g, &[0.0, 0.0]);
+        assert_eq!((one.batches, two.batches), (2, 2));
+        let net = network::ring(2, (40 << 20) as f64, j.fabric.nic);
+        assert!((one.end - (2.0 * 10e-3 + 2.0 * net + 1e-6)).abs() < 1e-9);
+        // the second set-up hides behind the first transfer; the transfers take turns
+        assert!(
+            (two.end - (10e-3 + 2.0 * net + 1e-6)).abs() < 1e-9,
+            "{}",
+            two.end
+        );
+    }
+}
