@@ -3,17 +3,18 @@
 //!
 //! ```text
 //! target/release/ferrovod-sim calibrate        # the measured configurations, simulated
+//! target/release/ferrovod-sim predict          # 8 to 10,240 GPUs, 8 a node
 //! ```
 //!
 //! The gradient shape sets come from `../shared/data` (or `FERROVOD_DATA_DIR`).
 
-use ferrovod::collective::cost::{Link, Policy};
+use ferrovod::collective::cost::{CostModel, Link, Policy};
 use ferrovod::compress::{Codecs, Compression};
 use ferrovod::sim::network::{Algorithm, Fabric, Topology};
 use ferrovod::sim::step::{self, Gradient, Host, Job, Negotiation};
 
 fn usage(msg: &str) -> ! {
-    eprintln!("ferrovod-sim: {msg}\nusage: ferrovod-sim calibrate");
+    eprintln!("ferrovod-sim: {msg}\nusage: ferrovod-sim calibrate|predict");
     std::process::exit(2)
 }
 
@@ -73,6 +74,7 @@ fn emulated(nodes: usize, per_node: usize, pack: f64) -> Job {
         // one rank per host: the ring over point-to-point transfers; several: MPI's allreduce,
         // which the model takes for a ring too
         flat: Algorithm::Ring,
+        hierarchical: Algorithm::Hierarchical,
         on_gpu: false,
     }
 }
@@ -109,6 +111,7 @@ fn nvlink(ranks: usize, one: f64, bytes: f64, wake: f64) -> Job {
         codecs: Codecs::default(),
         policy: Policy::Flat,
         flat: Algorithm::Ring,
+        hierarchical: Algorithm::Hierarchical,
         on_gpu: true,
     }
 }
@@ -161,6 +164,7 @@ fn calibrate() {
         j.policy = Policy::Hierarchical;
         j
     };
+    let mut training = Vec::new();
     let rows = [
         Measured {
             name: "hosts=2x1 1Gbit resnet50 none",
@@ -205,6 +209,28 @@ fn calibrate() {
             fits: None,
         },
     ];
+    // training at np 4: the model alone's step, measured, as the compute
+    let bert = backward("bert_base_grads.tsv");
+    for (name, grads, alone, measured, source) in [
+        (
+            "gpu np=4 resnet50-train fp32 ferrovod/no-comm",
+            &resnet,
+            RESNET_STEP,
+            0.981,
+            "0.981, b4da6e8",
+        ),
+        (
+            "gpu np=4 bert-base-train fp32 ferrovod/no-comm",
+            &bert,
+            BERT_STEP,
+            0.976,
+            "0.976, b4da6e8",
+        ),
+    ] {
+        let job = nvlink(4, one4, bytes, wake);
+        let e = efficiency(&job, grads, alone);
+        training.push((name, measured, e, source));
+    }
     println!(
         "# the ResNet-50 gradient set ({} tensors, {:.1} MB), submitted at once in backward order",
         resnet.len(),
@@ -238,13 +264,176 @@ fn calibrate() {
             r.source
         );
     }
+    for (name, measured, simulated, source) in &training {
+        let ratio = simulated / measured;
+        worst = worst.max((ratio - 1.0).abs());
+        println!(
+            "| {name} | {measured:.3} | {simulated:.3} | {ratio:.3} | predicted (the model alone's step measured) | {source} |"
+        );
+    }
     println!("calibration worst predicted error = {:.1} %", worst * 100.0);
+}
+
+/// The model alone's step on one H200, batch 64 (ResNet-50) and 32 (BERT-base, sequence 128),
+/// fp32: 7710.4 images/s and 1800.3 sequences/s over 4 GPUs (BENCHMARKS.md, b4da6e8).
+const RESNET_STEP: f64 = 64.0 * 4.0 / 7710.4;
+const BERT_STEP: f64 = 32.0 * 4.0 / 1800.3;
+
+/// A kernel's least time in the backward pass, per gradient.
+const PER_TENSOR: f64 = 20e-6;
+
+/// The simulated step of a training job whose model alone takes `alone` seconds a step (a
+/// third forward, two thirds backward), and the model alone's share of it (the scaling
+/// efficiency against one GPU).
+fn training_step(job: &Job, grads: &[Gradient], alone: f64) -> (f64, step::Step) {
+    let ready = step::ready_times(grads, alone / 3.0, 2.0 * alone / 3.0, PER_TENSOR);
+    let s = step::step(job, grads, &ready);
+    (s.end.max(alone), s)
+}
+
+fn efficiency(job: &Job, grads: &[Gradient], alone: f64) -> f64 {
+    alone / training_step(job, grads, alone).0
+}
+
+/// A node of 8 H200s over NVLink (the link of the np 4 calibration) with one NIC of `gbit`
+/// Gbit/s (NCCL's network: 10 us a message, 1.05 x the bytes on the wire).
+fn cluster(nodes: usize, gbit: f64, bytes: f64, wake: f64) -> Job {
+    let mut j = nvlink(4, 506.5e-6, bytes, wake);
+    j.topology = Topology { nodes, per_node: 8 };
+    j.fabric.nic = Link {
+        alpha: 10e-6,
+        beta: 8e-9 / gbit * 1.05,
+    };
+    j
+}
+
+fn predict() {
+    let resnet = backward("resnet50_grads.tsv");
+    let bert = backward("bert_base_grads.tsv");
+    let bytes: f64 = resnet.iter().map(|g| g.values() as f64 * 4.0).sum();
+    // the calibrated delay before the first round (`calibrate`)
+    let one2 = 416.2e-6;
+    let at_once = vec![0.0; resnet.len()];
+    let wake = solve(475.5e-6, 0.0, 400e-6, |w| {
+        step::step(&nvlink(2, one2, bytes, w), &resnet, &at_once).end
+    });
+    let sizes = [8usize, 64, 512, 4096, 10240];
+    let modes: [(&str, fn(Job) -> Job); 9] = [
+        ("flat", |j| j),
+        ("hierarchical", |mut j| {
+            j.policy = Policy::Hierarchical;
+            j
+        }),
+        ("auto", |mut j| {
+            let t = j.topology;
+            let model =
+                CostModel::from_messages(j.fabric.inside, j.fabric.nic, t.per_node, t.nodes);
+            j.policy = Policy::Auto(model);
+            j
+        }),
+        ("hier+halving", |mut j| {
+            j.policy = Policy::Hierarchical;
+            j.hierarchical = Algorithm::HierarchicalHalving;
+            j
+        }),
+        ("fp16", |mut j| {
+            j.policy = Policy::Hierarchical;
+            j.codecs = Codecs {
+                setting: Compression::Fp16,
+                ..Codecs::default()
+            };
+            j
+        }),
+        ("u8", |mut j| {
+            // flat on GPUs (`plan::choose`): its blocks cannot be summed on the way
+            j.codecs = Codecs {
+                setting: Compression::U8,
+                ..Codecs::default()
+            };
+            j
+        }),
+        ("gossip", |mut j| {
+            j.flat = Algorithm::Exchange;
+            j
+        }),
+        ("multistep4", |mut j| {
+            j.policy = Policy::Hierarchical;
+            j
+        }),
+        ("offline", |mut j| {
+            j.policy = Policy::Hierarchical;
+            j.negotiation = Negotiation::Offline;
+            j
+        }),
+    ];
+    for (model, grads, alone) in [
+        ("resnet50", &resnet, RESNET_STEP),
+        ("bert-base", &bert, BERT_STEP),
+    ] {
+        for gbit in [100.0, 25.0] {
+            println!(
+                "\n# {model}, fp32, the model alone {:.1} ms a step; 8 GPUs a node, {gbit:.0} Gbit/s a node: scaling efficiency % (step ms)",
+                alone * 1e3
+            );
+            let names: Vec<&str> = modes.iter().map(|m| m.0).collect();
+            println!("| ranks | {} |", names.join(" | "));
+            println!("| --- |{}", " --- |".repeat(names.len()));
+            for n in sizes {
+                let base = cluster(n / 8, gbit, bytes, wake);
+                let cells: Vec<String> = (modes.iter())
+                    .map(|(name, make)| {
+                        let job = make(base);
+                        let (stepped, _) = training_step(&job, grads, alone);
+                        // multistep: one step in four communicates
+                        let t = match *name {
+                            "multistep4" => (3.0 * alone + stepped) / 4.0,
+                            _ => stepped,
+                        };
+                        format!("{:.0} ({:.1})", 100.0 * alone / t, t * 1e3)
+                    })
+                    .collect();
+                println!("| {n} | {} |", cells.join(" | "));
+            }
+        }
+    }
+    println!(
+        "\n# negotiation per ResNet-50 training step at 100 Gbit/s, hierarchical: rounds, bytes a rank sends and receives for them, step ms"
+    );
+    println!("| ranks | online | offline | Horovod's protocol |");
+    println!("| --- | --- | --- | --- |");
+    for n in sizes {
+        let cells: Vec<String> = [
+            Negotiation::Online,
+            Negotiation::Offline,
+            Negotiation::Horovod,
+        ]
+        .iter()
+        .map(|neg| {
+            let mut j = cluster(n / 8, 100.0, bytes, wake);
+            j.policy = Policy::Hierarchical;
+            j.negotiation = *neg;
+            if *neg == Negotiation::Horovod {
+                // Horovod's loop runs a cycle every HOROVOD_CYCLE_TIME (1 ms by default)
+                j.host.wake = 1e-3;
+            }
+            let (t, s) = training_step(&j, &resnet, RESNET_STEP);
+            format!(
+                "{} rounds, {:.0} B, {:.1} ms",
+                s.rounds,
+                s.control_bytes,
+                t * 1e3
+            )
+        })
+        .collect();
+        println!("| {n} | {} |", cells.join(" | "));
+    }
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("calibrate") => calibrate(),
+        Some("predict") => predict(),
         Some(other) => usage(&format!("unknown mode {other:?}")),
         None => usage("a mode is needed"),
     }

@@ -38,6 +38,11 @@ pub enum Algorithm {
     /// ferrovod's hierarchical allreduce: a reduce-scatter inside each node, one allreduce
     /// across nodes per rank of a node (all of a node's sharing its NIC), an allgather inside.
     Hierarchical,
+    /// The same with halving and doubling across nodes instead of a ring.
+    HierarchicalHalving,
+    /// Gossip's exchange: each rank sends its tensor to one peer on another node and receives
+    /// the peer's (a node's ranks all through its NIC at once).
+    Exchange,
 }
 
 /// The ring's time over `p` ranks on one kind of link: 2 (p − 1) steps, each moving a p-th of
@@ -96,20 +101,27 @@ impl Fabric {
             _ => self.slowest(),
         };
         match algorithm {
+            Algorithm::Exchange if p <= 1 => 0.0,
+            Algorithm::Exchange if t.nodes == 1 => self.inside.alpha + bytes * self.inside.beta,
+            Algorithm::Exchange => self.nic.alpha + bytes * t.per_node as f64 * self.nic.beta,
             Algorithm::Ring => ring(p, bytes, link),
             Algorithm::HalvingDoubling => halving_doubling(p, bytes, link),
             Algorithm::Tree => tree(p, bytes, link),
-            Algorithm::Hierarchical => {
+            Algorithm::Hierarchical | Algorithm::HierarchicalHalving => {
                 let g = t.per_node;
                 // reduce-scatter and allgather inside: each half a ring
                 let inside = ring(g, bytes, self.inside);
-                // g rings across the nodes at once, each of bytes / g, through one NIC: the
-                // NIC carries them all, so its per-byte time is g times a single ring's
+                // g allreduces across the nodes at once, each of bytes / g, through one NIC:
+                // the NIC carries them all, so its per-byte time is g times a single one's
                 let shared = Link {
                     alpha: self.nic.alpha,
                     beta: self.nic.beta * g as f64,
                 };
-                inside + ring(t.nodes, bytes / g as f64, shared)
+                let across = match algorithm {
+                    Algorithm::Hierarchical => ring(t.nodes, bytes / g as f64, shared),
+                    _ => halving_doubling(t.nodes, bytes / g as f64, shared),
+                };
+                inside + across
             }
         }
     }

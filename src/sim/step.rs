@@ -105,8 +105,9 @@ pub struct Job {
     pub codecs: Codecs,
     /// Flat or hierarchical per batch (`cost::Policy`, the library's choice).
     pub policy: Policy,
-    /// What a flat allreduce is on this engine.
+    /// What a flat allreduce is on this engine, and a hierarchical one.
     pub flat: Algorithm,
+    pub hierarchical: Algorithm,
     /// GPU tensors (device 0) or host ones.
     pub on_gpu: bool,
 }
@@ -171,10 +172,12 @@ impl Job {
         match self.negotiation {
             Negotiation::Offline => (0.0, 0.0),
             Negotiation::Online => {
-                // the bit vector, in 64-bit words
+                // the bit vector, in 64-bit words, sent and received at each of the AND
+                // allreduce's steps
                 let bytes = cached.div_ceil(64) as f64 * 8.0;
                 let t = network::halving_doubling(p, bytes, l);
-                (self.host.round + t, 2.0 * bytes * (p > 1) as u8 as f64)
+                let steps = (usize::BITS - (p.max(1) - 1).leading_zeros()) as f64;
+                (self.host.round + t, 2.0 * bytes * steps)
             }
             Negotiation::Horovod => {
                 // gather every rank's requests at the coordinator, broadcast the responses
@@ -198,7 +201,7 @@ impl Job {
         let wire: usize = resps.iter().map(|r| codec.wire_bytes(r)).sum();
         let algorithm = match self.policy.choose(fused) {
             cost::Algorithm::Flat => self.flat,
-            cost::Algorithm::Hierarchical => Algorithm::Hierarchical,
+            cost::Algorithm::Hierarchical => self.hierarchical,
         };
         let t = self.topology;
         let p = t.ranks();
@@ -223,6 +226,24 @@ impl Job {
         };
         (self.host.call + pack + arithmetic, net, wire, algorithm)
     }
+}
+
+/// When each gradient (in backward order) is ready in a training step whose forward pass takes
+/// `forward` seconds and backward pass `backward`: each layer's share of the backward pass in
+/// proportion to its values, plus an equal share of `per_tensor` (a kernel's least time),
+/// within the backward pass's length.
+pub fn ready_times(grads: &[Gradient], forward: f64, backward: f64, per_tensor: f64) -> Vec<f64> {
+    let n = grads.len() as f64;
+    let floor = (per_tensor * n).min(backward);
+    let values: f64 = grads.iter().map(|g| g.values() as f64).sum();
+    let mut t = forward;
+    grads
+        .iter()
+        .map(|g| {
+            t += floor / n + (backward - floor) * g.values() as f64 / values.max(1.0);
+            t
+        })
+        .collect()
 }
 
 /// One step of `job` whose gradients (`grads`, in the order they are produced: backward
@@ -353,7 +374,19 @@ mod tests {
             codecs: Codecs::default(),
             policy: Policy::Flat,
             flat: Algorithm::Ring,
+            hierarchical: Algorithm::Hierarchical,
             on_gpu: false,
+        }
+    }
+
+    #[test]
+    fn the_backward_pass_emits_its_gradients_by_their_share_of_its_time() {
+        let g = grads(&[100, 300, 600]);
+        let t = ready_times(&g, 1.0, 2.0, 0.1);
+        // 0.3 s of floor split evenly, 1.7 s by values
+        let want = [1.0 + 0.1 + 0.17, 1.0 + 0.2 + 0.68, 3.0];
+        for (a, b) in t.iter().zip(want) {
+            assert!((a - b).abs() < 1e-12, "{t:?}");
         }
     }
 
