@@ -307,6 +307,9 @@ fn cluster(nodes: usize, gbit: f64, bytes: f64, wake: f64) -> Job {
     j
 }
 
+/// A mode of the prediction tables: its name and how it sets the job up.
+type Mode = (&'static str, fn(Job) -> Job);
+
 fn predict() {
     let resnet = backward("resnet50_grads.tsv");
     let bert = backward("bert_base_grads.tsv");
@@ -318,7 +321,7 @@ fn predict() {
         step::step(&nvlink(2, one2, bytes, w), &resnet, &at_once).end
     });
     let sizes = [8usize, 64, 512, 4096, 10240];
-    let modes: [(&str, fn(Job) -> Job); 9] = [
+    let modes: [Mode; 9] = [
         ("flat", |j| j),
         ("hierarchical", |mut j| {
             j.policy = Policy::Hierarchical;
