@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! target/release/ferrovod-sim calibrate        # the measured configurations, simulated
-//! target/release/ferrovod-sim predict          # 8 to 10,240 GPUs, 8 a node
+//! target/release/ferrovod-sim predict [--json] # 8 to 10,240 GPUs, 8 a node
 //! ```
 //!
 //! The gradient shape sets come from `../shared/data` (or `FERROVOD_DATA_DIR`).
@@ -310,18 +310,9 @@ fn cluster(nodes: usize, gbit: f64, bytes: f64, wake: f64) -> Job {
 /// A mode of the prediction tables: its name and how it sets the job up.
 type Mode = (&'static str, fn(Job) -> Job);
 
-fn predict() {
-    let resnet = backward("resnet50_grads.tsv");
-    let bert = backward("bert_base_grads.tsv");
-    let bytes: f64 = resnet.iter().map(|g| g.values() as f64 * 4.0).sum();
-    // the calibrated delay before the first round (`calibrate`)
-    let one2 = 416.2e-6;
-    let at_once = vec![0.0; resnet.len()];
-    let wake = solve(475.5e-6, 0.0, 400e-6, |w| {
-        step::step(&nvlink(2, one2, bytes, w), &resnet, &at_once).end
-    });
-    let sizes = [8usize, 64, 512, 4096, 10240];
-    let modes: [Mode; 9] = [
+/// The modes of the prediction tables.
+fn modes() -> Vec<Mode> {
+    vec![
         ("flat", |j| j),
         ("hierarchical", |mut j| {
             j.policy = Policy::Hierarchical;
@@ -368,7 +359,23 @@ fn predict() {
             j.negotiation = Negotiation::Offline;
             j
         }),
-    ];
+    ]
+}
+
+/// `json`: also one JSON object per cell, after the tables (`benchmarks/results/`).
+fn predict(json: bool) {
+    let mut rows: Vec<String> = Vec::new();
+    let resnet = backward("resnet50_grads.tsv");
+    let bert = backward("bert_base_grads.tsv");
+    let bytes: f64 = resnet.iter().map(|g| g.values() as f64 * 4.0).sum();
+    // the calibrated delay before the first round (`calibrate`)
+    let one2 = 416.2e-6;
+    let at_once = vec![0.0; resnet.len()];
+    let wake = solve(475.5e-6, 0.0, 400e-6, |w| {
+        step::step(&nvlink(2, one2, bytes, w), &resnet, &at_once).end
+    });
+    let sizes = [8usize, 64, 512, 4096, 10240];
+    let modes = modes();
     for (model, grads, alone) in [
         ("resnet50", &resnet, RESNET_STEP),
         ("bert-base", &bert, BERT_STEP),
@@ -392,6 +399,13 @@ fn predict() {
                             "multistep4" => (3.0 * alone + stepped) / 4.0,
                             _ => stepped,
                         };
+                        if json {
+                            rows.push(format!(
+                                "{{\"model\":\"{model}\",\"gbit\":{gbit},\"ranks\":{n},\"mode\":\"{name}\",\"step_ms\":{:.3},\"efficiency\":{:.4}}}",
+                                t * 1e3,
+                                alone / t
+                            ));
+                        }
                         format!("{:.0} ({:.1})", 100.0 * alone / t, t * 1e3)
                     })
                     .collect();
@@ -430,13 +444,62 @@ fn predict() {
         .collect();
         println!("| {n} | {} |", cells.join(" | "));
     }
+    if json {
+        for r in &rows {
+            println!("JSON {r}");
+        }
+    }
+}
+
+/// One node of the job at a quarter of its NIC's rate, and one node lost.
+fn faults() {
+    let resnet = backward("resnet50_grads.tsv");
+    let bytes: f64 = resnet.iter().map(|g| g.values() as f64 * 4.0).sum();
+    let at_once = vec![0.0; resnet.len()];
+    let wake = solve(475.5e-6, 0.0, 400e-6, |w| {
+        step::step(&nvlink(2, 416.2e-6, bytes, w), &resnet, &at_once).end
+    });
+    println!(
+        "# ResNet-50 fp32, 8 GPUs a node, 100 Gbit/s: step ms without / with one node's NIC at a quarter of its rate (every collective waits for the slowest node)"
+    );
+    let modes = modes();
+    let shown = ["hierarchical", "hier+halving", "fp16", "multistep4"];
+    println!("| ranks | {} |", shown.join(" | "));
+    println!("| --- |{}", " --- |".repeat(shown.len()));
+    for n in [64usize, 512, 4096] {
+        let cells: Vec<String> = (modes.iter())
+            .filter(|(name, _)| shown.contains(name))
+            .map(|(name, make)| {
+                let base = make(cluster(n / 8, 100.0, bytes, wake));
+                let mut slow = base;
+                slow.fabric.nic.beta *= 4.0;
+                let step_of = |j: &Job| {
+                    let t = training_step(j, &resnet, RESNET_STEP).0;
+                    match *name {
+                        "multistep4" => (3.0 * RESNET_STEP + t) / 4.0,
+                        _ => t,
+                    }
+                };
+                format!("{:.1} / {:.1}", step_of(&base) * 1e3, step_of(&slow) * 1e3)
+            })
+            .collect();
+        println!("| {n} | {} |", cells.join(" | "));
+    }
+    let shutdown = ferrovod::config::DEFAULT_STALL_SHUTDOWN_SECONDS as f64;
+    println!(
+        "# one node lost: the other ranks' waits are bounded by HOROVOD_STALL_SHUTDOWN_TIME_SECONDS ({shutdown:.0} s by default), so every rank has an error at most that plus one step after the loss; Horovod's default (0) waits forever"
+    );
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("calibrate") => calibrate(),
-        Some("predict") => predict(),
+        Some("predict") => {
+            predict(args.iter().any(|a| a == "--json"));
+            println!();
+            faults();
+        }
         Some(other) => usage(&format!("unknown mode {other:?}")),
         None => usage("a mode is needed"),
     }
