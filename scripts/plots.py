@@ -113,6 +113,27 @@ def hosts():
     save(fig, "hosts-2x1.png")
 
 
+def scale_model():
+    doc = load("sim-predict.json")
+    models = ("resnet50", "bert-base")
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharex=True, sharey=True)
+    for row, model in enumerate(models):
+        for col, gbit in enumerate((100, 25)):
+            ax = axes[row][col]
+            rows = [r for r in doc["rows"] if r["model"] == model and r["gbit"] == gbit]
+            for mode in dict.fromkeys(r["mode"] for r in rows):
+                pts = sorted((r["ranks"], r["efficiency"]) for r in rows if r["mode"] == mode)
+                ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", label=mode)
+            ax.set_xscale("log")
+            ax.set_title("%s, %d Gbit/s a node of 8 GPUs" % (model, gbit))
+            ax.set_ylabel("scaling efficiency, %")
+            ax.set_xlabel("GPUs")
+            ax.grid(True, alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("predicted by the scale model, %s, at %s" % (doc["date"], doc["commit"]))
+    save(fig, "sim-scaling.png")
+
+
 def training():
     doc = load("gpu-train-resnet50-2xh200.json")
     modes = [("nocomm", "model alone"), ("ddp", "DDP (NCCL)"), ("ferrovod", "ferrovod"),
@@ -136,3 +157,4 @@ if __name__ == "__main__":
     cpu_busbw()
     hosts()
     training()
+    scale_model()
