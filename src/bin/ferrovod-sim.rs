@@ -43,40 +43,30 @@ const GBIT_BETA: f64 = 8e-9 * 1.047;
 
 /// The emulated hosts of this machine (`scripts/hosts/`): one link of 1 Gbit/s per host, and
 /// the ranks of one host over MPI's shared memory, all on two cores.
+/// Across hosts every tensor is fused up to the threshold (`planner::direct_bytes`); with one
+/// rank per host flat allreduces run the ring over point-to-point transfers, with several
+/// MPI's allreduce, which the model takes for a ring too (`Job::new`'s defaults).
 fn emulated(nodes: usize, per_node: usize, pack: f64) -> Job {
-    Job {
-        topology: Topology { nodes, per_node },
-        fabric: Fabric {
-            inside: Link {
-                alpha: 5e-6,
-                beta: 1.0 / 3e9,
-            },
-            nic: Link {
-                alpha: 60e-6,
-                beta: GBIT_BETA,
-            },
+    let fabric = Fabric {
+        inside: Link {
+            alpha: 5e-6,
+            beta: 1.0 / 3e9,
         },
-        host: Host {
-            submit: 2e-6,
-            wake: 0.0,
-            round: 30e-6,
-            call: 50e-6,
-            pack,
-            codec: 0.0,
-            lanes: 1,
+        nic: Link {
+            alpha: 60e-6,
+            beta: GBIT_BETA,
         },
-        negotiation: Negotiation::Online,
-        threshold: 128 << 20,
-        // across hosts every tensor is fused up to the threshold (`planner::direct_bytes`)
-        direct_bytes: usize::MAX,
-        codecs: Codecs::default(),
-        policy: Policy::Flat,
-        // one rank per host: the ring over point-to-point transfers; several: MPI's allreduce,
-        // which the model takes for a ring too
-        flat: Algorithm::Ring,
-        hierarchical: Algorithm::Hierarchical,
-        on_gpu: false,
-    }
+    };
+    let host = Host {
+        submit: 2e-6,
+        wake: 0.0,
+        round: 30e-6,
+        call: 50e-6,
+        pack,
+        codec: 0.0,
+        lanes: 1,
+    };
+    Job::new(Topology { nodes, per_node }, fabric, host, false)
 }
 
 /// One node of H200s over NVLink: the link as the measured one NCCL allreduce of the set's
@@ -87,33 +77,46 @@ fn nvlink(ranks: usize, one: f64, bytes: f64, wake: f64) -> Job {
     let steps = 2.0 * (ranks - 1) as f64;
     let beta = (one - steps * alpha) / (steps / ranks as f64 * bytes);
     let link = Link { alpha, beta };
-    Job {
-        topology: Topology {
-            nodes: 1,
-            per_node: ranks,
-        },
-        fabric: Fabric {
-            inside: link,
-            nic: link,
-        },
-        host: Host {
-            submit: 1.0e-6,
-            wake,
-            round: 5e-6,
-            call: 10e-6,
-            pack: 0.0,
-            codec: 0.0,
-            lanes: 2,
-        },
-        negotiation: Negotiation::Online,
-        threshold: 128 << 20,
-        direct_bytes: usize::MAX,
-        codecs: Codecs::default(),
-        policy: Policy::Flat,
-        flat: Algorithm::Ring,
-        hierarchical: Algorithm::Hierarchical,
-        on_gpu: true,
-    }
+    let topology = Topology {
+        nodes: 1,
+        per_node: ranks,
+    };
+    let fabric = Fabric {
+        inside: link,
+        nic: link,
+    };
+    let host = Host {
+        submit: 1.0e-6,
+        wake,
+        round: 5e-6,
+        call: 10e-6,
+        pack: 0.0,
+        codec: 0.0,
+        lanes: 2,
+    };
+    Job::new(topology, fabric, host, true)
+}
+
+/// Measured on 4 × H200 (BENCHMARKS.md, b4da6e8): one NCCL allreduce of the ResNet-50 set at
+/// np 2 and np 4, and ferrovod's step of the set at np 2.
+const NP2_ONE_ALLREDUCE: f64 = 416.2e-6;
+const NP4_ONE_ALLREDUCE: f64 = 506.5e-6;
+const NP2_STEP: f64 = 475.5e-6;
+
+/// The ResNet-50 set in backward order, and its bytes.
+fn resnet() -> (Vec<Gradient>, f64) {
+    let g = backward("resnet50_grads.tsv");
+    let bytes = g.iter().map(|g| g.values() as f64 * 4.0).sum();
+    (g, bytes)
+}
+
+/// The GPU's delay before the first round, fitted to ferrovod's measured np 2 step of the set
+/// submitted at once.
+fn first_round_delay(resnet: &[Gradient], bytes: f64) -> f64 {
+    let at_once = vec![0.0; resnet.len()];
+    solve(NP2_STEP, 0.0, 400e-6, |w| {
+        step::step(&nvlink(2, NP2_ONE_ALLREDUCE, bytes, w), resnet, &at_once).end
+    })
 }
 
 /// A measured configuration: what it is, the measured step (seconds), where the figure comes
@@ -141,8 +144,7 @@ fn solve(want: f64, mut lo: f64, mut hi: f64, f: impl Fn(f64) -> f64) -> f64 {
 }
 
 fn calibrate() {
-    let resnet = backward("resnet50_grads.tsv");
-    let bytes: f64 = resnet.iter().map(|g| g.values() as f64 * 4.0).sum();
+    let (resnet, bytes) = resnet();
     let at_once = vec![0.0; resnet.len()];
     let end = |job: &Job| step::step(job, &resnet, &at_once).end;
     // emulated hosts: the per-byte cost of packing and unpacking the fused batch on the host
@@ -151,8 +153,8 @@ fn calibrate() {
     let pack = solve(two_by_one, 0.0, 1e-8, |p| end(&emulated(2, 1, p)));
     // GPUs: the delay before the first round (the loop's wake-up and the first launch)
     // fitted to the np 2 step, the link of each size from its one NCCL allreduce
-    let (one2, one4) = (416.2e-6, 506.5e-6);
-    let wake = solve(475.5e-6, 0.0, 400e-6, |w| end(&nvlink(2, one2, bytes, w)));
+    let (one2, one4) = (NP2_ONE_ALLREDUCE, NP4_ONE_ALLREDUCE);
+    let wake = first_round_delay(&resnet, bytes);
     let fp16 = |mut j: Job| {
         j.codecs = Codecs {
             setting: Compression::Fp16,
@@ -196,7 +198,7 @@ fn calibrate() {
         },
         Measured {
             name: "gpu np=2 resnet50 (4 x H200)",
-            seconds: 475.5e-6,
+            seconds: NP2_STEP,
             source: "475.5 us, b4da6e8",
             job: nvlink(2, one2, bytes, wake),
             fits: Some("first round's delay"),
@@ -298,7 +300,7 @@ fn efficiency(job: &Job, grads: &[Gradient], alone: f64) -> f64 {
 /// A node of 8 H200s over NVLink (the link of the np 4 calibration) with one NIC of `gbit`
 /// Gbit/s (NCCL's network: 10 us a message, 1.05 x the bytes on the wire).
 fn cluster(nodes: usize, gbit: f64, bytes: f64, wake: f64) -> Job {
-    let mut j = nvlink(4, 506.5e-6, bytes, wake);
+    let mut j = nvlink(4, NP4_ONE_ALLREDUCE, bytes, wake);
     j.topology = Topology { nodes, per_node: 8 };
     j.fabric.nic = Link {
         alpha: 10e-6,
@@ -365,15 +367,10 @@ fn modes() -> Vec<Mode> {
 /// `json`: also one JSON object per cell, after the tables (`benchmarks/results/`).
 fn predict(json: bool) {
     let mut rows: Vec<String> = Vec::new();
-    let resnet = backward("resnet50_grads.tsv");
+    let (resnet, bytes) = resnet();
     let bert = backward("bert_base_grads.tsv");
-    let bytes: f64 = resnet.iter().map(|g| g.values() as f64 * 4.0).sum();
     // the calibrated delay before the first round (`calibrate`)
-    let one2 = 416.2e-6;
-    let at_once = vec![0.0; resnet.len()];
-    let wake = solve(475.5e-6, 0.0, 400e-6, |w| {
-        step::step(&nvlink(2, one2, bytes, w), &resnet, &at_once).end
-    });
+    let wake = first_round_delay(&resnet, bytes);
     let sizes = [8usize, 64, 512, 4096, 10240];
     let modes = modes();
     for (model, grads, alone) in [
@@ -453,12 +450,8 @@ fn predict(json: bool) {
 
 /// One node of the job at a quarter of its NIC's rate, and one node lost.
 fn faults() {
-    let resnet = backward("resnet50_grads.tsv");
-    let bytes: f64 = resnet.iter().map(|g| g.values() as f64 * 4.0).sum();
-    let at_once = vec![0.0; resnet.len()];
-    let wake = solve(475.5e-6, 0.0, 400e-6, |w| {
-        step::step(&nvlink(2, 416.2e-6, bytes, w), &resnet, &at_once).end
-    });
+    let (resnet, bytes) = resnet();
+    let wake = first_round_delay(&resnet, bytes);
     println!(
         "# ResNet-50 fp32, 8 GPUs a node, 100 Gbit/s: step ms without / with one node's NIC at a quarter of its rate (every collective waits for the slowest node)"
     );

@@ -322,12 +322,7 @@ pub fn add_batch(
 
 /// A kernel launched by `Gpu::launch_ranges` (no element sizes).
 fn ranges_kernel(name: &'static str) -> Elementwise {
-    Elementwise {
-        library: &LIBRARY,
-        name,
-        src_size: 0,
-        dst_size: 0,
-    }
+    Elementwise::ranges(&LIBRARY, name)
 }
 
 /// Blocks in x for a grid-stride loop over `len` elements.

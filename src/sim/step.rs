@@ -152,6 +152,25 @@ fn response(g: &Gradient, on_gpu: bool) -> Response {
 }
 
 impl Job {
+    /// A job with ferrovod's defaults: online negotiation, a fusion threshold of 128 MiB,
+    /// every tensor fused up to it, no codec, flat allreduces by ring, hierarchical ones with a
+    /// ring across nodes.
+    pub fn new(topology: Topology, fabric: Fabric, host: Host, on_gpu: bool) -> Job {
+        Job {
+            topology,
+            fabric,
+            host,
+            negotiation: Negotiation::Online,
+            threshold: 128 << 20,
+            direct_bytes: usize::MAX,
+            codecs: Codecs::default(),
+            policy: Policy::Flat,
+            flat: Algorithm::Ring,
+            hierarchical: Algorithm::Hierarchical,
+            on_gpu,
+        }
+    }
+
     /// The link negotiation's small messages take: the slowest the set spans.
     fn control_link(&self) -> Link {
         let (i, n) = (self.fabric.inside, self.fabric.nic);
@@ -285,12 +304,10 @@ pub fn step(job: &Job, grads: &[Gradient], ready: &[f64]) -> Step {
         Negotiation::Offline => {
             // the frozen plan's batches: the planner over the whole step, each batch started
             // once its last tensor is submitted
-            let all: Vec<usize> = (0..resps.len()).collect();
             let refs: Vec<&Response> = resps.iter().collect();
             for b in planner::plan_batches(&refs, job.threshold, job.direct_bytes, &job.codecs) {
                 let at = b.members.iter().map(|m| submitted[*m]).fold(0.0, f64::max);
-                let members: Vec<usize> = b.members.iter().map(|m| all[*m]).collect();
-                run(&members, at, &mut out);
+                run(&b.members, at, &mut out);
             }
         }
         // on GPUs the online vote is one bit per learned bucket (the library's
@@ -353,29 +370,23 @@ mod tests {
             alpha: 10e-6,
             beta: 1e-9,
         };
+        let host = Host {
+            submit: 1e-6,
+            wake: 0.0,
+            round: 0.0,
+            call: 0.0,
+            pack: 0.0,
+            codec: 0.0,
+            lanes: 1,
+        };
+        let fabric = Fabric {
+            inside: link,
+            nic: link,
+        };
         Job {
-            topology: Topology { nodes, per_node: 1 },
-            fabric: Fabric {
-                inside: link,
-                nic: link,
-            },
-            host: Host {
-                submit: 1e-6,
-                wake: 0.0,
-                round: 0.0,
-                call: 0.0,
-                pack: 0.0,
-                codec: 0.0,
-                lanes: 1,
-            },
             negotiation,
             threshold: 64 << 20,
-            direct_bytes: usize::MAX,
-            codecs: Codecs::default(),
-            policy: Policy::Flat,
-            flat: Algorithm::Ring,
-            hierarchical: Algorithm::Hierarchical,
-            on_gpu: false,
+            ..Job::new(Topology { nodes, per_node: 1 }, fabric, host, false)
         }
     }
 

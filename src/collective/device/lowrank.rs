@@ -42,7 +42,8 @@ pub fn allreduce_powersgd(
 }
 
 /// One tensor's step: its index in the batch, matrix view, memory (whose factors hold its
-/// residual, then M, and its Q), and where its residual, Q and redraw count are this call.
+/// residual, then M, and its Q), where its residual, Q and redraw count are this call, and its
+/// places in the batch's P and in its sum of Q.
 struct Step {
     tensor: usize,
     shape: Shape,
@@ -50,6 +51,8 @@ struct Step {
     residual: DeviceRange,
     q: DeviceRange,
     draws: DeviceRange,
+    p: DeviceRange,
+    q_sum: DeviceRange,
 }
 
 struct OnGpu<'a, 'b, 'l> {
@@ -95,6 +98,13 @@ fn places(lens: &[usize]) -> (Vec<usize>, usize) {
 }
 
 impl OnGpu<'_, '_, '_> {
+    /// The ranks' sum of `range`'s f32 values, in place, in one allreduce.
+    fn sum(&self, range: DeviceRange) -> Result<()> {
+        let n = range.len() / 4;
+        let one = [(range, range, n)];
+        (self.t).allreduce_many(&one, DataType::F32, ReduceOp::Sum, self.lane.stream)
+    }
+
     fn shape(&self, i: usize) -> Result<Shape> {
         lowrank::shape(self.resps[i], self.rank, self.ios[i].input().len() / 4)
     }
@@ -169,7 +179,7 @@ impl Factors for OnGpu<'_, '_, '_> {
         let part = |k: usize| whole.sub(at[k], lens[k]);
         (self.p, self.q, self.partials) = (part(0)?, part(1)?, part(2)?);
         let mut scratch = 3;
-        let mut p_at = 0;
+        let (mut p_at, mut q_at) = (0, 0);
         for ((i, shape), unnamed) in tensors.iter().zip(shapes).zip(unnamed) {
             let r = self.resps[*i];
             let mut memory = self.store.take_device(&r.name, &shape, gpu.ordinal);
@@ -210,6 +220,8 @@ impl Factors for OnGpu<'_, '_, '_> {
                 first_q(gpu, stream, q, &shape, memory.seed)?;
             }
             let p = self.p.sub(p_at * 4, shape.p_len() * 4)?;
+            let q_sum = self.q.sub(q_at * 4, shape.q_len() * 4)?;
+            (p_at, q_at) = (p_at + shape.p_len(), q_at + shape.q_len());
             let input = self.ios[*i].input();
             let pre = self.pre;
             launch(
@@ -221,7 +233,6 @@ impl Factors for OnGpu<'_, '_, '_> {
                 &[pre.to_bits() as u64],
                 shape.rows,
             )?;
-            p_at += shape.p_len();
             self.steps.push(Step {
                 tensor: *i,
                 shape,
@@ -229,25 +240,21 @@ impl Factors for OnGpu<'_, '_, '_> {
                 residual,
                 q,
                 draws,
+                p,
+                q_sum,
             });
         }
         Ok(())
     }
 
     fn sum_p(&mut self) -> Result<()> {
-        let p = self.p;
-        let n = p.len() / 4;
-        (self.t).allreduce_many(&[(p, p, n)], DataType::F32, ReduceOp::Sum, self.lane.stream)
+        self.sum(self.p)
     }
 
     fn middle(&mut self) -> Result<()> {
         let (gpu, stream) = (self.lane.gpu, self.lane.stream);
-        let (mut p_at, mut q_at) = (0, 0);
         for s in &self.steps {
-            let sh = &s.shape;
-            let p = self.p.sub(p_at * 4, sh.p_len() * 4)?;
-            let q = self.q.sub(q_at * 4, sh.q_len() * 4)?;
-            (p_at, q_at) = (p_at + sh.p_len(), q_at + sh.q_len());
+            let (sh, p, q) = (&s.shape, s.p, s.q_sum);
             orthogonalize(gpu, stream, p, sh.rows, sh.rank)?;
             let (per, bands) = bands(sh.rows);
             let partials = self.partials.first(bands * sh.q_len() * 4)?;
@@ -278,21 +285,15 @@ impl Factors for OnGpu<'_, '_, '_> {
     }
 
     fn sum_q(&mut self) -> Result<()> {
-        let q = self.q;
-        let n = q.len() / 4;
-        (self.t).allreduce_many(&[(q, q, n)], DataType::F32, ReduceOp::Sum, self.lane.stream)
+        self.sum(self.q)
     }
 
     fn finish(&mut self) -> Result<()> {
         let (gpu, stream) = (self.lane.gpu, self.lane.stream);
         let scale = 1.0 / self.t.size().max(1) as f32;
-        let (mut p_at, mut q_at) = (0, 0);
         let mut done = Vec::with_capacity(self.steps.len());
         for s in std::mem::take(&mut self.steps) {
-            let sh = s.shape;
-            let p = self.p.sub(p_at * 4, sh.p_len() * 4)?;
-            let q_sum = self.q.sub(q_at * 4, sh.q_len() * 4)?;
-            (p_at, q_at) = (p_at + sh.p_len(), q_at + sh.q_len());
+            let (sh, p, q_sum) = (s.shape, s.p, s.q_sum);
             // Q = the ranks' average, kept (a vanished column drawn again), then P Qᵀ
             let args = [scale.to_bits() as u64, s.memory.seed];
             launch_grid(
@@ -362,7 +363,7 @@ fn orthogonalize(
             "PowerSGD factors of {cols} columns (at most 1024)"
         )));
     }
-    let kernel = kernel("fv_psgd_orthogonalize");
+    let kernel = Elementwise::ranges(&LIBRARY, "fv_psgd_orthogonalize");
     gpu.launch_ranges(stream, kernel, &[a], &[rows as u64, cols as u64], (1, 1))
 }
 
@@ -392,16 +393,13 @@ fn launch_grid(
 ) -> Result<()> {
     let mut all = vec![s.rows as u64, s.cols as u64, s.rank as u64];
     all.extend_from_slice(args);
-    gpu.launch_ranges(stream, kernel(name), ranges, &all, grid)
-}
-
-fn kernel(name: &'static str) -> Elementwise {
-    Elementwise {
-        library: &LIBRARY,
-        name,
-        src_size: 0,
-        dst_size: 0,
-    }
+    gpu.launch_ranges(
+        stream,
+        Elementwise::ranges(&LIBRARY, name),
+        ranges,
+        &all,
+        grid,
+    )
 }
 
 /// PowerSGD's kernels, for loading (`Gpu::load`).

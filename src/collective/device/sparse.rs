@@ -242,12 +242,7 @@ fn launch(
     args: &[u64],
     blocks: u32,
 ) -> Result<()> {
-    let kernel = Elementwise {
-        library: &LIBRARY,
-        name,
-        src_size: 0,
-        dst_size: 0,
-    };
+    let kernel = Elementwise::ranges(&LIBRARY, name);
     gpu.launch_ranges(stream, kernel, ranges, args, (blocks, 1))
 }
 

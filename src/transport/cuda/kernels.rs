@@ -148,6 +148,18 @@ pub struct Elementwise {
     pub dst_size: usize,
 }
 
+impl Elementwise {
+    /// A `launch_ranges` kernel of `library` (its memory is its ranges, not elements).
+    pub const fn ranges(library: &'static KernelLibrary, name: &'static str) -> Elementwise {
+        Elementwise {
+            library,
+            name,
+            src_size: 0,
+            dst_size: 0,
+        }
+    }
+}
+
 /// A compiled, loaded module (never unloaded: its functions live as long as the process).
 pub(super) struct Module(pub(super) sys::CUmodule);
 
