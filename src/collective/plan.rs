@@ -29,6 +29,18 @@ pub enum Route {
     Pairs,
 }
 
+impl Route {
+    /// As the timeline's schedule records it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Route::Native => "native",
+            Route::Ring => "ring",
+            Route::Hierarchical => "hierarchical",
+            Route::Pairs => "pairs",
+        }
+    }
+}
+
 /// The choice for one batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BatchPlan {
@@ -78,6 +90,14 @@ pub fn on_device(head: &Response) -> bool {
                 | OpKind::Alltoall
                 | OpKind::Gossip
         )
+}
+
+/// The bytes of a batch's tensors (agreed: from the responses), as `choose` weighs them.
+pub fn batch_bytes(resps: &[&Response]) -> usize {
+    resps
+        .iter()
+        .map(|r| r.num_elements().max(0) as usize * r.dtype.size())
+        .sum()
 }
 
 /// The plan of a batch led by `head` of `bytes` bytes whose values travel as `codec` (agreed:

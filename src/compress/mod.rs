@@ -105,6 +105,16 @@ impl Default for Codecs {
 }
 
 impl Codecs {
+    /// What `cfg` asks for, as one rank reads it (a job runs with rank 0's, agreed).
+    pub fn from_config(cfg: &crate::config::Config) -> Codecs {
+        Codecs {
+            setting: cfg.compression,
+            min_bytes: cfg.compression_min_bytes.unwrap_or(MIXED_MIN_BYTES),
+            powersgd_rank: cfg.powersgd_rank,
+            topk: TopK::of(cfg.topk_ratio, cfg.topk_momentum),
+        }
+    }
+
     /// The codec of one tensor: a pure function of its agreed response and the agreed settings
     /// (identical on every rank). Only f32 sums, averages and gossip compress: a 16-bit min,
     /// max or product would change results beyond rounding, and other dtypes gain nothing or
@@ -283,6 +293,19 @@ pub enum Codec {
 }
 
 impl Codec {
+    /// As the timeline's schedule records it: `FERROVOD_COMPRESSION`'s word, with PowerSGD's
+    /// rank and top-k's share in parts per million.
+    pub fn label(self) -> String {
+        match self {
+            Codec::None => "none".into(),
+            Codec::Half(DataType::BF16) => "bf16".into(),
+            Codec::Half(_) => "fp16".into(),
+            Codec::U8 => "u8".into(),
+            Codec::PowerSgd(rank) => format!("powersgd:{rank}"),
+            Codec::TopK(t) => format!("topk:{}", t.ratio_ppm),
+        }
+    }
+
     /// The dtype on the wire for values of `dtype`.
     pub fn wire(self, dtype: DataType) -> DataType {
         match self {

@@ -9,7 +9,7 @@ use std::time::Instant;
 use crate::collective::cost::{CostModel, Link, Policy};
 use crate::collective::execute::DeviceHow;
 use crate::collective::hierarchical::{self, Levels, node_members};
-use crate::collective::plan::{self, BatchPlan, Memory, Route};
+use crate::collective::plan::{self, BatchPlan, Memory, Route, batch_bytes};
 use crate::collective::replay::ReplayKey;
 use crate::collective::{self, ActivitySink, Algorithms, Allreduce, TensorIo, gossip};
 use crate::compress::{self, Codec, Codecs, Feedback, Wire};
@@ -525,12 +525,4 @@ pub(crate) fn check_finite(resps: &[&Response], ios: &mut [&mut dyn TensorIo]) -
         resps[0].dtype,
         resps.iter().map(|r| r.name.as_str()).zip(outputs),
     )
-}
-
-/// The bytes of a batch's tensors (agreed: from the responses).
-pub(crate) fn batch_bytes(resps: &[&Response]) -> usize {
-    resps
-        .iter()
-        .map(|r| r.num_elements().max(0) as usize * r.dtype.size())
-        .sum()
 }

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::collective::plan::{self};
+use crate::collective::plan::{self, batch_bytes};
 use crate::collective::replay::{ReplayKey, batch_fingerprint};
 use crate::collective::{self, TensorIo};
 use crate::compress::Codec;
@@ -17,11 +17,11 @@ use crate::negotiate::set::PlanBatch;
 use crate::runtime::Runtime;
 use crate::runtime::channel::{self, Job};
 use crate::runtime::entry::{InputMem, OutputMem, TensorEntry};
-use crate::runtime::executor::{batch_bytes, check_finite};
+use crate::runtime::executor::check_finite;
 use crate::runtime::handle::Handle;
 use crate::runtime::job::JobSettings;
 use crate::runtime::sets::SetState;
-use crate::runtime::timeline::Timeline;
+use crate::runtime::timeline::{BatchOf, Timeline};
 use crate::runtime::{finisher, gpu};
 use crate::transport::Transport;
 
@@ -65,6 +65,10 @@ impl Launcher {
         timeline: &mut Option<Timeline>,
     ) -> Vec<Arc<Response>> {
         let mut set_changes = Vec::new();
+        if let Some(t) = timeline.as_mut() {
+            let names: Vec<&str> = responses.iter().map(|r| r.name.as_str()).collect();
+            t.vote(set.id, &names, groups);
+        }
         let batches = plan_segments(
             responses,
             groups,
@@ -112,6 +116,10 @@ impl Launcher {
             // how the batch runs, and whether a fused GPU allreduce may be replayed from a
             // graph: decided once, from agreed data
             let plan = set.executor.plan(&resps, batch.codec);
+            if let Some(t) = timeline.as_mut() {
+                let of = BatchOf::Vote(&batch.members);
+                t.batch(of, plan.route.name(), &plan.codec.label());
+            }
             let replay = (plan.replayable && head.error.is_none()).then(|| ReplayKey {
                 batch: batch_fingerprint(&resps),
                 epoch: set.graph_epoch,
@@ -380,6 +388,10 @@ pub(crate) fn run_plan_batch(
     let refs: Vec<&Response> = resps.iter().collect();
     let bytes = batch_bytes(&refs);
     let plan = set.executor.plan_frozen(&refs);
+    if have && let Some(t) = timeline.as_mut() {
+        let of = BatchOf::Plan(batch.index, &names);
+        t.batch(of, plan.route.name(), &plan.codec.label());
+    }
     // counted before the batch runs (which counts PowerSGD's first steps) and added if it ran
     let sent: Vec<(Codec, usize)> = {
         let wire = set.executor.wire(plan.codec);

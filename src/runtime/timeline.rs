@@ -18,6 +18,8 @@ pub struct Timeline {
     start: Instant,
     pids: HashMap<String, usize>,
     mark_cycles: bool,
+    /// Votes recorded so far: the id the next `vote` gets.
+    votes: u64,
 }
 
 fn json_str(s: &str) -> String {
@@ -33,6 +35,18 @@ fn json_str(s: &str) -> String {
     }
     o.push('"');
     o
+}
+
+fn json_list(items: impl Iterator<Item = String>) -> String {
+    format!("[{}]", items.collect::<Vec<_>>().join(", "))
+}
+
+/// Which batch a `BATCH` record is.
+pub enum BatchOf<'a> {
+    /// Of the last vote: its members' indices there.
+    Vote(&'a [usize]),
+    /// Of the frozen offline plan: its index there and its tensors.
+    Plan(usize, &'a [String]),
 }
 
 impl Timeline {
@@ -52,6 +66,7 @@ impl Timeline {
             start: Instant::now(),
             pids: HashMap::new(),
             mark_cycles,
+            votes: 0,
         })
     }
 
@@ -115,6 +130,47 @@ impl Timeline {
                 "{{\"name\": \"CYCLE_START\", \"ph\": \"i\", \"ts\": {ts}, \"pid\": 0, \"tid\": 0, \"s\": \"g\"}},"
             );
         }
+    }
+
+    /// The schedule, on the ferrovod track: a vote's agreed responses of process set `set` in
+    /// their agreed order, with the sizes of the learned groups they start with. The batches
+    /// that follow (`batch`) belong to it. With `batch`, enough to check a model of the
+    /// schedule (`ferrovod-sim`) against what ran: which tensors each collective fused, its
+    /// route and its codec.
+    pub fn vote(&mut self, set: i32, names: &[&str], groups: &[usize]) {
+        let ts = self.ts();
+        let vote = self.votes;
+        self.votes += 1;
+        let names = json_list(names.iter().map(|n| json_str(n)));
+        let groups = json_list(groups.iter().map(usize::to_string));
+        let _ = writeln!(
+            self.out,
+            "{{\"name\": \"VOTE\", \"ph\": \"i\", \"ts\": {ts}, \"pid\": 0, \"tid\": 0, \"s\": \"g\", \"args\": {{\"vote\": {vote}, \"set\": {set}, \"tensors\": {names}, \"groups\": {groups}}}}},"
+        );
+    }
+
+    /// One batch of the last vote: its members (indices into the vote's tensors), and how it
+    /// runs. A batch of a frozen offline plan has no vote: `members` are then its plan index
+    /// and its tensors are named.
+    pub fn batch(&mut self, of: BatchOf<'_>, route: &str, codec: &str) {
+        let ts = self.ts();
+        let whose = match of {
+            BatchOf::Vote(members) => format!(
+                "\"vote\": {}, \"members\": {}",
+                self.votes.saturating_sub(1),
+                json_list(members.iter().map(usize::to_string))
+            ),
+            BatchOf::Plan(index, names) => format!(
+                "\"plan\": {index}, \"tensors\": {}",
+                json_list(names.iter().map(|n| json_str(n)))
+            ),
+        };
+        let _ = writeln!(
+            self.out,
+            "{{\"name\": \"BATCH\", \"ph\": \"i\", \"ts\": {ts}, \"pid\": 0, \"tid\": 0, \"s\": \"g\", \"args\": {{{whose}, \"route\": {}, \"codec\": {}}}}},",
+            json_str(route),
+            json_str(codec)
+        );
     }
 
     /// Counter tracks ("C" events) on the ferrovod track: the metrics, so the control plane's

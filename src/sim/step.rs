@@ -6,13 +6,17 @@
 //! codecs say the bytes on the wire, and the batches run on the set's lanes over the network
 //! model. The decisions are the library's functions; only the clock is the model's.
 
-use crate::collective::cost::{self, Link, Policy};
+use std::ops::Range;
+use std::sync::Arc;
+
+use crate::collective::cost::{self, CostModel, Link, Policy};
+use crate::collective::plan::{self, Levels, Route, Settings};
 use crate::compress::{Codec, Codecs};
+use crate::config::{AlgorithmChoice, Config, NegotiationMode};
 use crate::dtype::DataType;
 use crate::fusion::planner;
 use crate::message::{Multistep, OpKind, ReduceOp, Response};
-use crate::negotiate::learn;
-use crate::negotiate::plan::Plan;
+use crate::negotiate::learn::{GroupLearner, LearnContext, PlanLearner};
 use crate::sim::network::{self, Algorithm, Fabric, Topology};
 
 /// A gradient of a model's shape set: its parameter's name and shape.
@@ -102,14 +106,27 @@ pub struct Job {
     pub threshold: usize,
     /// Host tensors of this size or more run alone (`planner::direct_bytes`).
     pub direct_bytes: usize,
+    /// Flat host allreduces of this size or more run the ring (`cost::ring_min_bytes`).
+    pub ring_min_bytes: usize,
     pub codecs: Codecs,
     /// Flat or hierarchical per batch (`cost::Policy`, the library's choice).
     pub policy: Policy,
+    /// `FERROVOD_PLAN_WARMUP_STEPS`: identical steps before groups or a plan are learned.
+    pub warmup: usize,
     /// What a flat allreduce is on this engine, and a hierarchical one.
     pub flat: Algorithm,
     pub hierarchical: Algorithm,
     /// GPU tensors (device 0) or host ones.
     pub on_gpu: bool,
+}
+
+/// One batch of a vote as the library runs it: its members (indices into the vote's
+/// responses), its codec and its route.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Planned {
+    pub members: Vec<usize>,
+    pub codec: Codec,
+    pub route: Route,
 }
 
 /// What one simulated step did.
@@ -152,22 +169,146 @@ fn response(g: &Gradient, on_gpu: bool) -> Response {
 }
 
 impl Job {
-    /// A job with ferrovod's defaults: online negotiation, a fusion threshold of 128 MiB,
-    /// every tensor fused up to it, no codec, flat allreduces by ring, hierarchical ones with a
-    /// ring across nodes.
+    /// A job with ferrovod's defaults: online negotiation, a fusion threshold of 128 MiB, no
+    /// codec, flat allreduces (by ring), hierarchical ones with a ring across nodes.
     pub fn new(topology: Topology, fabric: Fabric, host: Host, on_gpu: bool) -> Job {
+        Job::from_config(
+            topology,
+            fabric,
+            host,
+            on_gpu,
+            &Config::from_lookup(&|_| None),
+        )
+    }
+
+    /// The job `cfg` sets up (as one rank reads it; the library runs with rank 0's), placed
+    /// as the topology says: ranks in blocks of `per_node`. `FERROVOD_ALGORITHM=auto` chooses
+    /// by a cost model of the fabric's messages, where the library measures its own.
+    pub fn from_config(
+        topology: Topology,
+        fabric: Fabric,
+        host: Host,
+        on_gpu: bool,
+        cfg: &Config,
+    ) -> Job {
+        let (nodes, per_node) = (topology.nodes, topology.per_node);
+        let node_map: Vec<i32> = (0..topology.ranks())
+            .map(|r| (r / per_node) as i32)
+            .collect();
+        let policy = match cfg.algorithm {
+            AlgorithmChoice::Flat => Policy::Flat,
+            AlgorithmChoice::Hierarchical => Policy::Hierarchical,
+            // one node, or one rank on each: the library opens no hierarchy
+            AlgorithmChoice::Auto if nodes == 1 || per_node == 1 => Policy::Flat,
+            AlgorithmChoice::Auto => Policy::Auto(CostModel::from_messages(
+                fabric.inside,
+                fabric.nic,
+                per_node,
+                nodes,
+            )),
+        };
         Job {
             topology,
             fabric,
             host,
-            negotiation: Negotiation::Online,
-            threshold: 128 << 20,
-            direct_bytes: usize::MAX,
-            codecs: Codecs::default(),
-            policy: Policy::Flat,
+            negotiation: match cfg.negotiation {
+                NegotiationMode::Online => Negotiation::Online,
+                NegotiationMode::Offline => Negotiation::Offline,
+                NegotiationMode::Horovod => Negotiation::Horovod,
+            },
+            threshold: cfg.fusion_threshold,
+            direct_bytes: planner::direct_bytes(cfg.fusion_direct_bytes, nodes > 1),
+            ring_min_bytes: cost::ring_min_bytes(cfg.ring_min_bytes, &node_map),
+            codecs: Codecs::from_config(cfg),
+            policy,
+            warmup: cfg.plan_warmup_steps,
             flat: Algorithm::Ring,
             hierarchical: Algorithm::Hierarchical,
             on_gpu,
+        }
+    }
+
+    /// The batches one vote's agreed responses run as: the library's fusion planner over
+    /// the vote's learned groups (`groups`: their sizes, first in the vote) and its choice of
+    /// route for each batch (`plan::choose`), as `runtime::launch` calls them.
+    pub fn plan_vote(&self, resps: &[&Response], groups: &[usize]) -> Vec<Planned> {
+        let batches = planner::plan_segments(
+            resps,
+            groups,
+            self.threshold,
+            self.direct_bytes,
+            &self.codecs,
+        );
+        batches
+            .into_iter()
+            .map(|b| {
+                let batch: Vec<&Response> = b.members.iter().map(|m| resps[*m]).collect();
+                let route = self.route(&batch, b.codec);
+                Planned {
+                    members: b.members,
+                    codec: b.codec,
+                    route,
+                }
+            })
+            .collect()
+    }
+
+    /// The route of a batch travelling as `codec` (`plan::choose` with this job's settings).
+    pub fn route(&self, batch: &[&Response], codec: Codec) -> Route {
+        let t = self.topology;
+        // the library opens a hierarchy only for a choice that is not flat, and for `auto`
+        // only where a node holds several of the set's ranks and there are several nodes
+        let levels = match self.policy {
+            Policy::Flat => None,
+            _ => Some(Levels {
+                policy: self.policy,
+                allgather: false,
+            }),
+        };
+        let settings = Settings {
+            ring_min_bytes: self.ring_min_bytes,
+            nan_check: false,
+            graphs: self.on_gpu,
+            gossip_pairs: t.nodes > 1,
+        };
+        let bytes = plan::batch_bytes(batch);
+        plan::choose(batch[0], bytes, codec, &settings, levels.as_ref()).route
+    }
+
+    /// The groups (online) or the frozen plan's batches (offline) the library learns from a
+    /// job whose steps are agreed vote by vote as `votes` says (each vote's responses, in
+    /// order, from the first step on): its own learners, fed what a rank's loop feeds them.
+    /// None where it learns nothing from them (Horovod's protocol; or too few steps).
+    pub fn learn<'a>(
+        &self,
+        votes: impl IntoIterator<Item = &'a [Response]>,
+    ) -> Option<Vec<Vec<String>>> {
+        let ctx = LearnContext {
+            fusion_threshold: self.threshold,
+            direct_bytes: self.direct_bytes,
+            codecs: self.codecs,
+            alone: true,
+        };
+        let arcs = |v: &[Response]| v.iter().cloned().map(Arc::new).collect::<Vec<_>>();
+        match self.negotiation {
+            Negotiation::Horovod => None,
+            Negotiation::Online => {
+                let mut learner = GroupLearner::new(self.warmup);
+                votes
+                    .into_iter()
+                    .find_map(|v| learner.observe(&arcs(v), ctx, |_| false, &[]))
+            }
+            Negotiation::Offline => {
+                let mut learner = PlanLearner::new(self.warmup);
+                votes.into_iter().find_map(|v| {
+                    learner.observe(&arcs(v), ctx);
+                    learner.take_ready().map(|plan| {
+                        (plan.batches.iter())
+                            .map(|b| b.iter().map(|r| r.name.clone()).collect())
+                            .collect()
+                    })
+                })
+            }
         }
     }
 
@@ -184,11 +325,12 @@ impl Job {
         }
     }
 
-    /// Seconds of one negotiation round over `cached` names of which `taken` are in it.
-    fn round(&self, cached: usize, taken: usize) -> (f64, f64) {
+    /// Seconds of one negotiation round of protocol `how` over `cached` names (or groups) of
+    /// which `taken` are in it.
+    fn round(&self, how: Negotiation, cached: usize, taken: usize) -> (f64, f64) {
         let p = self.topology.ranks();
         let l = self.control_link();
-        match self.negotiation {
+        match how {
             Negotiation::Offline => (0.0, 0.0),
             Negotiation::Online => {
                 // the bit vector, in 64-bit words, sent and received at each of the AND
@@ -214,13 +356,20 @@ impl Job {
 
     /// Seconds one batch of `resps` takes on its rank (set-up, packing, the codec's
     /// arithmetic) and on the network, and its bytes per rank on the wire.
-    fn batch(&self, resps: &[&Response], codec: Codec) -> (f64, f64, usize, Algorithm) {
+    fn batch(
+        &self,
+        resps: &[&Response],
+        codec: Codec,
+        route: Route,
+    ) -> (f64, f64, usize, Algorithm) {
         let fused: usize = resps.iter().map(|r| r.fused_bytes()).sum();
         let values = fused / 4;
         let wire: usize = resps.iter().map(|r| codec.wire_bytes(r)).sum();
-        let algorithm = match self.policy.choose(fused) {
-            cost::Algorithm::Flat => self.flat,
-            cost::Algorithm::Hierarchical => self.hierarchical,
+        let algorithm = match route {
+            Route::Native => self.flat,
+            Route::Ring => Algorithm::Ring,
+            Route::Hierarchical => self.hierarchical,
+            Route::Pairs => Algorithm::Exchange,
         };
         let t = self.topology;
         let p = t.ranks();
@@ -265,8 +414,31 @@ pub fn ready_times(grads: &[Gradient], forward: f64, backward: f64, per_tensor: 
         .collect()
 }
 
+/// The votes of a step agreed tensor by tensor under protocol `how` (before groups are
+/// learned, and always in Horovod's protocol): each round starts once the loop wakes after the
+/// first unagreed submission and takes every tensor submitted by then. Each: when it is
+/// agreed, its tensors (a range of the step's), and its cost (seconds, bytes).
+fn single_votes(job: &Job, how: Negotiation, submitted: &[f64]) -> Vec<(f64, Range<usize>, f64)> {
+    let mut votes = Vec::new();
+    let (mut next, mut t) = (0, 0.0f64);
+    while next < submitted.len() {
+        t = t.max(submitted[next] + job.host.wake);
+        let taken = (submitted[next..].iter())
+            .take_while(|s| **s <= t)
+            .count()
+            .max(1);
+        let (cost, bytes) = job.round(how, submitted.len(), taken);
+        t += cost;
+        votes.push((t, next..next + taken, bytes));
+        next += taken;
+    }
+    votes
+}
+
 /// One step of `job` whose gradients (`grads`, in the order they are produced: backward
-/// order) are ready at the times `ready` (seconds from the step's start, non-decreasing).
+/// order) are ready at the times `ready` (seconds from the step's start, non-decreasing): a
+/// step of a job that has run long enough to have learned its groups (online) or frozen its
+/// plan (offline) from steps like it.
 pub fn step(job: &Job, grads: &[Gradient], ready: &[f64]) -> Step {
     assert_eq!(grads.len(), ready.len(), "a time per gradient");
     let resps: Vec<Response> = grads.iter().map(|g| response(g, job.on_gpu)).collect();
@@ -284,11 +456,12 @@ pub fn step(job: &Job, grads: &[Gradient], ready: &[f64]) -> Step {
     // set-up overlaps another's transfer); the transfers share the network, one at a time
     let mut lanes = vec![0.0f64; job.host.lanes.max(1)];
     let mut network_free = 0.0f64;
-    let mut run = |members: &[usize], at: f64, out: &mut Step| {
+    // one vote's tensors (indices into the step's), its groups' sizes, when it is agreed
+    let mut run = |members: &[usize], groups: &[usize], at: f64, out: &mut Step| {
         let refs: Vec<&Response> = members.iter().map(|i| &resps[*i]).collect();
-        for b in planner::plan_batches(&refs, job.threshold, job.direct_bytes, &job.codecs) {
+        for b in job.plan_vote(&refs, groups) {
             let batch: Vec<&Response> = b.members.iter().map(|m| refs[*m]).collect();
-            let (local, net, wire, algorithm) = job.batch(&batch, b.codec);
+            let (local, net, wire, algorithm) = job.batch(&batch, b.codec, b.route);
             let lane = (0..lanes.len())
                 .min_by(|a, b| lanes[*a].total_cmp(&lanes[*b]))
                 .expect("a lane");
@@ -300,50 +473,55 @@ pub fn step(job: &Job, grads: &[Gradient], ready: &[f64]) -> Step {
             out.trace.push((start, end, wire, algorithm));
         }
     };
-    match job.negotiation {
-        Negotiation::Offline => {
-            // the frozen plan's batches: the planner over the whole step, each batch started
-            // once its last tensor is submitted
-            let refs: Vec<&Response> = resps.iter().collect();
-            for b in planner::plan_batches(&refs, job.threshold, job.direct_bytes, &job.codecs) {
-                let at = b.members.iter().map(|m| submitted[*m]).fold(0.0, f64::max);
-                run(&b.members, at, &mut out);
+    // what the library learns: its learners fed the tensor-by-tensor votes of the warm-up
+    // steps (online rounds, whatever the mode) and one step more
+    let how = match job.negotiation {
+        Negotiation::Horovod => Negotiation::Horovod,
+        _ => Negotiation::Online,
+    };
+    let singles = single_votes(job, how, &submitted);
+    let steps = job.warmup + 2;
+    let learned = job
+        .learn((0..steps).flat_map(|_| singles.iter().map(|(_, range, _)| &resps[range.clone()])));
+    let index: std::collections::HashMap<&str, usize> = (resps.iter().enumerate())
+        .map(|(i, r)| (r.name.as_str(), i))
+        .collect();
+    let learned: Option<Vec<Vec<usize>>> = learned.map(|groups| {
+        (groups.iter())
+            .map(|g| g.iter().map(|n| index[n.as_str()]).collect())
+            .collect()
+    });
+    let last = |g: &[usize]| g.iter().map(|i| submitted[*i]).fold(0.0, f64::max);
+    match (job.negotiation, learned) {
+        // the frozen plan's batches, each started once its last tensor is submitted
+        (Negotiation::Offline, Some(plan)) => {
+            for b in &plan {
+                run(b, &[b.len()], last(b), &mut out);
             }
         }
-        // on GPUs the online vote is one bit per learned bucket (the library's
-        // `Plan::from_buckets`), each voted once its last tensor is submitted
-        Negotiation::Online if job.on_gpu => {
-            let bucket = job.threshold.min(learn::GPU_BUCKET_BYTES);
-            let plan = Plan::from_buckets(&resps, bucket, job.direct_bytes, &job.codecs);
-            let (mut next, mut t) = (0, 0.0f64);
-            for b in &plan.batches {
-                let members: Vec<usize> = (next..next + b.len()).collect();
-                next += b.len();
-                t = t.max(submitted[next - 1] + job.host.wake);
-                let (cost, bytes) = job.round(plan.batches.len(), b.len());
+        // one bit per learned group: a round takes every group complete when it starts
+        (Negotiation::Online, Some(groups)) => {
+            let (mut g, mut t) = (0, 0.0f64);
+            while g < groups.len() {
+                t = t.max(last(&groups[g]) + job.host.wake);
+                let (mut members, mut sizes) = (Vec::new(), Vec::new());
+                while g < groups.len() && last(&groups[g]) <= t {
+                    members.extend_from_slice(&groups[g]);
+                    sizes.push(groups[g].len());
+                    g += 1;
+                }
+                let (cost, bytes) = job.round(Negotiation::Online, groups.len(), sizes.len());
                 t += cost;
                 out.rounds += 1;
                 out.control_bytes += bytes;
-                run(&members, t, &mut out);
+                run(&members, &sizes, t, &mut out);
             }
         }
-        Negotiation::Online | Negotiation::Horovod => {
-            let mut next = 0;
-            let mut t = 0.0f64;
-            while next < resps.len() {
-                t = t.max(submitted[next] + job.host.wake);
-                let taken = submitted[next..]
-                    .iter()
-                    .take_while(|s| **s <= t)
-                    .count()
-                    .max(1);
-                let (cost, bytes) = job.round(resps.len(), taken);
-                t += cost;
+        _ => {
+            for (at, range, bytes) in &singles {
                 out.rounds += 1;
                 out.control_bytes += bytes;
-                let members: Vec<usize> = (next..next + taken).collect();
-                run(&members, t, &mut out);
-                next += taken;
+                run(&range.clone().collect::<Vec<_>>(), &[], *at, &mut out);
             }
         }
     }
@@ -414,7 +592,9 @@ mod tests {
     #[test]
     fn gradients_ready_at_once_fuse_into_one_ring_whose_time_is_the_closed_form() {
         let g = grads(&[1000, 2000, 3000]);
-        let j = job(4, Negotiation::Offline);
+        let mut j = job(4, Negotiation::Offline);
+        // the warm-up's votes take all three at once: the frozen plan fuses them
+        j.host.wake = 10e-6;
         let s = step(&j, &g, &[0.0; 3]);
         assert_eq!(s.batches, 1);
         let bytes = 6000.0 * 4.0;
@@ -434,8 +614,9 @@ mod tests {
         assert_eq!((s.rounds, s.batches), (2, 2));
         // one 8-byte word each way per round at two ranks
         assert_eq!(s.control_bytes, 2.0 * 16.0);
+        // those two are then one learned group, whose round waits for its last tensor
         let vote = network::halving_doubling(2, 8.0, j.fabric.nic);
-        let second = 1e-3 + 1e-6 + 5e-6 + vote;
+        let second = 1e-3 + 2e-6 + 5e-6 + vote;
         let want = second + network::ring(2, 8000.0, j.fabric.nic);
         assert!((s.end - want).abs() < 1e-12, "{} vs {want}", s.end);
         // without the wait, a round each
@@ -447,6 +628,76 @@ mod tests {
         let h = step(&h, &g, &[0.0, 1e-3, 1e-3]);
         assert_eq!((h.rounds, h.batches), (2, 2));
         assert!(h.control_bytes > s.control_bytes);
+    }
+
+    #[test]
+    fn settings_are_read_as_the_library_reads_them_and_routes_chosen_by_its_plan() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            Config::from_lookup(&move |k| {
+                (pairs.iter())
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            })
+        };
+        let j = job(2, Negotiation::Online);
+        let at = |t: Topology, cfg: &Config| Job::from_config(t, j.fabric, j.host, false, cfg);
+        let two = Topology {
+            nodes: 2,
+            per_node: 1,
+        };
+        let plain = at(two, &env(&[]));
+        // one rank on each of two nodes: fused up to the threshold, the ring from 4 MiB
+        assert_eq!(plain.direct_bytes, usize::MAX);
+        assert_eq!(plain.ring_min_bytes, 4 << 20);
+        // 1 MiB and 3 MiB: fused, the ring; as two groups, two native allreduces
+        let g = grads(&[256 << 10, 768 << 10]);
+        let resps: Vec<Response> = g.iter().map(|g| response(g, false)).collect();
+        let small: Vec<&Response> = vec![&resps[0]];
+        let all: Vec<&Response> = resps.iter().collect();
+        assert_eq!(plain.route(&small, Codec::None), Route::Native);
+        let fused = plain.plan_vote(&all, &[]);
+        assert_eq!((fused.len(), fused[0].route), (1, Route::Ring));
+        let apart = plain.plan_vote(&all, &[1]);
+        assert_eq!(apart.len(), 2);
+        assert!(apart.iter().all(|b| b.route == Route::Native));
+        let ring = at(two, &env(&[("FERROVOD_RING_MIN_BYTES", "1000")]));
+        assert_eq!(ring.route(&small, Codec::None), Route::Ring);
+        // auto on one node opens no hierarchy; asked for, every batch goes hierarchical
+        let one = Topology {
+            nodes: 1,
+            per_node: 4,
+        };
+        let auto = at(one, &env(&[("FERROVOD_ALGORITHM", "auto")]));
+        assert_eq!(auto.policy, Policy::Flat);
+        let two_by_two = Topology {
+            nodes: 2,
+            per_node: 2,
+        };
+        let hier = at(two_by_two, &env(&[("HOROVOD_HIERARCHICAL_ALLREDUCE", "1")]));
+        assert_eq!(hier.route(&small, Codec::None), Route::Hierarchical);
+        let fp16 = at(two, &env(&[("FERROVOD_COMPRESSION", "fp16")]));
+        assert_eq!(
+            fp16.plan_vote(&all, &[])[0].codec,
+            Codec::Half(DataType::F16)
+        );
+    }
+
+    #[test]
+    fn offline_plans_hold_host_tensors_only_so_gpu_steps_vote_per_tensor() {
+        // three gradients 1 ms apart: three warm-up votes
+        let g = grads(&[1000, 1000, 1000]);
+        let ready = [0.0, 1e-3, 2e-3];
+        let host = step(&job(2, Negotiation::Offline), &g, &ready);
+        assert_eq!((host.rounds, host.batches), (0, 3));
+        let mut gpu = job(2, Negotiation::Offline);
+        gpu.on_gpu = true;
+        let gpu = step(&gpu, &g, &ready);
+        assert_eq!((gpu.rounds, gpu.batches), (3, 3));
+        // online, the GPU step learns buckets and votes a bit per bucket
+        let mut online = job(2, Negotiation::Online);
+        online.on_gpu = true;
+        let online = step(&online, &g, &ready);
+        assert_eq!(online.rounds, 1);
     }
 
     #[test]

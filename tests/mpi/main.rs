@@ -23,6 +23,7 @@ mod negotiation;
 mod offline;
 mod p2p;
 mod process_sets;
+mod schedule;
 mod shutdown;
 
 use collectives::*;
@@ -37,6 +38,7 @@ use negotiation::*;
 use offline::*;
 use p2p::*;
 use process_sets::*;
+use schedule::{check_schedule, schedule};
 use shutdown::*;
 
 /// (scenario, ranks, extra environment, expect success)
@@ -350,6 +352,28 @@ pub(crate) const HIERARCHICAL_SETS: &[(&str, &str)] = &[
 ];
 
 /// Join and offline negotiation with hierarchical collectives (2 nodes of 2 ranks).
+/// The scale model's schedule checks (`schedule.rs`): two emulated nodes of one rank, whose
+/// batches from 60,000 bytes run the ring; fp16 on one node; offline and hierarchical on two
+/// nodes of two. Fused batches of at most 128 KiB, so that the threshold cuts them.
+pub(crate) const SCHEDULE_RING: &[(&str, &str)] = &[
+    ("FERROVOD_LOCAL_SIZE", "1"),
+    ("FERROVOD_RING_MIN_BYTES", "60000"),
+    ("HOROVOD_FUSION_THRESHOLD", "131072"),
+    ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+];
+pub(crate) const SCHEDULE_FP16: &[(&str, &str)] = &[
+    ("FERROVOD_COMPRESSION", "fp16"),
+    ("HOROVOD_FUSION_THRESHOLD", "131072"),
+    ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+];
+pub(crate) const SCHEDULE_OFFLINE_HIERARCHICAL: &[(&str, &str)] = &[
+    ("HOROVOD_HIERARCHICAL_ALLREDUCE", "1"),
+    ("FERROVOD_LOCAL_SIZE", "2"),
+    ("FERROVOD_NEGOTIATION", "offline"),
+    ("HOROVOD_FUSION_THRESHOLD", "131072"),
+    ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+];
+
 pub(crate) const HIERARCHICAL_OFFLINE: &[(&str, &str)] = &[
     ("HOROVOD_HIERARCHICAL_ALLREDUCE", "1"),
     ("HOROVOD_HIERARCHICAL_ALLGATHER", "1"),
@@ -593,6 +617,10 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         &[("HOROVOD_TIMELINE_MARK_CYCLES", "1")],
         true,
     ),
+    // the scale model's decisions against the run's timeline
+    ("schedule", 2, SCHEDULE_RING, true),
+    ("schedule", 3, SCHEDULE_FP16, true),
+    ("schedule", 4, SCHEDULE_OFFLINE_HIERARCHICAL, true),
     ("large_counts", 2, &[], true),
     ("large_fused", 2, FUSE_ALL, true),
     ("large_fused", 3, FUSE_ALL, true),
@@ -1296,7 +1324,7 @@ pub(crate) fn main() {
             .env("FERROVOD_TEST_SHARED", &shared)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        if name == "timeline" {
+        if name == "timeline" || name == "schedule" {
             let path = dir.join("timeline.json");
             cmd.env("HOROVOD_TIMELINE", &path)
                 .args(["-x", "HOROVOD_TIMELINE"]);
@@ -1377,6 +1405,8 @@ pub(crate) fn main() {
         };
         let extra = if ok && name == "timeline" {
             check_timeline(&dir.join("timeline.json"))
+        } else if ok && name == "schedule" {
+            check_schedule(&dir.join("timeline.json"), np, env)
         } else {
             Ok(())
         };
@@ -1547,6 +1577,8 @@ pub(crate) fn check_timeline(path: &std::path::Path) -> Result<(), String> {
         "timeline.grad.0",
         "\"ph\": \"C\"",
         "\"name\": \"control\"",
+        "\"name\": \"VOTE\"",
+        "\"name\": \"BATCH\"",
     ] {
         if !text.contains(needle) {
             return Err(format!("timeline lacks {needle}"));
@@ -1594,6 +1626,7 @@ pub(crate) fn run_rank(name: &str) {
         "preinitialized_mpi" => preinitialized_mpi(),
         "init_subset" => init_subset(),
         "timeline" => timeline(),
+        "schedule" => schedule(),
         "large_counts" => large_counts(),
         "large_fused" => large_fused(),
         "compressed" => compressed(),
