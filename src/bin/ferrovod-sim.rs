@@ -9,7 +9,9 @@
 //! The gradient shape sets come from `../shared/data` (or `FERROVOD_DATA_DIR`).
 
 use ferrovod::collective::cost::{CostModel, Link, Policy};
+use ferrovod::collective::gossip;
 use ferrovod::compress::{Codecs, Compression};
+use ferrovod::config::Config;
 use ferrovod::sim::network::{Algorithm, Fabric, Topology};
 use ferrovod::sim::step::{self, Gradient, Host, Job, Negotiation};
 
@@ -309,6 +311,29 @@ fn cluster(nodes: usize, gbit: f64, bytes: f64, wake: f64) -> Job {
     j
 }
 
+/// Rounds of gossip's schedule a gossip step is averaged over.
+const GOSSIP_ROUNDS: u64 = 40;
+
+/// Gossip's training step, averaged over `GOSSIP_ROUNDS` rounds of the library's schedule
+/// (every tensor of a step is in the same round): every `FERROVOD_GOSSIP_SYNC_EVERY`-th round
+/// (by default) is an exact average, run as the hierarchical allreduce; each other round is an
+/// exchange with the round's peer (`gossip::peer`).
+fn gossip_step(job: &Job, grads: &[Gradient], alone: f64) -> f64 {
+    let every = Config::from_lookup(&|_| None).gossip_sync_every;
+    let total: f64 = (0..GOSSIP_ROUNDS)
+        .map(|round| {
+            let mut j = *job;
+            if gossip::syncs(round, every) {
+                (j.flat, j.policy) = (Algorithm::Ring, Policy::Hierarchical);
+            } else {
+                j.flat = Algorithm::Exchange(round);
+            }
+            training_step(&j, grads, alone).0
+        })
+        .sum();
+    total / GOSSIP_ROUNDS as f64
+}
+
 /// A mode of the prediction tables: its name and how it sets the job up.
 type Mode = (&'static str, fn(Job) -> Job);
 
@@ -348,8 +373,9 @@ fn modes() -> Vec<Mode> {
             };
             j
         }),
+        // each round's exchange in `gossip_step`
         ("gossip", |mut j| {
-            j.flat = Algorithm::Exchange;
+            j.flat = Algorithm::Exchange(0);
             j
         }),
         ("multistep4", |mut j| {
@@ -394,6 +420,7 @@ fn predict(json: bool) {
                         // multistep: one step in four communicates
                         let t = match *name {
                             "multistep4" => (3.0 * alone + stepped) / 4.0,
+                            "gossip" => gossip_step(&job, grads, alone),
                             _ => stepped,
                         };
                         if json {

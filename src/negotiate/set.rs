@@ -57,8 +57,10 @@ enum Mode {
     Plain,
     /// Online: learning the step's batches to vote one bit each.
     Groups(GroupLearner),
-    /// Offline: negotiating online while learning a plan.
-    Learning(PlanLearner),
+    /// Offline: negotiating online while learning a plan. Steps a plan cannot hold (GPU
+    /// tensors: the plan's escape flag rides in a host allreduce) never freeze, so meanwhile
+    /// the votes carry learned groups, as online.
+    Learning(PlanLearner, Box<GroupLearner>),
     /// Offline: running the plan.
     Frozen(OfflineQueue),
 }
@@ -84,7 +86,10 @@ impl SetNegotiation {
     ) -> Self {
         let mode = match (global, mode) {
             (true, NegotiationMode::Online) => Mode::Groups(GroupLearner::new(warmup)),
-            (true, NegotiationMode::Offline) => Mode::Learning(PlanLearner::new(warmup)),
+            (true, NegotiationMode::Offline) => Mode::Learning(
+                PlanLearner::new(warmup),
+                Box::new(GroupLearner::new(warmup)),
+            ),
             _ => Mode::Plain,
         };
         SetNegotiation {
@@ -102,7 +107,7 @@ impl SetNegotiation {
     /// Offline mode at init (collective over `ctrl`): runs the plan file's plan when every rank
     /// loaded the same one and the global set is `alone`, else keeps learning.
     pub fn load_plan(&mut self, ctrl: &MpiComm, path: Option<&str>, alone: bool) -> Result<()> {
-        if !matches!(self.mode, Mode::Learning(_)) {
+        if !matches!(self.mode, Mode::Learning(..)) {
             return Ok(());
         }
         match agreed_plan_file(ctrl, path)? {
@@ -201,7 +206,9 @@ impl SetNegotiation {
             Mode::Frozen(q) => PlanLearner::resuming(self.warmup, q.ran_this_step()),
             _ => PlanLearner::new(self.warmup),
         };
-        let Mode::Frozen(q) = std::mem::replace(&mut self.mode, Mode::Learning(learner)) else {
+        let groups = Box::new(GroupLearner::new(self.warmup));
+        let learning = Mode::Learning(learner, groups);
+        let Mode::Frozen(q) = std::mem::replace(&mut self.mode, learning) else {
             return Vec::new();
         };
         q.into_requests()
@@ -218,24 +225,25 @@ impl SetNegotiation {
     /// rank: it shapes only later votes). `ctx.alone`: the global set was the only set while
     /// they ran; `dissolved`: the vote dissolved learned groups (`CycleOutcome`).
     pub fn observe(&mut self, responses: &[Arc<Response>], ctx: LearnContext, dissolved: bool) {
-        match &mut self.mode {
-            Mode::Groups(g) => {
-                if dissolved {
-                    g.dissolved();
-                }
-                let negotiator = &self.negotiator;
-                let held = |name: &str| negotiator.in_group(name);
-                if let Some(groups) = g.observe(responses, ctx, held, negotiator.groups()) {
-                    self.negotiator.set_groups(groups, self.group_patience);
-                }
+        let group = |g: &mut GroupLearner, negotiator: &mut Negotiator| {
+            if dissolved {
+                g.dissolved();
             }
-            Mode::Learning(learner) => {
+            let held = |name: &str| negotiator.in_group(name);
+            if let Some(groups) = g.observe(responses, ctx, held, negotiator.groups()) {
+                negotiator.set_groups(groups, self.group_patience);
+            }
+        };
+        match &mut self.mode {
+            Mode::Groups(g) => group(g, &mut self.negotiator),
+            Mode::Learning(learner, g) => {
                 // a plan needs the global set alone and no joined rank
-                let ctx = LearnContext {
+                let plan_ctx = LearnContext {
                     alone: ctx.alone && !self.negotiator.any_joined(),
                     ..ctx
                 };
-                learner.observe(responses, ctx);
+                learner.observe(responses, plan_ctx);
+                group(g, &mut self.negotiator);
             }
             Mode::Plain | Mode::Frozen(_) => {}
         }
@@ -250,7 +258,7 @@ impl SetNegotiation {
         plan_file: Option<&str>,
         me: i32,
     ) -> Result<Option<Freeze>> {
-        let Mode::Learning(learner) = &mut self.mode else {
+        let Mode::Learning(learner, _) = &mut self.mode else {
             return Ok(None);
         };
         let Some(plan) = learner.take_ready() else {

@@ -4,6 +4,7 @@
 //! closed form. Ranks are placed node by node, so a flat ring crosses each NIC once each way.
 
 use crate::collective::cost::Link;
+use crate::collective::gossip;
 
 /// Nodes of `per_node` ranks each.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,9 +41,10 @@ pub enum Algorithm {
     Hierarchical,
     /// The same with halving and doubling across nodes instead of a ring.
     HierarchicalHalving,
-    /// Gossip's exchange: each rank sends its tensor to one peer on another node and receives
-    /// the peer's (a node's ranks all through its NIC at once).
-    Exchange,
+    /// Gossip's exchange in the given round: each rank swaps its tensor with its peer of the
+    /// library's schedule (`gossip::peer`), through the fast link where the peer shares its
+    /// node, else through the node's NIC with the node's other ranks whose peers are away.
+    Exchange(u64),
 }
 
 /// The ring's time over `p` ranks on one kind of link: 2 (p − 1) steps, each moving a p-th of
@@ -92,6 +94,33 @@ impl Fabric {
         }
     }
 
+    /// Seconds of gossip's exchange of `bytes` bytes per rank over `t` in round `round`: the
+    /// busiest node's, whose pairs inside it use the fast link while the others share its NIC.
+    pub fn exchange(&self, t: Topology, bytes: f64, round: u64) -> f64 {
+        let (p, g) = (t.ranks(), t.per_node);
+        (0..t.nodes)
+            .map(|node| {
+                let (mut inside, mut away) = (0usize, 0usize);
+                for r in node * g..(node + 1) * g {
+                    match gossip::peer(r, p, round) {
+                        q if q == r => {}
+                        q if q / g == node => inside += 1,
+                        _ => away += 1,
+                    }
+                }
+                let fast = match inside {
+                    0 => 0.0,
+                    _ => self.inside.alpha + bytes * self.inside.beta,
+                };
+                let nic = match away {
+                    0 => 0.0,
+                    n => self.nic.alpha + n as f64 * bytes * self.nic.beta,
+                };
+                fast.max(nic)
+            })
+            .fold(0.0, f64::max)
+    }
+
     /// Seconds of one allreduce of `bytes` bytes per rank over `t`, by `algorithm`.
     pub fn allreduce(&self, t: Topology, bytes: f64, algorithm: Algorithm) -> f64 {
         let p = t.ranks();
@@ -101,9 +130,7 @@ impl Fabric {
             _ => self.slowest(),
         };
         match algorithm {
-            Algorithm::Exchange if p <= 1 => 0.0,
-            Algorithm::Exchange if t.nodes == 1 => self.inside.alpha + bytes * self.inside.beta,
-            Algorithm::Exchange => self.nic.alpha + bytes * t.per_node as f64 * self.nic.beta,
+            Algorithm::Exchange(round) => self.exchange(t, bytes, round),
             Algorithm::Ring => ring(p, bytes, link),
             Algorithm::HalvingDoubling => halving_doubling(p, bytes, link),
             Algorithm::Tree => tree(p, bytes, link),
@@ -169,6 +196,54 @@ mod tests {
         }
         for f in [ring, halving_doubling, tree] {
             assert_eq!(f(1, n, L), 0.0);
+        }
+    }
+
+    #[test]
+    fn gossip_exchanges_follow_the_librarys_schedule_inside_and_across_nodes() {
+        let f = Fabric {
+            inside: Link {
+                alpha: 1e-6,
+                beta: 1e-11,
+            },
+            nic: Link {
+                alpha: 10e-6,
+                beta: 1e-9,
+            },
+        };
+        let bytes = 1e6;
+        // the hypercube over 2 nodes of 4: rounds 0 and 1 pair ranks of a node, round 2 pairs
+        // every rank with one on the other node, all four through the NIC
+        let t = Topology {
+            nodes: 2,
+            per_node: 4,
+        };
+        let fast = 1e-6 + bytes * 1e-11;
+        assert!(close(f.exchange(t, bytes, 0), fast));
+        assert!(close(f.exchange(t, bytes, 1), fast));
+        assert!(close(f.exchange(t, bytes, 2), 10e-6 + 4.0 * bytes * 1e-9));
+        assert!(close(f.exchange(t, bytes, 3), fast));
+        // one node: the fast link only; one rank: nothing
+        let one = Topology {
+            nodes: 1,
+            per_node: 8,
+        };
+        assert!(close(f.allreduce(one, bytes, Algorithm::Exchange(5)), fast));
+        let alone = Topology {
+            nodes: 1,
+            per_node: 1,
+        };
+        assert_eq!(f.exchange(alone, bytes, 0), 0.0);
+        // 3 nodes of 2 (not a power of two: the tournament): in every round some rank of a
+        // node has its peer away, and no node sends more than its 2 ranks' tensors
+        let t = Topology {
+            nodes: 3,
+            per_node: 2,
+        };
+        for round in 0..5 {
+            let e = f.exchange(t, bytes, round);
+            assert!(e >= 10e-6 + bytes * 1e-9 - 1e-15, "{round}: {e}");
+            assert!(e <= 10e-6 + 2.0 * bytes * 1e-9 + 1e-15, "{round}: {e}");
         }
     }
 

@@ -120,6 +120,14 @@ pub struct Job {
     pub on_gpu: bool,
 }
 
+/// What a job learns from its first steps: the groups its votes carry one bit each for, or a
+/// frozen plan's batches (offline, host tensors); the tensors' names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Learned {
+    Groups(Vec<Vec<String>>),
+    Plan(Vec<Vec<String>>),
+}
+
 /// One batch of a vote as the library runs it: its members (indices into the vote's
 /// responses), its codec and its route.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -275,14 +283,11 @@ impl Job {
         plan::choose(batch[0], bytes, codec, &settings, levels.as_ref()).route
     }
 
-    /// The groups (online) or the frozen plan's batches (offline) the library learns from a
-    /// job whose steps are agreed vote by vote as `votes` says (each vote's responses, in
-    /// order, from the first step on): its own learners, fed what a rank's loop feeds them.
-    /// None where it learns nothing from them (Horovod's protocol; or too few steps).
-    pub fn learn<'a>(
-        &self,
-        votes: impl IntoIterator<Item = &'a [Response]>,
-    ) -> Option<Vec<Vec<String>>> {
+    /// What the library learns from a job whose steps are agreed vote by vote as `votes`
+    /// says (each vote's responses, in order, from the first step on): its own learners, fed
+    /// what a rank's loop feeds them. None where it learns nothing from them (Horovod's
+    /// protocol; too few steps).
+    pub fn learn<'a>(&self, votes: impl IntoIterator<Item = &'a [Response]>) -> Option<Learned> {
         let ctx = LearnContext {
             fusion_threshold: self.threshold,
             direct_bytes: self.direct_bytes,
@@ -290,26 +295,33 @@ impl Job {
             alone: true,
         };
         let arcs = |v: &[Response]| v.iter().cloned().map(Arc::new).collect::<Vec<_>>();
-        match self.negotiation {
-            Negotiation::Horovod => None,
-            Negotiation::Online => {
-                let mut learner = GroupLearner::new(self.warmup);
-                votes
-                    .into_iter()
-                    .find_map(|v| learner.observe(&arcs(v), ctx, |_| false, &[]))
+        let names = |batches: &[Vec<Response>]| -> Vec<Vec<String>> {
+            (batches.iter())
+                .map(|b| b.iter().map(|r| r.name.clone()).collect())
+                .collect()
+        };
+        // offline: a plan once its step has run; steps it cannot hold (GPU tensors) vote by
+        // groups learned meanwhile, as online
+        let mut plans =
+            (self.negotiation == Negotiation::Offline).then(|| PlanLearner::new(self.warmup));
+        let mut groups = GroupLearner::new(self.warmup);
+        if self.negotiation == Negotiation::Horovod {
+            return None;
+        }
+        for v in votes {
+            let v = arcs(v);
+            let learned = groups.observe(&v, ctx, |_| false, &[]);
+            if let Some(p) = plans.as_mut() {
+                p.observe(&v, ctx);
+                if let Some(plan) = p.take_ready() {
+                    return Some(Learned::Plan(names(&plan.batches)));
+                }
             }
-            Negotiation::Offline => {
-                let mut learner = PlanLearner::new(self.warmup);
-                votes.into_iter().find_map(|v| {
-                    learner.observe(&arcs(v), ctx);
-                    learner.take_ready().map(|plan| {
-                        (plan.batches.iter())
-                            .map(|b| b.iter().map(|r| r.name.clone()).collect())
-                            .collect()
-                    })
-                })
+            if let Some(g) = learned {
+                return Some(Learned::Groups(g));
             }
         }
+        None
     }
 
     /// The link negotiation's small messages take: the slowest the set spans.
@@ -369,7 +381,9 @@ impl Job {
             Route::Native => self.flat,
             Route::Ring => Algorithm::Ring,
             Route::Hierarchical => self.hierarchical,
-            Route::Pairs => Algorithm::Exchange,
+            // gossip ops' own route (the model submits allreduces; its gossip jobs exchange
+            // through `flat`)
+            Route::Pairs => Algorithm::Exchange(0),
         };
         let t = self.topology;
         let p = t.ranks();
@@ -486,21 +500,22 @@ pub fn step(job: &Job, grads: &[Gradient], ready: &[f64]) -> Step {
     let index: std::collections::HashMap<&str, usize> = (resps.iter().enumerate())
         .map(|(i, r)| (r.name.as_str(), i))
         .collect();
-    let learned: Option<Vec<Vec<usize>>> = learned.map(|groups| {
-        (groups.iter())
+    let indices = |batches: &[Vec<String>]| -> Vec<Vec<usize>> {
+        (batches.iter())
             .map(|g| g.iter().map(|n| index[n.as_str()]).collect())
             .collect()
-    });
+    };
     let last = |g: &[usize]| g.iter().map(|i| submitted[*i]).fold(0.0, f64::max);
-    match (job.negotiation, learned) {
+    match learned {
         // the frozen plan's batches, each started once its last tensor is submitted
-        (Negotiation::Offline, Some(plan)) => {
-            for b in &plan {
+        Some(Learned::Plan(plan)) => {
+            for b in &indices(&plan) {
                 run(b, &[b.len()], last(b), &mut out);
             }
         }
         // one bit per learned group: a round takes every group complete when it starts
-        (Negotiation::Online, Some(groups)) => {
+        Some(Learned::Groups(groups)) => {
+            let groups = indices(&groups);
             let (mut g, mut t) = (0, 0.0f64);
             while g < groups.len() {
                 t = t.max(last(&groups[g]) + job.host.wake);
@@ -517,7 +532,7 @@ pub fn step(job: &Job, grads: &[Gradient], ready: &[f64]) -> Step {
                 run(&members, &sizes, t, &mut out);
             }
         }
-        _ => {
+        None => {
             for (at, range, bytes) in &singles {
                 out.rounds += 1;
                 out.control_bytes += bytes;
@@ -683,21 +698,29 @@ mod tests {
     }
 
     #[test]
-    fn offline_plans_hold_host_tensors_only_so_gpu_steps_vote_per_tensor() {
-        // three gradients 1 ms apart: three warm-up votes
+    fn offline_plans_hold_host_tensors_and_gpu_steps_vote_by_groups_meanwhile() {
+        // three gradients 1 ms apart: three warm-up votes, a plan of three batches on the host
         let g = grads(&[1000, 1000, 1000]);
         let ready = [0.0, 1e-3, 2e-3];
         let host = step(&job(2, Negotiation::Offline), &g, &ready);
         assert_eq!((host.rounds, host.batches), (0, 3));
+        // GPU tensors: no plan; the votes carry one bit per learned bucket, as online
         let mut gpu = job(2, Negotiation::Offline);
         gpu.on_gpu = true;
-        let gpu = step(&gpu, &g, &ready);
-        assert_eq!((gpu.rounds, gpu.batches), (3, 3));
-        // online, the GPU step learns buckets and votes a bit per bucket
-        let mut online = job(2, Negotiation::Online);
-        online.on_gpu = true;
-        let online = step(&online, &g, &ready);
-        assert_eq!(online.rounds, 1);
+        let resps: Vec<Response> = g.iter().map(|g| response(g, true)).collect();
+        let votes: Vec<&[Response]> = (0..gpu.warmup + 2).flat_map(|_| resps.chunks(1)).collect();
+        let names = vec![g.iter().map(|g| g.name.clone()).collect::<Vec<_>>()];
+        assert_eq!(
+            gpu.learn(votes.iter().copied()),
+            Some(Learned::Groups(names))
+        );
+        let offline = step(&gpu, &g, &ready);
+        gpu.negotiation = Negotiation::Online;
+        let online = step(&gpu, &g, &ready);
+        assert_eq!((offline.rounds, offline.batches), (1, 1));
+        assert_eq!(offline, online);
+        // too few steps to learn anything
+        assert_eq!(gpu.learn(votes[..3].iter().copied()), None);
     }
 
     #[test]

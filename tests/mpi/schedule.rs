@@ -9,7 +9,7 @@ use ferrovod::config::Config;
 use ferrovod::fusion::planner;
 use ferrovod::message::{CPU_DEVICE, Multistep, Response};
 use ferrovod::sim::network::{Fabric, Topology};
-use ferrovod::sim::step::{Host, Job};
+use ferrovod::sim::step::{Host, Job, Learned};
 
 use super::*;
 
@@ -201,6 +201,15 @@ pub(crate) fn check_schedule(
     let learned = job
         .learn(resps.iter().map(Vec::as_slice))
         .ok_or("the model learned nothing from the run's votes")?;
+    let learned = match (learned, plan.is_empty()) {
+        (Learned::Groups(g), true) | (Learned::Plan(g), false) => g,
+        (other, _) => {
+            return Err(format!(
+                "the model learned {other:?}; the run froze {} plan batches",
+                plan.len()
+            ));
+        }
+    };
     let mut learned_sorted = learned.clone();
     learned_sorted.sort();
     let ran: Vec<Vec<String>> = if plan.is_empty() {
