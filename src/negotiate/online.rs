@@ -154,11 +154,11 @@ impl Negotiator {
         }
     }
 
-    /// Votes for these plan batches with one bit each from the next cycle (online mode; call
-    /// at the same point on every rank). Members must be cached; groups that lose a member to
-    /// the cache are dropped everywhere alike.
+    /// Votes for these plan batches with one bit each from the next cycle (online mode, and
+    /// offline mode while no plan runs; call at the same point on every rank). Members must be
+    /// cached; groups that lose a member to the cache are dropped everywhere alike.
     pub fn set_groups(&mut self, groups: Vec<Vec<String>>, patience: Duration) {
-        if self.mode == NegotiationMode::Online {
+        if self.mode != NegotiationMode::Horovod {
             self.groups = groups;
             self.groups_generation += 1;
             self.group_patience = patience;

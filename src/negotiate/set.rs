@@ -309,6 +309,8 @@ impl SetNegotiation {
             // a request waits for a coordinator round: only online negotiation can finish it
             q.request_escape();
         }
+        // the plan replaces the groups; after an escape, groups are learned again
+        self.negotiator.set_groups(Vec::new(), self.group_patience);
         self.mode = Mode::Frozen(q);
         names
     }

@@ -1102,6 +1102,10 @@ pub(crate) const GPU_SCENARIOS: &[Scenario] = &[
     ("compressed", 2, FP16_HIERARCHICAL, true),
     // offline negotiation with the codecs and with the NaN check, on GPU batches
     ("mixed_compressed", 2, MIXED_OFFLINE, true),
+    // offline on GPU tensors: no plan holds them, so the votes carry learned groups, one word
+    // per vote, as online
+    ("online_groups", 1, OFFLINE, true),
+    ("online_groups", 2, OFFLINE, true),
     (
         "nan_check",
         2,
