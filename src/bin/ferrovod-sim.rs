@@ -96,7 +96,11 @@ fn nvlink(ranks: usize, one: f64, bytes: f64, wake: f64) -> Job {
         codec: 0.0,
         lanes: 2,
     };
-    Job::new(topology, fabric, host, true)
+    // flat GPU allreduces are NCCL's own (its ring inside one node)
+    Job {
+        flat: Algorithm::Nccl,
+        ..Job::new(topology, fabric, host, true)
+    }
 }
 
 /// Measured on 4 × H200 (BENCHMARKS.md, b4da6e8): one NCCL allreduce of the ResNet-50 set at
@@ -366,7 +370,9 @@ fn modes() -> Vec<Mode> {
             j
         }),
         ("u8", |mut j| {
-            // flat on GPUs (`plan::choose`): its blocks cannot be summed on the way
+            // flat on GPUs (`plan::choose`): its blocks cannot be summed on the way, so it
+            // runs ferrovod's own reduce-scatter and allgather (a ring), not NCCL's allreduce
+            j.flat = Algorithm::Ring;
             j.codecs = Codecs {
                 setting: Compression::U8,
                 ..Codecs::default()

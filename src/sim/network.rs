@@ -41,6 +41,10 @@ pub enum Algorithm {
     Hierarchical,
     /// The same with halving and doubling across nodes instead of a ring.
     HierarchicalHalving,
+    /// NCCL's own allreduce: its tuner's choice, per call, of the ring over every rank or its
+    /// tree (a chain through each node's ranks, a binary tree across nodes, both pipelined),
+    /// taken here as whichever is faster. One node: the ring.
+    Nccl,
     /// Gossip's exchange in the given round: each rank swaps its tensor with its peer of the
     /// library's schedule (`gossip::peer`), through the fast link where the peer shares its
     /// node, else through the node's NIC with the node's other ranks whose peers are away.
@@ -94,6 +98,17 @@ impl Fabric {
         }
     }
 
+    /// NCCL's tree allreduce over several nodes: the reduction up a chain through each node's
+    /// ranks and a binary tree of the nodes, the result back down, pipelined in chunks, so
+    /// that its latency is 2 (⌈log₂ nodes⌉ + ranks per node − 1) messages and each link
+    /// carries about twice the bytes, as the ring's do.
+    pub fn nccl_tree(&self, t: Topology, bytes: f64) -> f64 {
+        let depth = (usize::BITS - (t.nodes.max(1) - 1).leading_zeros()) as f64;
+        let chain = (t.per_node - 1) as f64;
+        let beta = self.nic.beta.max(self.inside.beta);
+        2.0 * (depth * self.nic.alpha + chain * self.inside.alpha) + 2.0 * bytes * beta
+    }
+
     /// Seconds of gossip's exchange of `bytes` bytes per rank over `t` in round `round`: the
     /// busiest node's, whose pairs inside it use the fast link while the others share its NIC.
     pub fn exchange(&self, t: Topology, bytes: f64, round: u64) -> f64 {
@@ -131,6 +146,8 @@ impl Fabric {
         };
         match algorithm {
             Algorithm::Exchange(round) => self.exchange(t, bytes, round),
+            Algorithm::Nccl if t.nodes == 1 => ring(p, bytes, link),
+            Algorithm::Nccl => ring(p, bytes, link).min(self.nccl_tree(t, bytes)),
             Algorithm::Ring => ring(p, bytes, link),
             Algorithm::HalvingDoubling => halving_doubling(p, bytes, link),
             Algorithm::Tree => tree(p, bytes, link),
@@ -197,6 +214,43 @@ mod tests {
         for f in [ring, halving_doubling, tree] {
             assert_eq!(f(1, n, L), 0.0);
         }
+    }
+
+    #[test]
+    fn nccls_choice_is_its_ring_or_its_tree_whichever_is_faster() {
+        let f = Fabric {
+            inside: Link {
+                alpha: 2e-6,
+                beta: 1e-11,
+            },
+            nic: Link {
+                alpha: 10e-6,
+                beta: 1e-9,
+            },
+        };
+        // one node: the ring
+        let one = Topology {
+            nodes: 1,
+            per_node: 8,
+        };
+        let r = ring(8, 1e6, f.inside);
+        assert!(close(f.allreduce(one, 1e6, Algorithm::Nccl), r));
+        // 512 nodes of 8: the tree's 2 (9 + 7) messages against the ring's 2 × 4095
+        let t = Topology {
+            nodes: 512,
+            per_node: 8,
+        };
+        let tree = 2.0 * (9.0 * 10e-6 + 7.0 * 2e-6) + 2.0 * 1e6 * 1e-9;
+        assert!(close(f.nccl_tree(t, 1e6), tree));
+        assert!(close(f.allreduce(t, 1e6, Algorithm::Nccl), tree));
+        // 2 nodes, a large buffer: the ring moves 2 (p - 1)/p of it, less than the tree's 2
+        let t = Topology {
+            nodes: 2,
+            per_node: 1,
+        };
+        let r = ring(2, 1e9, f.nic);
+        assert!(close(f.allreduce(t, 1e9, Algorithm::Nccl), r));
+        assert!(r < f.nccl_tree(t, 1e9));
     }
 
     #[test]
