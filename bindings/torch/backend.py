@@ -423,6 +423,16 @@ class _Work(dist.Work):
         self._key = None
         self._future = torch.futures.Future(devices=[device] if device is not None else None)
 
+    @classmethod
+    def start(cls, device, finish, touched=()):
+        """A Work about to be submitted, with the completion thread running; `touched`: the
+        CUDA tensors its side stream's copies or the collective use."""
+        _ensure_completer()
+        work = cls(device, finish)
+        if device is not None:
+            work._touched = tuple(touched)
+        return work
+
     def _complete(self):
         self._submitted.wait()
         try:
@@ -696,21 +706,25 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         """Enqueues one ferrovod operation over `inputs` and returns its Work; `finish(values)`
         makes the Future's value from the operation's outputs (run on the completion thread, on
         a side stream for CUDA tensors); `touched`: the caller's tensors it writes there."""
-        _ensure_completer()
         device = mpi_ops._device_of(inputs)
         used = tuple(inputs) + tuple(outputs or ()) + tuple(touched)
         stand_in, outputs, finish = _contiguous(inputs, outputs, finish or (lambda values: values))
         if stand_in is not inputs:  # and the contiguous temporaries
             used += tuple(stand_in) + tuple(outputs or ())
         inputs = stand_in
-        work = _Work(device, finish)
-        if device is not None:
-            # every tensor the side stream's copies or the collective use
-            work._touched = used
+        work = _Work.start(device, finish, used)
+        return self._submit_named(work, signature, len(inputs), lambda names, key: mpi_ops._enqueue(
+            kind, inputs, names, outputs, None, self._set, done=_DONE, done_user_data=key,
+            **kwargs))
+
+    def _submit_named(self, work, signature, count, submit):
+        """Submits `work`'s operation of `count` tensors, `submit(names, key)`, under the
+        group's next name for `signature` (the further tensors numbered after it; a barrier has
+        none), and tracks the name until the operation completes."""
         with self._names.submitting:
-            names = [self._names.next(signature)] if inputs else []  # (a barrier has none)
-            names += ["%s_%d" % (names[0], i) for i in range(1, len(inputs))]
-            _enqueue_work(work, kind, inputs, names, outputs, self._set, **kwargs)
+            names = [self._names.next(signature)] if count else []
+            names += ["%s_%d" % (names[0], i) for i in range(1, count)]
+            _submit_work(work, lambda key: submit(names, key))
             if names:
                 self._names.track(names[0], work)
         return work
@@ -745,18 +759,11 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
     def _allreduce_one(self, t, op, prescale):
         """`_allreduce` of one contiguous tensor, through the C structs the core keeps per name
         (what `horovod.torch` does for a gradient): a DDP bucket or a metric each step."""
-        _ensure_completer()
-        device = t.device if t.is_cuda else None
-        work = _Work(device, lambda _v: [t])
-        if device is not None:
-            work._touched = (t,)
+        work = _Work.start(t.device if t.is_cuda else None, lambda _v: [t], (t,))
         codec = self._codec(op, (t,))
-        with self._names.submitting:
-            name = self._names.next(_signature("allreduce", (t,)))
-            _submit_work(work, lambda key: mpi_ops._allreduce_one_(
-                t, name, op, prescale, 1.0, self._set, codec, done=_DONE, done_user_data=key))
-            self._names.track(name, work)
-        return work
+        return self._submit_named(work, _signature("allreduce", (t,)), 1, lambda names, key: (
+            mpi_ops._allreduce_one_(t, names[0], op, prescale, 1.0, self._set, codec, done=_DONE,
+                                    done_user_data=key)))
 
     def reduce(self, tensors, opts=None):
         opts = opts or dist.ReduceOptions()
@@ -1001,10 +1008,8 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
                 work._source = self._set.ranks.index(source)
             return finish(values)
 
-        _ensure_completer()
-        work = _Work(device, finish if peer is not None else finish_and_name_the_source)
-        if device is not None:
-            work._touched = (t,)
+        work = _Work.start(device, finish if peer is not None else finish_and_name_the_source,
+                           (t,))
         name = "torch.%s.%s.%s.%d.%d" % (self._names._group_name(),
                                          "send" if kind == _core.SEND else "recv",
                                          "any" if peer is None else peer, tag, next(_p2p_seq))

@@ -306,13 +306,22 @@ fn efficiency(job: &Job, grads: &[Gradient], alone: f64) -> f64 {
 /// A node of 8 H200s over NVLink (the link of the np 4 calibration) with one NIC of `gbit`
 /// Gbit/s (NCCL's network: 10 us a message, 1.05 x the bytes on the wire).
 fn cluster(nodes: usize, gbit: f64, bytes: f64, wake: f64) -> Job {
-    let mut j = nvlink(4, NP4_ONE_ALLREDUCE, bytes, wake);
-    j.topology = Topology { nodes, per_node: 8 };
-    j.fabric.nic = Link {
-        alpha: 10e-6,
-        beta: 8e-9 / gbit * 1.05,
+    let node = nvlink(4, NP4_ONE_ALLREDUCE, bytes, wake);
+    let topology = Topology { nodes, per_node: 8 };
+    let fabric = Fabric {
+        inside: node.fabric.inside,
+        nic: Link {
+            alpha: 10e-6,
+            beta: 8e-9 / gbit * 1.05,
+        },
     };
-    j
+    // the library's settings for this placement; flat (NCCL's allreduce) unless a mode says
+    // otherwise
+    Job {
+        flat: Algorithm::Nccl,
+        policy: Policy::Flat,
+        ..Job::new(topology, fabric, node.host, true)
+    }
 }
 
 /// Rounds of gossip's schedule a gossip step is averaged over.
@@ -328,7 +337,8 @@ fn gossip_step(job: &Job, grads: &[Gradient], alone: f64) -> f64 {
         .map(|round| {
             let mut j = *job;
             if gossip::syncs(round, every) {
-                (j.flat, j.policy) = (Algorithm::Ring, Policy::Hierarchical);
+                // the exact average: the set's flat allreduce (NCCL's), as `gossip::mix` runs it
+                (j.flat, j.policy) = (Algorithm::Nccl, Policy::Flat);
             } else {
                 j.flat = Algorithm::Exchange(round);
             }

@@ -68,6 +68,20 @@ impl GroupLearner {
         }
     }
 
+    /// Learning again after leaving a frozen plan in the middle of a step (offline mode), as
+    /// `PlanLearner::resuming`: `ran`, the responses the plan ran in that step, start the step
+    /// the recorder sees, so that its steps (and so its groups) begin where the training's do.
+    pub fn resuming<'a>(
+        warmup: usize,
+        ran: impl IntoIterator<Item = &'a Response>,
+    ) -> GroupLearner {
+        let mut learner = GroupLearner::new(warmup);
+        for r in ran {
+            learner.recorder.observe(r, 0, false);
+        }
+        learner
+    }
+
     /// Learned groups were dissolved (agreed on every rank): a group waited partly ready past
     /// its patience. GPU steps are learned as size buckets across the cycles their tensors were
     /// agreed in, which holds a tensor whose submission depends on an earlier one of its bucket
@@ -298,6 +312,22 @@ mod tests {
             }
         }
         learned
+    }
+
+    #[test]
+    fn groups_learned_again_after_an_escape_start_where_the_steps_do() {
+        // a plan ran g0 of a step of three, then escaped; g1 and g2 follow online
+        let ran = gpu_step(3);
+        let mut resumed = GroupLearner::resuming(2, ran[..1].iter().map(|r| r.as_ref()));
+        let mut fresh = GroupLearner::new(2);
+        let (mut a, mut b) = (None, None);
+        for r in (gpu_step(3).into_iter().skip(1)).chain((0..4).flat_map(|_| gpu_step(3))) {
+            a = resumed.observe(std::slice::from_ref(&r), ctx(), |_| false, &[]).or(a);
+            b = fresh.observe(&[r], ctx(), |_| false, &[]).or(b);
+        }
+        // the resumed learner's group is a step; the fresh one's steps start at g1
+        assert_eq!(a.expect("learned"), names(&[&["g0", "g1", "g2"]]));
+        assert_eq!(b.expect("learned"), names(&[&["g1", "g2", "g0"]]));
     }
 
     #[test]

@@ -202,12 +202,17 @@ impl SetNegotiation {
             }
             return Vec::new();
         }
-        let learner = match &self.mode {
-            Mode::Frozen(q) => PlanLearner::resuming(self.warmup, q.ran_this_step()),
-            _ => PlanLearner::new(self.warmup),
+        let (learner, groups) = match &self.mode {
+            Mode::Frozen(q) => (
+                PlanLearner::resuming(self.warmup, q.ran_this_step()),
+                GroupLearner::resuming(self.warmup, q.ran_this_step()),
+            ),
+            _ => (
+                PlanLearner::new(self.warmup),
+                GroupLearner::new(self.warmup),
+            ),
         };
-        let groups = Box::new(GroupLearner::new(self.warmup));
-        let learning = Mode::Learning(learner, groups);
+        let learning = Mode::Learning(learner, Box::new(groups));
         let Mode::Frozen(q) = std::mem::replace(&mut self.mode, learning) else {
             return Vec::new();
         };

@@ -17,6 +17,7 @@ use crate::dtype::DataType;
 use crate::fusion::planner;
 use crate::message::{Multistep, OpKind, ReduceOp, Response};
 use crate::negotiate::learn::{GroupLearner, LearnContext, PlanLearner};
+use crate::negotiate::ready_bitmap::{self, Vote};
 use crate::sim::network::{self, Algorithm, Fabric, Topology};
 
 /// A gradient of a model's shape set: its parameter's name and shape.
@@ -337,17 +338,22 @@ impl Job {
         }
     }
 
-    /// Seconds of one negotiation round of protocol `how` over `cached` names (or groups) of
-    /// which `taken` are in it.
-    fn round(&self, how: Negotiation, cached: usize, taken: usize) -> (f64, f64) {
+    /// Seconds of one negotiation round of protocol `how` whose vote carries `singles` cached
+    /// names and `groups` learned groups, of which `taken` tensors (or groups) are agreed in it.
+    fn round(&self, how: Negotiation, singles: usize, groups: usize, taken: usize) -> (f64, f64) {
         let p = self.topology.ranks();
         let l = self.control_link();
         match how {
             Negotiation::Offline => (0.0, 0.0),
             Negotiation::Online => {
-                // the bit vector, in 64-bit words, sent and received at each of the AND
-                // allreduce's steps
-                let bytes = cached.div_ceil(64) as f64 * 8.0;
+                // the vote's words as the library encodes them, sent and received at each of
+                // the AND allreduce's steps
+                let vote = Vote {
+                    gpu_moved: self.on_gpu.then_some(false),
+                    ..Vote::default()
+                };
+                let words = ready_bitmap::encode_grouped(&vote, singles, groups).len();
+                let bytes = words as f64 * 8.0;
                 let t = network::halving_doubling(p, bytes, l);
                 let steps = (usize::BITS - (p.max(1) - 1).leading_zeros()) as f64;
                 (self.host.round + t, 2.0 * bytes * steps)
@@ -441,7 +447,7 @@ fn single_votes(job: &Job, how: Negotiation, submitted: &[f64]) -> Vec<(f64, Ran
             .take_while(|s| **s <= t)
             .count()
             .max(1);
-        let (cost, bytes) = job.round(how, submitted.len(), taken);
+        let (cost, bytes) = job.round(how, submitted.len(), 0, taken);
         t += cost;
         votes.push((t, next..next + taken, bytes));
         next += taken;
@@ -525,7 +531,7 @@ pub fn step(job: &Job, grads: &[Gradient], ready: &[f64]) -> Step {
                     sizes.push(groups[g].len());
                     g += 1;
                 }
-                let (cost, bytes) = job.round(Negotiation::Online, groups.len(), sizes.len());
+                let (cost, bytes) = job.round(Negotiation::Online, 0, groups.len(), sizes.len());
                 t += cost;
                 out.rounds += 1;
                 out.control_bytes += bytes;
