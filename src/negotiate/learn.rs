@@ -322,7 +322,9 @@ mod tests {
         let mut fresh = GroupLearner::new(2);
         let (mut a, mut b) = (None, None);
         for r in (gpu_step(3).into_iter().skip(1)).chain((0..4).flat_map(|_| gpu_step(3))) {
-            a = resumed.observe(std::slice::from_ref(&r), ctx(), |_| false, &[]).or(a);
+            a = resumed
+                .observe(std::slice::from_ref(&r), ctx(), |_| false, &[])
+                .or(a);
             b = fresh.observe(&[r], ctx(), |_| false, &[]).or(b);
         }
         // the resumed learner's group is a step; the fresh one's steps start at g1
