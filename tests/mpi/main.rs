@@ -353,8 +353,8 @@ pub(crate) const HIERARCHICAL_SETS: &[(&str, &str)] = &[
 
 /// Join and offline negotiation with hierarchical collectives (2 nodes of 2 ranks).
 /// The scale model's schedule checks (`schedule.rs`): two emulated nodes of one rank, whose
-/// batches from 60,000 bytes run the ring; fp16 on one node; offline and hierarchical on two
-/// nodes of two. Fused batches of at most 128 KiB, so that the threshold cuts them.
+/// batches from 60,000 bytes run the ring; fp16 on one node, with the ring set from the same
+/// size; offline and hierarchical on two nodes of two. Fused batches of at most 128 KiB, so that the threshold cuts them.
 pub(crate) const SCHEDULE_RING: &[(&str, &str)] = &[
     ("FERROVOD_LOCAL_SIZE", "1"),
     ("FERROVOD_RING_MIN_BYTES", "60000"),
@@ -363,6 +363,7 @@ pub(crate) const SCHEDULE_RING: &[(&str, &str)] = &[
 ];
 pub(crate) const SCHEDULE_FP16: &[(&str, &str)] = &[
     ("FERROVOD_COMPRESSION", "fp16"),
+    ("FERROVOD_RING_MIN_BYTES", "60000"),
     ("HOROVOD_FUSION_THRESHOLD", "131072"),
     ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
 ];
