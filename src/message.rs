@@ -450,6 +450,33 @@ impl Response {
         r
     }
 
+    /// An agreed allreduce of `name` with neutral parameters (root 0, no scaling, the job's
+    /// codec, every call): what the scale model and the schedule check build for a gradient.
+    pub fn allreduce(
+        name: &str,
+        dtype: DataType,
+        shape: &[i64],
+        reduce_op: ReduceOp,
+        device: i32,
+    ) -> Response {
+        Response {
+            kind: OpKind::Allreduce,
+            name: name.to_string(),
+            dtype,
+            shape: shape.to_vec(),
+            first_dims: Vec::new(),
+            root: 0,
+            device,
+            reduce_op,
+            prescale: 1.0,
+            postscale: 1.0,
+            compression: None,
+            multistep: Multistep::EVERY_CALL,
+            result: 0,
+            error: None,
+        }
+    }
+
     pub fn from_request(req: &Request) -> Response {
         Response {
             kind: req.kind,

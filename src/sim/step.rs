@@ -15,7 +15,7 @@ use crate::compress::{Codec, Codecs};
 use crate::config::{AlgorithmChoice, Config, NegotiationMode};
 use crate::dtype::DataType;
 use crate::fusion::planner;
-use crate::message::{Multistep, OpKind, ReduceOp, Response};
+use crate::message::{CPU_DEVICE, ReduceOp, Response};
 use crate::negotiate::learn::{GroupLearner, LearnContext, PlanLearner};
 use crate::negotiate::ready_bitmap::{self, Vote};
 use crate::sim::network::{self, Algorithm, Fabric, Topology};
@@ -75,8 +75,9 @@ pub enum Negotiation {
 const REQUEST_BYTES: f64 = 96.0;
 const RESPONSE_BYTES: f64 = 80.0;
 
-/// What each rank's software costs, beside the network's time.
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// What each rank's software costs, beside the network's time (default: nothing, and no
+/// lane beyond the one every job has).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Host {
     /// Seconds the framework takes to submit one tensor.
     pub submit: f64,
@@ -155,26 +156,8 @@ pub struct Step {
 
 /// The response every rank agrees on for `g`: an f32 average, as a training job's gradients.
 fn response(g: &Gradient, on_gpu: bool) -> Response {
-    Response {
-        kind: OpKind::Allreduce,
-        name: g.name.clone(),
-        dtype: DataType::F32,
-        shape: g.shape.clone(),
-        first_dims: Vec::new(),
-        root: 0,
-        device: if on_gpu {
-            0
-        } else {
-            crate::message::CPU_DEVICE
-        },
-        reduce_op: ReduceOp::Average,
-        prescale: 1.0,
-        postscale: 1.0,
-        compression: None,
-        multistep: Multistep::EVERY_CALL,
-        result: 0,
-        error: None,
-    }
+    let device = if on_gpu { 0 } else { CPU_DEVICE };
+    Response::allreduce(&g.name, DataType::F32, &g.shape, ReduceOp::Average, device)
 }
 
 impl Job {
@@ -303,12 +286,12 @@ impl Job {
         };
         // offline: a plan once its step has run; steps it cannot hold (GPU tensors) vote by
         // groups learned meanwhile, as online
-        let mut plans =
-            (self.negotiation == Negotiation::Offline).then(|| PlanLearner::new(self.warmup));
-        let mut groups = GroupLearner::new(self.warmup);
         if self.negotiation == Negotiation::Horovod {
             return None;
         }
+        let mut plans =
+            (self.negotiation == Negotiation::Offline).then(|| PlanLearner::new(self.warmup));
+        let mut groups = GroupLearner::new(self.warmup);
         for v in votes {
             let v = arcs(v);
             let learned = groups.observe(&v, ctx, |_| false, &[]);
@@ -571,12 +554,8 @@ mod tests {
         };
         let host = Host {
             submit: 1e-6,
-            wake: 0.0,
-            round: 0.0,
-            call: 0.0,
-            pack: 0.0,
-            codec: 0.0,
             lanes: 1,
+            ..Host::default()
         };
         let fabric = Fabric {
             inside: link,

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 
 use ferrovod::config::Config;
 use ferrovod::fusion::planner;
-use ferrovod::message::{CPU_DEVICE, Multistep, Response};
+use ferrovod::message::{CPU_DEVICE, Response};
 use ferrovod::sim::network::{Fabric, Topology};
 use ferrovod::sim::step::{Host, Job, Learned};
 
@@ -72,22 +72,7 @@ struct Vote {
 /// The response every rank agreed on for the scenario's tensor `name`.
 fn response(name: &str, tensors: &HashMap<String, (usize, DataType)>) -> Response {
     let (len, dtype) = tensors[name];
-    Response {
-        kind: OpKind::Allreduce,
-        name: name.to_string(),
-        dtype,
-        shape: vec![len as i64],
-        first_dims: Vec::new(),
-        root: 0,
-        device: CPU_DEVICE,
-        reduce_op: ReduceOp::Sum,
-        prescale: 1.0,
-        postscale: 1.0,
-        compression: None,
-        multistep: Multistep::EVERY_CALL,
-        result: 0,
-        error: None,
-    }
+    Response::allreduce(name, dtype, &[len as i64], ReduceOp::Sum, CPU_DEVICE)
 }
 
 /// Checks the timeline of a `schedule` run at `np` ranks under `env` against the model.
@@ -119,13 +104,8 @@ pub(crate) fn check_schedule(
         nic: link,
     };
     let host = Host {
-        submit: 0.0,
-        wake: 0.0,
-        round: 0.0,
-        call: 0.0,
-        pack: 0.0,
-        codec: 0.0,
         lanes: 1,
+        ..Host::default()
     };
     let job = Job::from_config(topology, fabric, host, false, &cfg);
     let tensors: HashMap<String, (usize, DataType)> = step_tensors(TENSORS, &[], 0)
