@@ -1,8 +1,9 @@
 """torch.distributed's `ferrovod` backend against `gloo` (or `nccl` on GPUs), in one job under
 mpirun, the backends alternating round by round in the same processes:
 
-  calls     the time of one `all_reduce` (SUM, float32) by size, blocking: the per-call cost of
-            a process group written in Python, against gloo's C++ one;
+  calls     the time of one blocking `all_reduce`, `all_gather_into_tensor` and
+            `reduce_scatter_tensor` (float32, SUM) by size: the per-call cost of a process group
+            written in Python, against gloo's or NCCL's C++ one;
   ddp       a DDP step whose gradients have the shapes of a gradient set (ResNet-50 by default,
             FERROVOD_DATA_DIR/resnet50_grads.tsv): backward of a loss that touches every
             parameter once, so the step is DDP's bucketed allreduces and their wait;
@@ -72,19 +73,44 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+def call_ops(device, n, world):
+    """One blocking call of each kind on n bytes of float32 per rank, as FSDP and DDP issue
+    them: all_reduce in place; all_gather_into_tensor and reduce_scatter_tensor between flat
+    tensors, on a side stream on CUDA (FSDP's all-gather and reduce-scatter streams)."""
+    x = torch.ones(n // 4, device=device)
+    gathered = torch.empty(world * (n // 4), device=device)
+    whole = torch.ones(world * (n // 4), device=device)
+    part = torch.empty(n // 4, device=device)
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def on_side(f):
+        if side is None:
+            return f
+
+        def call():
+            with torch.cuda.stream(side):
+                f()
+        return call
+
+    return {"all_reduce": lambda: dist.all_reduce(x),
+            "all_gather_into_tensor": on_side(lambda: dist.all_gather_into_tensor(gathered, x)),
+            "reduce_scatter_tensor": on_side(lambda: dist.reduce_scatter_tensor(part, whole))}
+
+
 def time_calls(device, sizes, reps):
+    """{(op, bytes): seconds per call}, the device done at the end."""
     out = {}
     for n in sizes:
-        x = torch.ones(n // 4, device=device)
-        for _ in range(3):
-            dist.all_reduce(x)
-        sync(device)
-        dist.barrier()
-        t = time.perf_counter()
-        for _ in range(reps):
-            dist.all_reduce(x)
-        sync(device)
-        out[n] = (time.perf_counter() - t) / reps
+        for op, call in call_ops(device, n, dist.get_world_size()).items():
+            for _ in range(3):
+                call()
+            sync(device)
+            dist.barrier()
+            t = time.perf_counter()
+            for _ in range(reps):
+                call()
+            sync(device)
+            out[(op, n)] = (time.perf_counter() - t) / reps
     return out
 
 
@@ -203,12 +229,13 @@ def main():
         return
     print("# torch.distributed, np=%d, %s: ferrovod against %s, median of %d rounds"
           % (n, a.device, other, a.rounds))
-    for size in sizes if a.only in (None, "calls") else []:
-        f = statistics.median(r[size] for r in results["ferrovod"]["calls"])
-        o = statistics.median(r[size] for r in results[other]["calls"])
-        print("all_reduce %9d B: ferrovod %9.1f us, %s %9.1f us, ratio %.3f" % (size, f * 1e6, other, o * 1e6, f / o))
-        print("JSON " + json.dumps({"kind": "torch_dist_call", "np": n, "device": a.device, "bytes": size,
-                                    "ferrovod_s": f, "other": other, "other_s": o}))
+    for key in sorted(results["ferrovod"]["calls"][0]) if a.only in (None, "calls") else []:
+        op, size = key
+        f = statistics.median(r[key] for r in results["ferrovod"]["calls"])
+        o = statistics.median(r[key] for r in results[other]["calls"])
+        print("%-22s %9d B: ferrovod %9.1f us, %s %9.1f us, ratio %.3f" % (op, size, f * 1e6, other, o * 1e6, f / o))
+        print("JSON " + json.dumps({"kind": "torch_dist_call", "op": op, "np": n, "device": a.device,
+                                    "bytes": size, "ferrovod_s": f, "other": other, "other_s": o}))
     if a.only in (None, "ddp"):
         f = statistics.median(results["ferrovod"]["ddp"])
         o = statistics.median(results[other]["ddp"])

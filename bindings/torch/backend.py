@@ -7,9 +7,10 @@ C++ too, e.g. DDP's reducer): each collective is one ferrovod operation through 
 enqueue as `horovod.torch`'s (`mpi_ops._enqueue`), so it is negotiated, fused and compressed as
 those are. Its `Work` is completed from ferrovod's completion callback, in the order operations
 finish: a thread of this module collects the result (for CUDA tensors it makes a side stream wait
-on the collective and records the Future's completion there), so `get_future()` completes by
-itself, as DDP needs, and `wait()` on CUDA makes the current stream wait without waiting for the
-device.
+on the collective and records the completion there), so `get_future()` completes by itself, as
+DDP needs, and `wait()` on CUDA makes the current stream wait without waiting for the device. A
+thread that waits for a Work completes it itself, and a Future is made only when asked for:
+FSDP's blocking all-gathers and reduce-scatters pay for neither a thread switch nor a Future.
 
 Ranks come from MPI (`mpirun`/`horovodrun`). Without MASTER_ADDR the store torch needs is a
 TCPStore on rank 0 whose address travels over MPI, so `init_process_group("ferrovod")` needs no
@@ -395,7 +396,8 @@ def _ensure_completer():
 
 
 class _Work(dist.Work):
-    """One operation of the backend: its Future holds the result (the tensors the op wrote)."""
+    """One operation of the backend: its result (the tensors the op wrote) or its error, and a
+    Future made when somebody asks for one (`get_future`; a blocking call never does)."""
 
     def __init__(self, device, finish):
         super().__init__()
@@ -404,6 +406,9 @@ class _Work(dist.Work):
         self._handle = None
         # the CUDA tensors the operation reads or writes (inputs, temporaries, outputs)
         self._touched = ()
+        # `finish` launches no device work (the core wrote the caller's outputs): completing
+        # then needs no stream of torch's made current
+        self._direct = False
         self._submitted = _Latch()
         # set once the core completed the operation (its names may be submitted again): set by
         # ferrovod's thread, never by the completion thread, so that a Future's callback there
@@ -411,7 +416,7 @@ class _Work(dist.Work):
         self._released = _Latch()
         # ferrovod's callback came while the Work was still in `_works`
         self._called = False
-        # set once the Future is (a host-side signal: waiting on it orders no stream)
+        # set once the result or error is (a host-side signal: waiting on it orders no stream)
         self._finished = _Latch()
         # CUDA: recorded on the side stream after the result's copies (is_completed, as NCCL's)
         self._event = None
@@ -421,7 +426,13 @@ class _Work(dist.Work):
         self._core = None
         # the key ferrovod's completion callback names it by
         self._key = None
-        self._future = torch.futures.Future(devices=[device] if device is not None else None)
+        self._lock = _allocate_lock()
+        self._settled = False
+        self._result = None
+        self._error = None
+        self._future = None
+        # run once settled (a group forgets the operation's name)
+        self._hooks = []
 
     @classmethod
     def start(cls, device, finish, touched=()):
@@ -435,26 +446,64 @@ class _Work(dist.Work):
 
     def _complete(self):
         self._submitted.wait()
+        result = error = None
         try:
-            if self._device is not None:
+            if self._device is None:
+                result = self._finish(mpi_ops.synchronize(self._handle))
+            elif self._direct:
+                # the side stream waits for the collective; nothing else runs on it here
                 side = _side_stream(self._device)
-                with torch.cuda.device(self._device), torch.cuda.stream(side):
-                    # the side stream now waits for the collective, and the copies of `finish`
-                    # run on it: the allocator must not hand out these tensors' memory before
-                    # its work (the caller's stream only waits when it waits on the Future)
-                    result = self._finish(mpi_ops.synchronize(self._handle))
-                    for t in self._touched:
-                        t.record_stream(side)
-                    self._event = torch.cuda.Event()
-                    self._event.record(side)
-                    self._future.set_result(result)
+                result = self._finish(mpi_ops.synchronize(self._handle, side.cuda_stream))
+                self._protect(side)
             else:
-                self._future.set_result(self._finish(mpi_ops.synchronize(self._handle)))
-        except Exception as e:  # every failure reaches the caller through the Future
-            self._future.set_exception(_backend_error(e))
+                side = _side_stream(self._device)
+                with torch.cuda.stream(side):
+                    # the side stream now waits for the collective, and the copies of `finish`
+                    # run on it
+                    result = self._finish(mpi_ops.synchronize(self._handle))
+                self._protect(side)
+        except Exception as e:  # every failure reaches the caller
+            error = _backend_error(e)
         finally:
+            self._settle(result, error)
             self._released.set()
             self._finished.set()
+
+    def _protect(self, side):
+        """The allocator must not hand out the touched tensors' memory before the side stream's
+        work (the caller's stream only waits when it waits for the Work); the event marks that
+        work's end."""
+        for t in self._touched:
+            t.record_stream(side)
+        self._event = torch.cuda.Event()
+        self._event.record(side)
+
+    def _settle(self, result, error):
+        with self._lock:
+            self._settled = True
+            self._result, self._error = result, error
+            future, hooks, self._hooks = self._future, self._hooks, ()
+        for hook in hooks:
+            hook()
+        if future is not None:
+            self._set_future(future)
+
+    def _when_settled(self, hook):
+        with self._lock:
+            if not self._settled:
+                self._hooks.append(hook)
+                return
+        hook()
+
+    def _set_future(self, future):
+        if self._error is not None:
+            future.set_exception(self._error)
+        elif self._device is not None:
+            # recorded on the side stream: after the result's copies there
+            with torch.cuda.stream(_side_stream(self._device)):
+                future.set_result(self._result)
+        else:
+            future.set_result(self._result)
 
     def wait(self, timeout=None):
         """As NCCL's: on CUDA the current stream waits for the result; the host waits until it
@@ -469,16 +518,19 @@ class _Work(dist.Work):
             # a Future's callback waits for a collective: only this thread completes it
             while not self._finished.is_set():
                 _complete_next()
-        elif self._device is None and self._key is not None and not self._finished.is_set():
+        elif self._key is not None and not self._finished.is_set():
             self._complete_here()
-        self._future.wait()
+        self._finished.wait()
+        if self._error is not None:
+            raise self._error
+        if self._event is not None:
+            mpi_ops._stream_wait(mpi_ops._current_stream(self._device), self._event.cuda_event)
         return True
 
     def _complete_here(self):
-        """A host operation waited for: completed by the waiting thread, which waits for the
-        core's handle itself, rather than for the callback and the completion thread (two thread
-        switches fewer per blocking call). Whichever thread takes it from `_works` completes
-        it."""
+        """Completed by the waiting thread, which waits for the core's handle itself, rather
+        than for the callback and the completion thread (two thread switches fewer per blocking
+        call). Whichever thread takes it from `_works` completes it."""
         self._submitted.wait()
         with _works_lock:
             mine = _works.pop(self._key, None) is self
@@ -489,7 +541,17 @@ class _Work(dist.Work):
             self._complete()
 
     def get_future(self):
-        return self._future
+        with self._lock:
+            future = self._future
+            if future is None:
+                future = self._future = torch.futures.Future(
+                    devices=[self._device] if self._device is not None else None)
+                if not self._settled:
+                    return future
+            else:
+                return future
+        self._set_future(future)
+        return future
 
     def _source_rank(self):
         """A receive from any rank: the group rank its message came from (once waited for)."""
@@ -497,26 +559,19 @@ class _Work(dist.Work):
 
     def is_completed(self):
         event = self._event
-        return self._future.done() and (event is None or event.query())
+        return self._finished.is_set() and (event is None or event.query())
 
     def is_success(self):
-        if not self._future.done():
-            return False
-        try:
-            self._future.value()
-        except Exception:
-            return False
-        return True
+        return self._finished.is_set() and self._error is None
 
     def exception(self):
-        try:
-            self._future.value()
-        except Exception as e:
-            return e
-        return None
+        return self._error
 
     def result(self):
-        return self._future.value()
+        self._finished.wait()
+        if self._error is not None:
+            raise self._error
+        return self._result
 
     def synchronize(self):
         self.wait()
@@ -534,7 +589,7 @@ def _backend_error(e):
 
 def _done_work(result):
     work = _Work(None, None)
-    work._future.set_result(result)
+    work._settle(result, None)
     work._released.set()
     work._finished.set()
     return work
@@ -606,6 +661,13 @@ def _contiguous(inputs, outputs, finish):
     return stand, outs, copied_back
 
 
+def _writable_directly(output, flat):
+    """Whether the collective over CUDA `flat` can write `output` itself (its result has
+    `output`'s elements: the name holds the shapes, so ranks that disagree never meet)."""
+    return (flat.is_cuda and output.is_contiguous() and output.dtype == flat.dtype
+            and output.device == flat.device and output.numel() > 0)
+
+
 def _copy_chunks(flat, outputs):
     """Copies consecutive pieces of `flat` into `outputs` (each of its own numel)."""
     at = 0
@@ -642,7 +704,7 @@ class _Names:
     def track(self, name, work):
         with self._lock:
             self._in_flight[name] = work
-        work._future.add_done_callback(lambda _f: self._forget(name, work))
+        work._when_settled(lambda: self._forget(name, work))
 
     def _forget(self, name, work):
         with self._lock:
@@ -702,10 +764,13 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
     def process_set(self):
         return self._set
 
-    def _run(self, kind, inputs, signature, outputs=None, finish=None, touched=(), **kwargs):
+    def _run(self, kind, inputs, signature, outputs=None, finish=None, touched=(), given=None,
+             **kwargs):
         """Enqueues one ferrovod operation over `inputs` and returns its Work; `finish(values)`
         makes the Future's value from the operation's outputs (run on the completion thread, on
-        a side stream for CUDA tensors); `touched`: the caller's tensors it writes there."""
+        a side stream for CUDA tensors); `touched`: the caller's tensors it writes there.
+        `given`: CUDA outputs the collective writes itself (`mpi_ops._enqueue`'s), so that
+        `finish` launches nothing."""
         device = mpi_ops._device_of(inputs)
         used = tuple(inputs) + tuple(outputs or ()) + tuple(touched)
         stand_in, outputs, finish = _contiguous(inputs, outputs, finish or (lambda values: values))
@@ -713,9 +778,10 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
             used += tuple(stand_in) + tuple(outputs or ())
         inputs = stand_in
         work = _Work.start(device, finish, used)
+        work._direct = given is not None and device is not None
         return self._submit_named(work, signature, len(inputs), lambda names, key: mpi_ops._enqueue(
             kind, inputs, names, outputs, None, self._set, done=_DONE, done_user_data=key,
-            **kwargs))
+            given=given if work._direct else None, **kwargs))
 
     def _submit_named(self, work, signature, count, submit):
         """Submits `work`'s operation of `count` tensors, `submit(names, key)`, under the
@@ -835,6 +901,10 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
             raise ValueError("all_gather_into_tensor: the output holds %d elements, not %d x %d"
                              % (output.numel(), self.size(), input.numel()))
         flat = _flat(input)
+        if _writable_directly(output, flat):
+            return self._run(_core.ALLGATHER, [flat], _signature("allgather", [flat]),
+                             finish=lambda _v: [output], touched=[output],
+                             given=[output.view(-1)])
 
         def finish(values):
             output.view(-1).copy_(values[0]) if output.is_contiguous() else output.copy_(
@@ -887,9 +957,10 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
             output.copy_(values[0].view(output.shape))
             return result
 
+        given = [output.view(-1)] if _writable_directly(output, flat) else None
         return self._run(_core.REDUCESCATTER, [flat], _signature("reducescatter", [flat]),
-                         finish=finish, touched=[output], reduce_op=op, prescale=prescale,
-                         postscale=1.0)
+                         finish=(lambda _v: result) if given else finish, touched=[output],
+                         given=given, reduce_op=op, prescale=prescale, postscale=1.0)
 
     # alltoall, gather, scatter
 
@@ -1062,25 +1133,27 @@ def _joined(works, result):
     joined = _Work(device, None)
 
     def all_done(_collected):
+        result_, error = None, None
         try:
             if device is not None:
                 with torch.cuda.device(device), torch.cuda.stream(_side_stream(device)):
-                    for w in works:  # the side stream waits for each
-                        w._future.wait()
+                    for f in futures:  # the side stream waits for each
+                        f.wait()
                     joined._event = torch.cuda.Event()
                     joined._event.record()
-                    joined._future.set_result(list(result))
             else:
-                for w in works:
-                    w._future.value()
-                joined._future.set_result(list(result))
+                for f in futures:
+                    f.value()
+            result_ = list(result)
         except Exception as e:
-            joined._future.set_exception(_backend_error(e))
+            error = _backend_error(e)
         finally:
+            joined._settle(result_, error)
             joined._released.set()
             joined._finished.set()
 
-    torch.futures.collect_all([w._future for w in works]).add_done_callback(all_done)
+    futures = [w.get_future() for w in works]
+    torch.futures.collect_all(futures).add_done_callback(all_done)
     return joined
 
 

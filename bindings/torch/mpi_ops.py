@@ -110,10 +110,12 @@ class _Pending:
     def poll(self):
         return self.handle.poll()
 
-    def wait(self):
+    def wait(self, stream=None):
+        """The operation's result; on CUDA `stream` (a raw handle; default the current stream)
+        waits for the collective on the device."""
         wait_on_device = None
         if self.device is not None:
-            stream = _current_stream(self.device)
+            stream = stream or _current_stream(self.device)
 
             def wait_on_device(h):
                 event = h.event()
@@ -169,10 +171,11 @@ def _alloc_stream(device):
     return stream
 
 
-def _gpu_alloc(dtype, device, made):
+def _gpu_alloc(dtype, device, made, given=None):
     """An ALLOC_FN that allocates ferrovod's GPU outputs as torch tensors (kept in `made` by
-    index) on `_alloc_stream(device)`. It runs on ferrovod's thread; a failure returns NULL,
-    which fails the operation."""
+    index) on `_alloc_stream(device)`, or hands out `given[index]`, a caller's contiguous
+    tensor, which must then have the agreed number of elements. It runs on ferrovod's thread; a
+    failure returns NULL, which fails the operation (its collective still runs, into scratch)."""
     stream = _alloc_stream(device)
 
     def alloc(_user_data, index, ndim, shape, _nbytes):
@@ -180,6 +183,12 @@ def _gpu_alloc(dtype, device, made):
         numel = 1
         for d in dims:
             numel *= d
+        if given is not None:
+            out = given[index]
+            if out.numel() != numel:
+                return None
+            made[index] = out.view(dims)
+            return out.data_ptr()
         # never a NULL address, also for an empty output
         with torch.cuda.stream(stream):
             buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
@@ -200,11 +209,13 @@ def _record_consumer(tensors, device):
 
 
 def _enqueue(kind, tensors, names, outputs=None, finish=None, process_set=global_process_set,
-             done=None, done_user_data=None, **kwargs):
+             done=None, done_user_data=None, given=None, **kwargs):
     """Enqueues one ferrovod operation over `tensors` and returns its integer handle.
 
     `outputs`: the tensors allreduce/broadcast write (None for the kinds whose output ferrovod
-    sizes). `finish(results)` turns the outputs into what `synchronize` returns."""
+    sizes). `given`: for those kinds on CUDA, contiguous tensors of the agreed size that the
+    collective writes directly (the caller then records their consumers).
+    `finish(results)` turns the outputs into what `synchronize` returns."""
     set_id = registered_id(process_set)
     device = _device_of(tensors)
     keep, specs, results = [], [], []
@@ -233,7 +244,7 @@ def _enqueue(kind, tensors, names, outputs=None, finish=None, process_set=global
     if device is not None:
         stream = _current_stream(device)
         if outputs is None:
-            alloc = _gpu_alloc(tensors[0].dtype, device, made)
+            alloc = _gpu_alloc(tensors[0].dtype, device, made, given)
     handle = _core.submit(kind, specs, keep, results, process_set=set_id,
                           device=-1 if device is None else device.index, stream=stream,
                           alloc=alloc, done=done, done_user_data=done_user_data, **kwargs)
@@ -242,7 +253,8 @@ def _enqueue(kind, tensors, names, outputs=None, finish=None, process_set=global
         for out, target in copies:
             out.copy_(target)
         if made:
-            _record_consumer(made.values(), device)
+            if given is None:
+                _record_consumer(made.values(), device)
             # alltoall's results are (output, received splits)
             values = [(made.get(i), v[1]) if isinstance(v, tuple) else made.get(i, v)
                       for i, v in enumerate(values)]
@@ -281,14 +293,15 @@ def poll(handle):
     return pending.poll()
 
 
-def synchronize(handle):
+def synchronize(handle, stream=None):
     """Waits for the operation behind `handle` and returns its output. For CUDA tensors the
-    current stream waits for the collective on the device; the host does not."""
+    current stream (or `stream`, a raw handle) waits for the collective on the device; the host
+    does not."""
     with _handle_lock:
         pending = _handle_map.pop(handle, None)
     if pending is None:
         return None
-    return pending.wait()
+    return pending.wait(stream)
 
 
 def _synchronize_all(handles):

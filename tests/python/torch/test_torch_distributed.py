@@ -191,6 +191,10 @@ def test_async_works_and_futures(device):
         close(x, torch.stack([values(torch.float32, r, (5,), k) for r in range(size())]).sum(0))
     close(chained.wait(), xs[0] * 2)
     assert all(w.is_completed() and w.is_success() for w in works)
+    # a Future asked for once the Work was waited for holds its result (made then), as does
+    # the Work
+    assert works[4].get_future().wait() == [xs[4]] and works[4].result() == [xs[4]]
+    assert works[4].get_future() is works[4].get_future()
     dist.barrier()
     # the Works are forgotten once complete, and the core holds nothing after 1,000 of them
     before = _core.in_flight_count()
@@ -629,6 +633,10 @@ def test_a_disagreement_raises_on_every_rank():
     with pytest.raises(dist.DistBackendError):
         work.wait()
     assert work.is_completed() and not work.is_success()
+    # a Future asked for after the failure carries it too
+    assert isinstance(work.exception(), dist.DistBackendError)
+    with pytest.raises(dist.DistBackendError):
+        work.get_future().wait()
     y = torch.ones(2)
     dist.all_reduce(y)
     close(y, torch.full((2,), float(size())))
