@@ -346,7 +346,12 @@ typedef struct fv_tensor {
   const void *input;
   /*
    Allreduce/broadcast: where the result goes (may equal `input` for in place; NULL means
-   in place). Allgather/alltoall/reducescatter: must be NULL (see `fv_op.alloc`).
+   in place). Allgather/reducescatter: NULL (see `fv_op.alloc`), or the result's memory
+   when every rank's tensor has this shape: the set's size times the input's bytes
+   (allgather), or the input's bytes over the set's size, whose first dimension the size
+   must divide (reducescatter). Given for every tensor of the operation or for none; a
+   result of another size, agreed because ranks' shapes differed, fails the tensor on this
+   rank, as an allocator's failure does. Alltoall: must be NULL.
    */
   void *output;
   /*
@@ -603,6 +608,31 @@ fv_status fv_poll(fv_handle h, int32_t *done);
  `fv_handle_error` and `fv_last_error`.
  */
 fv_status fv_wait(fv_handle h, double timeout_seconds);
+
+/*
+ A done callback (`fv_op.done`) that runs none of the caller's code on ferrovod's thread: it
+ queues (user data, handle, status) for `fv_next_completion`. For bindings whose callbacks
+ would take a lock that ferrovod's thread must not wait for (Python's GIL). The queue keeps
+ each completion until it is taken or forgotten (`fv_forget_completion`).
+ */
+void fv_queue_completion(void *user_data, fv_handle handle, int32_t status);
+
+/*
+ Takes the oldest completion `fv_queue_completion` queued: its user data, handle and status.
+ Waits up to `timeout_seconds` (negative: for ever) and returns FV_STATUS_TIMEOUT if none came.
+ */
+fv_status fv_next_completion(double timeout_seconds,
+                             void **user_data,
+                             fv_handle *handle,
+                             int32_t *status);
+
+/*
+ For a thread that waits for operation `h` and completes it itself: its queued completion is
+ not wanted. `*dropped` = 1 if it will never come out of `fv_next_completion` (it was still
+ queued, or has not come yet); 0 if the operation had finished and its completion is not in
+ the queue: taken already, or on its way (then it comes out).
+ */
+fv_status fv_forget_completion(fv_handle h, int32_t *dropped);
 
 /*
  Forgets a handle (and any output ferrovod allocated for it). Unknown handles are an error.

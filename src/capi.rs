@@ -21,6 +21,7 @@ use std::time::Duration;
 use crate::dtype::DataType;
 use crate::error::{Error, Result, Status};
 use crate::message::{Compression, Multistep, OpKind, ReduceOp};
+use crate::runtime::completions::{COMPLETIONS, Completion};
 use crate::runtime::entry::{InputMem, OutputAllocator, OutputMem};
 use crate::runtime::handle::HandleId;
 use crate::runtime::{self, Communicator, InitOptions, OpSpec, TensorSpec};
@@ -62,7 +63,12 @@ pub struct fv_tensor {
     /// Input data (host memory), valid and unmodified until completion.
     pub input: *const c_void,
     /// Allreduce/broadcast: where the result goes (may equal `input` for in place; NULL means
-    /// in place). Allgather/alltoall/reducescatter: must be NULL (see `fv_op.alloc`).
+    /// in place). Allgather/reducescatter: NULL (see `fv_op.alloc`), or the result's memory
+    /// when every rank's tensor has this shape: the set's size times the input's bytes
+    /// (allgather), or the input's bytes over the set's size, whose first dimension the size
+    /// must divide (reducescatter). Given for every tensor of the operation or for none; a
+    /// result of another size, agreed because ranks' shapes differed, fails the tensor on this
+    /// rank, as an allocator's failure does. Alltoall: must be NULL.
     pub output: *mut c_void,
     /// Alltoall: rows sent to each rank of the process set (NULL: split evenly).
     pub splits: *const i32,
@@ -656,6 +662,81 @@ impl OutputAllocator for CAllocator {
     }
 }
 
+/// The outputs an allgather's or reducescatter's caller gave (`fv_tensor.output`), each with the
+/// bytes its result takes when every rank's shape is this one.
+struct GivenOutputs {
+    outputs: Vec<(SendPtr, usize)>,
+}
+
+impl OutputAllocator for GivenOutputs {
+    fn allocate(&mut self, index: usize, _shape: &[i64], bytes: usize) -> Result<HostBuffer> {
+        let (p, len) = self
+            .outputs
+            .get(index)
+            .map(|(p, len)| (p.0, *len))
+            .ok_or_else(|| Error::Internal(format!("no given output for tensor {index}")))?;
+        if bytes != len {
+            return Err(Error::Aborted(format!(
+                "the agreed result of tensor {index} takes {bytes} bytes, but its given output holds {len}: ranks gave different shapes"
+            )));
+        }
+        // SAFETY: the caller keeps `len` writable bytes at its output until completion.
+        Ok(unsafe { HostBuffer::from_raw(p.cast(), len) })
+    }
+}
+
+/// `Some` when the caller gave the outputs of an allgather or reducescatter (all or none).
+fn given_outputs(raw: &[fv_tensor], spec: &OpSpec, kind: OpKind) -> Result<Option<GivenOutputs>> {
+    let given = raw.iter().filter(|t| !t.output.is_null()).count();
+    if given == 0 {
+        return Ok(None);
+    }
+    if given != raw.len() {
+        return Err(Error::InvalidArgument(
+            "give the output of every tensor of the operation, or of none".into(),
+        ));
+    }
+    let size = runtime::runtime()?
+        .process_set_ranks(spec.process_set)
+        .ok_or_else(|| {
+            Error::InvalidArgument(
+                "Process set provided does not exist, or has not been registered.".into(),
+            )
+        })?
+        .len();
+    let mut outputs = Vec::with_capacity(raw.len());
+    for (t, ts) in raw.iter().zip(&spec.tensors) {
+        let bytes = ts.shape.iter().product::<i64>() as usize * ts.dtype.size();
+        let len = match kind {
+            OpKind::Allgather => bytes.checked_mul(size).ok_or_else(|| {
+                Error::InvalidArgument(format!("tensor '{}': size overflows", ts.name))
+            })?,
+            _ => {
+                let dim0 = ts.shape.first().copied().unwrap_or(1);
+                if dim0 % size as i64 != 0 {
+                    return Err(Error::InvalidArgument(format!(
+                        "tensor '{}': a given output needs a first dimension the set's {size} ranks divide, not {dim0}; pass NULL and an allocator",
+                        ts.name
+                    )));
+                }
+                bytes / size
+            }
+        };
+        // in place is an allgather's on GPUs only (NCCL's: the input is this rank's piece)
+        let (i, o) = (t.input as usize, t.output as usize);
+        let shared =
+            bytes > 0 && len > 0 && i < o.saturating_add(len) && o < i.saturating_add(bytes);
+        if shared && (kind == OpKind::Reducescatter || spec.device < 0) {
+            return Err(Error::InvalidArgument(format!(
+                "tensor '{}': the given output overlaps the input",
+                ts.name
+            )));
+        }
+        outputs.push((SendPtr(t.output), len));
+    }
+    Ok(Some(GivenOutputs { outputs }))
+}
+
 /// Whether two byte ranges of length `len` starting at `a` and `b` share a byte.
 fn overlaps(a: usize, b: usize, len: usize) -> bool {
     len > 0 && a < b.saturating_add(len) && b < a.saturating_add(len)
@@ -729,7 +810,7 @@ unsafe fn tensor_spec(t: &fv_tensor, kind: OpKind) -> Result<TensorSpec> {
         OpKind::Allgather | OpKind::Alltoall | OpKind::Reducescatter
     );
     let output = if later {
-        if !t.output.is_null() {
+        if !t.output.is_null() && kind == OpKind::Alltoall {
             return Err(Error::InvalidArgument(format!(
                 "tensor '{name}': the output of this operation is allocated after negotiation; pass NULL and an allocator"
             )));
@@ -817,6 +898,13 @@ pub unsafe extern "C" fn fv_enqueue(op: *const fv_op, out: *mut fv_handle) -> St
                 user: SendPtr(op.alloc_user_data),
             })));
         }
+        if matches!(kind, OpKind::Allgather | OpKind::Reducescatter) {
+            // SAFETY: as above, the caller's `num_tensors` valid tensors.
+            let raw = unsafe { slice(op.tensors, op.num_tensors, "tensors") }?;
+            if let Some(given) = given_outputs(raw, &spec, kind)? {
+                spec.allocator = Some(Arc::new(Mutex::new(given)));
+            }
+        }
         let auto_release = out.is_null();
         if auto_release && op.done.is_none() {
             return Err(Error::InvalidArgument(
@@ -885,6 +973,58 @@ pub extern "C" fn fv_wait(h: fv_handle, timeout_seconds: f64) -> Status {
     guard(|| {
         let timeout = wait_limit(timeout_seconds)?;
         known_handle(h)?.wait(timeout)
+    })
+}
+
+/// A done callback (`fv_op.done`) that runs none of the caller's code on ferrovod's thread: it
+/// queues (user data, handle, status) for `fv_next_completion`. For bindings whose callbacks
+/// would take a lock that ferrovod's thread must not wait for (Python's GIL). The queue keeps
+/// each completion until it is taken or forgotten (`fv_forget_completion`).
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_queue_completion(user_data: *mut c_void, handle: fv_handle, status: i32) {
+    let user_data = user_data as usize;
+    // a callback must not unwind into ferrovod's thread
+    let _ = catch_unwind(|| {
+        COMPLETIONS.push(Completion {
+            user_data,
+            handle,
+            status,
+        })
+    });
+}
+
+/// Takes the oldest completion `fv_queue_completion` queued: its user data, handle and status.
+/// Waits up to `timeout_seconds` (negative: for ever) and returns FV_STATUS_TIMEOUT if none came.
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_next_completion(
+    timeout_seconds: f64,
+    user_data: *mut *mut c_void,
+    handle: *mut fv_handle,
+    status: *mut i32,
+) -> Status {
+    guard(|| {
+        if user_data.is_null() || handle.is_null() || status.is_null() {
+            return Err(null("fv_next_completion's outputs"));
+        }
+        let c = COMPLETIONS
+            .pop(wait_limit(timeout_seconds)?)
+            .ok_or(Error::Timeout)?;
+        put(user_data, c.user_data as *mut c_void, "user_data")?;
+        put(handle, c.handle, "handle")?;
+        put(status, c.status, "status")
+    })
+}
+
+/// For a thread that waits for operation `h` and completes it itself: its queued completion is
+/// not wanted. `*dropped` = 1 if it will never come out of `fv_next_completion` (it was still
+/// queued, or has not come yet); 0 if the operation had finished and its completion is not in
+/// the queue: taken already, or on its way (then it comes out).
+#[unsafe(no_mangle)]
+pub extern "C" fn fv_forget_completion(h: fv_handle, dropped: *mut i32) -> Status {
+    guard(|| {
+        let hd = known_handle(h)?;
+        let gone = COMPLETIONS.forget(h, || hd.is_done());
+        put(dropped, i32::from(gone), "dropped")
     })
 }
 

@@ -177,6 +177,9 @@ def _load():
         "fv_handle_received_splits": (ctypes.c_int32, [ctypes.c_uint64, ctypes.c_int32, i32p, ctypes.c_int32, i32p]),
         "fv_handle_value": (ctypes.c_int32, [ctypes.c_uint64, i32p]),
         "fv_handle_event": (ctypes.c_int32, [ctypes.c_uint64, ctypes.POINTER(ctypes.c_void_p)]),
+        "fv_next_completion": (ctypes.c_int32, [ctypes.c_double, ctypes.POINTER(ctypes.c_void_p),
+                                                ctypes.POINTER(ctypes.c_uint64), i32p]),
+        "fv_forget_completion": (ctypes.c_int32, [ctypes.c_uint64, i32p]),
         "fv_add_process_set": (ctypes.c_int32, [i32p, ctypes.c_int32, i32p]),
         "fv_remove_process_set": (ctypes.c_int32, [ctypes.c_int32]),
         "fv_process_set_ids": (ctypes.c_int32, [i32p, ctypes.c_int32, i32p]),
@@ -210,6 +213,9 @@ def _check_layouts(lib, structs):
 
 
 LIB = _load()
+# a done callback that runs no Python on ferrovod's thread: it queues the completion for
+# `next_completion` (the library's own function, so the GIL is never taken there)
+QUEUED = DONE_FN(ctypes.cast(LIB.fv_queue_completion, ctypes.c_void_p).value)
 
 
 def last_error():
@@ -462,6 +468,26 @@ def handle_event(hid):
     out = ctypes.c_void_p()
     check(LIB.fv_handle_event(hid, ctypes.byref(out)))
     return out.value
+
+
+def next_completion(timeout):
+    """The oldest completion `QUEUED` queued, as (user data, handle id, status), waiting up to
+    `timeout` seconds (without the GIL); None if none came."""
+    user, hid, status = ctypes.c_void_p(), ctypes.c_uint64(), ctypes.c_int32()
+    rc = LIB.fv_next_completion(float(timeout), ctypes.byref(user), ctypes.byref(hid),
+                                ctypes.byref(status))
+    if rc == TIMEOUT:
+        return None
+    check(rc)
+    return user.value or 0, hid.value, status.value
+
+
+def forget_completion(hid):
+    """Operation `hid`'s queued completion is not wanted: True if `next_completion` will never
+    return it; False if the operation had finished (its completion comes out)."""
+    dropped = ctypes.c_int32()
+    check(LIB.fv_forget_completion(hid, ctypes.byref(dropped)))
+    return bool(dropped.value)
 
 
 class Later:

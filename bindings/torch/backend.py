@@ -5,8 +5,9 @@ runs on ferrovod's engine unchanged. `import ferrovod.torch` registers it.
 A process group written in Python (PyTorch calls the methods of a `ProcessGroup` subclass from
 C++ too, e.g. DDP's reducer): each collective is one ferrovod operation through the same
 enqueue as `horovod.torch`'s (`mpi_ops._enqueue`), so it is negotiated, fused and compressed as
-those are. Its `Work` is completed from ferrovod's completion callback, in the order operations
-finish: a thread of this module collects the result (for CUDA tensors it makes a side stream wait
+those are. Its `Work` is completed from ferrovod's completion queue (the library's own done
+callback: no Python runs on ferrovod's thread), in the order operations finish: a thread of this
+module collects the result (for CUDA tensors it makes a side stream wait
 on the collective and records the completion there), so `get_future()` completes by itself, as
 DDP needs, and `wait()` on CUDA makes the current stream wait without waiting for the device. A
 thread that waits for a Work completes it itself, and a Future is made only when asked for:
@@ -17,12 +18,10 @@ TCPStore on rank 0 whose address travels over MPI, so `init_process_group("ferro
 rendezvous settings. Subgroups (`new_group`) are ferrovod process sets: every rank must call
 `new_group` (PyTorch's default), since a process set is registered by all ranks."""
 
-import ctypes
 import functools
 import importlib
 import itertools
 import os
-import queue
 import socket
 import threading
 from _thread import allocate_lock as _allocate_lock
@@ -280,47 +279,14 @@ def _create(backend_opts, pg_options):
 # --- completion ----------------------------------------------------------------------------------
 
 _works = {}
-# Works a waiting thread took from `_works` to complete itself, until their callback came
+# Works a waiting thread took from `_works` to complete itself whose completion still comes out
+# of the queue, until it does
 _claimed = {}
 _works_lock = threading.Lock()
 _work_keys = itertools.count(1)
-_finished = queue.SimpleQueue()
 _side_streams = {}
 _completer = None
 _completer_lock = threading.Lock()
-
-
-def _keep_thread_state():
-    """Gives the calling thread (ferrovod's, in a callback) a Python thread state for good: a
-    thread without one gets a new state for every callback and drops it after, most of the
-    callback's cost. (Taking the GIL state once more, never given back, keeps it.)"""
-    ident = threading.get_ident()
-    if ident not in _kept_states:
-        _kept_states.add(ident)
-        _gil_ensure()
-
-
-_kept_states = set()
-_gil_ensure = ctypes.pythonapi.PyGILState_Ensure
-_gil_ensure.restype = ctypes.c_int
-
-
-def _on_done(key, _hid, _status):
-    """ferrovod's completion callback (its own thread): the operation's names are free again in
-    the core from here, and the rest is handed over to the completion thread, unless a thread
-    waiting for it completes it (`_Work._complete_here`)."""
-    _keep_thread_state()
-    with _works_lock:
-        claimed = _claimed.pop(key, None)
-        work = _works.get(key)
-        if work is not None:
-            work._called = True
-    if claimed is not None:
-        claimed._released.set()
-        return
-    if work is not None:
-        work._released.set()
-    _finished.put(key)
 
 
 class _Latch:
@@ -359,8 +325,9 @@ def _release(lock):
         pass
 
 
-# one callback for every operation, alive as long as the module (see _core.submit)
-_DONE = _core.DONE_FN(lambda user_data, hid, status: _on_done(user_data, hid, status))
+# every operation's done callback: the library's completion queue (`_core.QUEUED`), so that
+# ferrovod's thread never waits for the GIL; this module is the queue's one consumer
+_DONE = _core.QUEUED
 
 
 def _side_stream(device):
@@ -376,10 +343,20 @@ def _complete_forever():
 
 
 def _complete_next():
-    key = _finished.get()
+    """Takes the next completion from the queue (waiting up to a second, without the GIL):
+    the operation's names are free again in the core from here; its Work is completed here,
+    unless a thread waiting for it took it to complete it itself (`_Work._complete_here`)."""
+    got = _core.next_completion(1.0)
+    if got is None:
+        return
+    key = got[0]
     with _works_lock:
-        work = _works.pop(key, None)
-    if work is not None:
+        claimed = _claimed.pop(key, None)
+        work = _works.pop(key, None) if claimed is None else None
+    if claimed is not None:
+        claimed._released.set()
+    elif work is not None:
+        work._released.set()
         try:
             work._complete()
         except Exception:  # the thread must go on completing every later Work
@@ -409,13 +386,13 @@ class _Work(dist.Work):
         # `finish` launches no device work (the core wrote the caller's outputs): completing
         # then needs no stream of torch's made current
         self._direct = False
+        # submitted without a callback: the thread that waits for it completes it
+        self._blocking = False
+        self._taken = False
         self._submitted = _Latch()
-        # set once the core completed the operation (its names may be submitted again): set by
-        # ferrovod's thread, never by the completion thread, so that a Future's callback there
-        # may wait on it
+        # set once the core completed the operation (its names may be submitted again); the
+        # completion thread, which sets it, never waits for it (`_Names.next`)
         self._released = _Latch()
-        # ferrovod's callback came while the Work was still in `_works`
-        self._called = False
         # set once the result or error is (a host-side signal: waiting on it orders no stream)
         self._finished = _Latch()
         # CUDA: recorded on the side stream after the result's copies (is_completed, as NCCL's)
@@ -435,11 +412,14 @@ class _Work(dist.Work):
         self._hooks = []
 
     @classmethod
-    def start(cls, device, finish, touched=()):
+    def start(cls, device, finish, touched=(), blocking=False):
         """A Work about to be submitted, with the completion thread running; `touched`: the
-        CUDA tensors its side stream's copies or the collective use."""
-        _ensure_completer()
+        CUDA tensors its side stream's copies or the collective use; `blocking`: the caller
+        waits for it at once, so that it completes it (no callback, no completion thread)."""
+        if _completer is None:
+            _ensure_completer()
         work = cls(device, finish)
+        work._blocking = blocking
         if device is not None:
             work._touched = tuple(touched)
         return work
@@ -514,7 +494,12 @@ class _Work(dist.Work):
                 raise dist.DistBackendError(
                     "ferrovod: the operation did not complete within %.1f s (Work.wait's timeout)"
                     % seconds)
-        if threading.current_thread() is _completer:
+        if self._blocking:
+            with self._lock:
+                mine, self._taken = not self._taken, True
+            if mine:
+                self._complete()
+        elif threading.current_thread() is _completer:
             # a Future's callback waits for a collective: only this thread completes it
             while not self._finished.is_set():
                 _complete_next()
@@ -529,14 +514,18 @@ class _Work(dist.Work):
 
     def _complete_here(self):
         """Completed by the waiting thread, which waits for the core's handle itself, rather
-        than for the callback and the completion thread (two thread switches fewer per blocking
-        call). Whichever thread takes it from `_works` completes it."""
+        than for the completion thread (a thread switch fewer per blocking call, and its queued
+        completion is dropped, so that the completion thread does not even wake). Whichever
+        thread takes it from `_works` completes it."""
         self._submitted.wait()
         with _works_lock:
             mine = _works.pop(self._key, None) is self
-            if mine and not self._called:
-                # until its callback comes (if it came already, nothing is left to wait for)
-                _claimed[self._key] = self
+            if mine:
+                with mpi_ops._handle_lock:
+                    pending = mpi_ops._handle_map.get(self._handle)
+                if pending is None or not _core.forget_completion(pending.handle.id):
+                    # finished already: its completion still comes out of the queue
+                    _claimed[self._key] = self
         if mine:
             self._complete()
 
@@ -661,11 +650,18 @@ def _contiguous(inputs, outputs, finish):
     return stand, outs, copied_back
 
 
-def _writable_directly(output, flat):
-    """Whether the collective over CUDA `flat` can write `output` itself (its result has
-    `output`'s elements: the name holds the shapes, so ranks that disagree never meet)."""
-    return (flat.is_cuda and output.is_contiguous() and output.dtype == flat.dtype
-            and output.device == flat.device and output.numel() > 0)
+def _writable_directly(output, flat, in_place=False):
+    """Whether the collective over `flat` can write `output` itself (its result has `output`'s
+    elements: the name holds the shapes, so ranks that disagree never meet). `in_place`: an
+    allgather, which may read its input from inside its output on GPUs (FSDP's layout)."""
+    if not (output.is_contiguous() and output.dtype == flat.dtype and output.device == flat.device
+            and output.numel() > 0):
+        return False
+    if in_place and flat.is_cuda:
+        return True
+    size = output.element_size()
+    o, i = output.data_ptr(), flat.data_ptr()
+    return o + output.numel() * size <= i or i + flat.numel() * size <= o
 
 
 def _copy_chunks(flat, outputs):
@@ -682,8 +678,8 @@ class _Names:
     every training step (the core's response cache and learned groups apply to it) and is the
     same on every member (it depends on the calls alone). The core refuses a name still in
     flight, so a call whose name is waits for the core to complete the earlier operation (which
-    needs only that every member submitted it: earlier in each member's order of calls; and
-    never the completion thread, so a Future's callback may call). Holds the operations in
+    needs only that every member submitted it: earlier in each member's order of calls; on the
+    completion thread, a Future's callback, it takes completions until then). Holds the operations in
     flight by name, each removed when it completes. `submitting` is held from `next` to
     `track`, so that two threads never submit one name at once."""
 
@@ -698,6 +694,10 @@ class _Names:
         with self._lock:
             previous = self._in_flight.get(name)
         if previous is not None:
+            if threading.current_thread() is _completer:
+                # a Future's callback: the completion it waits for comes out of the queue here
+                while not previous._released.is_set():
+                    _complete_next()
             previous._released.wait()
         return name
 
@@ -765,23 +765,24 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         return self._set
 
     def _run(self, kind, inputs, signature, outputs=None, finish=None, touched=(), given=None,
-             **kwargs):
+             opts=None, **kwargs):
         """Enqueues one ferrovod operation over `inputs` and returns its Work; `finish(values)`
         makes the Future's value from the operation's outputs (run on the completion thread, on
         a side stream for CUDA tensors); `touched`: the caller's tensors it writes there.
         `given`: CUDA outputs the collective writes itself (`mpi_ops._enqueue`'s), so that
-        `finish` launches nothing."""
+        `finish` launches nothing. `opts`: the call's options, which say whether the caller
+        waits at once (`_blocking`)."""
         device = mpi_ops._device_of(inputs)
         used = tuple(inputs) + tuple(outputs or ()) + tuple(touched)
         stand_in, outputs, finish = _contiguous(inputs, outputs, finish or (lambda values: values))
         if stand_in is not inputs:  # and the contiguous temporaries
             used += tuple(stand_in) + tuple(outputs or ())
         inputs = stand_in
-        work = _Work.start(device, finish, used)
+        work = _Work.start(device, finish, used, _blocking(opts))
         work._direct = given is not None and device is not None
         return self._submit_named(work, signature, len(inputs), lambda names, key: mpi_ops._enqueue(
-            kind, inputs, names, outputs, None, self._set, done=_DONE, done_user_data=key,
-            given=given if work._direct else None, **kwargs))
+            kind, inputs, names, outputs, None, self._set, done=_done(key), done_user_data=key,
+            given=given, **kwargs))
 
     def _submit_named(self, work, signature, count, submit):
         """Submits `work`'s operation of `count` tensors, `submit(names, key)`, under the
@@ -806,30 +807,30 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         op, prescale = _reduction(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        return self._allreduce(tensors, op, prescale)
+        return self._allreduce(tensors, op, prescale, opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
 
-    def _allreduce(self, tensors, op, prescale):
+    def _allreduce(self, tensors, op, prescale, opts=None):
         if not tensors:
             return _done_work([])
         one = tensors[0]
         if len(tensors) == 1 and one.is_contiguous() and one.device.type in ("cpu", "cuda"):
-            return self._allreduce_one(one, op, prescale)
+            return self._allreduce_one(one, op, prescale, opts)
         return self._run(_core.ALLREDUCE, tensors, _signature("allreduce", tensors),
-                         outputs=list(tensors), finish=lambda _v: list(tensors), reduce_op=op,
-                         prescale=prescale, postscale=1.0,
+                         outputs=list(tensors), finish=lambda _v: list(tensors), opts=opts,
+                         reduce_op=op, prescale=prescale, postscale=1.0,
                          compression=self._codec(op, tensors))
 
-    def _allreduce_one(self, t, op, prescale):
+    def _allreduce_one(self, t, op, prescale, opts=None):
         """`_allreduce` of one contiguous tensor, through the C structs the core keeps per name
         (what `horovod.torch` does for a gradient): a DDP bucket or a metric each step."""
-        work = _Work.start(t.device if t.is_cuda else None, lambda _v: [t], (t,))
+        work = _Work.start(t.device if t.is_cuda else None, lambda _v: [t], (t,), _blocking(opts))
         codec = self._codec(op, (t,))
         return self._submit_named(work, _signature("allreduce", (t,)), 1, lambda names, key: (
-            mpi_ops._allreduce_one_(t, names[0], op, prescale, 1.0, self._set, codec, done=_DONE,
-                                    done_user_data=key)))
+            mpi_ops._allreduce_one_(t, names[0], op, prescale, 1.0, self._set, codec,
+                                    done=_done(key), done_user_data=key)))
 
     def reduce(self, tensors, opts=None):
         opts = opts or dist.ReduceOptions()
@@ -854,7 +855,7 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         opts = opts or dist.BroadcastOptions()
         root = self._global(opts.rootRank)
         return self._run(_core.BROADCAST, tensors, _signature("broadcast", tensors),
-                         outputs=list(tensors), finish=lambda _v: list(tensors),
+                         outputs=list(tensors), finish=lambda _v: list(tensors), opts=opts,
                          root_rank=root)
 
     def _global(self, group_rank):
@@ -901,10 +902,10 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
             raise ValueError("all_gather_into_tensor: the output holds %d elements, not %d x %d"
                              % (output.numel(), self.size(), input.numel()))
         flat = _flat(input)
-        if _writable_directly(output, flat):
+        if _writable_directly(output, flat, in_place=True):
             return self._run(_core.ALLGATHER, [flat], _signature("allgather", [flat]),
                              finish=lambda _v: [output], touched=[output],
-                             given=[output.view(-1)])
+                             given=[output.view(-1)], opts=opts)
 
         def finish(values):
             output.view(-1).copy_(values[0]) if output.is_contiguous() else output.copy_(
@@ -912,7 +913,7 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
             return [output]
 
         return self._run(_core.ALLGATHER, [flat], _signature("allgather", [flat]),
-                         finish=finish, touched=[output])
+                         finish=finish, touched=[output], opts=opts)
 
     all_gather_single = _allgather_base
 
@@ -960,7 +961,7 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         given = [output.view(-1)] if _writable_directly(output, flat) else None
         return self._run(_core.REDUCESCATTER, [flat], _signature("reducescatter", [flat]),
                          finish=(lambda _v: result) if given else finish, touched=[output],
-                         given=given, reduce_op=op, prescale=prescale, postscale=1.0)
+                         given=given, opts=opts, reduce_op=op, prescale=prescale, postscale=1.0)
 
     # alltoall, gather, scatter
 
@@ -1099,12 +1100,29 @@ def _enqueue_work(work, kind, inputs, names, outputs, process_set, keep_handle=F
                  keep_handle)
 
 
+def _blocking(opts):
+    """Whether the caller waits for the operation at once (torch's options say so since 2.7;
+    without them, as for DDP's reducer, it may not)."""
+    return opts is not None and getattr(opts, "asyncOp", True) is False
+
+
+def _done(key):
+    """The done callback of an operation submitted under `key` (None: a blocking one)."""
+    return None if key is None else _DONE
+
+
 def _submit_work(work, submit, keep_handle=False):
     """Enqueues `work`'s operation, `submit(key)` (which passes ferrovod the completion
     callback with `key`), registered for that callback (and forgotten again if the enqueue
     fails); `work` counts as submitted either way. `keep_handle`: `work._core` holds the core's
     handle, for what its completion reports (a receive's source), before the completion thread
-    may look."""
+    may look. A blocking Work is submitted with `key` None: no callback, nothing registered."""
+    if work._blocking:
+        try:
+            work._handle = submit(None)
+        finally:
+            work._submitted.set()
+        return
     key = work._key = next(_work_keys)
     with _works_lock:
         _works[key] = work

@@ -171,11 +171,10 @@ def _alloc_stream(device):
     return stream
 
 
-def _gpu_alloc(dtype, device, made, given=None):
+def _gpu_alloc(dtype, device, made):
     """An ALLOC_FN that allocates ferrovod's GPU outputs as torch tensors (kept in `made` by
-    index) on `_alloc_stream(device)`, or hands out `given[index]`, a caller's contiguous
-    tensor, which must then have the agreed number of elements. It runs on ferrovod's thread; a
-    failure returns NULL, which fails the operation (its collective still runs, into scratch)."""
+    index) on `_alloc_stream(device)`. It runs on ferrovod's thread; a failure returns NULL,
+    which fails the operation."""
     stream = _alloc_stream(device)
 
     def alloc(_user_data, index, ndim, shape, _nbytes):
@@ -183,12 +182,6 @@ def _gpu_alloc(dtype, device, made, given=None):
         numel = 1
         for d in dims:
             numel *= d
-        if given is not None:
-            out = given[index]
-            if out.numel() != numel:
-                return None
-            made[index] = out.view(dims)
-            return out.data_ptr()
         # never a NULL address, also for an empty output
         with torch.cuda.stream(stream):
             buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
@@ -213,8 +206,9 @@ def _enqueue(kind, tensors, names, outputs=None, finish=None, process_set=global
     """Enqueues one ferrovod operation over `tensors` and returns its integer handle.
 
     `outputs`: the tensors allreduce/broadcast write (None for the kinds whose output ferrovod
-    sizes). `given`: for those kinds on CUDA, contiguous tensors of the agreed size that the
-    collective writes directly (the caller then records their consumers).
+    sizes). `given`: for allgather and reducescatter when every rank's tensor has one shape,
+    contiguous tensors of the result's size that the collective writes (`fv_tensor.output`: no
+    allocator runs on ferrovod's thread; the caller records their consumers).
     `finish(results)` turns the outputs into what `synchronize` returns."""
     set_id = registered_id(process_set)
     device = _device_of(tensors)
@@ -225,7 +219,11 @@ def _enqueue(kind, tensors, names, outputs=None, finish=None, process_set=global
         if not src.is_contiguous():
             src = src.contiguous()
         keep.append(src)
-        if outputs is None:
+        if outputs is None and given is not None:
+            keep.append(given[i])
+            out_ptr = given[i].data_ptr()
+            results.append(given[i])
+        elif outputs is None:
             out_ptr = None
             results.append(_core.Later(_from_bytes(t.dtype)) if device is None else None)
         else:
@@ -243,8 +241,8 @@ def _enqueue(kind, tensors, names, outputs=None, finish=None, process_set=global
     stream = None
     if device is not None:
         stream = _current_stream(device)
-        if outputs is None:
-            alloc = _gpu_alloc(tensors[0].dtype, device, made, given)
+        if outputs is None and given is None:
+            alloc = _gpu_alloc(tensors[0].dtype, device, made)
     handle = _core.submit(kind, specs, keep, results, process_set=set_id,
                           device=-1 if device is None else device.index, stream=stream,
                           alloc=alloc, done=done, done_user_data=done_user_data, **kwargs)
@@ -253,8 +251,7 @@ def _enqueue(kind, tensors, names, outputs=None, finish=None, process_set=global
         for out, target in copies:
             out.copy_(target)
         if made:
-            if given is None:
-                _record_consumer(made.values(), device)
+            _record_consumer(made.values(), device)
             # alltoall's results are (output, received splits)
             values = [(made.get(i), v[1]) if isinstance(v, tuple) else made.get(i, v)
                       for i, v in enumerate(values)]

@@ -3,6 +3,7 @@
 
 pub mod background;
 pub(crate) mod channel;
+pub mod completions;
 pub mod entry;
 pub(crate) mod executor;
 pub(crate) mod finisher;

@@ -326,6 +326,116 @@ int main(void) {
         fv_release(h);
     }
 
+    /* allgather and reducescatter into outputs given up front (every rank one shape) */
+    {
+        int32_t in[6];
+        for (int i = 0; i < 6; i++) in[i] = rank * 100 + i;
+        int32_t *out = malloc(sizeof(int32_t) * 6 * size);
+        int64_t shape[2] = {2, 3};
+        struct fv_tensor t = {"c.allgather.given", FV_DTYPE_I32, 2, shape, in, out, NULL, 0};
+        struct fv_op op = op_of(FV_OP_KIND_ALLGATHER, &t, 1);
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_OK, "given allgather: %s", last_error());
+        CHECK(fv_wait(h, 60.0) == FV_STATUS_OK, "given allgather wait: %s", last_error());
+        fv_release(h);
+        for (int r = 0; r < size; r++)
+            for (int i = 0; i < 6; i++)
+                CHECK(out[r * 6 + i] == r * 100 + i, "given allgather[%d] = %d", r * 6 + i, out[r * 6 + i]);
+        free(out);
+
+        float *rin = malloc(sizeof(float) * 4 * size);
+        for (int i = 0; i < 4 * size; i++) rin[i] = (float)(rank + i);
+        float rout[4] = {-1, -1, -1, -1};
+        int64_t rshape[2] = {2 * size, 2};
+        struct fv_tensor rt = {"c.reducescatter.given", FV_DTYPE_F32, 2, rshape, rin, rout, NULL, 0};
+        op = op_of(FV_OP_KIND_REDUCESCATTER, &rt, 1);
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_OK, "given reducescatter: %s", last_error());
+        CHECK(fv_wait(h, 60.0) == FV_STATUS_OK, "given reducescatter wait: %s", last_error());
+        fv_release(h);
+        /* rank r keeps rows 2r and 2r + 1: element i of them sums rank + 4r + i over ranks */
+        for (int i = 0; i < 4; i++) {
+            float want = (float)(size * (4 * rank + i) + size * (size - 1) / 2);
+            CHECK(rout[i] == want, "given reducescatter[%d] = %g, want %g", i, rout[i], want);
+        }
+
+        /* refused at the call: a first dimension the ranks do not divide, an overlap on the
+         * host, outputs for some tensors only */
+        int64_t odd[1] = {2 * size + 1};
+        struct fv_tensor bad = {"c.rs.odd", FV_DTYPE_F32, 1, odd, rin, rout, NULL, 0};
+        op = op_of(FV_OP_KIND_REDUCESCATTER, &bad, 1);
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_INVALID_ARGUMENT &&
+                  strstr(last_error(), "a given output needs a first dimension the set's"),
+              "odd reducescatter: %s", last_error());
+        int64_t two[1] = {2};
+        struct fv_tensor over = {"c.ag.over", FV_DTYPE_F32, 1, two, rin, rin, NULL, 0};
+        op = op_of(FV_OP_KIND_ALLGATHER, &over, 1);
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_INVALID_ARGUMENT &&
+                  strstr(last_error(), "the given output overlaps the input"),
+              "overlapping allgather: %s", last_error());
+        float o2[2 * 64];
+        struct fv_tensor some[2] = {{"c.ag.some0", FV_DTYPE_F32, 1, two, rin, o2, NULL, 0},
+                                    {"c.ag.some1", FV_DTYPE_F32, 1, two, rin + 2, NULL, NULL, 0}};
+        op = op_of(FV_OP_KIND_ALLGATHER, some, 2);
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_INVALID_ARGUMENT &&
+                  strstr(last_error(), "give the output of every tensor of the operation, or of none"),
+              "some outputs: %s", last_error());
+        free(rin);
+
+        /* ranks that give different shapes: rank r gathers r + 1 rows into an output of
+         * size * (r + 1) rows, which is not the agreed total at any size > 1 (no rank's
+         * output fits): an error on every rank, and nobody waits */
+        int32_t rows = rank + 1;
+        int32_t *uin = malloc(sizeof(int32_t) * rows);
+        int32_t *uout = malloc(sizeof(int32_t) * rows * size);
+        for (int i = 0; i < rows; i++) uin[i] = rank;
+        int64_t ushape[1] = {rows};
+        struct fv_tensor ut = {"c.allgather.given.uneven", FV_DTYPE_I32, 1, ushape, uin, uout, NULL, 0};
+        op = op_of(FV_OP_KIND_ALLGATHER, &ut, 1);
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_OK, "uneven given allgather: %s", last_error());
+        int32_t st = fv_wait(h, 60.0);
+        char msg[512] = {0};
+        fv_handle_error(h, msg, sizeof msg, NULL);
+        if (size > 1)
+            CHECK(st != FV_STATUS_OK && strstr(msg, "ranks gave different shapes"),
+                  "uneven given allgather: status %d, '%s'", st, msg);
+        fv_release(h);
+        free(uin);
+        free(uout);
+    }
+
+    /* the completion queue: a done callback that queues, taken by this thread */
+    {
+        int32_t v = 1;
+        int64_t shape[1] = {1};
+        struct fv_tensor t = {"c.queued", FV_DTYPE_I32, 1, shape, &v, NULL, NULL, 0};
+        struct fv_op op = op_of(FV_OP_KIND_ALLREDUCE, &t, 1);
+        op.done = fv_queue_completion;
+        op.done_user_data = (void *)(uintptr_t)42;
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_OK, "queued enqueue: %s", last_error());
+        void *ud = NULL;
+        fv_handle got = 0;
+        int32_t st = -1;
+        CHECK(fv_next_completion(60.0, &ud, &got, &st) == FV_STATUS_OK, "next completion: %s", last_error());
+        CHECK((uintptr_t)ud == 42 && got == h && st == FV_STATUS_OK, "queued completion %lu %lu %d",
+              (unsigned long)(uintptr_t)ud, (unsigned long)got, st);
+        CHECK(v == size, "queued allreduce = %d", v);
+        fv_release(h);
+        /* a waiter that completes the operation itself forgets it: never delivered */
+        v = 1;
+        t.name = "c.queued.forgotten";
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_OK, "forgotten enqueue: %s", last_error());
+        int32_t dropped = -1;
+        CHECK(fv_forget_completion(h, &dropped) == FV_STATUS_OK && (dropped == 0 || dropped == 1),
+              "forget: %d", dropped);
+        CHECK(fv_wait(h, 60.0) == FV_STATUS_OK && v == size, "forgotten op completes");
+        if (dropped == 0) {
+            /* it had just finished, its completion on the way: it comes out */
+            CHECK(fv_next_completion(60.0, &ud, &got, &st) == FV_STATUS_OK && got == h, "on its way");
+        }
+        fv_release(h);
+        CHECK(fv_next_completion(0.05, &ud, &got, &st) == FV_STATUS_TIMEOUT, "nothing left: %s", last_error());
+        CHECK(fv_next_completion(0.0, NULL, &got, &st) == FV_STATUS_INVALID_ARGUMENT, "null output");
+    }
+
     /* broadcast from the last rank, in place */
     {
         int64_t data[5];

@@ -140,6 +140,12 @@ def test_all_gather_reduce_scatter_and_all_to_all(device, dtype):
     flat = torch.zeros(n * 2, 3, dtype=dtype, device=d)
     dist.all_gather_into_tensor(flat, values(dtype, rank(), (2, 3)).to(d))
     close(flat, torch.cat([values(dtype, r, (2, 3)) for r in range(n)]), dtype)
+    # in place, as FSDP gathers: the input is this rank's piece of the output
+    whole = torch.zeros(n * 5, dtype=dtype, device=d)
+    piece = whole[rank() * 5:(rank() + 1) * 5]
+    piece.copy_(values(dtype, rank(), (5,), 2))
+    dist.all_gather_into_tensor(whole, piece)
+    close(whole, torch.cat([values(dtype, r, (5,), 2) for r in range(n)]), dtype)
     # coalesced: one Work for several
     pg = dist.distributed_c10d._get_default_group()
     outs2 = [torch.zeros(n * k, dtype=dtype, device=d) for k in (1, 3)]
@@ -248,6 +254,33 @@ def test_blocking_calls_complete_on_the_waiting_thread_and_leave_nothing_behind(
     while backend._claimed and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not backend._claimed
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_blocking_call_needs_no_callback(device):
+    """torch tells the group when its caller waits at once (async_op=False): such an operation
+    is submitted without a done callback and completed by the waiting thread, so no key is
+    drawn for the completion queue; its results are still right."""
+    if not hasattr(dist.AllreduceOptions(), "asyncOp"):
+        pytest.skip("this torch does not say whether a call is asynchronous")
+    d = dev(device)
+    n = size()
+    first = next(backend._work_keys)
+    for i in range(20):
+        x = torch.full((3,), float(rank() + i), device=d)
+        dist.all_reduce(x)
+        close(x, torch.full((3,), float(sum(range(n)) + i * n)))
+        out = torch.zeros(2 * n, device=d)
+        dist.all_gather_into_tensor(out, torch.full((2,), float(rank() * i), device=d))
+        close(out, torch.tensor([float(r * i) for r in range(n) for _ in range(2)]))
+        part = torch.zeros(2, device=d)
+        dist.reduce_scatter_tensor(part, torch.arange(2.0 * n, device=d) + i)
+        close(part, (torch.arange(2.0 * n) + i).view(n, 2)[rank()] * n)
+        b = torch.full((2,), float(rank()), device=d)
+        dist.broadcast(b, src=n - 1)
+        close(b, torch.full((2,), float(n - 1)))
+    assert next(backend._work_keys) == first + 1
+    assert not backend._works and not backend._claimed
 
 
 def test_a_latch_is_set_once_by_any_number_of_threads():
