@@ -482,6 +482,12 @@ def next_completion(timeout):
     return user.value or 0, hid.value, status.value
 
 
+def wait_done(hid):
+    """Waits (without the GIL) until operation `hid` has completed, however it ended; a handle
+    already released has."""
+    LIB.fv_wait(hid, -1.0)
+
+
 def forget_completion(hid):
     """Operation `hid`'s queued completion is not wanted: True if `next_completion` will never
     return it; False if the operation had finished (its completion comes out)."""

@@ -353,10 +353,7 @@ def _complete_next():
     with _works_lock:
         claimed = _claimed.pop(key, None)
         work = _works.pop(key, None) if claimed is None else None
-    if claimed is not None:
-        claimed._released.set()
-    elif work is not None:
-        work._released.set()
+    if work is not None:
         try:
             work._complete()
         except Exception:  # the thread must go on completing every later Work
@@ -390,9 +387,6 @@ class _Work(dist.Work):
         self._blocking = False
         self._taken = False
         self._submitted = _Latch()
-        # set once the core completed the operation (its names may be submitted again); the
-        # completion thread, which sets it, never waits for it (`_Names.next`)
-        self._released = _Latch()
         # set once the result or error is (a host-side signal: waiting on it orders no stream)
         self._finished = _Latch()
         # CUDA: recorded on the side stream after the result's copies (is_completed, as NCCL's)
@@ -401,6 +395,8 @@ class _Work(dist.Work):
         # that reports it
         self._source = -1
         self._core = None
+        # the core's handle id: waited for by a later call under the same name (`_Names.next`)
+        self._core_id = None
         # the key ferrovod's completion callback names it by
         self._key = None
         self._lock = _allocate_lock()
@@ -446,7 +442,6 @@ class _Work(dist.Work):
             error = _backend_error(e)
         finally:
             self._settle(result, error)
-            self._released.set()
             self._finished.set()
 
     def _protect(self, side):
@@ -579,7 +574,6 @@ def _backend_error(e):
 def _done_work(result):
     work = _Work(None, None)
     work._settle(result, None)
-    work._released.set()
     work._finished.set()
     return work
 
@@ -678,9 +672,10 @@ class _Names:
     every training step (the core's response cache and learned groups apply to it) and is the
     same on every member (it depends on the calls alone). The core refuses a name still in
     flight, so a call whose name is waits for the core to complete the earlier operation (which
-    needs only that every member submitted it: earlier in each member's order of calls; on the
-    completion thread, a Future's callback, it takes completions until then). Holds the operations in
-    flight by name, each removed when it completes. `submitting` is held from `next` to
+    needs only that every member submitted it: earlier in each member's order of calls), on the
+    core's handle, so that no thread of this module must act first (a Future's callback on the
+    completion thread may call). Holds the operations in flight by name, each removed when it
+    completes. `submitting` is held from `next` to
     `track`, so that two threads never submit one name at once."""
 
     def __init__(self, group_name):
@@ -693,12 +688,9 @@ class _Names:
         name = "torch.%s.%s" % (self._group_name(), signature)
         with self._lock:
             previous = self._in_flight.get(name)
-        if previous is not None:
-            if threading.current_thread() is _completer:
-                # a Future's callback: the completion it waits for comes out of the queue here
-                while not previous._released.is_set():
-                    _complete_next()
-            previous._released.wait()
+        if previous is not None and not previous._finished.is_set():
+            # on the core's handle: no thread of this module has to take its completion first
+            _core.wait_done(previous._core_id)
         return name
 
     def track(self, name, work):
@@ -1120,6 +1112,8 @@ def _submit_work(work, submit, keep_handle=False):
     if work._blocking:
         try:
             work._handle = submit(None)
+            with mpi_ops._handle_lock:
+                work._core_id = mpi_ops._handle_map[work._handle].handle.id
         finally:
             work._submitted.set()
         return
@@ -1128,9 +1122,11 @@ def _submit_work(work, submit, keep_handle=False):
         _works[key] = work
     try:
         work._handle = submit(key)
+        with mpi_ops._handle_lock:
+            core = mpi_ops._handle_map[work._handle].handle
+        work._core_id = core.id
         if keep_handle:
-            with mpi_ops._handle_lock:
-                work._core = mpi_ops._handle_map[work._handle].handle
+            work._core = core
     except Exception:
         with _works_lock:
             _works.pop(key, None)
@@ -1167,7 +1163,6 @@ def _joined(works, result):
             error = _backend_error(e)
         finally:
             joined._settle(result_, error)
-            joined._released.set()
             joined._finished.set()
 
     futures = [w.get_future() for w in works]
