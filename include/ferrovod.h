@@ -349,9 +349,11 @@ typedef struct fv_tensor {
    in place). Allgather/reducescatter: NULL (see `fv_op.alloc`), or the result's memory
    when every rank's tensor has this shape: the set's size times the input's bytes
    (allgather), or the input's bytes over the set's size, whose first dimension the size
-   must divide (reducescatter). Given for every tensor of the operation or for none; a
-   result of another size, agreed because ranks' shapes differed, fails the tensor on this
-   rank, as an allocator's failure does. Alltoall: must be NULL.
+   must divide (reducescatter). Given for every tensor of the operation or for none, and
+   then without `fv_op.alloc`; it overlaps no other tensor's memory, nor its own input but
+   in a GPU allgather in place (the input is this rank's piece). A result of another size,
+   agreed because ranks' shapes differed, fails the tensor on this rank, as an allocator's
+   failure does. Alltoall: must be NULL.
    */
   void *output;
   /*
@@ -613,7 +615,9 @@ fv_status fv_wait(fv_handle h, double timeout_seconds);
  A done callback (`fv_op.done`) that runs none of the caller's code on ferrovod's thread: it
  queues (user data, handle, status) for `fv_next_completion`. For bindings whose callbacks
  would take a lock that ferrovod's thread must not wait for (Python's GIL). The queue keeps
- each completion until it is taken or forgotten (`fv_forget_completion`).
+ each completion until it is taken or forgotten (`fv_forget_completion`). One queue per
+ process, for one consumer: whoever takes from it takes every operation's completion that
+ named this callback.
  */
 void fv_queue_completion(void *user_data, fv_handle handle, int32_t status);
 
@@ -630,7 +634,9 @@ fv_status fv_next_completion(double timeout_seconds,
  For a thread that waits for operation `h` and completes it itself: its queued completion is
  not wanted. `*dropped` = 1 if it will never come out of `fv_next_completion` (it was still
  queued, or has not come yet); 0 if the operation had finished and its completion is not in
- the queue: taken already, or on its way (then it comes out).
+ the queue: taken already, or on its way (then it comes out). Only for an operation whose
+ done callback is `fv_queue_completion`, and before its handle is released (after, it is an
+ unknown handle).
  */
 fv_status fv_forget_completion(fv_handle h, int32_t *dropped);
 

@@ -66,9 +66,11 @@ pub struct fv_tensor {
     /// in place). Allgather/reducescatter: NULL (see `fv_op.alloc`), or the result's memory
     /// when every rank's tensor has this shape: the set's size times the input's bytes
     /// (allgather), or the input's bytes over the set's size, whose first dimension the size
-    /// must divide (reducescatter). Given for every tensor of the operation or for none; a
-    /// result of another size, agreed because ranks' shapes differed, fails the tensor on this
-    /// rank, as an allocator's failure does. Alltoall: must be NULL.
+    /// must divide (reducescatter). Given for every tensor of the operation or for none, and
+    /// then without `fv_op.alloc`; it overlaps no other tensor's memory, nor its own input but
+    /// in a GPU allgather in place (the input is this rank's piece). A result of another size,
+    /// agreed because ranks' shapes differed, fails the tensor on this rank, as an allocator's
+    /// failure does. Alltoall: must be NULL.
     pub output: *mut c_void,
     /// Alltoall: rows sent to each rank of the process set (NULL: split evenly).
     pub splits: *const i32,
@@ -696,15 +698,17 @@ fn given_outputs(raw: &[fv_tensor], spec: &OpSpec, kind: OpKind) -> Result<Optio
             "give the output of every tensor of the operation, or of none".into(),
         ));
     }
-    let size = runtime::runtime()?
-        .process_set_ranks(spec.process_set)
-        .ok_or_else(|| {
-            Error::InvalidArgument(
-                "Process set provided does not exist, or has not been registered.".into(),
-            )
-        })?
-        .len();
+    let rt = runtime::runtime()?;
+    let ranks = rt.process_set_ranks(spec.process_set).ok_or_else(|| {
+        Error::InvalidArgument(
+            "Process set provided does not exist, or has not been registered.".into(),
+        )
+    })?;
+    let size = ranks.len();
+    let me = ranks.iter().position(|r| *r == rt.topology().rank);
     let mut outputs = Vec::with_capacity(raw.len());
+    // every byte range the operation reads or writes, but a tensor's own input and output
+    let mut ranges: Vec<(usize, usize)> = Vec::with_capacity(2 * raw.len());
     for (t, ts) in raw.iter().zip(&spec.tensors) {
         let bytes = ts.shape.iter().product::<i64>() as usize * ts.dtype.size();
         let len = match kind {
@@ -722,16 +726,30 @@ fn given_outputs(raw: &[fv_tensor], spec: &OpSpec, kind: OpKind) -> Result<Optio
                 bytes / size
             }
         };
-        // in place is an allgather's on GPUs only (NCCL's: the input is this rank's piece)
+        // in place is an allgather's on GPUs only, NCCL's way: the input is this rank's piece
         let (i, o) = (t.input as usize, t.output as usize);
         let shared =
             bytes > 0 && len > 0 && i < o.saturating_add(len) && o < i.saturating_add(bytes);
-        if shared && (kind == OpKind::Reducescatter || spec.device < 0) {
+        let in_place = kind == OpKind::Allgather
+            && spec.device >= 0
+            && me.is_some_and(|m| Some(i) == bytes.checked_mul(m).and_then(|at| o.checked_add(at)));
+        if shared && !in_place {
             return Err(Error::InvalidArgument(format!(
                 "tensor '{}': the given output overlaps the input",
                 ts.name
             )));
         }
+        for (a, la) in [(i, bytes), (o, len)] {
+            if ranges.iter().any(|&(b, lb): &(usize, usize)| {
+                la > 0 && lb > 0 && a < b.saturating_add(lb) && b < a.saturating_add(la)
+            }) {
+                return Err(Error::InvalidArgument(format!(
+                    "tensor '{}': the given outputs and inputs of the operation's tensors overlap",
+                    ts.name
+                )));
+            }
+        }
+        ranges.extend([(i, bytes), (o, len)]);
         outputs.push((SendPtr(t.output), len));
     }
     Ok(Some(GivenOutputs { outputs }))
@@ -902,6 +920,11 @@ pub unsafe extern "C" fn fv_enqueue(op: *const fv_op, out: *mut fv_handle) -> St
             // SAFETY: as above, the caller's `num_tensors` valid tensors.
             let raw = unsafe { slice(op.tensors, op.num_tensors, "tensors") }?;
             if let Some(given) = given_outputs(raw, &spec, kind)? {
+                if op.alloc.is_some() {
+                    return Err(Error::InvalidArgument(
+                        "pass the outputs or an allocator, not both".into(),
+                    ));
+                }
                 spec.allocator = Some(Arc::new(Mutex::new(given)));
             }
         }
@@ -979,7 +1002,9 @@ pub extern "C" fn fv_wait(h: fv_handle, timeout_seconds: f64) -> Status {
 /// A done callback (`fv_op.done`) that runs none of the caller's code on ferrovod's thread: it
 /// queues (user data, handle, status) for `fv_next_completion`. For bindings whose callbacks
 /// would take a lock that ferrovod's thread must not wait for (Python's GIL). The queue keeps
-/// each completion until it is taken or forgotten (`fv_forget_completion`).
+/// each completion until it is taken or forgotten (`fv_forget_completion`). One queue per
+/// process, for one consumer: whoever takes from it takes every operation's completion that
+/// named this callback.
 #[unsafe(no_mangle)]
 pub extern "C" fn fv_queue_completion(user_data: *mut c_void, handle: fv_handle, status: i32) {
     let user_data = user_data as usize;
@@ -1018,10 +1043,15 @@ pub extern "C" fn fv_next_completion(
 /// For a thread that waits for operation `h` and completes it itself: its queued completion is
 /// not wanted. `*dropped` = 1 if it will never come out of `fv_next_completion` (it was still
 /// queued, or has not come yet); 0 if the operation had finished and its completion is not in
-/// the queue: taken already, or on its way (then it comes out).
+/// the queue: taken already, or on its way (then it comes out). Only for an operation whose
+/// done callback is `fv_queue_completion`, and before its handle is released (after, it is an
+/// unknown handle).
 #[unsafe(no_mangle)]
 pub extern "C" fn fv_forget_completion(h: fv_handle, dropped: *mut i32) -> Status {
     guard(|| {
+        if dropped.is_null() {
+            return Err(null("dropped"));
+        }
         let hd = known_handle(h)?;
         let gone = COMPLETIONS.forget(h, || hd.is_done());
         put(dropped, i32::from(gone), "dropped")

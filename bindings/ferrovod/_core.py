@@ -482,15 +482,16 @@ def next_completion(timeout):
     return user.value or 0, hid.value, status.value
 
 
-def wait_done(hid):
-    """Waits (without the GIL) until operation `hid` has completed, however it ended; a handle
-    already released has."""
-    LIB.fv_wait(hid, -1.0)
+def wait_done(hid, timeout=None):
+    """Waits (without the GIL, at most `timeout` seconds when given) until operation `hid` has
+    completed, however it ended (a handle already released has); False if it had not by then."""
+    return LIB.fv_wait(hid, -1.0 if timeout is None else float(timeout)) != TIMEOUT
 
 
 def forget_completion(hid):
     """Operation `hid`'s queued completion is not wanted: True if `next_completion` will never
-    return it; False if the operation had finished (its completion comes out)."""
+    return it; False if the operation had finished and its completion is not queued (taken
+    already, or on its way: then it comes out)."""
     dropped = ctypes.c_int32()
     check(LIB.fv_forget_completion(hid, ctypes.byref(dropped)))
     return bool(dropped.value)

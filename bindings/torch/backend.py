@@ -342,11 +342,11 @@ def _complete_forever():
         _complete_next()
 
 
-def _complete_next():
-    """Takes the next completion from the queue (waiting up to a second, without the GIL):
-    the operation's names are free again in the core from here; its Work is completed here,
-    unless a thread waiting for it took it to complete it itself (`_Work._complete_here`)."""
-    got = _core.next_completion(1.0)
+def _complete_next(timeout=1.0):
+    """Takes the next completion from the queue (waiting up to `timeout` seconds, without the
+    GIL) and completes its Work, unless a thread waiting for it took it to complete it itself
+    (`_Work._complete_here`)."""
+    got = _core.next_completion(timeout)
     if got is None:
         return
     key = got[0]
@@ -458,6 +458,8 @@ class _Work(dist.Work):
             self._settled = True
             self._result, self._error = result, error
             future, hooks, self._hooks = self._future, self._hooks, ()
+        # finished before the Future's callbacks run: one of them may wait for this Work
+        self._finished.set()
         for hook in hooks:
             hook()
         if future is not None:
@@ -483,21 +485,24 @@ class _Work(dist.Work):
     def wait(self, timeout=None):
         """As NCCL's: on CUDA the current stream waits for the result; the host waits until it
         is known (at most `timeout`, a timedelta or seconds, when given)."""
+        seconds = None
         if timeout is not None and timeout != _NO_TIMEOUT:
             seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
-            if seconds > 0 and not self._finished.wait(seconds):
-                raise dist.DistBackendError(
-                    "ferrovod: the operation did not complete within %.1f s (Work.wait's timeout)"
-                    % seconds)
+            seconds = seconds if seconds > 0 else None
         if self._blocking:
-            with self._lock:
-                mine, self._taken = not self._taken, True
-            if mine:
-                self._complete()
+            done = self._complete_blocking(seconds)
+        else:
+            done = seconds is None or self._finished.wait(seconds)
+        if not done:
+            raise dist.DistBackendError(
+                "ferrovod: the operation did not complete within %.1f s (Work.wait's timeout)"
+                % seconds)
+        if self._blocking:
+            pass
         elif threading.current_thread() is _completer:
             # a Future's callback waits for a collective: only this thread completes it
             while not self._finished.is_set():
-                _complete_next()
+                _complete_next(0.01)
         elif self._key is not None and not self._finished.is_set():
             self._complete_here()
         self._finished.wait()
@@ -505,6 +510,21 @@ class _Work(dist.Work):
             raise self._error
         if self._event is not None:
             mpi_ops._stream_wait(mpi_ops._current_stream(self._device), self._event.cuda_event)
+        return True
+
+    def _complete_blocking(self, timeout=None):
+        """A blocking Work (no callback), completed by the first thread that asks; at most
+        `timeout` seconds for the operation: False if it had not finished by then."""
+        self._submitted.wait()
+        with self._lock:
+            mine, self._taken = not self._taken, True
+        if not mine:
+            return self._finished.wait(timeout)
+        if timeout is not None and not _core.wait_done(self._core_id, timeout):
+            with self._lock:
+                self._taken = False  # a later call takes it
+            return False
+        self._complete()
         return True
 
     def _complete_here(self):
@@ -518,13 +538,19 @@ class _Work(dist.Work):
             if mine:
                 with mpi_ops._handle_lock:
                     pending = mpi_ops._handle_map.get(self._handle)
-                if pending is None or not _core.forget_completion(pending.handle.id):
+                try:
+                    dropped = pending is not None and _core.forget_completion(pending.handle.id)
+                except Exception:
+                    dropped = False
+                if not dropped:
                     # finished already: its completion still comes out of the queue
                     _claimed[self._key] = self
         if mine:
             self._complete()
 
     def get_future(self):
+        if self._blocking and not self._finished.is_set():
+            self._complete_blocking()
         with self._lock:
             future = self._future
             if future is None:
@@ -542,6 +568,9 @@ class _Work(dist.Work):
         return self._source
 
     def is_completed(self):
+        if (self._blocking and not self._finished.is_set() and self._core_id is not None
+                and _core.wait_done(self._core_id, 0.0)):
+            self._complete_blocking()
         event = self._event
         return self._finished.is_set() and (event is None or event.query())
 
@@ -552,6 +581,8 @@ class _Work(dist.Work):
         return self._error
 
     def result(self):
+        if self._blocking:
+            self._complete_blocking()
         self._finished.wait()
         if self._error is not None:
             raise self._error
@@ -644,17 +675,18 @@ def _contiguous(inputs, outputs, finish):
     return stand, outs, copied_back
 
 
-def _writable_directly(output, flat, in_place=False):
+def _writable_directly(output, flat, slot=None):
     """Whether the collective over `flat` can write `output` itself (its result has `output`'s
-    elements: the name holds the shapes, so ranks that disagree never meet). `in_place`: an
-    allgather, which may read its input from inside its output on GPUs (FSDP's layout)."""
+    elements: the name holds the shapes, so ranks that disagree never meet). `slot`: an
+    allgather's group rank, whose piece of the output the input may be on GPUs (FSDP's layout,
+    NCCL's in place); any other overlap is refused."""
     if not (output.is_contiguous() and output.dtype == flat.dtype and output.device == flat.device
             and output.numel() > 0):
         return False
-    if in_place and flat.is_cuda:
-        return True
     size = output.element_size()
     o, i = output.data_ptr(), flat.data_ptr()
+    if slot is not None and flat.is_cuda and i == o + slot * flat.numel() * size:
+        return True
     return o + output.numel() * size <= i or i + flat.numel() * size <= o
 
 
@@ -894,7 +926,7 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
             raise ValueError("all_gather_into_tensor: the output holds %d elements, not %d x %d"
                              % (output.numel(), self.size(), input.numel()))
         flat = _flat(input)
-        if _writable_directly(output, flat, in_place=True):
+        if _writable_directly(output, flat, slot=self.rank()):
             return self._run(_core.ALLGATHER, [flat], _signature("allgather", [flat]),
                              finish=lambda _v: [output], touched=[output],
                              given=[output.view(-1)], opts=opts)
@@ -910,6 +942,7 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
     all_gather_single = _allgather_base
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        opts = _Piece(opts) if opts is not None else None
         works = [self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)]
         return _joined(works, outputs)
 
@@ -936,6 +969,7 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
     reduce_scatter_single = _reduce_scatter_base
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        opts = _Piece(opts) if opts is not None else None
         works = [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)]
         return _joined(works, outputs)
 
@@ -1090,6 +1124,19 @@ def _enqueue_work(work, kind, inputs, names, outputs, process_set, keep_handle=F
                                                     process_set, done=_DONE,
                                                     done_user_data=key, **kwargs),
                  keep_handle)
+
+
+class _Piece:
+    """The options of one piece of a coalesced call: the call's, but never blocking (the
+    joined Work waits for its pieces through their Futures)."""
+
+    asyncOp = True
+
+    def __init__(self, opts):
+        self._opts = opts
+
+    def __getattr__(self, name):
+        return getattr(self._opts, name)
 
 
 def _blocking(opts):

@@ -4,10 +4,11 @@
 //! that waits for an operation and completes it itself says so first (`forget`), so that the
 //! queue then wakes nobody for it.
 //!
-//! Owner: the binding that names `fv_queue_completion` as its callback and pops. Bound: one
-//! entry per completed operation not yet popped, and one forgotten handle per operation in
-//! flight (dropped when its completion arrives: every operation's callback runs once, also
-//! when a shutdown fails it, and also after its handle was released).
+//! Owner: the binding that names `fv_queue_completion` as its callback and pops (one per
+//! process). Bound: one entry per completed operation not yet popped, and one forgotten handle
+//! per operation in flight that names this callback (dropped when its completion arrives:
+//! every operation's callback runs once, also when a shutdown fails it, and also after its
+//! handle was released); `fv_forget_completion` is for those operations only.
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::{Condvar, LazyLock, Mutex};

@@ -378,11 +378,26 @@ int main(void) {
         CHECK(fv_enqueue(&op, &h) == FV_STATUS_INVALID_ARGUMENT &&
                   strstr(last_error(), "give the output of every tensor of the operation, or of none"),
               "some outputs: %s", last_error());
+        /* one tensor's output over the other's */
+        some[1].output = o2 + 1;
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_INVALID_ARGUMENT &&
+                  strstr(last_error(), "the given outputs and inputs of the operation's tensors overlap"),
+              "crossed outputs: %s", last_error());
+        /* outputs and an allocator */
+        struct alloc_ctx unused;
+        op = op_of(FV_OP_KIND_ALLGATHER, &t, 1);
+        op.alloc = alloc_output;
+        op.alloc_user_data = &unused;
+        t.output = o2;
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_INVALID_ARGUMENT &&
+                  strstr(last_error(), "pass the outputs or an allocator, not both"),
+              "outputs and allocator: %s", last_error());
         free(rin);
 
         /* ranks that give different shapes: rank r gathers r + 1 rows into an output of
-         * size * (r + 1) rows, which is not the agreed total at any size > 1 (no rank's
-         * output fits): an error on every rank, and nobody waits */
+         * size * (r + 1) rows; the agreed total is size * (size + 1) / 2 rows, so the tensor
+         * fails on every rank whose output does not hold that (all of them at an even size),
+         * and nobody waits */
         int32_t rows = rank + 1;
         int32_t *uin = malloc(sizeof(int32_t) * rows);
         int32_t *uout = malloc(sizeof(int32_t) * rows * size);
@@ -394,9 +409,11 @@ int main(void) {
         int32_t st = fv_wait(h, 60.0);
         char msg[512] = {0};
         fv_handle_error(h, msg, sizeof msg, NULL);
-        if (size > 1)
+        if (2 * (rank + 1) != size + 1)
             CHECK(st != FV_STATUS_OK && strstr(msg, "ranks gave different shapes"),
                   "uneven given allgather: status %d, '%s'", st, msg);
+        else
+            CHECK(st == FV_STATUS_OK, "uneven given allgather that fits: status %d, '%s'", st, msg);
         fv_release(h);
         free(uin);
         free(uout);
@@ -434,6 +451,7 @@ int main(void) {
         fv_release(h);
         CHECK(fv_next_completion(0.05, &ud, &got, &st) == FV_STATUS_TIMEOUT, "nothing left: %s", last_error());
         CHECK(fv_next_completion(0.0, NULL, &got, &st) == FV_STATUS_INVALID_ARGUMENT, "null output");
+        CHECK(fv_forget_completion(h, NULL) == FV_STATUS_INVALID_ARGUMENT, "null dropped");
     }
 
     /* broadcast from the last rank, in place */

@@ -8,6 +8,7 @@ their absence a failure)."""
 
 import copy
 import os
+import time
 
 import numpy as np
 import pytest
@@ -280,7 +281,28 @@ def test_a_blocking_call_needs_no_callback(device):
         dist.broadcast(b, src=n - 1)
         close(b, torch.full((2,), float(n - 1)))
     assert next(backend._work_keys) == first + 1
+    # what earlier tests' asynchronous Works left is let go as their completions come
+    deadline = time.monotonic() + 10
+    while (backend._works or backend._claimed) and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert not backend._works and not backend._claimed
+    # and a coalesced call that torch says is blocking joins pieces that are not
+    pg = dist.distributed_c10d._get_default_group()
+    outs = [torch.zeros(n * k, device=d) for k in (1, 2)]
+    opts = dist.distributed_c10d.AllgatherOptions()
+    opts.asyncOp = False
+    pg.allgather_into_tensor_coalesced(outs, [torch.full((k,), float(rank()), device=d)
+                                              for k in (1, 2)], opts).wait()
+    for k, o in zip((1, 2), outs):
+        close(o, torch.tensor([float(r) for r in range(n) for _ in range(k)]))
+    parts = [torch.zeros(k, device=d) for k in (1, 2)]
+    ropts = dist.distributed_c10d.ReduceScatterOptions()
+    ropts.asyncOp = False
+    ropts.reduceOp = dist.ReduceOp.SUM
+    pg.reduce_scatter_tensor_coalesced(parts, [torch.ones(n * k, device=d) for k in (1, 2)],
+                                       ropts).wait()
+    for k, part in zip((1, 2), parts):
+        close(part, torch.full((k,), float(n)))
 
 
 def test_a_latch_is_set_once_by_any_number_of_threads():
