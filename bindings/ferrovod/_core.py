@@ -821,15 +821,17 @@ def submit(kind, specs, keep, outputs, reduce_op=SUM, prescale=1.0, postscale=1.
     return Handle(hid.value, keep, outputs, kind, generation)
 
 
-class _InPlaceAllreduce:
-    """The C structs of an in-place allreduce of one tensor, kept per name and reused while its
-    dtype, shape, device and the op's arguments stay the same: `fv_enqueue` copies what it reads
-    of them, so the next call only sets the address and the stream (a framework's gradients come
-    back every step under the same names)."""
+class _OneTensor:
+    """The C structs of an operation on one tensor whose output is known at the call (an
+    allreduce in place, an allgather or reducescatter into a given output), kept per name and
+    reused while its kind, dtype, shape, device and the op's arguments stay the same:
+    `fv_enqueue` copies what it reads of them, so the next call only sets the addresses and the
+    stream (a framework's gradients, and FSDP's layers, come back every step under the same
+    names)."""
 
     __slots__ = ("key", "op", "tensors", "tensor", "shape", "name")
 
-    def __init__(self, key, name, dtype, shape, reduce_op, prescale, postscale, process_set,
+    def __init__(self, key, kind, name, dtype, shape, reduce_op, prescale, postscale, process_set,
                  compression, device):
         self.key = key
         self.name = name.encode()
@@ -838,7 +840,7 @@ class _InPlaceAllreduce:
         t = self.tensor = self.tensors[0]  # a view into the array, made once
         t.name, t.dtype, t.ndim, t.shape = self.name, dtype, len(shape), self.shape
         op = self.op = _Op()
-        op.kind, op.reduce_op, op.prescale, op.postscale = ALLREDUCE, reduce_op, prescale, postscale
+        op.kind, op.reduce_op, op.prescale, op.postscale = kind, reduce_op, prescale, postscale
         op.process_set, op.device, op.compression = process_set, device, compression
         # every call communicates, whatever the job's FERROVOD_MULTISTEP: the callers are
         # Horovod's ops, which cannot report a call that only summed
@@ -846,40 +848,42 @@ class _InPlaceAllreduce:
         op.tensors, op.num_tensors = self.tensors, 1
 
 
-# `allreduce_in_place`'s structs by name, least recently used first; beyond the capacity the
-# oldest go (a training step brings back one name per gradient it reduces alone; names that
-# never come back, such as unnamed operations', are not kept at all)
-IN_PLACE_CACHE_CAPACITY = 4096
+# `submit_one`'s structs by name, least recently used first; beyond the capacity the oldest go
+# (a training step brings back one name per gradient it reduces alone; names that never come
+# back, such as unnamed operations', are not kept at all)
+ONE_TENSOR_CACHE_CAPACITY = 4096
 _NO_DONE = DONE_FN()  # a null function pointer
-_in_place_allreduces = collections.OrderedDict()
-_in_place_lock = threading.Lock()
+_one_tensor_ops = collections.OrderedDict()
+_one_tensor_lock = threading.Lock()
 
 
-def allreduce_in_place(name, dtype, shape, address, owner, reduce_op=SUM, prescale=1.0,
-                       postscale=1.0, process_set=0, compression=COMPRESSION_JOB,
-                       device=CPU_DEVICE, stream=None, reuse=True, done=None,
-                       done_user_data=None):
-    """`submit` of an in-place allreduce of one contiguous tensor at `address` (fv_dtype
-    `dtype`, `shape`), kept alive by `owner` until the handle is released; its structs are
-    reused from the last call of `name` (`reuse`: kept for the next one, up to
-    IN_PLACE_CACHE_CAPACITY names; names that never come back, such as unnamed operations',
-    should not be). The handle's `wait` returns `[owner]`. `done`, `done_user_data`: as
-    `submit`'s."""
-    key = (dtype, tuple(shape), device, reduce_op, prescale, postscale, process_set, compression)
-    with _in_place_lock:
-        prepared = _in_place_allreduces.get(name)
+def submit_one(kind, name, dtype, shape, input_address, output_address, keep, result,
+               reduce_op=SUM, prescale=1.0, postscale=1.0, process_set=0,
+               compression=COMPRESSION_JOB, device=CPU_DEVICE, stream=None, reuse=True, done=None,
+               done_user_data=None):
+    """`submit` of one contiguous tensor at `input_address` (fv_dtype `dtype`, `shape`) whose
+    result goes to `output_address` (the input's, in place, for an allreduce; a given output
+    for an allgather or reducescatter), the memory kept alive by `keep` until the handle is
+    released; its structs are reused from the last call of `name` (`reuse`: kept for the next
+    one, up to ONE_TENSOR_CACHE_CAPACITY names; names that never come back, such as unnamed
+    operations', should not be). The handle's `wait` returns `[result]`. `done`,
+    `done_user_data`: as `submit`'s."""
+    key = (kind, dtype, tuple(shape), device, reduce_op, prescale, postscale, process_set,
+           compression)
+    with _one_tensor_lock:
+        prepared = _one_tensor_ops.get(name)
         if prepared is not None and prepared.key == key:
-            _in_place_allreduces.move_to_end(name)
+            _one_tensor_ops.move_to_end(name)
         else:
-            prepared = _InPlaceAllreduce(key, name, dtype, shape, reduce_op, prescale,
-                                         postscale, process_set, compression, device)
+            prepared = _OneTensor(key, kind, name, dtype, shape, reduce_op, prescale, postscale,
+                                  process_set, compression, device)
             if reuse:
-                _in_place_allreduces[name] = prepared
-                _in_place_allreduces.move_to_end(name)
-                while len(_in_place_allreduces) > IN_PLACE_CACHE_CAPACITY:
-                    _in_place_allreduces.popitem(last=False)
+                _one_tensor_ops[name] = prepared
+                _one_tensor_ops.move_to_end(name)
+                while len(_one_tensor_ops) > ONE_TENSOR_CACHE_CAPACITY:
+                    _one_tensor_ops.popitem(last=False)
     t = prepared.tensor
-    t.input = t.output = address
+    t.input, t.output = input_address, output_address
     prepared.op.stream = stream
     # structs reused by name: a call without a callback clears the last one's
     prepared.op.done = done if done is not None else _NO_DONE
@@ -888,4 +892,14 @@ def allreduce_in_place(name, dtype, shape, address, owner, reduce_op=SUM, presca
     hid = ctypes.c_uint64()
     generation = _generation
     check(LIB.fv_enqueue(ctypes.byref(prepared.op), ctypes.byref(hid)))
-    return Handle(hid.value, [owner], [owner], ALLREDUCE, generation)
+    return Handle(hid.value, keep, [result], kind, generation)
+
+
+def allreduce_in_place(name, dtype, shape, address, owner, reduce_op=SUM, prescale=1.0,
+                       postscale=1.0, process_set=0, compression=COMPRESSION_JOB,
+                       device=CPU_DEVICE, stream=None, reuse=True, done=None,
+                       done_user_data=None):
+    """`submit_one` of an allreduce in place of `owner`'s memory at `address`."""
+    return submit_one(ALLREDUCE, name, dtype, shape, address, address, [owner], owner,
+                      reduce_op, prescale, postscale, process_set, compression, device, stream,
+                      reuse, done, done_user_data)

@@ -811,14 +811,12 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
     def process_set(self):
         return self._set
 
-    def _run(self, kind, inputs, signature, outputs=None, finish=None, touched=(), given=None,
-             opts=None, **kwargs):
+    def _run(self, kind, inputs, signature, outputs=None, finish=None, touched=(), opts=None,
+             **kwargs):
         """Enqueues one ferrovod operation over `inputs` and returns its Work; `finish(values)`
         makes the Future's value from the operation's outputs (run on the completion thread, on
-        a side stream for CUDA tensors); `touched`: the caller's tensors it writes there.
-        `given`: CUDA outputs the collective writes itself (`mpi_ops._enqueue`'s), so that
-        `finish` launches nothing. `opts`: the call's options, which say whether the caller
-        waits at once (`_blocking`)."""
+        a side stream for CUDA tensors); `touched`: the caller's tensors it writes there;
+        `opts`: the call's options, which say whether the caller waits at once (`_blocking`)."""
         device = mpi_ops._device_of(inputs)
         used = tuple(inputs) + tuple(outputs or ()) + tuple(touched)
         stand_in, outputs, finish = _contiguous(inputs, outputs, finish or (lambda values: values))
@@ -826,10 +824,19 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
             used += tuple(stand_in) + tuple(outputs or ())
         inputs = stand_in
         work = _Work.start(device, finish, used, _blocking(opts))
-        work._direct = given is not None and device is not None
         return self._submit_named(work, signature, len(inputs), lambda names, key: mpi_ops._enqueue(
             kind, inputs, names, outputs, None, self._set, done=_done(key), done_user_data=key,
-            given=given, **kwargs))
+            **kwargs))
+
+    def _into(self, kind, flat, output, signature, result, opts, **kwargs):
+        """An allgather or reducescatter of contiguous `flat` written straight into `output`
+        (`_writable_directly`), through the core's per-name structs; `result`: the Work's."""
+        device = flat.device if flat.is_cuda else None
+        work = _Work.start(device, lambda _v: result, (flat, output), _blocking(opts))
+        work._direct = device is not None
+        return self._submit_named(work, signature, 1, lambda names, key: mpi_ops._into_(
+            kind, flat, output, names[0], self._set, done=_done(key), done_user_data=key,
+            **kwargs))
 
     def _submit_named(self, work, signature, count, submit):
         """Submits `work`'s operation of `count` tensors, `submit(names, key)`, under the
@@ -950,9 +957,8 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
                              % (output.numel(), self.size(), input.numel()))
         flat = _flat(input)
         if _writable_directly(output, flat, slot=self.rank()):
-            return self._run(_core.ALLGATHER, [flat], _signature("allgather", [flat]),
-                             finish=lambda _v: [output], touched=[output],
-                             given=[output.view(-1)], opts=opts)
+            return self._into(_core.ALLGATHER, flat, output, _signature("allgather", [flat]),
+                              [output], opts)
 
         def finish(values):
             output.view(-1).copy_(values[0]) if output.is_contiguous() else output.copy_(
@@ -1007,10 +1013,13 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
             output.copy_(values[0].view(output.shape))
             return result
 
-        given = [output.view(-1)] if _writable_directly(output, flat) else None
+        if _writable_directly(output, flat):
+            return self._into(_core.REDUCESCATTER, flat, output,
+                              _signature("reducescatter", [flat]), result, opts, reduce_op=op,
+                              prescale=prescale)
         return self._run(_core.REDUCESCATTER, [flat], _signature("reducescatter", [flat]),
-                         finish=(lambda _v: result) if given else finish, touched=[output],
-                         given=given, opts=opts, reduce_op=op, prescale=prescale, postscale=1.0)
+                         finish=finish, touched=[output], opts=opts, reduce_op=op,
+                         prescale=prescale, postscale=1.0)
 
     # alltoall, gather, scatter
 

@@ -202,14 +202,11 @@ def _record_consumer(tensors, device):
 
 
 def _enqueue(kind, tensors, names, outputs=None, finish=None, process_set=global_process_set,
-             done=None, done_user_data=None, given=None, **kwargs):
+             done=None, done_user_data=None, **kwargs):
     """Enqueues one ferrovod operation over `tensors` and returns its integer handle.
 
     `outputs`: the tensors allreduce/broadcast write (None for the kinds whose output ferrovod
-    sizes). `given`: for allgather and reducescatter when every rank's tensor has one shape,
-    contiguous tensors of the result's size that the collective writes (`fv_tensor.output`: no
-    allocator runs on ferrovod's thread; the caller records their consumers).
-    `finish(results)` turns the outputs into what `synchronize` returns."""
+    sizes). `finish(results)` turns the outputs into what `synchronize` returns."""
     set_id = registered_id(process_set)
     device = _device_of(tensors)
     keep, specs, results = [], [], []
@@ -219,11 +216,7 @@ def _enqueue(kind, tensors, names, outputs=None, finish=None, process_set=global
         if not src.is_contiguous():
             src = src.contiguous()
         keep.append(src)
-        if outputs is None and given is not None:
-            keep.append(given[i])
-            out_ptr = given[i].data_ptr()
-            results.append(given[i])
-        elif outputs is None:
+        if outputs is None:
             out_ptr = None
             results.append(_core.Later(_from_bytes(t.dtype)) if device is None else None)
         else:
@@ -241,7 +234,7 @@ def _enqueue(kind, tensors, names, outputs=None, finish=None, process_set=global
     stream = None
     if device is not None:
         stream = _current_stream(device)
-        if outputs is None and given is None:
+        if outputs is None:
             alloc = _gpu_alloc(tensors[0].dtype, device, made)
     handle = _core.submit(kind, specs, keep, results, process_set=set_id,
                           device=-1 if device is None else device.index, stream=stream,
@@ -278,6 +271,23 @@ def _allreduce_one_(tensor, name, op, prescale, postscale, process_set, codec, f
         None if device is None else _current_stream(device), reuse, done, done_user_data)
     with _handle_lock:
         _handle_map[handle.key] = _Pending(handle, device, finish)
+    return handle.key
+
+
+def _into_(kind, tensor, output, name, process_set, reduce_op=_core.SUM, prescale=1.0, done=None,
+            done_user_data=None):
+    """An allgather or reducescatter of one contiguous tensor into `output` (contiguous, the
+    result's size when every rank's tensor has this shape) through the C structs the core keeps
+    per name (`_core.submit_one`); the handle's result is `[output]`."""
+    set_id = registered_id(process_set)
+    device = tensor.device if tensor.is_cuda else None
+    handle = _core.submit_one(
+        kind, name, _code(tensor), tuple(tensor.shape), tensor.data_ptr(), output.data_ptr(),
+        [tensor, output], output, reduce_op, prescale, 1.0, set_id, _core.COMPRESSION_JOB,
+        _core.CPU_DEVICE if device is None else device.index,
+        None if device is None else _current_stream(device), True, done, done_user_data)
+    with _handle_lock:
+        _handle_map[handle.key] = _Pending(handle, device, list)
     return handle.key
 
 

@@ -832,13 +832,13 @@ def test_in_place_allreduces_keep_bounded_state(codec, monkeypatch):
 
     r, n = hvd.rank(), hvd.size()
     capacity = 100
-    monkeypatch.setattr(_core, "IN_PLACE_CACHE_CAPACITY", capacity)
+    monkeypatch.setattr(_core, "ONE_TENSOR_CACHE_CAPACITY", capacity)
     fv_codec = {"none": _core.COMPRESSION_NONE, "u8": _core.COMPRESSION_U8,
                 "powersgd": _core.COMPRESSION_POWERSGD, "topk": _core.COMPRESSION_TOPK}[codec]
     wire = hvd.metrics().get("wire_" + codec, 0)
     # PowerSGD compresses matrices only
     x = torch.empty(128, 256) if codec == "powersgd" else torch.empty(1 << 15)
-    cached = len(_core._in_place_allreduces)
+    cached = len(_core._one_tensor_ops)
 
     def reduce(name):
         # allreduce_async_ with the codec made explicit: what FERROVOD_COMPRESSION sets
@@ -854,11 +854,11 @@ def test_in_place_allreduces_keep_bounded_state(codec, monkeypatch):
                 warm = _rss_bytes()
         grown = _rss_bytes() - warm
         if named:
-            assert len(_core._in_place_allreduces) == capacity
-            assert list(_core._in_place_allreduces)[-1] == "allreduce.bounded.%s.1000" % codec
-            assert "allreduce.bounded.%s.1" % codec not in _core._in_place_allreduces
+            assert len(_core._one_tensor_ops) == capacity
+            assert list(_core._one_tensor_ops)[-1] == "allreduce.bounded.%s.1000" % codec
+            assert "allreduce.bounded.%s.1" % codec not in _core._one_tensor_ops
         else:
-            assert len(_core._in_place_allreduces) == cached
+            assert len(_core._one_tensor_ops) == cached
         assert grown < _RSS_SLACK, ("named" if named else "unnamed", grown >> 20, "MiB")
     total = n * (n + 1) / 2.0
     if codec == "topk":
