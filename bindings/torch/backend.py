@@ -532,7 +532,8 @@ class _Work(dist.Work):
         if self._error is not None:
             raise self._error
         if self._event is not None:
-            mpi_ops._stream_wait(mpi_ops._current_stream(self._device), self._event.cuda_event)
+            mpi_ops._stream_wait(mpi_ops._current_stream(self._device), self._event.cuda_event,
+                                 self._device)
         return True
 
     def _complete_blocking(self, timeout=None):

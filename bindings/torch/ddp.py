@@ -32,7 +32,8 @@ def _completed(buffer, fut, hid, status):
             if event:
                 # the Future records its completion on this thread's current stream
                 with torch.cuda.device(buffer.device):
-                    mpi_ops._stream_wait(mpi_ops._current_stream(buffer.device), event)
+                    mpi_ops._stream_wait(mpi_ops._current_stream(buffer.device), event,
+                                         buffer.device)
         fut.set_result(buffer)
     except Exception as e:  # the Future must complete, or DDP waits for ever
         if not fut.done():

@@ -69,9 +69,9 @@ _reduce_op = reduce_op_of
 _libcuda = None
 
 
-def _stream_wait(stream, event):
-    """Makes `stream` wait on the device for `event` (the driver's cuStreamWaitEvent; the
-    runtime and the driver share the device's primary context)."""
+def _stream_wait(stream, event, device=None):
+    """Makes `stream` (of CUDA `device`) wait on the device for `event` (the driver's
+    cuStreamWaitEvent; the runtime and the driver share the device's primary context)."""
     global _libcuda
     if _libcuda is None:
         lib = ctypes.CDLL("libcuda.so.1")
@@ -79,12 +79,18 @@ def _stream_wait(stream, event):
         lib.cuStreamWaitEvent.restype = ctypes.c_int
         _libcuda = lib
     rc = _libcuda.cuStreamWaitEvent(stream, event, 0)
+    if rc == _CUDA_ERROR_INVALID_CONTEXT and device is not None:
+        # a thread that never called the runtime (the backend's completion thread) has no
+        # context current: one runtime call on the device makes its primary context current
+        torch.cuda.current_stream(device).query()
+        rc = _libcuda.cuStreamWaitEvent(stream, event, 0)
     if rc != 0:
         raise _core.HorovodInternalError("cuStreamWaitEvent failed with CUDA error %d" % rc)
 
 
 # the legacy default stream's handle in the driver API (torch's default stream is 0)
 _CU_STREAM_LEGACY = 1
+_CUDA_ERROR_INVALID_CONTEXT = 201
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -120,7 +126,7 @@ class _Pending:
             def wait_on_device(h):
                 event = h.event()
                 if event:
-                    _stream_wait(stream, event)
+                    _stream_wait(stream, event, self.device)
 
         return self.finish(self.handle.wait(before_release=wait_on_device))
 
@@ -325,7 +331,7 @@ def _synchronize_all(handles):
         def wait(event):
             if device not in streams:  # read once, at the first GPU event
                 streams[device] = _current_stream(device)
-            _stream_wait(streams[device], event)
+            _stream_wait(streams[device], event, device)
 
         return wait
 
