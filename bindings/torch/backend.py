@@ -284,8 +284,6 @@ _works = {}
 _claimed = {}
 _works_lock = threading.Lock()
 _work_keys = itertools.count(1)
-# completions that are no Work's (the DDP hook's buckets): key -> handler(handle id, status)
-_handlers = {}
 _side_streams = {}
 _completer = None
 _completer_lock = threading.Lock()
@@ -351,36 +349,15 @@ def _complete_next(timeout=1.0):
     got = _core.next_completion(timeout)
     if got is None:
         return
-    key, hid, status = got
+    key = got[0]
     with _works_lock:
-        handler = _handlers.pop(key, None)
-        claimed = _claimed.pop(key, None) if handler is None else None
-        work = _works.pop(key, None) if handler is None and claimed is None else None
-    if handler is not None:
-        handler(hid, status)
-    elif work is not None:
+        claimed = _claimed.pop(key, None)
+        work = _works.pop(key, None) if claimed is None else None
+    if work is not None:
         try:
             work._complete()
         except Exception:  # the thread must go on completing every later Work
             work._finished.set()
-
-
-def _queued(handler):
-    """The key (`done_user_data`) of an operation submitted with `_DONE` that is no Work: its
-    completion is taken on the completion thread by `handler(handle id, status)`, which must
-    not raise. Registered before the submission (the completion may come at once);
-    `_unqueued` takes it back if the submission fails."""
-    if _completer is None:
-        _ensure_completer()
-    key = next(_work_keys)
-    with _works_lock:
-        _handlers[key] = handler
-    return key
-
-
-def _unqueued(key):
-    with _works_lock:
-        _handlers.pop(key, None)
 
 
 def _ensure_completer():

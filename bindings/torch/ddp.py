@@ -10,34 +10,36 @@ import torch
 
 from ferrovod import _core
 from ferrovod.compression import core_codec
-from ferrovod.torch import backend, mpi_ops
+from ferrovod.torch import mpi_ops
 from horovod.common.process_sets import ProcessSet, global_process_set
 
-# bucket allreduces' handles, released once their Future is complete (by a later hook call:
-# never while the completion is being taken)
+# bucket allreduces in flight: key -> (buffer, Future); their handles, released once the
+# Future is complete (by a later hook call: never inside the completion callback)
+_waiting = {}
 _to_release = []
+_keys = itertools.count(1)
 _lock = threading.Lock()
 
 
-def _completed(buffer, fut, hid, status):
-    """A bucket's completion, taken from ferrovod's completion queue on the torch backend's
-    completion thread (no Python runs on ferrovod's own): orders the Future's consumers after
+def _completed(key, hid, status):
+    """ferrovod's completion callback (on its own thread): orders the Future's consumers after
     the collective on the device, then completes the Future."""
-    try:
-        if status != _core.OK:
-            fut.set_exception(_core.error_for(status, _core.handle_error(hid)))
-            return
-        if buffer.is_cuda:
-            event = _core.handle_event(hid)
-            if event:
-                # the Future records its completion on this thread's current stream
-                with torch.cuda.device(buffer.device):
-                    mpi_ops._stream_wait(mpi_ops._current_stream(buffer.device), event,
-                                         buffer.device)
-        fut.set_result(buffer)
-    except Exception as e:  # the Future must complete, or DDP waits for ever
-        if not fut.done():
-            fut.set_exception(e)
+    with _lock:
+        buffer, fut = _waiting.pop(key)
+    if status != _core.OK:
+        fut.set_exception(_core.error_for(status, _core.handle_error(hid)))
+        return
+    if buffer.is_cuda:
+        event = _core.handle_event(hid)
+        if event:
+            # the Future records its completion on this thread's current stream
+            with torch.cuda.device(buffer.device):
+                mpi_ops._stream_wait(mpi_ops._current_stream(buffer.device), event)
+    fut.set_result(buffer)
+
+
+# one callback for every bucket, alive as long as the module (see _core.submit)
+_DONE = _core.DONE_FN(lambda user_data, hid, status: _completed(user_data, hid, status))
 
 
 def _release_finished():
@@ -96,9 +98,8 @@ def _by_parameter(bucket, buffer):
 def ddp_comm_hook(state, bucket):
     """Averages `bucket`'s flat gradient buffer over the process set, in place, and returns a
     Future of it. `state`: None (all ranks), a ProcessSet, or a DDPHookState. The allreduce
-    starts at once; the Future completes on the torch backend's completion thread, after DDP's
-    consumers are ordered behind the collective on the device, so backward keeps running
-    meanwhile."""
+    starts at once; the Future completes on ferrovod's thread, after DDP's consumers are
+    ordered behind the collective on the device, so backward keeps running meanwhile."""
     _release_finished()
     if isinstance(state, ProcessSet):
         state = DDPHookState(state)
@@ -107,6 +108,9 @@ def ddp_comm_hook(state, bucket):
     process_set = state.process_set
     buffer = bucket.buffer()
     fut = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
+    key = next(_keys)
+    with _lock:
+        _waiting[key] = (buffer, fut)
     codec = None
     if state.compression is not None:
         codec = core_codec(state.compression, buffer.dtype == torch.float32, mpi_ops.Average)
@@ -116,14 +120,9 @@ def ddp_comm_hook(state, bucket):
     tensors, names = [buffer], ["ddp.bucket.%d" % bucket.index()]
     if codec is not None and codec & 0xFF == _core.COMPRESSION_POWERSGD:
         tensors, names = _by_parameter(bucket, buffer) or (tensors, names)
-    key = backend._queued(lambda hid, status: _completed(buffer, fut, hid, status))
-    try:
-        hid = mpi_ops._enqueue(_core.ALLREDUCE, tensors, names, tensors, None, process_set,
-                               done=backend._DONE, done_user_data=key, reduce_op=mpi_ops.Average,
-                               compression=_core.COMPRESSION_JOB if codec is None else codec)
-    except Exception:
-        backend._unqueued(key)
-        raise
+    hid = mpi_ops._enqueue(_core.ALLREDUCE, tensors, names, tensors, None, process_set,
+                           done=_DONE, done_user_data=key, reduce_op=mpi_ops.Average,
+                           compression=_core.COMPRESSION_JOB if codec is None else codec)
     with _lock:
         _to_release.append((hid, fut))
     return fut
