@@ -7,11 +7,11 @@ C++ too, e.g. DDP's reducer): each collective is one ferrovod operation through 
 enqueue as `horovod.torch`'s (`mpi_ops._enqueue`), so it is negotiated, fused and compressed as
 those are. Its `Work` is completed from ferrovod's completion queue (the library's own done
 callback: no Python runs on ferrovod's thread), in the order operations finish: a thread of this
-module collects the result (for CUDA tensors it makes a side stream wait
-on the collective and records the completion there), so `get_future()` completes by itself, as
-DDP needs, and `wait()` on CUDA makes the current stream wait without waiting for the device. A
-thread that waits for a Work completes it itself, and a Future is made only when asked for:
-FSDP's blocking all-gathers and reduce-scatters pay for neither a thread switch nor a Future.
+module collects the result (for CUDA tensors it makes a side stream wait on the collective and
+records the completion there), so `get_future()` completes by itself, as DDP needs, and `wait()`
+on CUDA makes the current stream wait without waiting for the device. A thread that waits for a
+Work completes it itself, and a Future is made only when asked for: FSDP's blocking all-gathers
+and reduce-scatters pay for neither a thread switch nor a Future.
 
 Ranks come from MPI (`mpirun`/`horovodrun`). Without MASTER_ADDR the store torch needs is a
 TCPStore on rank 0 whose address travels over MPI, so `init_process_group("ferrovod")` needs no
@@ -291,7 +291,7 @@ _completer_lock = threading.Lock()
 
 class _Latch:
     """A flag set once, which threads may wait for: `threading.Event`'s use here at a fraction
-    of its cost to make (a lock held until the flag is set); every Work has three."""
+    of its cost to make (a lock held until the flag is set); every Work has two."""
 
     __slots__ = ("_lock", "_set")
 
@@ -426,23 +426,21 @@ class _Work(dist.Work):
         try:
             if self._device is None:
                 result = self._finish(mpi_ops.synchronize(self._handle))
-            elif self._direct:
-                # the side stream waits for the collective; nothing else runs on it here
-                side = _side_stream(self._device)
-                result = self._finish(mpi_ops.synchronize(self._handle, side.cuda_stream))
-                self._protect(side)
             else:
                 side = _side_stream(self._device)
-                with torch.cuda.stream(side):
-                    # the side stream now waits for the collective, and the copies of `finish`
-                    # run on it
-                    result = self._finish(mpi_ops.synchronize(self._handle))
+                if self._direct:
+                    # the side stream waits for the collective; nothing else runs on it here
+                    result = self._finish(mpi_ops.synchronize(self._handle, side.cuda_stream))
+                else:
+                    with torch.cuda.stream(side):
+                        # the side stream now waits for the collective, and the copies of
+                        # `finish` run on it
+                        result = self._finish(mpi_ops.synchronize(self._handle))
                 self._protect(side)
         except Exception as e:  # every failure reaches the caller
             error = _backend_error(e)
         finally:
             self._settle(result, error)
-            self._finished.set()
 
     def _protect(self, side):
         """The allocator must not hand out the touched tensors' memory before the side stream's
@@ -497,14 +495,13 @@ class _Work(dist.Work):
             raise dist.DistBackendError(
                 "ferrovod: the operation did not complete within %.1f s (Work.wait's timeout)"
                 % seconds)
-        if self._blocking:
-            pass
-        elif threading.current_thread() is _completer:
-            # a Future's callback waits for a collective: only this thread completes it
-            while not self._finished.is_set():
-                _complete_next(0.01)
-        elif self._key is not None and not self._finished.is_set():
-            self._complete_here()
+        if not self._blocking:
+            if threading.current_thread() is _completer:
+                # a Future's callback waits for a collective: only this thread completes it
+                while not self._finished.is_set():
+                    _complete_next(0.01)
+            elif self._key is not None and not self._finished.is_set():
+                self._complete_here()
         self._finished.wait()
         if self._error is not None:
             raise self._error
@@ -537,10 +534,8 @@ class _Work(dist.Work):
         with _works_lock:
             mine = _works.pop(self._key, None) is self
             if mine:
-                with mpi_ops._handle_lock:
-                    pending = mpi_ops._handle_map.get(self._handle)
                 try:
-                    dropped = pending is not None and _core.forget_completion(pending.handle.id)
+                    dropped = _core.forget_completion(self._core_id)
                 except Exception:
                     dropped = False
                 if not dropped:
@@ -553,15 +548,13 @@ class _Work(dist.Work):
         if self._blocking and not self._finished.is_set():
             self._complete_blocking()
         with self._lock:
-            future = self._future
-            if future is None:
-                future = self._future = torch.futures.Future(
-                    devices=[self._device] if self._device is not None else None)
-                if not self._settled:
-                    return future
-            else:
-                return future
-        self._set_future(future)
+            if self._future is not None:
+                return self._future
+            future = self._future = torch.futures.Future(
+                devices=[self._device] if self._device is not None else None)
+            settled = self._settled
+        if settled:
+            self._set_future(future)
         return future
 
     def _source_rank(self):
@@ -606,7 +599,6 @@ def _backend_error(e):
 def _done_work(result):
     work = _Work(None, None)
     work._settle(result, None)
-    work._finished.set()
     return work
 
 
@@ -708,8 +700,8 @@ class _Names:
     needs only that every member submitted it: earlier in each member's order of calls), on the
     core's handle, so that no thread of this module must act first (a Future's callback on the
     completion thread may call). Holds the operations in flight by name, each removed when it
-    completes. `submitting` is held from `next` to
-    `track`, so that two threads never submit one name at once."""
+    completes. `submitting` is held from `next` to `track`, so that two threads never submit
+    one name at once."""
 
     def __init__(self, group_name):
         self._group_name = group_name
@@ -1166,17 +1158,10 @@ def _submit_work(work, submit, keep_handle=False):
     fails); `work` counts as submitted either way. `keep_handle`: `work._core` holds the core's
     handle, for what its completion reports (a receive's source), before the completion thread
     may look. A blocking Work is submitted with `key` None: no callback, nothing registered."""
-    if work._blocking:
-        try:
-            work._handle = submit(None)
-            with mpi_ops._handle_lock:
-                work._core_id = mpi_ops._handle_map[work._handle].handle.id
-        finally:
-            work._submitted.set()
-        return
-    key = work._key = next(_work_keys)
-    with _works_lock:
-        _works[key] = work
+    key = work._key = None if work._blocking else next(_work_keys)
+    if key is not None:
+        with _works_lock:
+            _works[key] = work
     try:
         work._handle = submit(key)
         with mpi_ops._handle_lock:
@@ -1220,7 +1205,6 @@ def _joined(works, result):
             error = _backend_error(e)
         finally:
             joined._settle(result_, error)
-            joined._finished.set()
 
     futures = [w.get_future() for w in works]
     torch.futures.collect_all(futures).add_done_callback(all_done)
