@@ -728,8 +728,7 @@ fn given_outputs(raw: &[fv_tensor], spec: &OpSpec, kind: OpKind) -> Result<Optio
         };
         // in place is an allgather's on GPUs only, NCCL's way: the input is this rank's piece
         let (i, o) = (t.input as usize, t.output as usize);
-        let shared =
-            bytes > 0 && len > 0 && i < o.saturating_add(len) && o < i.saturating_add(bytes);
+        let shared = spans_overlap(i, bytes, o, len);
         let in_place = kind == OpKind::Allgather
             && spec.device >= 0
             && me.is_some_and(|m| Some(i) == bytes.checked_mul(m).and_then(|at| o.checked_add(at)));
@@ -740,9 +739,7 @@ fn given_outputs(raw: &[fv_tensor], spec: &OpSpec, kind: OpKind) -> Result<Optio
             )));
         }
         for (a, la) in [(i, bytes), (o, len)] {
-            if ranges.iter().any(|&(b, lb): &(usize, usize)| {
-                la > 0 && lb > 0 && a < b.saturating_add(lb) && b < a.saturating_add(la)
-            }) {
+            if ranges.iter().any(|&(b, lb)| spans_overlap(a, la, b, lb)) {
                 return Err(Error::InvalidArgument(format!(
                     "tensor '{}': the given outputs and inputs of the operation's tensors overlap",
                     ts.name
@@ -757,7 +754,12 @@ fn given_outputs(raw: &[fv_tensor], spec: &OpSpec, kind: OpKind) -> Result<Optio
 
 /// Whether two byte ranges of length `len` starting at `a` and `b` share a byte.
 fn overlaps(a: usize, b: usize, len: usize) -> bool {
-    len > 0 && a < b.saturating_add(len) && b < a.saturating_add(len)
+    spans_overlap(a, len, b, len)
+}
+
+/// Whether `la` bytes from `a` and `lb` bytes from `b` share a byte.
+fn spans_overlap(a: usize, la: usize, b: usize, lb: usize) -> bool {
+    la > 0 && lb > 0 && a < b.saturating_add(lb) && b < a.saturating_add(la)
 }
 
 /// The tensors of one grouped operation must not share memory that any of them writes: one
