@@ -33,7 +33,8 @@ use ring::Stage;
 use std::ops::{Deref, Range};
 
 /// The memory of one tensor taking part in a collective.
-pub trait TensorIo {
+/// `Send`: a codec may hand some of a batch's tensors to a helper thread (top-k's selection).
+pub trait TensorIo: Send {
     fn input(&self) -> &[u8];
     /// The input (when it is separate from the output) and the output. For ops whose output
     /// size is known only after negotiation, call `allocate_output` first.

@@ -1915,7 +1915,8 @@ pub(crate) fn codec_memory_flat() {
 /// `topk::select` over every rank's values (with `FERROVOD_TOPK_MOMENTUM`'s correction) and
 /// `topk::decode` of their pairs, and its output must be those bits. Values are multiples of
 /// 1/8 in a narrow range, so many magnitudes tie at the threshold (ties go to the lower
-/// index), and one rank sends a NaN at one step. On GPUs this holds the kernels to the host's
+/// index), and one rank sends a NaN at one step. With `FERROVOD_TOPK_RATIO=0.25` the host's
+/// batch travels in pieces, each selected while the one before travels. On GPUs this holds the kernels to the host's
 /// selection, residuals and sums.
 pub(crate) fn topk_exact() {
     use ferrovod::compress::TopK;
@@ -1926,8 +1927,13 @@ pub(crate) fn topk_exact() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(0.0);
-    let params = TopK::of(0.01, momentum);
-    let lens = [5000usize, 70_000, 333];
+    let ratio: f64 = std::env::var("FERROVOD_TOPK_RATIO")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.01);
+    let params = TopK::of(ratio, momentum);
+    // at a ratio of 0.25 the batch's pairs (630 KB) travel in pieces (`sparse::pieces`)
+    let lens = [5000usize, 70_000, 333, 120_000, 120_000];
     let v = |t: usize, i: usize, r: usize, step: usize| -> f32 {
         if (t, i, r, step) == (0, 77, 0, 2) {
             return f32::NAN;
@@ -1935,7 +1941,7 @@ pub(crate) fn topk_exact() {
         ((i * 31 + t * 7 + r * 13 + step * 5) % 97) as f32 / 8.0 - 6.0
     };
     let mut mems: Vec<Vec<Memory>> = lens.iter().map(|l| vec![Memory::new(*l); n]).collect();
-    let groups: [Group; 1] = [(&[0, 1, 2], ReduceOp::Sum, 1.0, 1.0)];
+    let groups: [Group; 1] = [(&[0, 1, 2, 3, 4], ReduceOp::Sum, 1.0, 1.0)];
     for step in 0..5 {
         let handles = submit_groups(&groups, |t| {
             let vals: Vec<f64> = (0..lens[t]).map(|i| v(t, i, me, step) as f64).collect();

@@ -307,6 +307,14 @@ const TOPK_MOMENTUM: &[(&str, &str)] = &[
     ("FERROVOD_COMPRESSION", "topk"),
     ("FERROVOD_TOPK_MOMENTUM", "0.9"),
 ];
+/// A ratio at which the host's batch of `topk_exact` travels in pieces, its tensors fused as
+/// across nodes.
+const TOPK_PIECES: &[(&str, &str)] = &[
+    ("FERROVOD_COMPRESSION", "topk"),
+    ("FERROVOD_FUSION_DIRECT_BYTES", "1000000000"),
+    ("FERROVOD_TOPK_RATIO", "0.25"),
+    ("FERROVOD_TOPK_MOMENTUM", "0.9"),
+];
 const TOPK_WARMUP: &[(&str, &str)] = &[
     ("FERROVOD_COMPRESSION", "topk"),
     ("FERROVOD_TOPK_WARMUP_STEPS", "4"),
@@ -694,6 +702,7 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         true,
     ),
     ("topk_exact", 2, TOPK_MOMENTUM, true),
+    ("topk_exact", 3, TOPK_PIECES, true),
     ("codec_memory_flat", 2, &[], true),
     (
         "topk_compressed",
