@@ -56,16 +56,20 @@ def test_an_average_of_low_rank_matrices_comes_back_exact(device):
     assert hvd.metrics()["wire_powersgd"] - before == (48 + 20) * 4 * 4
 
 
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_training_with_powersgd_reaches_the_uncompressed_accuracy(device):
+def test_training_with_powersgd_reaches_the_uncompressed_accuracy(device, model):
     before = hvd.metrics()["wire_powersgd"]
-    plain = accuracy(hvd.Compression.none, "none." + device, device=device)
+    plain = accuracy(hvd.Compression.none, "none.%s.%s" % (model, device), device=device,
+                     model=model)
     assert hvd.metrics()["wire_powersgd"] == before
-    compressed = accuracy(hvd.Compression.powersgd, "powersgd." + device, device=device)
-    # both weight matrices went as factors
+    compressed = accuracy(hvd.Compression.powersgd, "powersgd.%s.%s" % (model, device),
+                          device=device, model=model)
+    # the weight matrices went as factors
     assert hvd.metrics()["wire_powersgd"] > before
     assert plain > 0.9
-    print("digits accuracy on %s: none %.4f, powersgd %.4f" % (device, plain, compressed))
+    print("digits %s accuracy on %s: none %.4f, powersgd %.4f" % (model, device, plain,
+                                                                   compressed))
     assert compressed >= plain - 0.01, (compressed, plain)
 
 

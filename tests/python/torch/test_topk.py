@@ -88,14 +88,18 @@ def test_ranks_asking_for_other_ratios_fail_alike():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_training_with_topk_reaches_the_uncompressed_accuracy(device):
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_training_with_topk_reaches_the_uncompressed_accuracy(device, model):
     """Top-k of 5 %: the MLP's 4,746 parameters see 1 % (47 values a step) too rarely at 4
     ranks' steps per epoch (BENCHMARKS.md)."""
     before = hvd.metrics()["wire_topk"]
-    plain = accuracy(hvd.Compression.none, "none." + device, device=device)
+    plain = accuracy(hvd.Compression.none, "none.%s.%s" % (model, device), device=device,
+                     model=model)
     assert hvd.metrics()["wire_topk"] == before
-    compressed = accuracy(hvd.Compression.topk(0.05), "topk." + device, device=device)
+    compressed = accuracy(hvd.Compression.topk(0.05), "topk.%s.%s" % (model, device),
+                          device=device, model=model)
     assert hvd.metrics()["wire_topk"] > before
     assert plain > 0.9
-    print("digits accuracy on %s: none %.4f, topk 5 %% %.4f" % (device, plain, compressed))
+    print("digits %s accuracy on %s: none %.4f, topk 5 %% %.4f" % (model, device, plain,
+                                                                    compressed))
     assert compressed >= plain - 0.01, (compressed, plain)
