@@ -22,11 +22,13 @@ def _model(kind):
         torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(32 * 4 * 4, 10))
 
 
-def accuracy(compression, prefix, epochs=12, batch=16, device="cpu", model="mlp"):
+def accuracy(compression, prefix, epochs=12, batch=16, device="cpu", model="mlp", ddp_hook=None):
     """Test accuracy of the MLP (64-64-10) or the small CNN (`model="cnn"`), SGD with momentum,
     after `epochs` epochs, gradients averaged with `compression` (a `hvd.Compression` member,
     or an instance with its own parameter) under names starting with `prefix`, the model and
-    data on `device`."""
+    data on `device`. With `ddp_hook` (a function given the DDP module, which registers a
+    communication hook on it), DDP over torch.distributed's default group averages them
+    instead."""
     d = load_digits()
     x = torch.tensor(d.data / 16.0, dtype=torch.float32, device=device)
     y = torch.tensor(d.target, dtype=torch.int64, device=device)
@@ -38,16 +40,22 @@ def accuracy(compression, prefix, epochs=12, batch=16, device="cpu", model="mlp"
     torch.manual_seed(1234)
     model = _model(model).to(device)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                   named_parameters=model.named_parameters(prefix=prefix),
-                                   compression=compression)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if ddp_hook is None:
+        net = model
+        opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters(prefix=prefix),
+                                       compression=compression)
+    else:
+        net = torch.nn.parallel.DistributedDataParallel(model)
+        ddp_hook(net)
+        opt = sgd
     rng = np.random.RandomState(me)
     for _ in range(epochs):
         order = rng.permutation(len(x_train))
         for s in range(steps):
             idx = order[s * batch:(s + 1) * batch]
             opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x_train[idx]), y_train[idx]).backward()
+            torch.nn.functional.cross_entropy(net(x_train[idx]), y_train[idx]).backward()
             opt.step()
     with torch.no_grad():
         acc = (model(x_test).argmax(1) == y_test).double().mean().item()

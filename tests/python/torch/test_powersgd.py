@@ -1,8 +1,8 @@
 """PowerSGD through horovod.torch under mpirun (CPU tensors, and CUDA tensors where CUDA is,
 or FERROVOD_TEST_GPU=1 asks for it): an allreduce of matrices of low rank comes back exact,
 vectors and small matrices travel as they are, the wire counter moves by the factors' bytes,
-and the digits MLP trained with `Compression.powersgd` reaches the uncompressed run's
-accuracy."""
+and the digits MLP and a small CNN trained with `Compression.powersgd` reach the uncompressed
+run's accuracy, and that of DDP under PyTorch's own PowerSGD hook at the same rank."""
 
 import os
 
@@ -71,6 +71,30 @@ def test_training_with_powersgd_reaches_the_uncompressed_accuracy(device, model)
     print("digits %s accuracy on %s: none %.4f, powersgd %.4f" % (model, device, plain,
                                                                    compressed))
     assert compressed >= plain - 0.01, (compressed, plain)
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_training_with_powersgd_is_as_accurate_as_torchs_powersgd_hook(model):
+    """The benchmark's comparison (`bench_torch.py`, ferrovod's PowerSGD against DDP with
+    `powerSGD_hook`, both of rank 4) at equal accuracy: the same model, data and steps."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    def torch_hook(ddp):
+        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                                   start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+
+    _gloo_group()
+    try:
+        theirs = accuracy(None, "torchhook." + model, model=model, ddp_hook=torch_hook)
+    finally:
+        dist.destroy_process_group()
+    ours = accuracy(hvd.Compression.powersgd(rank=4), "powersgd4." + model, model=model)
+    print("digits %s accuracy: torch's powerSGD_hook %.4f, ferrovod's powersgd %.4f" % (
+        model, theirs, ours))
+    assert theirs > 0.9
+    assert ours >= theirs - 0.01, (ours, theirs)
 
 
 def test_ranks_asking_for_other_codecs_fail_alike():
