@@ -40,5 +40,16 @@ if [ -n "${FERROVOD_HOROVOD_TREE:-}" ]; then
   # the file imports the `mock` backport
   printf 'from unittest.mock import *  # noqa: F401,F403\nversion_info = (5, 0, 0)\n' >.gpu/htest/mock.py
 fi
+# iproute2's ip and tc, with the libraries they need beyond the C library, for emulated hosts
+# on the GPU machine's CPUs (scripts/gpu/hosts.sh; that machine has no iproute2)
+if command -v ip >/dev/null && command -v tc >/dev/null; then
+  mkdir -p .gpu/iproute2/bin .gpu/iproute2/lib
+  for b in ip tc; do
+    cp "$(command -v $b)" .gpu/iproute2/lib/
+    ldd "$(command -v $b)" | awk '/=>/ && $1 !~ /^lib(c|m)\.so/ {print $3}' | xargs -r cp -L -t .gpu/iproute2/lib/
+    printf '#!/bin/sh\nd=$(dirname "$(readlink -f "$0")")/../lib\nLD_LIBRARY_PATH=$d exec "$d/%s" "$@"\n' "$b" >.gpu/iproute2/bin/$b
+    chmod +x .gpu/iproute2/bin/$b
+  done
+fi
 ex=$(git rev-parse --git-path info/exclude); mkdir -p "$(dirname "$ex")"; grep -qx '/.gpu/' "$ex" 2>/dev/null || echo '/.gpu/' >> "$ex"
 du -sh .gpu
