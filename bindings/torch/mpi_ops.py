@@ -256,10 +256,15 @@ def _enqueue(kind, tensors, names, outputs=None, finish=None, process_set=global
                       for i, v in enumerate(values)]
         return finish(values) if finish is not None else values
 
-    # keyed by the core's handle key, never reused in the process (ferrovod's ids may start
-    # again after a shutdown)
+    return _pending(handle, device, done)
+
+
+def _pending(handle, device, finish):
+    """Registers the core's `handle` as in flight (`_Pending`) and returns the key the caller
+    holds: the core's handle key, never reused in the process (ferrovod's ids may start again
+    after a shutdown)."""
     with _handle_lock:
-        _handle_map[handle.key] = _Pending(handle, device, done)
+        _handle_map[handle.key] = _Pending(handle, device, finish)
     return handle.key
 
 
@@ -275,9 +280,7 @@ def _allreduce_one_(tensor, name, op, prescale, postscale, process_set, codec, f
         postscale, set_id, codec,
         _core.CPU_DEVICE if device is None else device.index,
         None if device is None else _current_stream(device), reuse, done, done_user_data)
-    with _handle_lock:
-        _handle_map[handle.key] = _Pending(handle, device, finish)
-    return handle.key
+    return _pending(handle, device, finish)
 
 
 def _into_(kind, tensor, output, name, process_set, reduce_op=_core.SUM, prescale=1.0, done=None,
@@ -292,9 +295,7 @@ def _into_(kind, tensor, output, name, process_set, reduce_op=_core.SUM, prescal
         [tensor, output], output, reduce_op, prescale, 1.0, set_id, _core.COMPRESSION_JOB,
         _core.CPU_DEVICE if device is None else device.index,
         None if device is None else _current_stream(device), True, done, done_user_data)
-    with _handle_lock:
-        _handle_map[handle.key] = _Pending(handle, device, list)
-    return handle.key
+    return _pending(handle, device, list)
 
 
 def poll(handle):
