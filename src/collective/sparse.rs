@@ -47,7 +47,7 @@ pub fn pairs_per_tensor(
         .collect()
 }
 
-/// A batch's step, the same over either memory: every tensor selects, one allgather of the
+/// A batch's step on GPUs: every tensor selects, one allgather of the
 /// batch's pairs, every tensor sums them.
 pub fn run(p: &mut dyn Pairs, ks: &[usize], act: ActivitySink) -> Result<()> {
     act(Some("TOPK_SELECT"));

@@ -1743,12 +1743,23 @@ pub(crate) fn powersgd_compressed() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
-    let shapes: [&[i64]; 5] = [&[24, 3, 3, 2], &[40, 30], &[50], &[3, 2], &[16, 16]];
+    // the last two: one batch of 2 × 262,144 values where FERROVOD_FUSION_DIRECT_BYTES fuses
+    // large tensors (as across nodes)
+    let shapes: [&[i64]; 7] = [
+        &[24, 3, 3, 2],
+        &[40, 30],
+        &[50],
+        &[3, 2],
+        &[16, 16],
+        &[512, 512],
+        &[256, 1024],
+    ];
     // (tensors, op, prescale, postscale)
-    let groups: [Group; 3] = [
+    let groups: [Group; 4] = [
         (&[0, 1], ReduceOp::Average, 2.0, 0.5),
         (&[4], ReduceOp::Sum, 1.0, 1.0),
         (&[2, 3], ReduceOp::Average, 1.0, 1.0),
+        (&[5, 6], ReduceOp::Average, 1.0, 1.0),
     ];
     let len = |t: usize| shapes[t].iter().product::<i64>() as usize;
     // a low-rank part that persists across steps and a part that changes with the step and rank
@@ -1769,7 +1780,8 @@ pub(crate) fn powersgd_compressed() {
         .collect();
     assert!(refs[0].is_some() && refs[1].is_some() && refs[4].is_some());
     assert!(refs[2].is_none() && refs[3].is_none());
-    let factor_bytes: u64 = [0usize, 1, 4]
+    let matrices = [0usize, 1, 4, 5, 6];
+    let factor_bytes: u64 = matrices
         .iter()
         .map(|t| {
             let s = Shape::of(shapes[*t], rank_setting).unwrap();
@@ -1809,7 +1821,7 @@ pub(crate) fn powersgd_compressed() {
                 }
             }
         }
-        let (after, whole) = (metrics(), [0usize, 1, 4].iter().map(|t| len(*t) as u64 * 4));
+        let (after, whole) = (metrics(), matrices.iter().map(|t| len(*t) as u64 * 4));
         if step < start {
             assert_eq!(after.wire_powersgd, before.wire_powersgd);
             let plain = after.wire_uncompressed - before.wire_uncompressed;

@@ -703,6 +703,15 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     ),
     ("topk_exact", 2, TOPK_MOMENTUM, true),
     ("topk_exact", 3, TOPK_PIECES, true),
+    (
+        "powersgd_compressed",
+        3,
+        &[
+            ("FERROVOD_COMPRESSION", "powersgd"),
+            ("FERROVOD_FUSION_DIRECT_BYTES", "1000000000"),
+        ],
+        true,
+    ),
     ("codec_memory_flat", 2, &[], true),
     (
         "topk_compressed",
