@@ -707,8 +707,6 @@ fn given_outputs(raw: &[fv_tensor], spec: &OpSpec, kind: OpKind) -> Result<Optio
     let size = ranks.len();
     let me = ranks.iter().position(|r| *r == rt.topology().rank);
     let mut outputs = Vec::with_capacity(raw.len());
-    // every byte range the operation reads or writes, but a tensor's own input and output
-    let mut ranges: Vec<(usize, usize)> = Vec::with_capacity(2 * raw.len());
     for (t, ts) in raw.iter().zip(&spec.tensors) {
         let bytes = ts.shape.iter().product::<i64>() as usize * ts.dtype.size();
         let len = match kind {
@@ -738,17 +736,14 @@ fn given_outputs(raw: &[fv_tensor], spec: &OpSpec, kind: OpKind) -> Result<Optio
                 ts.name
             )));
         }
-        for (a, la) in [(i, bytes), (o, len)] {
-            if ranges.iter().any(|&(b, lb)| spans_overlap(a, la, b, lb)) {
-                return Err(Error::InvalidArgument(format!(
-                    "tensor '{}': the given outputs and inputs of the operation's tensors overlap",
-                    ts.name
-                )));
-            }
-        }
-        ranges.extend([(i, bytes), (o, len)]);
         outputs.push((SendPtr(t.output), len));
     }
+    // across tensors: as without given outputs, with them among what the operation writes
+    let written: Vec<(usize, usize)> = outputs
+        .iter()
+        .map(|(p, len)| (p.0 as usize, *len))
+        .collect();
+    check_no_aliasing(&spec.tensors, &written)?;
     Ok(Some(GivenOutputs { outputs }))
 }
 
@@ -764,9 +759,12 @@ fn spans_overlap(a: usize, la: usize, b: usize, lb: usize) -> bool {
 
 /// The tensors of one grouped operation must not share memory that any of them writes: one
 /// tensor's result would overwrite another's input or result, in an order nobody chose.
-fn check_no_aliasing(specs: &[TensorSpec]) -> Result<()> {
-    // (start, end, tensor, written), from the buffers `tensor_spec` sized
-    let mut ranges: Vec<(usize, usize, usize, bool)> = Vec::new();
+fn check_no_aliasing(specs: &[TensorSpec], given: &[(usize, usize)]) -> Result<()> {
+    // (start, end, tensor, written), from the buffers `tensor_spec` sized and the given
+    // outputs (`given[i]`: tensor i's start and length)
+    let mut ranges: Vec<(usize, usize, usize, bool)> = (given.iter().enumerate())
+        .map(|(i, (start, len))| (*start, start.saturating_add(*len), i, true))
+        .collect();
     for (i, s) in specs.iter().enumerate() {
         let in_place = matches!(s.output, OutputMem::InPlace);
         if let InputMem::Borrowed(b) = &s.input {
@@ -889,7 +887,7 @@ pub unsafe extern "C" fn fv_enqueue(op: *const fv_op, out: *mut fv_handle) -> St
             .map(|t| unsafe { tensor_spec(t, kind) })
             .collect::<Result<Vec<_>>>()?;
         if tensors.len() > 1 {
-            check_no_aliasing(&tensors)?;
+            check_no_aliasing(&tensors, &[])?;
         }
         let mut spec = OpSpec::new(kind, tensors);
         spec.reduce_op = reduce_op;

@@ -381,8 +381,24 @@ int main(void) {
         /* one tensor's output over the other's */
         some[1].output = o2 + 1;
         CHECK(fv_enqueue(&op, &h) == FV_STATUS_INVALID_ARGUMENT &&
-                  strstr(last_error(), "the given outputs and inputs of the operation's tensors overlap"),
+                  strstr(last_error(), "share memory that the operation writes"),
               "crossed outputs: %s", last_error());
+        /* one tensor's output over the other's input */
+        some[1].output = o2 + 2 * size;
+        some[1].input = o2 + 1;
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_INVALID_ARGUMENT &&
+                  strstr(last_error(), "share memory that the operation writes"),
+              "output over another input: %s", last_error());
+        /* two tensors reading one input, each into its own output: allowed */
+        some[1].input = rin;
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_OK, "shared input: %s", last_error());
+        CHECK(fv_wait(h, 60.0) == FV_STATUS_OK, "shared input wait: %s", last_error());
+        fv_release(h);
+        for (int r = 0; r < size; r++)
+            for (int i = 0; i < 2; i++)
+                CHECK(o2[2 * r + i] == (float)(r + i) && o2[2 * size + 2 * r + i] == (float)(r + i),
+                      "shared input allgather[%d]: %g and %g", 2 * r + i, o2[2 * r + i],
+                      o2[2 * size + 2 * r + i]);
         /* outputs and an allocator */
         struct alloc_ctx unused;
         op = op_of(FV_OP_KIND_ALLGATHER, &t, 1);
