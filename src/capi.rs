@@ -738,12 +738,7 @@ fn given_outputs(raw: &[fv_tensor], spec: &OpSpec, kind: OpKind) -> Result<Optio
         }
         outputs.push((SendPtr(t.output), len));
     }
-    // across tensors: as without given outputs, with them among what the operation writes
-    let written: Vec<(usize, usize)> = outputs
-        .iter()
-        .map(|(p, len)| (p.0 as usize, *len))
-        .collect();
-    check_no_aliasing(&spec.tensors, &written)?;
+    // across tensors: `fv_enqueue`'s `check_no_aliasing`, with these among what it writes
     Ok(Some(GivenOutputs { outputs }))
 }
 
@@ -886,9 +881,6 @@ pub unsafe extern "C" fn fv_enqueue(op: *const fv_op, out: *mut fv_handle) -> St
             // SAFETY: each element is a valid fv_tensor.
             .map(|t| unsafe { tensor_spec(t, kind) })
             .collect::<Result<Vec<_>>>()?;
-        if tensors.len() > 1 {
-            check_no_aliasing(&tensors, &[])?;
-        }
         let mut spec = OpSpec::new(kind, tensors);
         spec.reduce_op = reduce_op;
         spec.prescale = op.prescale;
@@ -916,6 +908,8 @@ pub unsafe extern "C" fn fv_enqueue(op: *const fv_op, out: *mut fv_handle) -> St
                 user: SendPtr(op.alloc_user_data),
             })));
         }
+        // given outputs (`given_outputs`) are memory the operation writes
+        let mut written: Vec<(usize, usize)> = Vec::new();
         if matches!(kind, OpKind::Allgather | OpKind::Reducescatter) {
             // SAFETY: as above, the caller's `num_tensors` valid tensors.
             let raw = unsafe { slice(op.tensors, op.num_tensors, "tensors") }?;
@@ -925,8 +919,14 @@ pub unsafe extern "C" fn fv_enqueue(op: *const fv_op, out: *mut fv_handle) -> St
                         "pass the outputs or an allocator, not both".into(),
                     ));
                 }
+                written = (given.outputs.iter())
+                    .map(|(p, len)| (p.0 as usize, *len))
+                    .collect();
                 spec.allocator = Some(Arc::new(Mutex::new(given)));
             }
+        }
+        if spec.tensors.len() > 1 {
+            check_no_aliasing(&spec.tensors, &written)?;
         }
         let auto_release = out.is_null();
         if auto_release && op.done.is_none() {
