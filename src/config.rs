@@ -171,6 +171,10 @@ pub struct Config {
     /// `FERROVOD_TOPK_WARMUP_STEPS`: under `topk`, each named tensor's first allreduces that
     /// send a larger share (DGC's warm-up).
     pub topk_warmup: u64,
+    /// `FERROVOD_COMPRESSION_THREADS`: threads a codec's local arithmetic (PowerSGD's
+    /// products) may use per rank; 0: the cores this process may use shared among its node's
+    /// ranks, at most 8. Local: the results are the same bits for any value.
+    pub compression_threads: usize,
     /// `FERROVOD_TOPK_RATIO` and `FERROVOD_TOPK_MOMENTUM`: under `topk`, the share of each
     /// tensor's values sent and the momentum correction's factor.
     pub topk_ratio: f64,
@@ -396,6 +400,7 @@ impl Config {
             ),
             powersgd_start: src.num("FERROVOD_POWERSGD_START", 0, 0, 1 << 40),
             topk_warmup: src.num("FERROVOD_TOPK_WARMUP_STEPS", 0, 0, 1 << 40),
+            compression_threads: src.num("FERROVOD_COMPRESSION_THREADS", 0, 0, 256),
             topk_ratio: src.num("FERROVOD_TOPK_RATIO", 0.01, 1e-6, 1.0),
             topk_momentum: src.num("FERROVOD_TOPK_MOMENTUM", 0.0, 0.0, 0.999),
             nan_check: src.bool("PERSEUS_ALLREDUCE_NANCHECK"),

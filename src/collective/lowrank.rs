@@ -7,9 +7,9 @@
 //! tensor's first `start` allreduces (`PowerMemory::warming`) are summed as they are, in one
 //! more f32 allreduce for the batch's tensors that are.
 
-use crate::collective::{ActivitySink, TensorIo};
-use crate::compress::Reduction;
+use crate::collective::{ActivitySink, TensorIo, parallel};
 use crate::compress::powersgd::{self, Memory, PowerMemory, Shape};
+use crate::compress::{Reduction, Wire};
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
 use crate::message::{ReduceOp, Response};
@@ -80,20 +80,20 @@ pub fn shape(r: &Response, rank: usize, values: usize) -> Result<Shape> {
 }
 
 /// Allreduces a batch of f32 sums or averages in host memory (`red`: PowerSGD's `Reduction`)
-/// as factors of `rank` columns, each tensor's state kept in `store` under its name, except the
-/// first `start` allreduces of each named tensor, which are summed as they are.
-#[allow(clippy::too_many_arguments)] // the batch, its codec's settings and state, who hears
+/// as factors of `rank` columns, each tensor's state kept in `wire.powersgd` under its name,
+/// except the first `wire.powersgd_start` allreduces of each named tensor, which are summed as
+/// they are; the local arithmetic on up to `wire.threads` threads.
 pub fn allreduce(
     t: &dyn Transport,
     red: &Reduction,
     rank: usize,
-    start: u64,
-    store: &PowerMemory,
+    wire: &Wire,
     resps: &[&Response],
     ios: &mut [&mut dyn TensorIo],
     act: ActivitySink,
 ) -> Result<()> {
-    let warming = warming(resps, rank, start, store);
+    let store = wire.powersgd;
+    let warming = warming(resps, rank, wire.powersgd_start, store);
     let mut host = Host {
         t,
         red,
@@ -101,6 +101,7 @@ pub fn allreduce(
         store,
         resps,
         ios,
+        threads: wire.threads,
         steps: Vec::new(),
         sums: Vec::new(),
     };
@@ -117,6 +118,13 @@ struct Step {
     q: Vec<f32>,
 }
 
+impl Step {
+    /// The tensor's values: what each phase's arithmetic is proportional to.
+    fn values(&self) -> usize {
+        self.shape.len()
+    }
+}
+
 /// Host memory: the phases of `compress::powersgd` over the tensors' bytes.
 struct Host<'a, 'b> {
     t: &'a dyn Transport,
@@ -125,6 +133,8 @@ struct Host<'a, 'b> {
     store: &'a PowerMemory,
     resps: &'a [&'a Response],
     ios: &'a mut [&'b mut dyn TensorIo],
+    /// Threads the phases' arithmetic may use (local: the same bits for any).
+    threads: usize,
     steps: Vec<Step>,
     /// The latest sum over the ranks (every P, then every Q).
     sums: Vec<f32>,
@@ -158,20 +168,37 @@ impl Factors for Host<'_, '_> {
     }
 
     fn start(&mut self, tensors: &[usize]) -> Result<()> {
+        // taken in batch order, on this thread: the store's recency (its eviction) stays alike
+        // on every rank
         for i in tensors {
             let (r, io) = (self.resps[*i], &self.ios[*i]);
             let shape = shape(r, self.rank, io.input().len() / 4)?;
             let mut memory = self.store.take(&r.name, &shape);
             memory.steps = memory.steps.saturating_add(1);
-            let p = powersgd::start(io.input(), self.red.pre as f32, &mut memory, &shape);
             self.steps.push(Step {
                 tensor: *i,
                 shape,
                 memory,
-                p,
+                p: Vec::new(),
                 q: Vec::new(),
             });
         }
+        let pre = self.red.pre as f32;
+        let ios = &*self.ios;
+        let mut work: Vec<(&mut Step, &[u8])> = (self.steps.iter_mut())
+            .map(|s| {
+                let grad = ios[s.tensor].input();
+                (s, grad)
+            })
+            .collect();
+        parallel::for_each(
+            &mut work,
+            self.threads,
+            |w| w.0.values(),
+            |(s, grad)| {
+                s.p = powersgd::start(grad, pre, &mut s.memory, &s.shape);
+            },
+        );
         Ok(())
     }
 
@@ -186,8 +213,10 @@ impl Factors for Host<'_, '_> {
             let n = s.shape.p_len();
             s.p.copy_from_slice(&self.sums[at..at + n]);
             at += n;
-            s.q = powersgd::middle(&s.memory, &mut s.p, &s.shape);
         }
+        parallel::for_each(&mut self.steps, self.threads, Step::values, |s| {
+            s.q = powersgd::middle(&s.memory, &mut s.p, &s.shape);
+        });
         Ok(())
     }
 
@@ -197,21 +226,33 @@ impl Factors for Host<'_, '_> {
     }
 
     fn finish(&mut self) -> Result<()> {
-        let (mut at, post) = (0, self.red.post as f32);
-        for s in std::mem::take(&mut self.steps) {
-            let Step {
-                tensor,
-                shape,
-                mut memory,
-                p,
-                ..
-            } = s;
-            let q_sum = self.sums[at..at + shape.q_len()].to_vec();
-            at += shape.q_len();
-            let (_, out) = self.ios[tensor].split_io();
-            powersgd::finish(&p, q_sum, self.t.size(), post, &mut memory, out, &shape);
-            // unnamed tensors keep nothing (`PowerMemory::put`)
-            self.store.put(&self.resps[tensor].name, memory);
+        let (ranks, post) = (self.t.size(), self.red.post as f32);
+        let mut steps = std::mem::take(&mut self.steps);
+        // each compressed tensor's output, beside its step (the steps are in batch order)
+        let mut outs: Vec<&mut [u8]> = Vec::with_capacity(steps.len());
+        let mut wanted = steps.iter().map(|s| s.tensor).peekable();
+        for (i, io) in self.ios.iter_mut().enumerate() {
+            if wanted.next_if_eq(&i).is_some() {
+                outs.push(io.split_io().1);
+            }
+        }
+        let mut at = 0;
+        let mut work: Vec<(&mut Step, &mut [u8], &[f32])> = Vec::with_capacity(steps.len());
+        for (s, out) in steps.iter_mut().zip(outs) {
+            let n = s.shape.q_len();
+            work.push((s, out, &self.sums[at..at + n]));
+            at += n;
+        }
+        let weight = |w: &(&mut Step, &mut [u8], &[f32])| w.0.values();
+        parallel::for_each(&mut work, self.threads, weight, |(s, out, q_sum)| {
+            let q_sum = q_sum.to_vec();
+            powersgd::finish(&s.p, q_sum, ranks, post, &mut s.memory, out, &s.shape);
+        });
+        drop(work);
+        // kept in batch order, on this thread, as taken; unnamed tensors keep nothing
+        // (`PowerMemory::put`)
+        for s in steps {
+            self.store.put(&self.resps[s.tensor].name, s.memory);
         }
         Ok(())
     }

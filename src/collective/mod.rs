@@ -12,6 +12,7 @@ pub mod layout;
 pub mod lowrank;
 pub mod native;
 pub mod p2p;
+pub mod parallel;
 pub mod plan;
 pub mod quantized;
 pub mod replay;
@@ -220,8 +221,7 @@ pub fn allreduce_batch(
         return allreduce_u8(t, &enc, wire.feedback, resps, ios, fusion, act);
     }
     if let Codec::PowerSgd(rank) = codec {
-        let (start, store) = (wire.powersgd_start, wire.powersgd);
-        return lowrank::allreduce(t, &enc, rank, start, store, resps, ios, act);
+        return lowrank::allreduce(t, &enc, rank, &wire, resps, ios, act);
     }
     if let Codec::TopK(params) = codec {
         let (warmup, store) = (wire.topk_warmup, wire.topk);

@@ -416,6 +416,9 @@ pub struct Wire<'a> {
     /// Top-k's first allreduces of each tensor that send a larger share
     /// (`FERROVOD_TOPK_WARMUP_STEPS`, agreed: `TopK::k_at`).
     pub topk_warmup: u64,
+    /// Threads a codec's local arithmetic may use (`FERROVOD_COMPRESSION_THREADS`; local:
+    /// the results are the same bits for any).
+    pub threads: usize,
 }
 
 impl Wire<'_> {

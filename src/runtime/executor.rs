@@ -275,7 +275,7 @@ pub(crate) struct Carried {
 
 impl Carried {
     /// How a batch of `codec` travels: the codec with the state it carries.
-    fn wire(&self, codec: Codec, starts: (u64, u64)) -> Wire<'_> {
+    fn wire(&self, codec: Codec, starts: (u64, u64), threads: usize) -> Wire<'_> {
         Wire {
             codec,
             feedback: &self.feedback,
@@ -283,6 +283,7 @@ impl Carried {
             powersgd_start: starts.0,
             topk: &self.topk,
             topk_warmup: starts.1,
+            threads,
         }
     }
 }
@@ -306,6 +307,8 @@ pub(crate) struct Executor {
     /// PowerSGD's uncompressed first allreduces of each tensor, and top-k's warm-up steps
     /// (agreed).
     starts: (u64, u64),
+    /// Threads a codec's local arithmetic may use (local, `Config::compression_threads`).
+    threads: usize,
 }
 
 impl Executor {
@@ -316,6 +319,7 @@ impl Executor {
         spans_nodes: bool,
         settings: &JobSettings,
         carried: Arc<Carried>,
+        threads: usize,
     ) -> Executor {
         Executor {
             data,
@@ -332,12 +336,13 @@ impl Executor {
             carried,
             gossip_sync_every: settings.gossip_sync_every,
             starts: (settings.powersgd_start, settings.topk_warmup),
+            threads,
         }
     }
 
     /// How a batch of `codec` travels: the codec with the state it carries.
     pub fn wire(&self, codec: Codec) -> Wire<'_> {
-        self.carried.wire(codec, self.starts)
+        self.carried.wire(codec, self.starts, self.threads)
     }
 
     /// The plan of a batch whose values travel as `codec` (agreed: from its responses, the
@@ -397,7 +402,7 @@ impl Executor {
             let how = DeviceHow {
                 plan,
                 gossip,
-                wire: self.carried.wire(codec, self.starts),
+                wire: self.carried.wire(codec, self.starts, self.threads),
             };
             return gpu::run_device_batch(
                 rt,
@@ -413,7 +418,7 @@ impl Executor {
             .map(Some);
         }
         let how = host_algorithms(&plan, head.kind, hierarchy, gossip);
-        let wire = self.carried.wire(codec, self.starts);
+        let wire = self.carried.wire(codec, self.starts, self.threads);
         // host memory is ready when enqueued
         sink(Some("WAIT_FOR_DATA"));
         let mut ios: Vec<&mut dyn TensorIo> =
@@ -458,7 +463,10 @@ impl Executor {
         let refs: Vec<&Response> = resps.iter().collect();
         let hierarchy = self.hierarchy.as_ref();
         let how = host_algorithms(plan, resps[0].kind, hierarchy, None);
-        let (data, wire) = (&self.data, self.carried.wire(plan.codec, self.starts));
+        let (data, wire) = (
+            &self.data,
+            self.carried.wire(plan.codec, self.starts, self.threads),
+        );
         // counted where it runs: a batch whose flag travels with it never takes the hierarchy
         let mut run =
             |fusion: &mut FusionBuffer, ios: &mut [&mut dyn TensorIo], act: ActivitySink| {

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use crate::collective::cost::{self, Policy};
 use crate::collective::p2p::PointToPoint;
+use crate::collective::parallel;
 use crate::error::{Error, Result};
 use crate::fusion::planner;
 use crate::message::{OpKind, Response};
@@ -92,6 +93,13 @@ impl SetState {
             let _ = rt.allreduce_policy.set(policy);
         }
         let carried = Arc::new(Carried::default());
+        let threads = match cfg.compression_threads {
+            0 => {
+                let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+                parallel::auto_threads(cores, nodes.iter().filter(|n| **n == node).count())
+            }
+            n => n,
+        };
         let channels = if settings.channels > 1 {
             let done = rt
                 .inbox
@@ -111,6 +119,7 @@ impl SetState {
                         spans_nodes,
                         settings,
                         carried.clone(),
+                        threads,
                     );
                     Channel::spawn(k, executor, done.clone(), rt.clone(), turn.clone())
                 })
@@ -141,6 +150,7 @@ impl SetState {
                 spans_nodes,
                 settings,
                 carried,
+                threads,
             ),
         })
     }

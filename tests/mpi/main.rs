@@ -712,6 +712,17 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         ],
         true,
     ),
+    // the fused batch's arithmetic on three threads per rank (the same bits as on one)
+    (
+        "powersgd_compressed",
+        2,
+        &[
+            ("FERROVOD_COMPRESSION", "powersgd"),
+            ("FERROVOD_FUSION_DIRECT_BYTES", "1000000000"),
+            ("FERROVOD_COMPRESSION_THREADS", "3"),
+        ],
+        true,
+    ),
     ("codec_memory_flat", 2, &[], true),
     (
         "topk_compressed",
