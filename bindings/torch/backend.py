@@ -850,7 +850,10 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
     def _allreduce_one(self, t, op, prescale, opts=None):
         """`_allreduce` of one contiguous tensor, through the C structs the core keeps per name
         (what `horovod.torch` does for a gradient): a DDP bucket or a metric each step."""
-        work = _Work.start(t.device if t.is_cuda else None, lambda _v: [t], (t,), _blocking(opts))
+        device = t.device if t.is_cuda else None
+        work = _Work.start(device, lambda _v: [t], (t,), _blocking(opts))
+        # in place: the core writes `t` itself, so completing launches no device work
+        work._direct = device is not None
         codec = self._codec(op, (t,))
         return self._submit_named(work, _signature("allreduce", (t,)), 1, lambda names, key: (
             mpi_ops._allreduce_one_(t, names[0], op, prescale, 1.0, self._set, codec,
