@@ -1,0 +1,49 @@
+"""The host time of one blocking torch.distributed call on the `ferrovod` backend, against
+`hvd.allreduce_` of the same tensor in the same process: a loop of calls on the current CUDA
+stream, as a training step issues them, after a warm-up, timed between two device
+synchronisations. At np 1 there is no traffic: what is measured is the calls' host part.
+
+  mpirun -np 1 --bind-to none -x NCCL_NVLS_ENABLE python3 scripts/gpu/bench_calls.py [--calls N]
+"""
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+
+import ferrovod.torch as hvd
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=3000)
+    ap.add_argument("--bytes", type=int, default=4096)
+    args = ap.parse_args()
+    dist.init_process_group("ferrovod")
+    dev = torch.device("cuda", hvd.local_rank())
+    torch.cuda.set_device(dev)
+    x = torch.ones(args.bytes // 4, device=dev)
+    out = torch.empty(x.numel() * dist.get_world_size(), device=dev)
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(x),
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(out, x),
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(x, out),
+        "hvd.allreduce_": lambda: hvd.allreduce_(x, name="bench_calls.x"),
+    }
+    for name, call in calls.items():
+        for _ in range(args.calls // 10):
+            call()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.calls):
+            call()
+        torch.cuda.synchronize()
+        us = (time.perf_counter() - start) / args.calls * 1e6
+        if dist.get_rank() == 0:
+            print("%-24s %8.1f us per call" % (name, us), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
