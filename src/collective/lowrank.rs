@@ -248,7 +248,6 @@ impl Factors for Host<'_, '_> {
             let q_sum = q_sum.to_vec();
             powersgd::finish(&s.p, q_sum, ranks, post, &mut s.memory, out, &s.shape);
         });
-        drop(work);
         // kept in batch order, on this thread, as taken; unnamed tensors keep nothing
         // (`PowerMemory::put`)
         for s in steps {

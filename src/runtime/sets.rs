@@ -96,7 +96,8 @@ impl SetState {
         let threads = match cfg.compression_threads {
             0 => {
                 let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-                parallel::auto_threads(cores, nodes.iter().filter(|n| **n == node).count())
+                let here = rt.topology.get().map_or(1, |t| t.local_size as usize);
+                parallel::auto_threads(cores, here)
             }
             n => n,
         };
