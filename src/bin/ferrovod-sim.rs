@@ -45,9 +45,9 @@ const GBIT_BETA: f64 = 8e-9 * 1.047;
 
 /// The emulated hosts of this machine (`scripts/hosts/`): one link of 1 Gbit/s per host, and
 /// the ranks of one host over MPI's shared memory, all on two cores.
-/// Across hosts every tensor is fused up to the threshold (`planner::direct_bytes`); with one
-/// rank per host flat allreduces run the ring over point-to-point transfers, with several
-/// MPI's allreduce, which the model takes for a ring too (`Job::new`'s defaults).
+/// Across hosts tensors under 16 MiB are fused up to the threshold (`planner::direct_bytes`);
+/// with one rank per host flat allreduces run the ring over point-to-point transfers, with
+/// several MPI's allreduce, which the model takes for a ring too (`Job::new`'s defaults).
 fn emulated(nodes: usize, per_node: usize, pack: f64) -> Job {
     let fabric = Fabric {
         inside: Link {

@@ -44,16 +44,20 @@ fn fuses_at_all(r: &Response) -> bool {
 /// Host tensors of this size or more run alone, in place, in a process set inside one node.
 const HOST_DIRECT_BYTES: usize = 64 << 10;
 
+/// Host tensors of this size or more run alone, in place, in a process set that spans nodes.
+const HOST_DIRECT_BYTES_ACROSS_NODES: usize = 16 << 20;
+
 /// The host size from which a set's tensors run alone, in place (`FERROVOD_FUSION_DIRECT_BYTES`
 /// when set). Inside a node the copy through the fusion buffer costs more than an extra
 /// collective call. Across nodes the network bounds an allreduce and one large message moves at
-/// its rate where many medium ones do not (BENCHMARKS.md, 2026-11-25, slow links), so every
-/// tensor is fused up to the threshold there. Agreed: from rank 0's setting and the job's
-/// node map.
+/// its rate where many medium ones do not (BENCHMARKS.md, slow links), so tensors are fused up
+/// to the threshold there; one of 16 MiB already moves at the link's rate alone, and copying it
+/// into the fusion buffer and out again only delays it (DDP's buckets; BENCHMARKS.md,
+/// torch.distributed). Agreed: from rank 0's setting and the job's node map.
 pub fn direct_bytes(configured: Option<usize>, spans_nodes: bool) -> usize {
     match (configured, spans_nodes) {
         (Some(bytes), _) => bytes,
-        (None, true) => usize::MAX,
+        (None, true) => HOST_DIRECT_BYTES_ACROSS_NODES,
         (None, false) => HOST_DIRECT_BYTES,
     }
 }
@@ -166,9 +170,9 @@ mod tests {
     }
 
     #[test]
-    fn sets_across_nodes_fuse_every_tensor_unless_configured() {
+    fn sets_across_nodes_fuse_up_to_16_mib_unless_configured() {
         assert_eq!(direct_bytes(None, false), HOST_DIRECT_BYTES);
-        assert_eq!(direct_bytes(None, true), usize::MAX);
+        assert_eq!(direct_bytes(None, true), 16 << 20);
         assert_eq!(direct_bytes(Some(0), true), 0);
         assert_eq!(direct_bytes(Some(1 << 20), false), 1 << 20);
         // across nodes two 4 MiB tensors share one batch; inside one they run alone
@@ -180,6 +184,14 @@ mod tests {
         assert_eq!(members(&across), vec![vec![0, 1]]);
         let inside = plan_batches(&big, 64 << 20, direct_bytes(None, false), &NONE);
         assert_eq!(members(&inside), vec![vec![0], vec![1]]);
+        // across nodes a 16 MiB tensor (DDP's bucket) runs alone; the smaller ones still fuse
+        let bucket = [
+            resp("a", OpKind::Allreduce, DataType::F32, 1 << 20),
+            resp("bucket", OpKind::Allreduce, DataType::F32, 4 << 20),
+            resp("b", OpKind::Allreduce, DataType::F32, (4 << 20) - 1),
+        ];
+        let across = plan_batches(&bucket, 64 << 20, direct_bytes(None, true), &NONE);
+        assert_eq!(members(&across), vec![vec![0, 2], vec![1]]);
     }
 
     #[test]

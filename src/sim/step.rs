@@ -646,8 +646,9 @@ mod tests {
             per_node: 1,
         };
         let plain = at(two, &env(&[]));
-        // one rank on each of two nodes: fused up to the threshold, the ring from 4 MiB
-        assert_eq!(plain.direct_bytes, usize::MAX);
+        // one rank on each of two nodes: fused up to the threshold below 16 MiB, the ring
+        // from 4 MiB
+        assert_eq!(plain.direct_bytes, 16 << 20);
         assert_eq!(plain.ring_min_bytes, 4 << 20);
         // 1 MiB and 3 MiB: fused, the ring; as two groups, two native allreduces
         let g = grads(&[256 << 10, 768 << 10]);
