@@ -180,6 +180,8 @@ def _load():
         "fv_next_completion": (ctypes.c_int32, [ctypes.c_double, ctypes.POINTER(ctypes.c_void_p),
                                                 ctypes.POINTER(ctypes.c_uint64), i32p]),
         "fv_forget_completion": (ctypes.c_int32, [ctypes.c_uint64, i32p]),
+        "fv_stream_wait": (ctypes.c_int32, [ctypes.c_uint64, ctypes.c_int32, ctypes.c_void_p,
+                                            i32p]),
         "fv_add_process_set": (ctypes.c_int32, [i32p, ctypes.c_int32, i32p]),
         "fv_remove_process_set": (ctypes.c_int32, [ctypes.c_int32]),
         "fv_process_set_ids": (ctypes.c_int32, [i32p, ctypes.c_int32, i32p]),
@@ -429,6 +431,38 @@ def _end_generation():
         _orphans.clear()
 
 
+# operations a stream waits for on the device (`stream_wait`) whose owners have not yet seen
+# them complete: `settle()` each, oldest first, before the next submission (`_settle_deferred`)
+_deferred = []
+_deferred_lock = threading.Lock()
+
+
+def defer(settle):
+    """Leaves `settle()` (which waits for an operation to be launched and takes its outcome,
+    raising its error) to the next submission of any framework: a submission whose input
+    waits behind a stream that waits for that operation could be fused with it, and the
+    fused batch would then wait for itself."""
+    with _deferred_lock:
+        _deferred.append(settle)
+
+
+def _settle_deferred():
+    if not _deferred:  # the common case, without the lock
+        return
+    with _deferred_lock:
+        pending = list(_deferred)
+        del _deferred[:]
+    first = None
+    for settle in pending:
+        try:
+            settle()
+        except Exception as e:  # every one is settled; the first failure is reported
+            if first is None:
+                first = e
+    if first is not None:
+        raise first
+
+
 def _sweep_orphans():
     if not _orphans:  # the common case, without the lock
         return
@@ -480,6 +514,15 @@ def next_completion(timeout):
         return None
     check(rc)
     return user.value or 0, hid.value, status.value
+
+
+def stream_wait(hid, device, stream):
+    """Makes CUDA `stream` (a raw handle on GPU `device`) wait on the device for operation
+    `hid` before it is launched (`fv_stream_wait`); False when it did not (enqueued already, or
+    a stream that cannot wait so): the caller then waits as before."""
+    placed = ctypes.c_int32(0)
+    check(LIB.fv_stream_wait(hid, device, stream, ctypes.byref(placed)))
+    return bool(placed.value)
 
 
 def wait_done(hid, timeout=None):
@@ -815,6 +858,7 @@ def submit(kind, specs, keep, outputs, reduce_op=SUM, prescale=1.0, postscale=1.
         op.done_user_data = done_user_data
     op.tensors = tensors
     op.num_tensors = n
+    _settle_deferred()
     hid = ctypes.c_uint64()
     generation = _generation
     check(LIB.fv_enqueue(ctypes.byref(op), ctypes.byref(hid)))
@@ -889,6 +933,7 @@ def submit_one(kind, name, dtype, shape, input_address, output_address, keep, re
     prepared.op.done = done if done is not None else _NO_DONE
     prepared.op.done_user_data = done_user_data
     _sweep_orphans()
+    _settle_deferred()
     hid = ctypes.c_uint64()
     generation = _generation
     check(LIB.fv_enqueue(ctypes.byref(prepared.op), ctypes.byref(hid)))

@@ -278,6 +278,16 @@ def _create(backend_opts, pg_options):
 
 # --- completion ----------------------------------------------------------------------------------
 
+# FERROVOD_TORCH_DEVICE_WAIT=1: a CUDA collective's wait leaves the waiting to the device
+# (`_Work._wait_on_device`), from a group's `_DEVICE_WAIT_AFTER`-th call on, where CUDA loads
+# kernels eagerly: loading one lazily waits for the whole device while it holds the driver's
+# locks, so a stream waiting for a call not launched yet would hold up the launch itself
+# (ferrovod's watch then ends the process). `force`: under lazy loading too.
+_DEVICE_WAIT = os.environ.get("FERROVOD_TORCH_DEVICE_WAIT", "0") in ("1", "force")
+_DEVICE_WAIT_FORCED = os.environ.get("FERROVOD_TORCH_DEVICE_WAIT") == "force"
+_DEVICE_WAIT_AFTER = 16
+_lazy_warned = []
+
 _works = {}
 # Works a waiting thread took from `_works` to complete itself whose completion still comes out
 # of the queue, until it does
@@ -385,6 +395,10 @@ class _Work(dist.Work):
         self._direct = False
         # submitted without a callback: the thread that waits for it completes it
         self._blocking = False
+        # `wait` may leave the waiting to the device (`_wait_on_device`), once
+        self._may_defer = False
+        # its error was raised to a caller already
+        self._reported = False
         self._taken = False
         self._submitted = _Latch()
         # set once the result or error is (a host-side signal: waiting on it orders no stream)
@@ -487,6 +501,8 @@ class _Work(dist.Work):
         if timeout is not None and timeout != _NO_TIMEOUT:
             seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
             seconds = seconds if seconds > 0 else None
+        if self._wait_on_device():
+            return True
         if self._blocking:
             done = self._complete_blocking(seconds)
         else:
@@ -504,11 +520,48 @@ class _Work(dist.Work):
                 self._complete_here()
         self._finished.wait()
         if self._error is not None:
+            self._reported = True
             raise self._error
         if self._event is not None:
             mpi_ops._stream_wait(mpi_ops._current_stream(self._device), self._event.cuda_event,
                                  self._device)
         return True
+
+    def _wait_on_device(self):
+        """As NCCL's wait: the current stream waits on the device for an operation the ranks
+        may not have agreed on yet, and the host goes on (FERROVOD_TORCH_DEVICE_WAIT); its
+        outcome is taken before the next submission (`_core.defer`). False where it cannot
+        (the operation launched already, a blocking stream): the host waits as before."""
+        if not self._may_defer or self._finished.is_set():
+            return False
+        self._may_defer = False
+        self._submitted.wait()
+        if self._core_id is None:
+            return False
+        try:
+            placed = _core.stream_wait(self._core_id, self._device.index,
+                                       mpi_ops._current_stream(self._device))
+        except Exception:  # the host waits instead, and sees the operation's own outcome
+            return False
+        if placed:
+            _core.defer(self._settle_deferred)
+        return placed
+
+    def _settle_deferred(self):
+        """Waits until the operation was launched (not run) and settles it; raises its error
+        unless a caller saw it already."""
+        if self._blocking:
+            if not self._finished.is_set():
+                self._complete_blocking()
+        elif threading.current_thread() is _completer:
+            while not self._finished.is_set():
+                _complete_next(0.01)
+        elif self._key is not None and not self._finished.is_set():
+            self._complete_here()
+        self._finished.wait()
+        if self._error is not None and not self._reported:
+            self._reported = True
+            raise self._error
 
     def _complete_blocking(self, timeout=None):
         """A blocking Work (no callback), completed by the first thread that asks; at most
@@ -751,6 +804,7 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         self._options = options
         # torch names a group alike on all of its members
         self._names = _Names(lambda: self._group_name or "world")
+        self._host_waited = 0
         self._group_name = ""
         self._group_desc = ""
 
@@ -781,6 +835,26 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
     def process_set(self):
         return self._set
 
+    def _device_waits(self):
+        """Whether a CUDA call's wait may be left to the device: with
+        FERROVOD_TORCH_DEVICE_WAIT=1, after the group's first calls, which open its NCCL
+        communicators (opening one may wait for the whole device, and so for a stream that
+        waits for the call itself)."""
+        if not _DEVICE_WAIT:
+            return False
+        if not _DEVICE_WAIT_FORCED and os.environ.get("CUDA_MODULE_LOADING") != "EAGER":
+            if not _lazy_warned:
+                _lazy_warned.append(True)
+                if self.rank() == 0:
+                    print("ferrovod: FERROVOD_TORCH_DEVICE_WAIT needs CUDA_MODULE_LOADING=EAGER "
+                          "(lazy kernel loading waits for the whole device); waiting on the "
+                          "host", flush=True)
+            return False
+        if self._host_waited < _DEVICE_WAIT_AFTER:
+            self._host_waited += 1
+            return False
+        return True
+
     def _run(self, kind, inputs, signature, outputs=None, finish=None, touched=(), opts=None,
              **kwargs):
         """Enqueues one ferrovod operation over `inputs` and returns its Work; `finish(values)`
@@ -804,6 +878,7 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         device = flat.device if flat.is_cuda else None
         work = _Work.start(device, lambda _v: result, (flat, output), _blocking(opts))
         work._direct = device is not None
+        work._may_defer = work._direct and self._device_waits()
         return self._submit_named(work, signature, 1, lambda names, key: mpi_ops._into_(
             kind, flat, output, names[0], self._set, done=_done(key), done_user_data=key,
             **kwargs))
@@ -854,6 +929,7 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         work = _Work.start(device, lambda _v: [t], (t,), _blocking(opts))
         # in place: the core writes `t` itself, so completing launches no device work
         work._direct = device is not None
+        work._may_defer = work._direct and self._device_waits()
         codec = self._codec(op, (t,))
         return self._submit_named(work, _signature("allreduce", (t,)), 1, lambda names, key: (
             mpi_ops._allreduce_one_(t, names[0], op, prescale, 1.0, self._set, codec,

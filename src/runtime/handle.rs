@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::hashing::HashMap;
+use crate::transport::cuda::{ForeignStream, Gpu, Signal};
 
 pub type HandleId = u64;
 
@@ -31,6 +32,9 @@ struct State {
     /// Threads blocked in `wait`: completion signals the condition variable only for them (a
     /// signal is a system call, and a step completes hundreds of handles).
     waiters: usize,
+    /// Callers' streams waiting on the device for this operation (`wait_on_device`): given
+    /// when it completes.
+    signals: Vec<(Arc<Gpu>, Signal)>,
 }
 
 /// How long `wait` polls before it blocks, when polling is on: most waits end within it (a
@@ -79,6 +83,21 @@ pub struct Handle {
     /// GPU operations: the event recorded on ferrovod's stream after the work (what a GPU
     /// consumer waits on instead of the host).
     event: Mutex<Option<Arc<crate::transport::cuda::Event>>>,
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        // every operation completes before its last owner goes; should one not, no stream
+        // waits for it for ever
+        let signals = self
+            .state
+            .get_mut()
+            .map(|s| std::mem::take(&mut s.signals))
+            .unwrap_or_default();
+        for (gpu, signal) in signals {
+            let _ = gpu.release_signal(signal, None);
+        }
+    }
 }
 
 impl std::fmt::Debug for Handle {
@@ -186,12 +205,48 @@ impl Handle {
             self.cv.notify_all();
         }
         let callback = s.callback.take();
+        let signals = std::mem::take(&mut s.signals);
         drop(s);
+        if !signals.is_empty() {
+            // a failed operation's kernels may never end: its waiters go on at once
+            let after = if outcome.is_ok() { self.event() } else { None };
+            for (gpu, signal) in signals {
+                if let Err(e) = gpu.release_signal(signal, after.as_deref()) {
+                    tracing::error!(
+                        "handle {}: cannot release a stream waiting for it: {e}",
+                        self.id
+                    );
+                }
+            }
+        }
         if let Some(cb) = callback {
             // the callback may query its handle after shutdown removed the runtime
             CALLING.with(|c| c.borrow_mut().push(self.clone()));
             cb(self.id, &outcome);
             CALLING.with(|c| c.borrow_mut().pop());
+        }
+    }
+
+    /// Makes the caller's `stream` (on `gpu`) wait on the device until this operation's work
+    /// has run, before it is launched; false when it cannot (done already: the caller waits on
+    /// `event`; or the stream cannot wait so, see `Gpu::place_signal`).
+    pub fn wait_on_device(
+        &self,
+        gpu: &Arc<Gpu>,
+        stream: ForeignStream,
+        limit: Duration,
+    ) -> Result<bool> {
+        let mut s = self.state.lock().expect("handle lock");
+        if s.remaining == 0 {
+            return Ok(false);
+        }
+        // under the lock: completion, which gives the signals, cannot come in between
+        match gpu.place_signal(stream, limit)? {
+            Some(signal) => {
+                s.signals.push((gpu.clone(), signal));
+                Ok(true)
+            }
+            None => Ok(false),
         }
     }
 

@@ -100,6 +100,11 @@ impl Launcher {
                 let limit = rt.stall().limit().unwrap_or_default();
                 std::thread::sleep(limit + std::time::Duration::from_secs(2));
             }
+            if head.device >= 0 && crate::config::test_fault("slow_gpu_launch", self.me) {
+                // a GPU batch the ranks agree on late (a slow peer): what a stream waiting on
+                // the device for it must outwait
+                std::thread::sleep(std::time::Duration::from_millis(300));
+            }
             // the channel is chosen before anything local can skip the batch, so that the
             // numbering stays identical on every rank
             let channel = (!set.channels.is_empty()

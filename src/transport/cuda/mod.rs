@@ -17,9 +17,11 @@ use crate::transport::memory::DeviceRange;
 
 mod handles;
 mod kernels;
+mod signals;
 
 pub use handles::*;
 pub use kernels::*;
+pub use signals::Signal;
 
 /// The error every GPU request gets where no CUDA driver can be loaded.
 pub fn no_cuda_error(device: i32) -> Error {
@@ -63,6 +65,8 @@ pub struct Gpu {
     marks: Arc<MarkPool>,
     /// Dropped `StateMem`, to free in a later batch's stream order (`free_retired`).
     retired: Mutex<Vec<(DeviceMem, Option<Arc<Event>>)>>,
+    /// The words callers' streams wait on (`place_signal`), opened by the first wait.
+    signals: Mutex<Option<signals::Signals>>,
 }
 
 /// Device memory that outlives batches (a codec's per-name state), used by batches on several
@@ -180,6 +184,7 @@ pub fn gpu(ordinal: i32) -> Result<Arc<Gpu>> {
         elementwise: RwLock::default(),
         libraries: RwLock::default(),
         joiner: Mutex::new(None),
+        signals: Mutex::new(None),
         marks: Arc::default(),
         retired: Mutex::default(),
     });
