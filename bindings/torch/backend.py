@@ -283,8 +283,7 @@ def _create(backend_opts, pg_options):
 # kernels eagerly: loading one lazily waits for the whole device while it holds the driver's
 # locks, so a stream waiting for a call not launched yet would hold up the launch itself
 # (ferrovod's watch then ends the process). `force`: under lazy loading too.
-_DEVICE_WAIT = os.environ.get("FERROVOD_TORCH_DEVICE_WAIT", "0") in ("1", "force")
-_DEVICE_WAIT_FORCED = os.environ.get("FERROVOD_TORCH_DEVICE_WAIT") == "force"
+_DEVICE_WAIT = os.environ.get("FERROVOD_TORCH_DEVICE_WAIT", "0")
 _DEVICE_WAIT_AFTER = 16
 _lazy_warned = []
 
@@ -503,22 +502,10 @@ class _Work(dist.Work):
             seconds = seconds if seconds > 0 else None
         if self._wait_on_device():
             return True
-        if self._blocking:
-            done = self._complete_blocking(seconds)
-        else:
-            done = seconds is None or self._finished.wait(seconds)
-        if not done:
+        if not self._outcome(seconds):
             raise dist.DistBackendError(
                 "ferrovod: the operation did not complete within %.1f s (Work.wait's timeout)"
                 % seconds)
-        if not self._blocking:
-            if threading.current_thread() is _completer:
-                # a Future's callback waits for a collective: only this thread completes it
-                while not self._finished.is_set():
-                    _complete_next(0.01)
-            elif self._key is not None and not self._finished.is_set():
-                self._complete_here()
-        self._finished.wait()
         if self._error is not None:
             self._reported = True
             raise self._error
@@ -547,18 +534,27 @@ class _Work(dist.Work):
             _core.defer(self._settle_deferred)
         return placed
 
-    def _settle_deferred(self):
-        """Waits until the operation was launched (not run) and settles it; raises its error
-        unless a caller saw it already."""
+    def _outcome(self, seconds=None):
+        """Waits until the result or error is known, at most `seconds` for the operation when
+        given: False if it was not by then."""
         if self._blocking:
-            if not self._finished.is_set():
-                self._complete_blocking()
+            if not self._complete_blocking(seconds):
+                return False
+        elif seconds is not None and not self._finished.wait(seconds):
+            return False
         elif threading.current_thread() is _completer:
+            # a Future's callback waits for a collective: only this thread completes it
             while not self._finished.is_set():
                 _complete_next(0.01)
         elif self._key is not None and not self._finished.is_set():
             self._complete_here()
         self._finished.wait()
+        return True
+
+    def _settle_deferred(self):
+        """Waits until the operation was launched (not run) and settles it; raises its error
+        unless a caller saw it already."""
+        self._outcome()
         if self._error is not None and not self._reported:
             self._reported = True
             raise self._error
@@ -840,9 +836,9 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         FERROVOD_TORCH_DEVICE_WAIT=1, after the group's first calls, which open its NCCL
         communicators (opening one may wait for the whole device, and so for a stream that
         waits for the call itself)."""
-        if not _DEVICE_WAIT:
+        if _DEVICE_WAIT not in ("1", "force"):
             return False
-        if not _DEVICE_WAIT_FORCED and os.environ.get("CUDA_MODULE_LOADING") != "EAGER":
+        if _DEVICE_WAIT != "force" and os.environ.get("CUDA_MODULE_LOADING") != "EAGER":
             if not _lazy_warned:
                 _lazy_warned.append(True)
                 if self.rank() == 0:

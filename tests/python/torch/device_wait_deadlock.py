@@ -8,16 +8,9 @@ would mean the deadlock did not happen (the check then fails: it expects the abo
 import torch
 import torch.distributed as dist
 
-import ferrovod.torch as hvd
-from ferrovod.torch import backend
+from test_device_wait import start  # this folder is the script's: first on sys.path
 
-hvd.init()
-torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
-dist.init_process_group("ferrovod")
-x = torch.ones(4, device="cuda")
-for _ in range(backend._DEVICE_WAIT_AFTER):
-    dist.all_reduce(x)
-torch.cuda.synchronize()
+start()
 s = torch.cuda.Stream()
 with torch.cuda.stream(s):
     y = torch.full((1000,), 1.0, device="cuda")

@@ -28,17 +28,22 @@ pytestmark = pytest.mark.skipif(
 DELAY = 0.3  # seconds: the fault's
 
 
-@pytest.fixture(scope="module", autouse=True)
-def group():
+def start():
+    """The world group on this rank's GPU, past the calls that wait on the host (they open its
+    communicators): the next CUDA call may leave its wait to the device."""
     assert torch.cuda.is_available(), "these tests need CUDA"
     hvd.init()
     torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
     dist.init_process_group("ferrovod")
-    # the group's first calls wait on the host (they open its communicators)
     x = torch.ones(4, device="cuda")
     for _ in range(backend._DEVICE_WAIT_AFTER):
         dist.all_reduce(x)
     torch.testing.assert_close(x.cpu(), torch.full((4,), float(size() ** backend._DEVICE_WAIT_AFTER)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def group():
+    start()
     yield
     dist.destroy_process_group()
 
