@@ -593,9 +593,10 @@ fv_status fv_handle_event(fv_handle h, void **event);
  Makes the caller's CUDA `stream` (of GPU `device`) wait on the device for operation `h`
  without the calling thread waiting for the ranks to agree on it: `*placed` = 1 when the
  wait is placed (the stream runs on once the operation's work has run, or at once if it
- fails); 0 when the operation has been enqueued already (wait on `fv_handle_event`) or the
- stream cannot wait so (the legacy default stream, a blocking stream: the caller waits on
- the host). The caller must not submit an operation whose input is ready only on such a
+ fails); 0 when the operation has been enqueued already (wait on `fv_handle_event`), when
+ its launch may still open NCCL connections (its process set's first GPU batches: opening one
+ may wait for the whole device, the waiting stream with it) or when the stream cannot wait so
+ (the legacy default stream, a blocking stream); the caller then waits on the host. The caller must not submit an operation whose input is ready only on such a
  stream before `h` completes: it could be fused with `h`, whose launch would then wait on
  the stream that waits for it. A wait outstanding past the stall limit ends the process
  with the reason (a CUDA call that waits for the whole device, such as lazy kernel loading,
@@ -604,7 +605,10 @@ fv_status fv_handle_event(fv_handle h, void **event);
  # Safety
  `stream` is a live `CUstream` of this process on `device`.
  */
-fv_status fv_stream_wait(fv_handle h, int32_t device, void *stream, int32_t *placed);
+fv_status fv_stream_wait(fv_handle h,
+                         int32_t device,
+                         void *stream,
+                         int32_t *placed);
 
 /*
  Enqueues an operation and returns at once. On FV_STATUS_OK the operation completes later:

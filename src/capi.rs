@@ -636,9 +636,10 @@ pub extern "C" fn fv_handle_event(h: fv_handle, event: *mut *mut c_void) -> Stat
 /// Makes the caller's CUDA `stream` (of GPU `device`) wait on the device for operation `h`
 /// without the calling thread waiting for the ranks to agree on it: `*placed` = 1 when the
 /// wait is placed (the stream runs on once the operation's work has run, or at once if it
-/// fails); 0 when the operation has been enqueued already (wait on `fv_handle_event`) or the
-/// stream cannot wait so (the legacy default stream, a blocking stream: the caller waits on
-/// the host). The caller must not submit an operation whose input is ready only on such a
+/// fails); 0 when the operation has been enqueued already (wait on `fv_handle_event`), when
+/// its launch may still open NCCL connections (its process set's first GPU batches: opening one
+/// may wait for the whole device, the waiting stream with it) or when the stream cannot wait so
+/// (the legacy default stream, a blocking stream); the caller then waits on the host. The caller must not submit an operation whose input is ready only on such a
 /// stream before `h` completes: it could be fused with `h`, whose launch would then wait on
 /// the stream that waits for it. A wait outstanding past the stall limit ends the process
 /// with the reason (a CUDA call that waits for the whole device, such as lazy kernel loading,
@@ -669,12 +670,7 @@ pub unsafe extern "C" fn fv_stream_wait(
             let gpu = crate::transport::cuda::gpu(device)?;
             // SAFETY: a live stream on `device`, per the contract.
             let stream = unsafe { ForeignStream::from_raw(stream) };
-            // bounded by the stall limit (or, without one, by Horovod's default shutdown time)
-            let limit = runtime::runtime()
-                .ok()
-                .and_then(|rt| rt.stall().limit())
-                .unwrap_or(Duration::from_secs(600));
-            handle.wait_on_device(&gpu, stream, limit)?
+            runtime::runtime()?.wait_on_device(&handle, &gpu, stream)?
         };
         put(placed, i32::from(done), "placed")
     })

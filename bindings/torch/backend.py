@@ -279,12 +279,12 @@ def _create(backend_opts, pg_options):
 # --- completion ----------------------------------------------------------------------------------
 
 # FERROVOD_TORCH_DEVICE_WAIT=1: a CUDA collective's wait leaves the waiting to the device
-# (`_Work._wait_on_device`), from a group's `_DEVICE_WAIT_AFTER`-th call on, where CUDA loads
-# kernels eagerly: loading one lazily waits for the whole device while it holds the driver's
-# locks, so a stream waiting for a call not launched yet would hold up the launch itself
-# (ferrovod's watch then ends the process). `force`: under lazy loading too.
+# (`_Work._wait_on_device`) where CUDA loads kernels eagerly: loading one lazily waits for the
+# whole device while it holds the driver's locks, so a stream waiting for a call not launched
+# yet would hold up the launch itself (ferrovod's watch then ends the process). `force`: under
+# lazy loading too. The core refuses it while the call's launch may still open NCCL
+# connections (a group's first calls), which wait for the whole device likewise.
 _DEVICE_WAIT = os.environ.get("FERROVOD_TORCH_DEVICE_WAIT", "0")
-_DEVICE_WAIT_AFTER = 16
 _lazy_warned = []
 
 _works = {}
@@ -800,7 +800,6 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         self._options = options
         # torch names a group alike on all of its members
         self._names = _Names(lambda: self._group_name or "world")
-        self._host_waited = 0
         self._group_name = ""
         self._group_desc = ""
 
@@ -832,10 +831,8 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         return self._set
 
     def _device_waits(self):
-        """Whether a CUDA call's wait may be left to the device: with
-        FERROVOD_TORCH_DEVICE_WAIT=1, after the group's first calls, which open its NCCL
-        communicators (opening one may wait for the whole device, and so for a stream that
-        waits for the call itself)."""
+        """Whether a CUDA call's wait may be left to the device (FERROVOD_TORCH_DEVICE_WAIT=1);
+        the core still refuses it call by call where the launch may open NCCL connections."""
         if _DEVICE_WAIT not in ("1", "force"):
             return False
         if _DEVICE_WAIT != "force" and os.environ.get("CUDA_MODULE_LOADING") != "EAGER":
@@ -845,9 +842,6 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
                     print("ferrovod: FERROVOD_TORCH_DEVICE_WAIT needs CUDA_MODULE_LOADING=EAGER "
                           "(lazy kernel loading waits for the whole device); waiting on the "
                           "host", flush=True)
-            return False
-        if self._host_waited < _DEVICE_WAIT_AFTER:
-            self._host_waited += 1
             return False
         return True
 

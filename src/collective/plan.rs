@@ -173,6 +173,70 @@ pub fn choose(
     }
 }
 
+/// The NCCL connections a GPU batch opens before its first launch where they are not made
+/// yet. Making one may wait for the whole device, and so for a caller's stream that waits on
+/// the device for this very batch (`runtime::gpu::Connected`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Connections {
+    /// The communicator over every rank of the set.
+    pub flat: bool,
+    /// The one over this node's ranks (the hierarchical route).
+    pub local: bool,
+    /// Send/recv between every pair of ranks.
+    pub peers: bool,
+}
+
+impl Connections {
+    /// Whether every connection `need` names is among these.
+    pub fn covers(self, need: Connections) -> bool {
+        (self.flat || !need.flat) && (self.local || !need.local) && (self.peers || !need.peers)
+    }
+
+    pub fn union(self, other: Connections) -> Connections {
+        Connections {
+            flat: self.flat || other.flat,
+            local: self.local || other.local,
+            peers: self.peers || other.peers,
+        }
+    }
+}
+
+impl BatchPlan {
+    /// What the batch needs connected on its GPU (nothing on the host).
+    pub fn connections(&self) -> Connections {
+        if self.memory == Memory::Host {
+            return Connections::default();
+        }
+        let local = self.route == Route::Hierarchical;
+        Connections {
+            flat: !local,
+            local,
+            peers: self.peers,
+        }
+    }
+}
+
+/// Every connection a GPU batch holding `head` may need, whatever the batch's size: its codec is
+/// `head`'s own (the fusion planner fuses only tensors of one codec), but the batch's bytes,
+/// which a two-level set's policy reads, depend on what it is fused with, so both levels'
+/// choices count.
+pub fn may_need(
+    head: &Response,
+    codec: Codec,
+    s: &Settings,
+    levels: Option<&Levels>,
+) -> Connections {
+    let bytes = head.fused_bytes();
+    let need = |levels: Option<&Levels>| choose(head, bytes, codec, s, levels).connections();
+    match levels {
+        None => need(None),
+        Some(l) => [Policy::Flat, Policy::Hierarchical]
+            .into_iter()
+            .map(|policy| need(Some(&Levels { policy, ..*l })))
+            .fold(Connections::default(), Connections::union),
+    }
+}
+
 /// Whether an offline-plan batch's escape flag must travel alone before the batch
 /// (`collective::Flag`): u8 blocks, PowerSGD's factors and top-k's pairs cannot carry it among their values, and the ring's and the
 /// hierarchical route's transfers wait under the watchdog, not under the plan's bounded wait, so
@@ -410,5 +474,77 @@ mod tests {
         // kinds without data stay on the host whatever their device
         let b = choose(&head(OpKind::Barrier, DataType::U8, 0), 0, NONE, &s, None);
         assert_eq!(b.memory, Memory::Host);
+    }
+
+    #[test]
+    fn what_a_gpu_batch_may_need_covers_every_batch_it_can_be_in() {
+        let cross = CostModel {
+            local: Link {
+                alpha: 1e-6,
+                beta: 1e-11,
+            },
+            cross: Link {
+                alpha: 1e-5,
+                beta: 1e-9,
+            },
+            flat_alpha: 1e-5,
+            hier_alpha: 3e-5,
+            per_node: 4,
+            nodes: 2,
+        };
+        let auto = Levels {
+            policy: Policy::Auto(cross),
+            allgather: false,
+        };
+        for pairs in [false, true] {
+            let s = Settings {
+                gossip_pairs: pairs,
+                ..settings(0)
+            };
+            for kind in OpKind::ALL {
+                for dtype in DataType::ALL {
+                    for compression in Compression::ALL {
+                        let r = head(kind, dtype, 0);
+                        let c = codec(compression, &r);
+                        for levels in [None, Some(&HIER), Some(&auto)] {
+                            let may = may_need(&r, c, &s, levels);
+                            for bytes in [4, 1 << 20, 1 << 30] {
+                                let need = choose(&r, bytes, c, &s, levels).connections();
+                                assert!(
+                                    may.covers(need),
+                                    "{kind:?} {dtype:?} {compression:?} {levels:?} {bytes}: {need:?} not in {may:?}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let s = settings(0);
+        let f32_ar = head(OpKind::Allreduce, DataType::F32, 0);
+        let conn = |flat, local, peers| Connections { flat, local, peers };
+        assert_eq!(may_need(&f32_ar, NONE, &s, None), conn(true, false, false));
+        assert_eq!(
+            may_need(&f32_ar, NONE, &s, Some(&HIER)),
+            conn(true, true, false)
+        );
+        assert_eq!(
+            may_need(&f32_ar, Codec::U8, &s, Some(&HIER)),
+            conn(true, false, true)
+        );
+        let a2a = head(OpKind::Alltoall, DataType::F32, 0);
+        assert_eq!(may_need(&a2a, NONE, &s, None), conn(true, false, true));
+        let gather = head(OpKind::Allgather, DataType::F32, 0);
+        assert_eq!(
+            may_need(&gather, NONE, &s, Some(&HIER)),
+            conn(true, false, false)
+        );
+        let host = head(OpKind::Allreduce, DataType::F32, CPU_DEVICE);
+        assert_eq!(
+            may_need(&host, NONE, &s, Some(&HIER)),
+            Connections::default()
+        );
+        assert!(conn(true, true, false).covers(conn(true, false, false)));
+        assert!(!conn(true, false, false).covers(conn(false, true, false)));
     }
 }

@@ -116,6 +116,14 @@ impl Hierarchy {
         self.policy
     }
 
+    /// What a batch's plan reads of the two levels.
+    fn plan_levels(&self) -> plan::Levels {
+        plan::Levels {
+            policy: self.policy,
+            allgather: self.allgather,
+        }
+    }
+
     fn levels(&self) -> Levels<'_> {
         Levels {
             local: &self.local,
@@ -309,6 +317,8 @@ pub(crate) struct Executor {
     starts: (u64, u64),
     /// Threads a codec's local arithmetic may use (local, `Config::compression_threads`).
     threads: usize,
+    /// The NCCL connections its GPU batches made, as callers read them.
+    pub connected: Arc<gpu::Connected>,
 }
 
 impl Executor {
@@ -321,22 +331,29 @@ impl Executor {
         carried: Arc<Carried>,
         threads: usize,
     ) -> Executor {
+        let plan_settings = plan::Settings {
+            ring_min_bytes,
+            nan_check: settings.nan_check,
+            graphs: settings.gpu_graphs,
+            gossip_pairs: spans_nodes || !settings.gossip_exact_inside_node,
+        };
+        let levels = hierarchy.as_ref().map(Hierarchy::plan_levels);
         Executor {
             data,
             fusion: FusionBuffer::default(),
             gpu: None,
             hierarchy,
-            settings: plan::Settings {
-                ring_min_bytes,
-                nan_check: settings.nan_check,
-                graphs: settings.gpu_graphs,
-                gossip_pairs: spans_nodes || !settings.gossip_exact_inside_node,
-            },
+            settings: plan_settings,
             codecs: settings.compression,
             carried,
             gossip_sync_every: settings.gossip_sync_every,
             starts: (settings.powersgd_start, settings.topk_warmup),
             threads,
+            connected: Arc::new(gpu::Connected::new(
+                plan_settings,
+                levels,
+                settings.compression,
+            )),
         }
     }
 
@@ -348,10 +365,7 @@ impl Executor {
     /// The plan of a batch whose values travel as `codec` (agreed: from its responses, the
     /// job's settings and the set's levels).
     pub fn plan(&self, resps: &[&Response], codec: Codec) -> BatchPlan {
-        let levels = (self.hierarchy.as_ref()).map(|h| plan::Levels {
-            policy: h.policy,
-            allgather: h.allgather,
-        });
+        let levels = self.hierarchy.as_ref().map(Hierarchy::plan_levels);
         let bytes = batch_bytes(resps);
         plan::choose(resps[0], bytes, codec, &self.settings, levels.as_ref())
     }
@@ -407,6 +421,7 @@ impl Executor {
             return gpu::run_device_batch(
                 rt,
                 &mut self.gpu,
+                &self.connected,
                 &self.data,
                 levels,
                 &how,

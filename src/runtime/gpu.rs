@@ -3,15 +3,16 @@
 //! batches in the same order, so the collective NCCL set-up happens at the same point on all —
 //! and what a launched batch recorded for the finisher (`runtime::finisher`).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::collective::device::{self, DeviceIo, Lane};
 use crate::collective::execute::{self, DeviceHow, DeviceRoute};
+use crate::collective::plan::{self, Connections};
 use crate::collective::replay::{LaunchGraphs, ReplayKey};
 use crate::collective::{self, ActivitySink, kernels};
-use crate::compress::{Codec, DeviceFeedback};
+use crate::compress::{Codec, Codecs, DeviceFeedback};
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
 use crate::message::Response;
@@ -22,6 +23,56 @@ use crate::transport::cuda::{DeviceMem, Event, Gpu, PinnedMem, Stream};
 use crate::transport::memory::DeviceRange;
 use crate::transport::mpi::MpiComm;
 use crate::transport::nccl::{self, NcclComm};
+
+/// One executor's NCCL connections on its GPU, published with what its plans read: a caller
+/// may leave a stream's wait for a batch not launched yet to the device only where the batch
+/// makes no connection (`Runtime::settled`), as making one may wait for the whole device, the
+/// waiting stream with it. Owned by the executor and its set's entry in the runtime (dropped
+/// with the set).
+pub(crate) struct Connected {
+    settings: plan::Settings,
+    levels: Option<plan::Levels>,
+    codecs: Codecs,
+    /// Bits 0 to 2: flat, local, peers; from bit 8, the GPU's ordinal + 1 (0: none yet).
+    made: AtomicU64,
+}
+
+impl Connected {
+    pub fn new(settings: plan::Settings, levels: Option<plan::Levels>, codecs: Codecs) -> Self {
+        Connected {
+            settings,
+            levels,
+            codecs,
+            made: AtomicU64::new(0),
+        }
+    }
+
+    fn mark(&self, ordinal: i32, c: Connections) {
+        let bits = u64::from(c.flat) | u64::from(c.local) << 1 | u64::from(c.peers) << 2;
+        self.made
+            .fetch_or(((ordinal as u64 + 1) << 8) | bits, Ordering::Release);
+    }
+
+    /// Whether a batch holding `head` finds every connection it may need made on its GPU.
+    pub fn covers(&self, head: &Response) -> bool {
+        let made = self.made.load(Ordering::Acquire);
+        if head.device < 0 || made >> 8 != head.device as u64 + 1 {
+            return false;
+        }
+        let have = Connections {
+            flat: made & 1 != 0,
+            local: made & 2 != 0,
+            peers: made & 4 != 0,
+        };
+        let codec = self.codecs.of(head);
+        have.covers(plan::may_need(
+            head,
+            codec,
+            &self.settings,
+            self.levels.as_ref(),
+        ))
+    }
+}
 
 /// Where one set's (or one channel's) GPU batches run: `HOROVOD_NUM_NCCL_STREAMS` NCCL streams, each
 /// an NCCL communicator with its own stream and fusion buffer; consecutive batches take turns,
@@ -435,6 +486,7 @@ pub(crate) struct NodeLevels<'a> {
 pub(crate) fn run_device_batch(
     rt: &Runtime,
     streams: &mut Option<NcclStreams>,
+    connected: &Connected,
     data: &MpiComm,
     levels: Option<NodeLevels>,
     how: &DeviceHow,
@@ -479,6 +531,7 @@ pub(crate) fn run_device_batch(
             }
         }
     }
+    connected.mark(l.gpu.ordinal, how.plan.connections());
     let (recorded, replayed) =
         enqueue_on_streams(l, data, levels, how, resps, entries, replay, sink)
         .map_err(|e| {
@@ -631,4 +684,47 @@ fn enqueue_on_streams(
         overflow,
     };
     Ok((recorded, replayed))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::DataType;
+    use crate::message::{OpKind, ReduceOp};
+
+    #[test]
+    fn connected_covers_a_batch_once_its_gpus_connections_are_all_made() {
+        let settings = plan::Settings {
+            ring_min_bytes: 0,
+            nan_check: false,
+            graphs: true,
+            gossip_pairs: true,
+        };
+        let c = Connected::new(settings, None, Codecs::default());
+        let on = |device| Response::allreduce("g", DataType::F32, &[4], ReduceOp::Sum, device);
+        let to_all = Response {
+            kind: OpKind::Alltoall,
+            ..on(1)
+        };
+        assert!(!c.covers(&on(1)), "nothing made yet");
+        c.mark(
+            1,
+            Connections {
+                flat: true,
+                ..Connections::default()
+            },
+        );
+        assert!(c.covers(&on(1)));
+        assert!(!c.covers(&on(0)), "made on another GPU");
+        assert!(!c.covers(&on(-1)), "host memory");
+        assert!(!c.covers(&to_all), "an all-to-all sends to single peers");
+        c.mark(
+            1,
+            Connections {
+                peers: true,
+                ..Connections::default()
+            },
+        );
+        assert!(c.covers(&to_all));
+    }
 }

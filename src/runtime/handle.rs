@@ -1,11 +1,12 @@
 //! Completion of enqueued operations: by handle (poll, wait with timeout) and by callback.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::hashing::HashMap;
+use crate::message::Request;
 use crate::transport::cuda::{ForeignStream, Gpu, Signal};
 
 pub type HandleId = u64;
@@ -83,6 +84,9 @@ pub struct Handle {
     /// GPU operations: the event recorded on ferrovod's stream after the work (what a GPU
     /// consumer waits on instead of the host).
     event: Mutex<Option<Arc<crate::transport::cuda::Event>>>,
+    /// GPU operations: the process set and the first tensor's request, which say what its
+    /// batch may still have to connect (`Runtime::wait_on_device`).
+    origin: OnceLock<(i32, Arc<Request>)>,
 }
 
 impl Drop for Handle {
@@ -250,6 +254,15 @@ impl Handle {
         }
     }
 
+    /// Records a GPU operation's set and first request (once; at submission).
+    pub fn set_origin(&self, set: i32, request: Arc<Request>) {
+        let _ = self.origin.set((set, request));
+    }
+
+    pub fn origin(&self) -> Option<&(i32, Arc<Request>)> {
+        self.origin.get()
+    }
+
     /// Whether every tensor of the operation has completed.
     pub fn is_done(&self) -> bool {
         self.done.load(Ordering::Acquire)
@@ -381,6 +394,7 @@ impl HandleTable {
             done: AtomicBool::new(false),
             ok: AtomicBool::new(false),
             event: Mutex::new(None),
+            origin: OnceLock::new(),
         });
         self.map.lock().expect("handles").insert(id, h.clone());
         h

@@ -150,6 +150,9 @@ pub struct Runtime {
     inbox: Mutex<Option<Sender<Command>>>,
     /// Process set id → member ranks; identical on every rank.
     sets: RwLock<BTreeMap<i32, Vec<i32>>>,
+    /// The NCCL connections of the sets this rank is a member of (`wait_on_device`),
+    /// published with `sets`.
+    connected: RwLock<BTreeMap<i32, sets::SetConnected>>,
     /// Names of tensors submitted and not yet complete, per process set.
     in_flight: Mutex<in_flight::InFlight>,
     /// GPU tensors submitted at new addresses and not yet launched (`in_flight::MovedMark`).
@@ -261,6 +264,7 @@ pub fn init(opts: InitOptions) -> Result<()> {
         handles: &handle::HANDLES,
         inbox: Mutex::new(Some(tx)),
         sets: RwLock::new(BTreeMap::new()),
+        connected: RwLock::new(BTreeMap::new()),
         in_flight: Mutex::new(in_flight::InFlight::default()),
         gpu_moved: Arc::default(),
         loop_ended: AtomicBool::new(false),

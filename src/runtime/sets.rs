@@ -17,6 +17,7 @@ use crate::runtime::Runtime;
 use crate::runtime::channel::{self, Channel};
 use crate::runtime::entry::{PendingEntries, TensorEntry};
 use crate::runtime::executor::{Carried, Executor, Hierarchy};
+use crate::runtime::gpu;
 use crate::runtime::job::JobSettings;
 use crate::transport::Transport;
 use crate::transport::mpi::MpiComm;
@@ -41,6 +42,26 @@ pub(crate) struct SetState {
     pub graph_epoch: u64,
     /// Sends and receives in flight, over a communicator of their own.
     pub p2p: PointToPoint<MpiComm, TensorEntry>,
+    /// What its executors' GPU batches connected, as callers read it (`Sets::publish`).
+    pub connected: SetConnected,
+}
+
+/// A set's executors' NCCL connections (`gpu::Connected`): the set's own, and its channels'.
+#[derive(Clone)]
+pub(crate) struct SetConnected {
+    main: Arc<gpu::Connected>,
+    channels: Vec<Arc<gpu::Connected>>,
+}
+
+impl SetConnected {
+    /// Whether a batch holding `head` finds every connection it may need made, on whichever of
+    /// the set's executors it runs.
+    pub fn covers(&self, head: &Response) -> bool {
+        match self.channels.is_empty() || !channel::runs_on_channel(head.kind) {
+            true => self.main.covers(head),
+            false => self.channels.iter().all(|c| c.covers(head)),
+        }
+    }
 }
 
 impl SetState {
@@ -122,11 +143,27 @@ impl SetState {
                         carried.clone(),
                         threads,
                     );
+                    let connected = executor.connected.clone();
                     Channel::spawn(k, executor, done.clone(), rt.clone(), turn.clone())
+                        .map(|c| (c, connected))
                 })
                 .collect::<Result<Vec<_>>>()?
         } else {
             Vec::new()
+        };
+        let (channels, channels_connected): (Vec<_>, Vec<_>) = channels.into_iter().unzip();
+        let executor = Executor::new(
+            comm,
+            hierarchy,
+            ring_min_bytes,
+            spans_nodes,
+            settings,
+            carried,
+            threads,
+        );
+        let connected = SetConnected {
+            main: executor.connected.clone(),
+            channels: channels_connected,
         };
         Ok(SetState {
             id,
@@ -144,15 +181,8 @@ impl SetState {
             channels,
             batch_seq: 0,
             direct_bytes,
-            executor: Executor::new(
-                comm,
-                hierarchy,
-                ring_min_bytes,
-                spans_nodes,
-                settings,
-                carried,
-                threads,
-            ),
+            executor,
+            connected,
         })
     }
 }
@@ -252,9 +282,13 @@ impl Sets {
         }
     }
 
-    /// Makes every set's ranks visible to callers (`fv_process_set_ranks`).
+    /// Makes every set's ranks visible to callers (`fv_process_set_ranks`), and the
+    /// connections of the sets this rank is a member of (`Runtime::settled`).
     pub fn publish(&self, rt: &Runtime) {
         *rt.sets.write().expect("sets") = self.all.clone();
+        *rt.connected.write().expect("connected") = (self.member.iter())
+            .map(|(id, s)| (*id, s.connected.clone()))
+            .collect();
     }
 
     /// Stops using set `id` on this rank, failing its pending tensors with `err`.

@@ -7,7 +7,7 @@ use crate::dtype::DataType;
 use crate::error::{Error, Result};
 use crate::message::{
     ANY_SOURCE, BARRIER_NAME, CPU_DEVICE, Compression, JOIN_NAME, Multistep, OpKind, ReduceOp,
-    Request,
+    Request, Response,
 };
 use entry::{InputMem, OutputMem, TensorEntry};
 use handle::Handle;
@@ -55,6 +55,9 @@ impl Runtime {
         }
         let set = spec.process_set;
         let handle = self.handles.create(entries.len(), spec.callback.take());
+        if let Some(first) = entries.first().filter(|e| e.device.is_some()) {
+            handle.set_origin(set, first.request.clone());
+        }
         let claimed = self.in_flight.lock().expect("in flight").claim(
             set,
             entries.iter().map(|e| (e.request.name.as_str(), e.place())),
@@ -475,6 +478,36 @@ impl Runtime {
             return Err(self.shut_down_error());
         }
         Ok(handle)
+    }
+}
+
+impl Runtime {
+    /// Makes `stream` wait on the device for `handle`'s operation, not launched yet, where its
+    /// batch can no longer wait for the whole device on the way (which would wait for `stream`
+    /// too): every kernel library is loaded (here, the first time no stream waits) and every
+    /// NCCL connection it may need is made on the executors of its set that may run it.
+    /// False: the caller waits on the host.
+    pub fn wait_on_device(
+        &self,
+        handle: &Handle,
+        gpu: &Arc<crate::transport::cuda::Gpu>,
+        stream: crate::transport::cuda::ForeignStream,
+    ) -> Result<bool> {
+        let Some((set, request)) = handle.origin() else {
+            return Ok(false);
+        };
+        if !gpu.load_unless_waited(&crate::collective::device::LIBRARIES)? {
+            return Ok(false);
+        }
+        let head = Response::from_request(request);
+        let connected = self.connected.read().expect("connected");
+        if !connected.get(set).is_some_and(|c| c.covers(&head)) {
+            return Ok(false);
+        }
+        drop(connected);
+        // bounded by the stall limit (or, without one, by Horovod's default shutdown time)
+        let limit = (self.stall().limit()).unwrap_or(std::time::Duration::from_secs(600));
+        handle.wait_on_device(gpu, stream, limit)
     }
 }
 

@@ -25,6 +25,11 @@ mod native;
 mod sparse;
 
 pub use codecs::{allreduce_half, allreduce_u8};
+
+/// Every kernel library a GPU batch may load: loaded before a caller's stream first waits on
+/// the device (`Gpu::load_unless_waited`), as loading one waits for the whole device.
+pub static LIBRARIES: [&crate::transport::cuda::KernelLibrary; 3] =
+    [&kernels::LIBRARY, &sparse::LIBRARY, &lowrank::LIBRARY];
 pub use gossip::gossip_batch;
 pub use hierarchical::{Levels, allreduce_hierarchical};
 pub use lowrank::allreduce_powersgd;

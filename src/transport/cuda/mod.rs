@@ -367,15 +367,15 @@ impl Gpu {
         Ok(())
     }
 
+    /// Whether `lib` is loaded.
+    pub fn loaded(&self, lib: &KernelLibrary) -> bool {
+        (self.libraries.read().expect("kernel libraries")).contains(&lib.name)
+    }
+
     /// Compiles and loads `lib` (once per process; later calls return at once), so that its
     /// kernels can be launched and a failing compilation shows when the GPU is first used.
     pub fn load(&self, lib: &KernelLibrary) -> Result<()> {
-        if self
-            .libraries
-            .read()
-            .expect("kernel libraries")
-            .contains(&lib.name)
-        {
+        if self.loaded(lib) {
             return Ok(());
         }
         let mut loaded = self.libraries.write().expect("kernel libraries");

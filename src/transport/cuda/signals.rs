@@ -154,6 +154,27 @@ fn may_wait(stream: ForeignStream) -> bool {
 }
 
 impl Gpu {
+    /// Loads `libraries` unless a stream waits on the device now (loading one waits for the
+    /// whole device, and so for a waiting stream, whose signal may need the very launch that
+    /// loads): whether all are loaded.
+    pub fn load_unless_waited(&self, libraries: &[&KernelLibrary]) -> Result<bool> {
+        if libraries.iter().all(|l| self.loaded(l)) {
+            return Ok(true);
+        }
+        let guard = self.signals.lock().expect("signals");
+        let waited = guard
+            .as_ref()
+            .is_some_and(|s| !(s.outstanding.lock().expect("outstanding signals")).is_empty());
+        if waited {
+            return Ok(false);
+        }
+        // under the lock: no wait is placed meanwhile
+        for l in libraries {
+            self.load(l)?;
+        }
+        Ok(true)
+    }
+
     /// Makes the caller's `stream` wait on the device for a signal not yet given; `None` when
     /// it cannot (a blocking stream, every slot in use), and the caller waits on the host.
     /// `limit`: how long it may wait before the process ends (`watch`).

@@ -2,8 +2,9 @@
 wait is left to the device, as NCCL's is. Each GPU batch is launched 300 ms late (the test
 fault `slow_gpu_launch` on rank 0, as a slow peer would make it), so a call on a non-blocking
 stream must return long before its result exists, and what the stream computes after it must
-still see the result; on the legacy default stream the host waits as before. A failed
-operation releases the stream that waits for it and raises at the next call.
+still see the result; on the legacy default stream, and for the group's first call (whose
+launch opens its NCCL communicators), the host waits as before. A failed operation releases
+the stream that waits for it and raises at the next call.
 
 Run by scripts/gpu/torch.sh in a job of its own (the fault and the setting are read at start);
 skipped elsewhere."""
@@ -16,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 import ferrovod.torch as hvd
-from ferrovod.torch import backend
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("FERROVOD_TEST_FAULT") != "slow_gpu_launch:0"
@@ -29,21 +29,29 @@ DELAY = 0.3  # seconds: the fault's
 
 
 def start():
-    """The world group on this rank's GPU, past the calls that wait on the host (they open its
-    communicators): the next CUDA call may leave its wait to the device."""
+    """The world group on this rank's GPU, past its first call (on a side stream), which waits
+    on the host: its launch opens the group's NCCL communicators. The next CUDA call may leave
+    its wait to the device. Returns how long the first call took."""
     assert torch.cuda.is_available(), "these tests need CUDA"
     hvd.init()
     torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
     dist.init_process_group("ferrovod")
-    x = torch.ones(4, device="cuda")
-    for _ in range(backend._DEVICE_WAIT_AFTER):
-        dist.all_reduce(x)
-    torch.testing.assert_close(x.cpu(), torch.full((4,), float(size() ** backend._DEVICE_WAIT_AFTER)))
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        x = torch.ones(4, device="cuda")
+        _, took = timed(lambda: dist.all_reduce(x))
+    s.synchronize()
+    torch.testing.assert_close(x.cpu(), torch.full((4,), float(size())))
+    return took
+
+
+# how long the group's first call took
+FIRST = []
 
 
 @pytest.fixture(scope="module", autouse=True)
 def group():
-    start()
+    FIRST.append(start())
     yield
     dist.destroy_process_group()
 
@@ -65,6 +73,26 @@ def timed(call):
     start = time.perf_counter()
     out = call()
     return out, time.perf_counter() - start
+
+
+def test_the_first_call_waited_on_the_host_and_the_next_kind_on_the_device():
+    # the first call's launch opened the group's NCCL communicators, which may wait for the
+    # whole device: no stream may wait on the device for it
+    if rank() == 0:
+        assert FIRST[0] >= DELAY * 0.9, FIRST
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        y = torch.full((32,), rank() + 3.0, device="cuda")
+        gathered = torch.empty(32 * size(), device="cuda")
+        # a kind not run before: its launch opens nothing more, and loads no kernel library
+        # (the core loaded them all before the first wait it placed)
+        _, took = timed(lambda: dist.all_gather_into_tensor(gathered, y))
+        out = gathered * 1
+    s.synchronize()
+    expect = torch.cat([torch.full((32,), r + 3.0) for r in range(size())])
+    torch.testing.assert_close(out.cpu(), expect)
+    if rank() == 0:
+        assert took < DELAY / 2, took
 
 
 def test_a_call_on_a_side_stream_returns_before_its_result_and_the_stream_sees_it():
