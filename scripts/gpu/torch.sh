@@ -26,13 +26,16 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     tee "$out/torch-tests.log" | grep -v "^$" | tail -30 || rc=1
   # pytest's summary line only: a warning's text may say "errors"
   grep -qE "[0-9]+ (failed|errors?)\b" "$out/torch-tests.log" && rc=1
-  # the wait left to the device, in a job of its own: its fault delays rank 0's GPU batches
-  FERROVOD_TEST_FAULT=slow_gpu_launch:0 FERROVOD_TORCH_DEVICE_WAIT=1 CUDA_MODULE_LOADING=EAGER \
-    timeout -s INT -k 30 300 mpirun -np "$(( ngpu < 2 ? 1 : 2 ))" "${mpi[@]:3}" \
-    -x FERROVOD_TEST_FAULT -x FERROVOD_TORCH_DEVICE_WAIT -x CUDA_MODULE_LOADING \
-    python3 -m pytest -q -p no:cacheprovider --color=no -rfEs tests/python/torch/test_device_wait.py 2>&1 |
-    tee "$out/torch-device-wait.log" | tail -5 || rc=1
-  grep -qE "[0-9]+ (failed|errors?)\b|no tests ran" "$out/torch-device-wait.log" && rc=1
+  # the wait left to the device, in jobs of their own: the fault delays rank 0's GPU batches;
+  # with two channels, each channel's first batch opens communicators of its own
+  for channels in 1 2; do
+    FERROVOD_TEST_FAULT=slow_gpu_launch:0 FERROVOD_TORCH_DEVICE_WAIT=1 CUDA_MODULE_LOADING=EAGER \
+      FERROVOD_CHANNELS=$channels timeout -s INT -k 30 300 mpirun -np "$(( ngpu < 2 ? 1 : 2 ))" "${mpi[@]:3}" \
+      -x FERROVOD_TEST_FAULT -x FERROVOD_TORCH_DEVICE_WAIT -x CUDA_MODULE_LOADING -x FERROVOD_CHANNELS \
+      python3 -m pytest -q -p no:cacheprovider --color=no -rfEs tests/python/torch/test_device_wait.py 2>&1 |
+      tee "$out/torch-device-wait-$channels.log" | tail -5 || rc=1
+    grep -qE "[0-9]+ (failed|errors?)\b|no tests ran" "$out/torch-device-wait-$channels.log" && rc=1
+  done
   # forced under lazy kernel loading, the same wait deadlocks: the watch ends the job, saying why
   FERROVOD_TEST_FAULT=slow_gpu_launch:0 FERROVOD_TORCH_DEVICE_WAIT=force CUDA_MODULE_LOADING=LAZY \
     HOROVOD_STALL_CHECK_TIME_SECONDS=2 HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=5 timeout -k 10 120 \

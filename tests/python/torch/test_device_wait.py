@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import ferrovod.torch as hvd
+from ferrovod.torch import backend
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("FERROVOD_TEST_FAULT") != "slow_gpu_launch:0"
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.skipif(
            "CUDA_MODULE_LOADING=EAGER (scripts/gpu/torch.sh)")
 
 DELAY = 0.3  # seconds: the fault's
+CHANNELS = int(os.environ.get("FERROVOD_CHANNELS", "1"))
 
 
 def start():
@@ -75,24 +77,51 @@ def timed(call):
     return out, time.perf_counter() - start
 
 
-def test_the_first_call_waited_on_the_host_and_the_next_kind_on_the_device():
+def test_each_executors_first_call_waited_on_the_host_and_the_next_kind_on_the_device():
     # the first call's launch opened the group's NCCL communicators, which may wait for the
-    # whole device: no stream may wait on the device for it
+    # whole device: no stream may wait on the device for it. With FERROVOD_CHANNELS=k the
+    # batches take the k channels in turn, each with communicators of its own: the first call
+    # on each waits on the host
     if rank() == 0:
         assert FIRST[0] >= DELAY * 0.9, FIRST
     s = torch.cuda.Stream()
+    took = []
     with torch.cuda.stream(s):
         y = torch.full((32,), rank() + 3.0, device="cuda")
         gathered = torch.empty(32 * size(), device="cuda")
-        # a kind not run before: its launch opens nothing more, and loads no kernel library
-        # (the core loaded them all before the first wait it placed)
-        _, took = timed(lambda: dist.all_gather_into_tensor(gathered, y))
+        # a kind not run before: where its channel is connected, its launch opens nothing more
+        # and loads no kernel library (the core loaded them all before the first wait)
+        for _ in range(CHANNELS):
+            took.append(timed(lambda: dist.all_gather_into_tensor(gathered, y))[1])
         out = gathered * 1
     s.synchronize()
     expect = torch.cat([torch.full((32,), r + 3.0) for r in range(size())])
     torch.testing.assert_close(out.cpu(), expect)
     if rank() == 0:
-        assert took < DELAY / 2, took
+        # the k-1 channels not used yet, then the first channel again
+        assert all(t >= DELAY * 0.9 for t in took[:-1]), took
+        assert took[-1] < DELAY / 2, took
+
+
+def test_a_call_that_sends_to_single_peers_waits_on_the_host_until_they_are_connected():
+    # u8 travels over send/recv between every pair of ranks, which a channel's first u8 launch
+    # connects (as its communicators, that may wait for the whole device)
+    group = dist.new_group(list(range(size())),
+                           pg_options=backend.Options(compression=hvd.Compression.u8))
+    s = torch.cuda.Stream()
+    took = []
+    with torch.cuda.stream(s):
+        xs = [torch.full((4096,), rank() + 1.0, device="cuda") for _ in range(CHANNELS + 1)]
+        for x in xs:
+            took.append(timed(lambda: dist.all_reduce(x, group=group))[1])
+        out = [x * 1 for x in xs]
+    s.synchronize()
+    for x in out:
+        torch.testing.assert_close(x.cpu(), torch.full((4096,), total()), rtol=1e-2, atol=1e-2)
+    if rank() == 0:
+        assert all(t >= DELAY * 0.9 for t in took[:-1]), took
+        assert took[-1] < DELAY / 2, took
+    dist.destroy_process_group(group)
 
 
 def test_a_call_on_a_side_stream_returns_before_its_result_and_the_stream_sees_it():
