@@ -14,21 +14,12 @@ use crate::error::{Error, Result};
 use crate::runtime::Runtime;
 use crate::runtime::entry::TensorEntry;
 use crate::runtime::gpu::Recorded;
-use crate::transport::cuda::{DeviceMem, Event};
+use crate::transport::cuda::Event;
 
-/// What the finisher does once a batch's event has fired.
-pub(crate) enum Finish {
-    /// Complete the batch's tensors.
-    Complete {
-        recorded: Recorded,
-        entries: Vec<TensorEntry>,
-    },
-    /// Asynchronous completion: the tensors are complete already; free the device memory the
-    /// batch used (a joined rank's zeros, scratch outputs) once the GPU is done with it.
-    Release {
-        recorded: Recorded,
-        memory: Vec<DeviceMem>,
-    },
+/// A batch whose tensors the finisher completes once its event has fired.
+pub(crate) struct Finish {
+    pub recorded: Recorded,
+    pub entries: Vec<TensorEntry>,
 }
 
 /// Completes GPU tensors after their batch's event, on its own thread, in submission order.
@@ -135,12 +126,10 @@ fn abort_wait(limit: Option<Duration>) -> Duration {
 /// event fires completing each tensor only counts it down (doing all of it then delayed the
 /// last handle; BENCHMARKS.md, "Figures moved out of comments").
 fn stage(mut f: Finish) -> Finish {
-    if let Finish::Complete { recorded, entries } = &mut f {
-        // joining a handle's events needs the device's context
-        if recorded.gpu.bind().is_ok() {
-            for e in entries.iter_mut() {
-                e.stage_on_device(&recorded.gpu, &recorded.event);
-            }
+    // joining a handle's events needs the device's context
+    if f.recorded.gpu.bind().is_ok() {
+        for e in f.entries.iter_mut() {
+            e.stage_on_device(&f.recorded.gpu, &f.recorded.event);
         }
     }
     f
@@ -167,7 +156,7 @@ fn finish_loop(rt: Arc<Runtime>, rx: Receiver<Finish>) {
         let Some(f) = queue.pop_front() else {
             continue;
         };
-        let (Finish::Complete { recorded, .. } | Finish::Release { recorded, .. }) = &f;
+        let recorded = &f.recorded;
         let mut arrived = Vec::new();
         let mut take_arrivals = || {
             while let Ok(next) = rx.try_recv() {
@@ -193,24 +182,15 @@ fn finish_loop(rt: Arc<Runtime>, rx: Receiver<Finish>) {
             }
             fired = Err(e.clone());
         }
-        match f {
-            Finish::Complete {
-                mut recorded,
-                entries,
-            } => {
-                let outcome = fired.and_then(|()| recorded.outcome());
-                crate::probe::mark("fired", entries.len());
-                let n = entries.len();
-                spent.push(complete_staged(entries, outcome));
-                crate::probe::mark("completed", n);
-            }
-            Finish::Release { memory, .. } => {
-                if let Err(e) = fired {
-                    tracing::error!("GPU work did not finish: {e}; its device memory is not freed");
-                    std::mem::forget(memory);
-                }
-            }
-        }
+        let Finish {
+            mut recorded,
+            entries,
+        } = f;
+        let outcome = fired.and_then(|()| recorded.outcome());
+        crate::probe::mark("fired", entries.len());
+        let n = entries.len();
+        spent.push(complete_staged(entries, outcome));
+        crate::probe::mark("completed", n);
         queue.extend(arrived);
     }
 }

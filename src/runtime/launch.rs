@@ -210,6 +210,12 @@ impl Launcher {
         mut entries: Vec<TensorEntry>,
         recorded: gpu::Recorded,
     ) {
+        // ferrovod's own device memory of the batch (a joined rank's zeros, a failed
+        // allocation's scratch) goes once the batch's event has fired, in stream order: nothing
+        // reads it after the batch
+        for m in entries.iter_mut().flat_map(|e| e.take_device_memory()) {
+            recorded.gpu.retire(m, recorded.event.clone());
+        }
         if self.finisher.is_none() {
             match finisher::Finisher::spawn(rt.clone()) {
                 Ok(f) => self.finisher = Some(f),
@@ -228,17 +234,10 @@ impl Launcher {
         let Some(f) = &self.finisher else { return };
         // a checked batch's outcome is known only once it is done
         if rt.config.async_completion && recorded.nan.is_none() {
-            let memory: Vec<_> = entries
-                .iter_mut()
-                .flat_map(|e| e.take_device_memory())
-                .collect();
             finisher::complete(entries, Ok(()), Some(&recorded));
-            if !memory.is_empty() {
-                f.send(finisher::Finish::Release { recorded, memory });
-            }
             return;
         }
-        f.send(finisher::Finish::Complete { recorded, entries });
+        f.send(finisher::Finish { recorded, entries });
     }
 
     /// A channel's batch came back: account for it and complete its tensors.

@@ -259,8 +259,15 @@ impl Gpu {
         Ok(joined)
     }
 
-    /// Frees the dropped `StateMem` in `stream`'s order, each after the last batch that used
-    /// it.
+    /// Frees `mem` in a later batch's stream order, once `after` has fired (`free_retired`):
+    /// dropping it would free it synchronously, which waits for the whole device, and so for
+    /// a caller's stream that waits on the device for a launch still to come (`place_signal`).
+    pub fn retire(&self, mem: DeviceMem, after: Arc<Event>) {
+        (self.retired.lock().expect("retired memory")).push((mem, Some(after)));
+    }
+
+    /// Frees the retired memory (dropped `StateMem`, `retire`) in `stream`'s order, each after
+    /// the last batch that used it.
     pub fn free_retired(&self, stream: &Stream) -> Result<()> {
         let retired = std::mem::take(&mut *self.retired.lock().expect("retired memory"));
         for (mem, last) in retired {
