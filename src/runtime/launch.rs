@@ -214,7 +214,7 @@ impl Launcher {
         // allocation's scratch) goes once the batch's event has fired, in stream order: nothing
         // reads it after the batch
         for m in entries.iter_mut().flat_map(|e| e.take_device_memory()) {
-            recorded.gpu.retire(m, recorded.event.clone());
+            recorded.gpu.retire(m, Some(recorded.event.clone()));
         }
         if self.finisher.is_none() {
             match finisher::Finisher::spawn(rt.clone()) {

@@ -114,9 +114,7 @@ impl Drop for StateMem {
     fn drop(&mut self) {
         if let Some(mem) = self.mem.take() {
             let last = self.last.lock().map(|mut l| l.take()).unwrap_or(None);
-            if let Ok(mut retired) = self.gpu.retired.lock() {
-                retired.push((mem, last));
-            }
+            self.gpu.retire(mem, last);
         }
     }
 }
@@ -259,11 +257,14 @@ impl Gpu {
         Ok(joined)
     }
 
-    /// Frees `mem` in a later batch's stream order, once `after` has fired (`free_retired`):
-    /// dropping it would free it synchronously, which waits for the whole device, and so for
-    /// a caller's stream that waits on the device for a launch still to come (`place_signal`).
-    pub fn retire(&self, mem: DeviceMem, after: Arc<Event>) {
-        (self.retired.lock().expect("retired memory")).push((mem, Some(after)));
+    /// Frees `mem` in a later batch's stream order, once `after` (if any) has fired
+    /// (`free_retired`): dropping it would free it synchronously, which waits for the whole
+    /// device, and so for a caller's stream that waits on the device for a launch still to
+    /// come (`place_signal`). Called from drops too: a poisoned lock drops `mem` instead.
+    pub fn retire(&self, mem: DeviceMem, after: Option<Arc<Event>>) {
+        if let Ok(mut retired) = self.retired.lock() {
+            retired.push((mem, after));
+        }
     }
 
     /// Frees the retired memory (dropped `StateMem`, `retire`) in `stream`'s order, each after
