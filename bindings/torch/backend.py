@@ -233,14 +233,41 @@ def _uses_ferrovod(backend):
 def _new_group_every_rank(ranks=None, *args, **kwargs):
     """torch's `new_group`, which for the ferrovod backend first registers the group's process
     set on every rank (a ferrovod process set is added by all ranks; torch calls the backend of
-    the group's members only)."""
+    the group's members only), and the sets of the groups other ranks ask for in the same call."""
     backend = kwargs.get("backend", args[1] if len(args) > 1 else None)
     if dist.is_initialized() and _uses_ferrovod(backend):
         if kwargs.get("use_local_synchronization"):
             raise ValueError("the ferrovod backend registers a group on every rank: call new_group "
                              "on all ranks, without use_local_synchronization")
-        _process_set(range(_core.size()) if ranks is None else ranks)
+        _register_every_rank_group(ranks)
     return _new_group(ranks, *args, **kwargs)
+
+
+def _register_every_rank_group(ranks):
+    """Registers the process set of the group each rank asks for in this call of `new_group`,
+    on every rank. torch lets the ranks ask for different groups in the same call (what
+    `new_subgroups(group=...)` does: each rank splits its own subgroup), so the ranks first
+    gather what each asked for (one allgather of a row of `size` flags, and one flag for a list
+    that names a rank outside the world), then each distinct group is registered in rank order.
+    A bad list on any rank is a ValueError on every rank."""
+    import numpy as np
+
+    n = _core.size()
+    ranks = list(range(n)) if ranks is None or len(ranks) == 0 else [int(r) for r in ranks]
+    row = np.zeros(n + 1, np.uint8)
+    bad = [r for r in ranks if not 0 <= r < n]
+    if bad:
+        row[n] = 1
+    else:
+        row[ranks] = 1
+    (rows,) = _core.enqueue(_core.ALLGATHER, [row], ["ferrovod.torch.new_group"]).wait()
+    rows = np.asarray(rows).reshape(-1, n + 1)
+    wrong = [r for r in range(len(rows)) if rows[r, n]]
+    if wrong:
+        raise ValueError("new_group: ranks must lie in [0, %d); rank(s) %s passed one outside"
+                         % (n, wrong) + (" (this rank: %s)" % bad if bad else ""))
+    for members in dict.fromkeys(tuple(np.flatnonzero(r[:n]).tolist()) for r in rows):
+        _process_set(members)
 
 
 def _create(backend_opts, pg_options):

@@ -411,6 +411,22 @@ def test_two_subgroups_at_once():
     dist.barrier()
 
 
+def test_ranks_ask_for_different_groups_in_one_call():
+    # torch lets each rank name its own group in the same new_group call (new_subgroups with a
+    # group does it): evens ask for the evens, odds for the odds
+    n = size()
+    mine = [r for r in range(n) if r % 2 == rank() % 2]
+    g = dist.new_group(mine)
+    x = torch.full((4,), float(rank()) + 1)
+    dist.all_reduce(x, group=g)
+    close(x, torch.full((4,), float(sum(r + 1 for r in mine))))
+    assert dist.get_world_size(g) == len(mine) and dist.get_rank(g) == mine.index(rank())
+    # a rank outside the world on one rank only is an error on every rank, not a hang
+    with pytest.raises(ValueError, match="outside"):
+        dist.new_group([0, n] if rank() == n - 1 else [0, 1])
+    dist.barrier()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("view,static", [(False, False), (True, True)],
                          ids=["copied", "bucket-views-static"])
