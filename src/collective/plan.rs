@@ -165,9 +165,10 @@ pub fn choose(
         peers,
         // a hierarchical batch waits for the stream on the host, and a u8, PowerSGD or top-k
         // batch's state moves with its tensors' sizes and steps: none can be a graph; nor the
-        // ring, not captured yet
+        // ring, not captured yet, nor gossip's exchanges. Gossip inside one node runs the
+        // allreduce's launches, and is replayed as they are
         replayable: s.graphs
-            && allreduce
+            && matches!(head.kind, OpKind::Allreduce | OpKind::Gossip)
             && route == Route::Native
             && matches!(codec, Codec::None | Codec::Half(_)),
     }
@@ -468,7 +469,15 @@ mod tests {
         };
         let gossip = head(OpKind::Gossip, DataType::F32, 0);
         let p = choose(&gossip, 1 << 20, NONE, &one_node, None);
-        assert_eq!((p.route, p.peers), (Route::Native, false));
+        assert_eq!(
+            (p.route, p.peers, p.replayable),
+            (Route::Native, false, true)
+        );
+        let no_graphs = Settings {
+            graphs: false,
+            ..one_node
+        };
+        assert!(!choose(&gossip, 1 << 20, NONE, &no_graphs, None).replayable);
         let host = head(OpKind::Gossip, DataType::F32, CPU_DEVICE);
         assert_eq!(choose(&host, 64, NONE, &one_node, None).route, Route::Pairs);
         // kinds without data stay on the host whatever their device

@@ -27,10 +27,11 @@ pub struct ReplayKey {
     pub epoch: u64,
 }
 
-/// A fingerprint of what a batch reduces (names, shapes, types, ops, scales), in order.
+/// A fingerprint of what a batch reduces (kinds, names, shapes, types, ops, scales), in order.
 pub fn batch_fingerprint(resps: &[&Response]) -> u64 {
     let mut h = rustc_hash::FxHasher::default();
     for r in resps {
+        r.kind.hash(&mut h);
         r.name.hash(&mut h);
         r.shape.hash(&mut h);
         r.dtype.hash(&mut h);

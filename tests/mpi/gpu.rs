@@ -354,6 +354,16 @@ pub(crate) fn gpu_streams() {
 /// (step 11), must not replay a graph with the old addresses; the batches are replayed again
 /// once the tensors stay put.
 pub(crate) fn gpu_graphs() {
+    graphs_of(OpKind::Allreduce);
+}
+
+/// The same steps as gossip inside one node (exact averages, which run the allreduce's
+/// launches): replayed alike, each step checked against the host's means.
+pub(crate) fn gpu_graphs_gossip() {
+    graphs_of(OpKind::Gossip);
+}
+
+fn graphs_of(kind: OpKind) {
     init();
     let me = rank();
     let n = size();
@@ -386,7 +396,7 @@ pub(crate) fn gpu_graphs() {
             .enumerate()
             .map(|(t, (m, c))| {
                 let mut spec = OpSpec::new(
-                    OpKind::Allreduce,
+                    kind,
                     vec![TensorSpec {
                         name: format!("graphs.{t}"),
                         dtype: DataType::F32,
@@ -397,7 +407,9 @@ pub(crate) fn gpu_graphs() {
                     }],
                 );
                 spec.device = gpu.ordinal;
-                spec.reduce_op = ReduceOp::Sum;
+                if kind == OpKind::Allreduce {
+                    spec.reduce_op = ReduceOp::Sum;
+                }
                 rt.enqueue(spec).unwrap()
             })
             .collect();
@@ -416,8 +428,16 @@ pub(crate) fn gpu_graphs() {
             gpu.download(&stream, m.range(), &mut got).unwrap();
             let got = decode(DataType::F32, &got);
             for (i, g) in got.iter().enumerate() {
-                let want: f64 = (0..n).map(|r| value(r, step, t, i)).sum();
-                assert_eq!(*g, want, "step {step}, tensor {t}, element {i}");
+                let sum: f64 = (0..n).map(|r| value(r, step, t, i)).sum();
+                if kind == OpKind::Allreduce {
+                    assert_eq!(*g, sum, "step {step}, tensor {t}, element {i}");
+                } else {
+                    let mean = sum / n as f64;
+                    assert!(
+                        (g - mean).abs() <= 1e-6 * mean,
+                        "step {step}, tensor {t}, element {i}: {g} vs the mean {mean}"
+                    );
+                }
             }
         }
     }

@@ -30,8 +30,8 @@ use collectives::*;
 use common::*;
 use decentralized::*;
 use gpu::{
-    gpu_compressed, gpu_failure, gpu_graphs, gpu_kernels, gpu_peers_fault, gpu_ring, gpu_streams,
-    gpu_u8,
+    gpu_compressed, gpu_failure, gpu_graphs, gpu_graphs_gossip, gpu_kernels, gpu_peers_fault,
+    gpu_ring, gpu_streams, gpu_u8,
 };
 use hosts::*;
 use negotiation::*;
@@ -1199,6 +1199,25 @@ pub(crate) const GPU_SCENARIOS: &[Scenario] = &[
         ],
         true,
     ),
+    (
+        "gpu_graphs_gossip",
+        2,
+        &[("FERROVOD_PLAN_WARMUP_STEPS", "2")],
+        true,
+    ),
+    // one rank too: a one-GPU machine checks the replay
+    (
+        "gpu_graphs_gossip",
+        1,
+        &[("FERROVOD_PLAN_WARMUP_STEPS", "2")],
+        true,
+    ),
+    (
+        "gpu_graphs",
+        1,
+        &[("FERROVOD_PLAN_WARMUP_STEPS", "2")],
+        true,
+    ),
     ("gpu_streams", 2, &[], true),
     (
         "gpu_streams",
@@ -1705,6 +1724,7 @@ pub(crate) fn run_rank(name: &str) {
         "gpu_failure" => gpu_failure(),
         "gpu_kernels" => gpu_kernels(),
         "gpu_graphs" => gpu_graphs(),
+        "gpu_graphs_gossip" => gpu_graphs_gossip(),
         other => panic!("unknown scenario {other}"),
     }
 }

@@ -57,7 +57,8 @@ pub struct Lane<'a> {
     pub fusion: &'a mut Option<DeviceMem>,
     /// The stream's graphs (forgotten when the fusion buffer moves).
     pub graphs: &'a mut LaunchGraphs,
-    /// Set for a batch that may be replayed as a graph (a fused allreduce).
+    /// Set for a batch that may be replayed as a graph (a fused allreduce, or gossip run as
+    /// one inside a node).
     pub replay: Option<ReplayKey>,
     /// Set by a batch launched from a replayed graph.
     pub replayed: bool,
