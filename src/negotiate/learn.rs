@@ -351,6 +351,44 @@ mod tests {
     }
 
     #[test]
+    fn gossip_steps_learn_the_groups_of_allreduce_steps_but_never_a_plan() {
+        let step_of = |kind: OpKind, device: i32| -> Vec<Arc<Response>> {
+            (0..3)
+                .map(|k| {
+                    let mut req = Request::test(&format!("g{k}"), kind, DataType::F32, &[4]);
+                    req.device = device;
+                    Arc::new(Response::from_request(&req))
+                })
+                .collect()
+        };
+        let learned = |kind: OpKind| {
+            let mut g = GroupLearner::new(2);
+            let mut learned = None;
+            for _ in 0..4 {
+                for r in step_of(kind, 0) {
+                    learned = g.observe(&[r], ctx(), |_| false, &[]).or(learned);
+                }
+            }
+            learned
+        };
+        let allreduce = learned(OpKind::Allreduce);
+        assert!(allreduce.is_some());
+        assert_eq!(learned(OpKind::Gossip), allreduce);
+        // an offline plan's escape flag rides in an allreduce: gossip stays online
+        let mut p = PlanLearner::new(2);
+        for _ in 0..6 {
+            p.observe(&step_of(OpKind::Gossip, CPU_DEVICE), ctx());
+            assert!(p.take_ready().is_none());
+        }
+        let mut p = PlanLearner::new(2);
+        let ready = (0..6).any(|_| {
+            p.observe(&step_of(OpKind::Allreduce, CPU_DEVICE), ctx());
+            p.take_ready().is_some()
+        });
+        assert!(ready, "the same step as allreduces freezes");
+    }
+
+    #[test]
     fn groups_are_learned_once_and_not_churned() {
         let mut g = GroupLearner::new(2);
         let mut current: Vec<Vec<String>> = Vec::new();

@@ -234,14 +234,16 @@ pub fn bucket_ranges(sizes: &[usize], bucket: usize) -> Vec<std::ops::Range<usiz
 /// floats (16-bit floats included), with a reduction the escape flag can ride along with. An
 /// 8- or 16-bit integer flag could wrap to zero when 256 (or 65,536) ranks raise it at once.
 pub fn eligible(r: &Response) -> bool {
-    groupable(r) && r.device == crate::message::CPU_DEVICE
+    r.kind == OpKind::Allreduce && groupable(r) && r.device == crate::message::CPU_DEVICE
 }
 
 /// Responses an online group (one vote bit per batch) may hold: as `eligible`, on any device
-/// (a group only votes; no escape flag rides along).
+/// (a group only votes; no escape flag rides along), and gossip too, so that a gossip step
+/// runs in the same learned buckets as an allreduce step (on GPUs inside one node its exact
+/// averages are the allreduce's launches, replayed from graphs only while the batches repeat).
 fn groupable(r: &Response) -> bool {
     use crate::dtype::DataType as D;
-    r.kind == OpKind::Allreduce
+    matches!(r.kind, OpKind::Allreduce | OpKind::Gossip)
         && r.error.is_none()
         && matches!(
             r.dtype,

@@ -476,6 +476,18 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         ],
         true,
     ),
+    // gossip steps vote in the same learned groups
+    (
+        "group_votes",
+        3,
+        &[
+            ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+            ("HOROVOD_CYCLE_TIME", "50"),
+            ("GROUP_KIND", "gossip"),
+            ("FERROVOD_GOSSIP_SYNC_EVERY", "1"),
+        ],
+        true,
+    ),
     ("offline_steps", 2, OFFLINE, true),
     ("random_order", 3, OFFLINE, true),
     ("offline_steps", 4, OFFLINE, true),

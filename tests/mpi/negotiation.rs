@@ -67,8 +67,14 @@ pub(crate) fn online_groups() {
 /// Once a step's tensors vote as one group, a step whose tensors come one by one (300 us
 /// apart) is voted on when the group is complete here, not at every submission: with a 50 ms
 /// cycle time, a few votes for 40 tensors (one per submission before the group was learned).
+/// `GROUP_KIND=gossip`: the same steps as gossip, whose rounds are exact averages with
+/// `FERROVOD_GOSSIP_SYNC_EVERY=1` (checked against the mean).
 pub(crate) fn group_votes() {
     init();
+    let kind = match std::env::var("GROUP_KIND").as_deref() {
+        Ok("gossip") => OpKind::Gossip,
+        _ => OpKind::Allreduce,
+    };
     let n = size();
     let count = 40;
     let me = rank();
@@ -83,9 +89,14 @@ pub(crate) fn group_votes() {
             false,
         )
     };
+    let per = if kind == OpKind::Gossip {
+        n as f64
+    } else {
+        1.0
+    };
     let check = |k: usize, step: usize, res: &TensorResult| {
         let want: Vec<f64> = (0..100)
-            .map(|i| (0..n).map(|r| val(i + k + step, r)).sum())
+            .map(|i| (0..n).map(|r| val(i + k + step, r)).sum::<f64>() / per)
             .collect();
         assert_close(
             &output(res, DataType::F32),
@@ -96,7 +107,7 @@ pub(crate) fn group_votes() {
     // learned from steps submitted in one piece: one batch, so one group
     for step in 0..4 {
         let res = run(OpSpec::new(
-            OpKind::Allreduce,
+            kind,
             (0..count).map(|k| spec(k, step)).collect(),
         ))
         .unwrap();
@@ -111,7 +122,7 @@ pub(crate) fn group_votes() {
         let handles: Vec<_> = (0..count)
             .map(|k| {
                 std::thread::sleep(Duration::from_micros(300));
-                submit(OpSpec::new(OpKind::Allreduce, vec![spec(k, step)])).unwrap()
+                submit(OpSpec::new(kind, vec![spec(k, step)])).unwrap()
             })
             .collect();
         for (k, h) in handles.into_iter().enumerate() {
