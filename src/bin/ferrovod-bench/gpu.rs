@@ -365,7 +365,15 @@ fn resnet(
             "JSON {{\"kind\":\"resnet50\",\"np\":{size},\"tensors\":{},\"bytes\":{total},\"ferrovod_s\":{fv},\"nccl_s\":{one}}}",
             mems.len()
         );
-        if let Some((g, raw)) = gossip {
+        let (g, raw) = gossip;
+        if raw.is_none() {
+            println!(
+                "# resnet50 gossip, one rank: ferrovod {:.1} us; gossip/allreduce (ferrovod) {:.3}",
+                g * 1e6,
+                g / fv
+            );
+        }
+        if let Some(raw) = raw {
             println!(
                 "# resnet50 gossip: ferrovod {:.1} us, one NCCL send/recv of the flat set with the peer {:.1} us, ratio {:.3}; gossip/allreduce (ferrovod) {:.3}",
                 g * 1e6,
@@ -383,7 +391,8 @@ fn resnet(
 /// The gradient set gossiped (every tensor an `OpKind::Gossip`, in backward order) against
 /// one NCCL send/recv of the same bytes with the round-0 peer: median seconds per step of
 /// each. Rounds that are exact averages (`FERROVOD_GOSSIP_SYNC_EVERY`) fall in the median only
-/// if most are. None where a rank has no peer (one rank).
+/// if most are. With one rank there is no peer and no send/recv: the gossip step alone (the
+/// host's part of it, against the allreduce step's).
 #[allow(clippy::too_many_arguments)]
 fn gossip_steps(
     gpu: &Gpu,
@@ -395,11 +404,9 @@ fn gossip_steps(
     reps: usize,
     me: usize,
     size: usize,
-) -> Option<(f64, f64)> {
+) -> (f64, Option<f64>) {
     let peer = ferrovod::collective::gossip::peer(me, size, 0);
-    if peer == me {
-        return None;
-    }
+    let alone = peer == me;
     let total: usize = mems.iter().map(|(_, _, b)| b).sum();
     let theirs = gpu.alloc(total).unwrap();
     let step = || {
@@ -424,14 +431,18 @@ fn gossip_steps(
     };
     for _ in 0..5 {
         step();
-        raw();
+        if !alone {
+            raw();
+        }
     }
     let (mut g, mut r) = (Vec::new(), Vec::new());
     for _ in 0..reps {
         g.push(step());
-        r.push(raw());
+        if !alone {
+            r.push(raw());
+        }
     }
-    Some((median(g), median(r)))
+    (median(g), (!alone).then(|| median(r)))
 }
 
 /// The same gradients through NCCL alone, no ferrovod: how close any engine can come to one
