@@ -263,9 +263,15 @@ def _register_every_rank_group(ranks):
     (rows,) = _core.enqueue(_core.ALLGATHER, [row], ["ferrovod.torch.new_group"]).wait()
     rows = np.asarray(rows).reshape(-1, n + 1)
     wrong = [r for r in range(len(rows)) if rows[r, n]]
+    if bad:
+        # torch's own words for it (of its versions before and after 2.12), then ours
+        raise ValueError("The new group's rank should be within the world_size set by "
+                         "init_process_group: Rank %d is out of range. Valid ranks are 0 to %d "
+                         "(world_size=%d); new_group raises on every rank"
+                         % (bad[0], n - 1, n))
     if wrong:
-        raise ValueError("new_group: ranks must lie in [0, %d); rank(s) %s passed one outside"
-                         % (n, wrong) + (" (this rank: %s)" % bad if bad else ""))
+        raise ValueError("new_group: rank(s) %s passed a rank that is out of range (valid ranks "
+                         "are 0 to %d); the group is made on no rank" % (wrong, n - 1))
     for members in dict.fromkeys(tuple(np.flatnonzero(r[:n]).tolist()) for r in rows):
         _process_set(members)
 
@@ -374,7 +380,8 @@ def _side_stream(device):
 
 
 def _complete_forever():
-    while True:
+    # until another thread took over (`_hand_over_completion`)
+    while threading.current_thread() is _completer:
         _complete_next()
 
 
@@ -403,6 +410,18 @@ def _ensure_completer():
             _completer = threading.Thread(target=_complete_forever, name="ferrovod-torch-works",
                                           daemon=True)
             _completer.start()
+
+
+def _hand_over_completion():
+    """Called on the completion thread inside a Future's callback that asks for the Future of
+    an operation not complete yet: torch's `Future.wait` on it (PyTorch's PowerSGD hook does
+    this) would block the only thread that completes it. A new thread completes from now on;
+    this one ends once the callback returns."""
+    global _completer
+    with _completer_lock:
+        _completer = threading.Thread(target=_complete_forever, name="ferrovod-torch-works",
+                                      daemon=True)
+        _completer.start()
 
 
 class _Work(dist.Work):
@@ -623,6 +642,8 @@ class _Work(dist.Work):
     def get_future(self):
         if self._blocking and not self._finished.is_set():
             self._complete_blocking()
+        if threading.current_thread() is _completer and not self._finished.is_set():
+            _hand_over_completion()
         with self._lock:
             if self._future is not None:
                 return self._future
