@@ -483,7 +483,25 @@ def test_ranks_ask_for_different_groups_in_one_call():
 @pytest.mark.parametrize("view,static", [(False, False), (True, True)],
                          ids=["copied", "bucket-views-static"])
 def test_ddp_equals_one_process_on_the_whole_batch(device, view, static):
-    d = dev(device)
+    ddp_against_one_process(dev(device), view, static)
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["copied", "bucket-views"])
+def test_ddp_on_a_gpu_that_is_not_the_current_device(view):
+    """As PyTorch's own DDP test runs: the model on this rank's GPU while the current device
+    stays GPU 0 (nothing calls set_device), so every stream the backend uses must be the
+    tensors' device's, not the current one's."""
+    if "cuda" not in DEVICES or torch.cuda.device_count() < 2:
+        pytest.skip("needs CUDA and a second GPU")
+    d = dev("cuda")
+    other = 0 if d.index != 0 else 1
+    with torch.cuda.device(other):
+        ddp_against_one_process(d, view, False)
+
+
+def ddp_against_one_process(d, view, static):
+    """DDP on `d` over the backend against one process on the whole batch: six SGD steps with
+    momentum, the parameters equal."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
                                 torch.nn.Linear(16, 4)).to(d)
