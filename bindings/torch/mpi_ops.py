@@ -71,7 +71,14 @@ _libcuda = None
 
 def _stream_wait(stream, event, device=None):
     """Makes `stream` (of CUDA `device`) wait on the device for `event` (the driver's
-    cuStreamWaitEvent; the runtime and the driver share the device's primary context)."""
+    cuStreamWaitEvent; the runtime and the driver share the device's primary context). The
+    legacy default stream's handle names the default stream of the thread's current device,
+    which need not be `device` (nothing obliges a script to call set_device): there `device`
+    is made current for the call."""
+    if (stream == _CU_STREAM_LEGACY and device is not None and device.index is not None
+            and device.index != torch.cuda.current_device()):
+        with torch.cuda.device(device):
+            return _stream_wait(stream, event, device)
     global _libcuda
     if _libcuda is None:
         lib = ctypes.CDLL("libcuda.so.1")
