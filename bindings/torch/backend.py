@@ -404,12 +404,17 @@ def _complete_next(timeout=1.0):
 
 
 def _ensure_completer():
-    global _completer
     with _completer_lock:
         if _completer is None:
-            _completer = threading.Thread(target=_complete_forever, name="ferrovod-torch-works",
-                                          daemon=True)
-            _completer.start()
+            _start_completer()
+
+
+def _start_completer():
+    """Starts the thread that completes Works from now on (`_completer_lock` held)."""
+    global _completer
+    _completer = threading.Thread(target=_complete_forever, name="ferrovod-torch-works",
+                                  daemon=True)
+    _completer.start()
 
 
 def _hand_over_completion():
@@ -417,11 +422,8 @@ def _hand_over_completion():
     an operation not complete yet: torch's `Future.wait` on it (PyTorch's PowerSGD hook does
     this) would block the only thread that completes it. A new thread completes from now on;
     this one ends once the callback returns."""
-    global _completer
     with _completer_lock:
-        _completer = threading.Thread(target=_complete_forever, name="ferrovod-torch-works",
-                                      daemon=True)
-        _completer.start()
+        _start_completer()
 
 
 class _Work(dist.Work):

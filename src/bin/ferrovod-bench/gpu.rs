@@ -365,25 +365,24 @@ fn resnet(
             "JSON {{\"kind\":\"resnet50\",\"np\":{size},\"tensors\":{},\"bytes\":{total},\"ferrovod_s\":{fv},\"nccl_s\":{one}}}",
             mems.len()
         );
-        let (g, raw) = gossip;
-        if raw.is_none() {
-            println!(
+        match gossip {
+            (g, None) => println!(
                 "# resnet50 gossip, one rank: ferrovod {:.1} us; gossip/allreduce (ferrovod) {:.3}",
                 g * 1e6,
                 g / fv
-            );
-        }
-        if let Some(raw) = raw {
-            println!(
-                "# resnet50 gossip: ferrovod {:.1} us, one NCCL send/recv of the flat set with the peer {:.1} us, ratio {:.3}; gossip/allreduce (ferrovod) {:.3}",
-                g * 1e6,
-                raw * 1e6,
-                g / raw,
-                g / fv
-            );
-            println!(
-                "JSON {{\"kind\":\"resnet50_gossip\",\"np\":{size},\"ferrovod_s\":{g},\"nccl_sendrecv_s\":{raw},\"ferrovod_allreduce_s\":{fv}}}"
-            );
+            ),
+            (g, Some(raw)) => {
+                println!(
+                    "# resnet50 gossip: ferrovod {:.1} us, one NCCL send/recv of the flat set with the peer {:.1} us, ratio {:.3}; gossip/allreduce (ferrovod) {:.3}",
+                    g * 1e6,
+                    raw * 1e6,
+                    g / raw,
+                    g / fv
+                );
+                println!(
+                    "JSON {{\"kind\":\"resnet50_gossip\",\"np\":{size},\"ferrovod_s\":{g},\"nccl_sendrecv_s\":{raw},\"ferrovod_allreduce_s\":{fv}}}"
+                );
+            }
         }
     }
 }
