@@ -975,8 +975,8 @@ pub(crate) fn ring() {
             }
         }
     }
-    // chunks of several 4 MiB segments (each reduced while the later ones arrive), the last
-    // segment short
+    // chunks of many segments (each reduced while the later ones arrive), the last segment
+    // short
     for dtype in [DataType::F16, DataType::F32, DataType::F64] {
         for op in [ReduceOp::Sum, ReduceOp::Max] {
             let elems = n * ((10 << 20) / dtype.size()) + 3;

@@ -252,11 +252,11 @@ pub(crate) const FUSE_ALL_RING: &[(&str, &str)] = &[
     ("FERROVOD_RING_MIN_BYTES", "1"),
 ];
 
-/// The ring under a count limit below its 4 MiB segments.
+/// The ring under a count limit below its 128 KiB segments.
 pub(crate) const FUSE_ALL_RING_SMALL_COUNT: &[(&str, &str)] = &[
     ("FERROVOD_FUSION_DIRECT_BYTES", "1073741824"),
     ("FERROVOD_RING_MIN_BYTES", "1"),
-    ("FERROVOD_MPI_MAX_COUNT", "1048576"),
+    ("FERROVOD_MPI_MAX_COUNT", "49152"),
 ];
 
 /// Durations past what a clock holds: refused with a warning, defaults used.
