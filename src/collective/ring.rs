@@ -305,8 +305,7 @@ impl Workspace for HostWorkspace<'_> {
 /// Segments of `allreduce_staged`'s transfers: each is packed, reduced or unpacked while the
 /// later ones are still on the wire. Small, because MPI moves nothing while a segment is worked
 /// on (Open MPI's TCP transport progresses only inside MPI calls) and a step's last segment is
-/// worked on with the link idle; 4 MiB segments cost fp16 steps 8-11 % across emulated hosts
-/// (BENCHMARKS.md, the ring's segments).
+/// worked on with the link idle (BENCHMARKS.md, the ring's segments, measures both sizes).
 const RING_SEGMENT: usize = 128 << 10;
 
 /// The two disjoint chunks `send` and `recv` of `data` (checked by `disjoint` first).
