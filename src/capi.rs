@@ -258,6 +258,8 @@ fn set_last_error(msg: String) {
 
 /// Runs `f` behind a panic boundary and turns its result into a status.
 fn guard(f: impl FnOnce() -> Result<()>) -> Status {
+    // the caller's current CUDA context (its framework's current device) as it was
+    let _keep = crate::transport::cuda::KeepContext::new(false);
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => {
             set_last_error(String::new());
@@ -663,6 +665,7 @@ pub unsafe extern "C" fn fv_stream_wait(
                 "fv_stream_wait: device {device} is not a GPU"
             )));
         }
+        let _keep = crate::transport::cuda::KeepContext::new(true);
         let handle = known_handle(h)?;
         let done = if handle.is_done() || stream.is_null() {
             false
@@ -912,6 +915,9 @@ pub unsafe extern "C" fn fv_enqueue(op: *const fv_op, out: *mut fv_handle) -> St
         }
         // SAFETY: non-null, valid per the contract.
         let op = unsafe { &*op };
+        // a GPU operation may open its GPU: the caller's context is kept from the first one on
+        let _keep =
+            crate::transport::cuda::KeepContext::new(op.device != crate::message::CPU_DEVICE);
         let kind = OpKind::from_i32(op.kind)
             .filter(|k| !matches!(k, OpKind::AddProcessSet | OpKind::RemoveProcessSet))
             .ok_or_else(|| Error::InvalidArgument(format!("unknown operation kind {}", op.kind)))?;

@@ -1095,3 +1095,118 @@ pub(crate) fn gpu_u8() {
     assert_eq!(g, h, "block near f32::MAX: GPU vs host");
     finish_job();
 }
+
+/// The C API leaves the calling thread's current CUDA context as it found it: a framework's
+/// current device is the context it made current (`torch.cuda.current_device()` reads it), and
+/// must not turn into the tensors' GPU because ferrovod recorded on or waited on a stream of
+/// it. Checked on a thread with no context current and on one whose current context is one of
+/// its own on the same GPU (what another GPU's context is on a machine with one), through
+/// `fv_enqueue` with a ready stream, `fv_stream_wait`, `fv_wait` and `fv_release`, with the
+/// sums checked.
+pub(crate) fn gpu_thread_context() {
+    use cudarc::driver::sys;
+    use ferrovod::capi::{self, fv_op, fv_tensor};
+    use ferrovod::error::Status;
+    init();
+    let me = rank();
+    let n = size();
+    let gpu = this_gpu();
+    let count = 1usize << 16;
+    let host = encode(DataType::F32, &vec![(me + 1) as f64; count]);
+    let want = (n * (n + 1) / 2) as f64;
+    let current = || {
+        let mut c = std::ptr::null_mut();
+        // SAFETY: a plain query of this thread's current context.
+        unsafe { sys::cuCtxGetCurrent(&mut c) }.result().unwrap();
+        c as usize
+    };
+    for own in [false, true] {
+        let (gpu, host) = (gpu.clone(), host.clone());
+        std::thread::spawn(move || {
+            let what = if own { "its own context" } else { "no context" };
+            let stream = gpu.new_stream().unwrap();
+            let data = gpu.alloc(host.len()).unwrap();
+            // the test's own calls bound ferrovod's context; the caller's choice comes now
+            let mine = if own {
+                let mut dev = 0;
+                let mut c = std::ptr::null_mut();
+                // SAFETY: plain driver calls creating a context of this thread's own (made
+                // current), destroyed at the end of the thread.
+                unsafe {
+                    sys::cuDeviceGet(&mut dev, gpu.ordinal).result().unwrap();
+                    sys::cuCtxCreate_v4(&mut c, std::ptr::null_mut(), 0, dev)
+                        .result()
+                        .unwrap();
+                }
+                c
+            } else {
+                std::ptr::null_mut()
+            };
+            // SAFETY: `mine` is null or the live context just created.
+            unsafe { sys::cuCtxSetCurrent(mine) }.result().unwrap();
+            assert_eq!(current(), mine as usize, "{what}: set");
+            for step in 0..3 {
+                gpu.upload(&stream, &host, data.range()).unwrap();
+                // SAFETY: as above (the upload bound ferrovod's context on this thread).
+                unsafe { sys::cuCtxSetCurrent(mine) }.result().unwrap();
+                let name = std::ffi::CString::new(format!("ctx.{own}.{step}")).unwrap();
+                let shape = [count as i64];
+                let t = fv_tensor {
+                    name: name.as_ptr(),
+                    dtype: DataType::F32 as i32,
+                    ndim: 1,
+                    shape: shape.as_ptr(),
+                    input: data.ptr() as usize as *const std::ffi::c_void,
+                    output: std::ptr::null_mut(),
+                    splits: std::ptr::null(),
+                    nsplits: 0,
+                };
+                // SAFETY: every field of fv_op is an integer, a float or a pointer, for
+                // which zero is valid (no callback, no allocator, host defaults).
+                let mut op: fv_op = unsafe { std::mem::zeroed() };
+                op.kind = OpKind::Allreduce as i32;
+                op.reduce_op = ReduceOp::Sum as i32;
+                op.prescale = 1.0;
+                op.postscale = 1.0;
+                op.device = gpu.ordinal;
+                op.tensors = &t;
+                op.num_tensors = 1;
+                op.stream = stream.raw().cast();
+                let mut h = 0;
+                // SAFETY: a valid op whose tensor memory lives until the handle completes.
+                let status = unsafe { capi::fv_enqueue(&op, &mut h) };
+                assert_eq!(status, Status::Ok, "{what}: enqueue");
+                assert_eq!(current(), mine as usize, "{what}: after fv_enqueue");
+                let mut placed = 0;
+                // SAFETY: a live stream of this GPU.
+                let status = unsafe {
+                    capi::fv_stream_wait(h, gpu.ordinal, stream.raw().cast(), &mut placed)
+                };
+                assert_eq!(status, Status::Ok, "{what}: stream wait");
+                assert_eq!(current(), mine as usize, "{what}: after fv_stream_wait");
+                assert_eq!(capi::fv_wait(h, 120.0), Status::Ok, "{what}: wait");
+                assert_eq!(current(), mine as usize, "{what}: after fv_wait");
+                assert_eq!(capi::fv_release(h), Status::Ok);
+                assert_eq!(current(), mine as usize, "{what}: after fv_release");
+                let mut got = vec![0u8; host.len()];
+                gpu.download(&stream, data.range(), &mut got).unwrap();
+                let got = decode(DataType::F32, &got);
+                let bad = got.iter().position(|v| *v != want);
+                assert!(
+                    bad.is_none(),
+                    "{what}: element {bad:?} is {:?}, want {want}",
+                    bad.map(|i| got[i])
+                );
+                // SAFETY: as above.
+                unsafe { sys::cuCtxSetCurrent(mine) }.result().unwrap();
+            }
+            if own {
+                // SAFETY: the context this thread created; nothing of ferrovod's lives in it.
+                unsafe { sys::cuCtxDestroy_v2(mine) }.result().unwrap();
+            }
+        })
+        .join()
+        .unwrap();
+    }
+    finish_job();
+}

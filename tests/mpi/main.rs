@@ -31,7 +31,7 @@ use common::*;
 use decentralized::*;
 use gpu::{
     gpu_compressed, gpu_failure, gpu_graphs, gpu_graphs_gossip, gpu_kernels, gpu_peers_fault,
-    gpu_ring, gpu_streams, gpu_u8,
+    gpu_ring, gpu_streams, gpu_thread_context, gpu_u8,
 };
 use hosts::*;
 use negotiation::*;
@@ -1231,6 +1231,8 @@ pub(crate) const GPU_SCENARIOS: &[Scenario] = &[
         true,
     ),
     ("gpu_streams", 2, &[], true),
+    ("gpu_thread_context", 1, &[], true),
+    ("gpu_thread_context", 2, &[], true),
     (
         "gpu_streams",
         2,
@@ -1733,6 +1735,7 @@ pub(crate) fn run_rank(name: &str) {
         "group_votes" => group_votes(),
         "online_groups_stall" => online_groups_stall(),
         "gpu_streams" => gpu_streams(),
+        "gpu_thread_context" => gpu_thread_context(),
         "gpu_failure" => gpu_failure(),
         "gpu_kernels" => gpu_kernels(),
         "gpu_graphs" => gpu_graphs(),

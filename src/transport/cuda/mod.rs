@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use cudarc::driver::sys::{self};
@@ -187,7 +188,53 @@ pub fn gpu(ordinal: i32) -> Result<Arc<Gpu>> {
         retired: Mutex::default(),
     });
     gpus.insert(ordinal, g.clone());
+    OPENED.store(true, Ordering::Release);
     Ok(g)
+}
+
+/// Whether this process has opened a GPU (`gpu`): before that ferrovod has made no context
+/// current on any thread.
+static OPENED: AtomicBool = AtomicBool::new(false);
+
+/// The calling thread's current CUDA context, made current again when this is dropped. The C
+/// API runs on the framework's threads, whose current context is the framework's current device
+/// (`torch.cuda.current_device()` reads it); ferrovod binds the tensors' GPU there to record
+/// and wait on streams, and must leave the caller's choice as it found it.
+pub struct KeepContext(Option<sys::CUcontext>);
+
+impl KeepContext {
+    /// `gpu_call`: the call may open a GPU (a GPU operation); other calls keep the context
+    /// only once a GPU is open, so host-only processes never load the driver here.
+    pub fn new(gpu_call: bool) -> KeepContext {
+        let active = OPENED.load(Ordering::Acquire) || (gpu_call && cuda_present());
+        if !active {
+            return KeepContext(None);
+        }
+        // before cuInit no context can be current: the thread has none
+        KeepContext(Some(
+            result::ctx::get_current()
+                .ok()
+                .flatten()
+                .unwrap_or(std::ptr::null_mut()),
+        ))
+    }
+}
+
+impl Drop for KeepContext {
+    fn drop(&mut self) {
+        let Some(before) = self.0 else {
+            return;
+        };
+        let now = result::ctx::get_current()
+            .ok()
+            .flatten()
+            .unwrap_or(std::ptr::null_mut());
+        if now != before {
+            // SAFETY: the context this thread had current when the call began (or none); the
+            // call destroys no context, so it is still alive.
+            let _ = unsafe { result::ctx::set_current(before) };
+        }
+    }
 }
 
 impl Gpu {

@@ -499,6 +499,29 @@ def test_ddp_on_a_gpu_that_is_not_the_current_device(view):
         ddp_against_one_process(d, view, False)
 
 
+def test_the_current_device_stays_while_collectives_run_on_another():
+    """A collective on this rank's GPU, called while another GPU is the current device: the
+    backend records on and waits on the tensors' device, and the caller's current device is
+    the same afterwards (PyTorch reads it from the thread's current CUDA context)."""
+    if "cuda" not in DEVICES or torch.cuda.device_count() < 2:
+        pytest.skip("needs CUDA and a second GPU")
+    d = dev("cuda")
+    other = 0 if d.index != 0 else 1
+    with torch.cuda.device(other):
+        t = torch.full((1 << 16,), float(rank() + 1), device=d)
+        dist.all_reduce(t)
+        assert torch.cuda.current_device() == other
+        work = dist.all_reduce(t, async_op=True)
+        assert torch.cuda.current_device() == other
+        work.wait()
+        assert torch.cuda.current_device() == other
+        hvd.allreduce_(t, op=hvd.Sum, name="current.device")
+        assert torch.cuda.current_device() == other
+        n = size()
+        want = float(n * (n + 1) // 2) * n * n
+        assert torch.equal(t.cpu(), torch.full((1 << 16,), want))
+
+
 def ddp_against_one_process(d, view, static):
     """DDP on `d` over the backend against one process on the whole batch: six SGD steps with
     momentum, the parameters equal."""
