@@ -4,7 +4,9 @@
 # the `ferrovod` backend, one MPI rank per test process (scripts/torch-tests/runner.py), then a
 # table of the results (scripts/torch-tests/table.py). docs/torch-distributed.md holds the last
 # table and explains its failures.
-# Usage: bash scripts/torch-tests.sh [-n NP] [-k PART_OF_A_NAME]...   (default np 2, every test)
+# Usage: bash scripts/torch-tests.sh [-n NP] [--as gloo] [-k PART_OF_A_NAME]...
+#   (default np 2, every test; --as gloo: the suite as it runs for gloo, its groups taken over
+#   by ferrovod's, FERROVOD_TORCH_TAKEOVER)
 # Results in ${OUT:-/tmp/ferrovod-torch-tests}; PYTHON chooses the interpreter (default .venv's).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +15,7 @@ args=()
 while [ $# -gt 0 ]; do
   case $1 in
     -n) np=$2; shift 2 ;;
+    --as) export TORCH_TESTS_AS=$2; shift 2 ;;
     *) args+=("$1"); shift ;;
   esac
 done
@@ -22,6 +25,7 @@ py=${PYTHON:-.venv/bin/python}
 out=${OUT:-/tmp/ferrovod-torch-tests}
 rm -rf "$out"
 mkdir -p "$out"/{barrier,test_dir,init_dir,runner}
+export TORCH_TESTS_AS=${TORCH_TESTS_AS:-ferrovod}
 export TEMP_DIR=$out OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # a test whose ranks disagree ends in ferrovod's stall error within half a minute
 export HOROVOD_STALL_CHECK_TIME_SECONDS=${HOROVOD_STALL_CHECK_TIME_SECONDS:-10}
@@ -32,7 +36,7 @@ for attempt in $(seq 1 100); do
   cat "$out"/results.*.jsonl >"$out/done.jsonl" 2>/dev/null
   before=$(wc -l <"$out/done.jsonl")
   if mpirun -np "$np" --oversubscribe --bind-to none --mca mpi_yield_when_idle 1 \
-    -x TEMP_DIR -x HOROVOD_STALL_CHECK_TIME_SECONDS -x HOROVOD_STALL_SHUTDOWN_TIME_SECONDS \
+    -x TEMP_DIR -x TORCH_TESTS_AS -x HOROVOD_STALL_CHECK_TIME_SECONDS -x HOROVOD_STALL_SHUTDOWN_TIME_SECONDS \
     "$py" scripts/torch-tests/runner.py --done "$out/done.jsonl" --job "$attempt" "${args[@]}"; then
     break
   fi

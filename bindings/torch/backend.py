@@ -740,7 +740,16 @@ def _op_name(op):
     return str(op)
 
 
+def _strided(tensors):
+    """Refuses, at the call, a layout the collectives cannot take."""
+    for t in tensors:
+        if t.layout != torch.strided:
+            raise ValueError("the ferrovod backend's collectives take dense (strided) tensors, "
+                             "not %s (all_reduce sums sparse COO tensors)" % t.layout)
+
+
 def _flat(t):
+    _strided((t,))
     return t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
 
 
@@ -901,8 +910,9 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         makes the Future's value from the operation's outputs (run on the completion thread, on
         a side stream for CUDA tensors); `touched`: the caller's tensors it writes there;
         `opts`: the call's options, which say whether the caller waits at once (`_blocking`)."""
-        device = mpi_ops._device_of(inputs)
         used = tuple(inputs) + tuple(outputs or ()) + tuple(touched)
+        _strided(used)
+        device = mpi_ops._device_of(inputs)
         stand_in, outputs, finish = _contiguous(inputs, outputs, finish or (lambda values: values))
         if stand_in is not inputs:  # and the contiguous temporaries
             used += tuple(stand_in) + tuple(outputs or ())
@@ -954,6 +964,9 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
     def _allreduce(self, tensors, op, prescale, opts=None):
         if not tensors:
             return _done_work([])
+        if any(t.layout == torch.sparse_coo for t in tensors):
+            return self._sparse_allreduce(tensors, op, prescale)
+        _strided(tensors)
         one = tensors[0]
         if len(tensors) == 1 and one.is_contiguous() and one.device.type in ("cpu", "cuda"):
             return self._allreduce_one(one, op, prescale, opts)
@@ -975,10 +988,36 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
             mpi_ops._allreduce_one_(t, names[0], op, prescale, 1.0, self._set, codec,
                                     done=_done(key), done_user_data=key)))
 
+    def _sparse_allreduce(self, tensors, op, prescale):
+        """A sparse COO sum, as gloo's: every rank's indices and values are gathered (ranks hold
+        different numbers of them) and summed here, so each rank ends with the coalesced sum in
+        its tensor. It completes within the call (the returned Work is done)."""
+        if op is not mpi_ops.Sum or prescale != 1.0:
+            raise ValueError("the ferrovod backend reduces sparse tensors with SUM only (as gloo)")
+        if len(tensors) != 1 or tensors[0].layout != torch.sparse_coo:
+            raise ValueError("the ferrovod backend reduces one sparse tensor per call")
+        t = tensors[0]
+        own = t.coalesce()
+        indices = own._indices().t().contiguous()  # a row of sparse coordinates per value
+        values = own._values().contiguous()
+        # the name holds what every rank knows: the shape, the dtype, the sparse dimensions
+        like = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        signature = _signature("sparse%d_allreduce" % t.sparse_dim(), [like])
+        works = [self._run(_core.ALLGATHER, [part.reshape(-1)], "%s.%s" % (signature, what),
+                           finish=lambda gathered: gathered)
+                 for what, part in (("indices", indices), ("values", values))]
+        gathered = [w.result()[0] for w in works]
+        summed = torch.sparse_coo_tensor(gathered[0].view(-1, t.sparse_dim()).t(),
+                                         gathered[1].view((-1,) + tuple(values.shape[1:])),
+                                         t.shape).coalesce()
+        t.copy_(summed)
+        return _done_work([t])
+
     def reduce(self, tensors, opts=None):
         opts = opts or dist.ReduceOptions()
         op, prescale = _reduction(opts.reduceOp)
         root = opts.rootRank
+        _strided(tensors)
         scratch = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
 
         def finish(values):

@@ -8,7 +8,12 @@ file store, a barrier, the test, a barrier, destroy_process_group. PyTorch decid
 backend takes part in from sets of backend names; "ferrovod" is added to the sets of what it
 implements (DDP, subgroups, a plugin backend; GPU and CUDA where CUDA is there) before the suite
 is imported, as a third-party backend would be. A test that outlives --timeout ends the job
-(the script then goes on from the next one)."""
+(the script then goes on from the next one).
+
+With TORCH_TESTS_AS=gloo (the script's --as), the suite runs as it does for that backend (its
+tests for that backend by name included), with ferrovod's takeover on: every group the suite
+asks for by that name is ferrovod's, as in a user's unchanged script under
+FERROVOD_TORCH_TAKEOVER=1, and each test checks that it got ferrovod's."""
 
 import argparse
 import json
@@ -23,7 +28,10 @@ from datetime import timedelta
 RANK = int(os.environ["OMPI_COMM_WORLD_RANK"])
 SIZE = int(os.environ["OMPI_COMM_WORLD_SIZE"])
 TMP = os.environ["TEMP_DIR"]  # shared by the ranks (the suite's file barrier lives there)
-os.environ["BACKEND"] = "ferrovod"
+AS = os.environ.get("TORCH_TESTS_AS", "ferrovod")
+os.environ["BACKEND"] = AS
+if AS != "ferrovod":
+    os.environ["FERROVOD_TORCH_TAKEOVER"] = "1"
 os.environ["WORLD_SIZE"] = str(SIZE)
 os.environ.setdefault("INIT_METHOD", "file://" + os.path.join(TMP, "init_dir", "shared_init_file"))
 
@@ -84,8 +92,10 @@ def run_one(index, name):
     self.file_name = os.path.join(TMP, "init_dir", "store.%d" % index)
     start = time.time()
     try:
-        dist.init_process_group(init_method="file://" + self.file_name, backend="ferrovod",
+        dist.init_process_group(init_method="file://" + self.file_name, backend=AS,
                                 world_size=SIZE, rank=RANK, timeout=timedelta(seconds=120))
+        if dist.get_backend() != "ferrovod":
+            raise RuntimeError("the suite's group is %r, not ferrovod's" % dist.get_backend())
         self._barrier()
         common_utils.set_rng_seed()  # as the suite's run_test: every rank draws the same data
         method = getattr(self, name)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 
 def test_stopped_rank_ends_the_job_with_the_missing_rank_named(tmp_path):
     script = tmp_path / "job.py"
@@ -56,9 +58,11 @@ def test_stopped_rank_ends_the_job_with_the_missing_rank_named(tmp_path):
     assert time.time() - failed_at < 30, text
 
 
-def test_stopped_rank_ends_a_torch_distributed_job_with_dist_backend_error(tmp_path):
+@pytest.mark.parametrize("last", ["torch.ones(1)", "torch.ones(3).to_sparse()"])
+def test_stopped_rank_ends_a_torch_distributed_job_with_dist_backend_error(tmp_path, last):
     """The same through torch.distributed's `ferrovod` backend: the surviving rank's
-    `all_reduce` raises DistBackendError naming the missing rank."""
+    `all_reduce` (dense, or sparse: two gathers) raises DistBackendError naming the missing
+    rank."""
     script = tmp_path / "job.py"
     script.write_text(
         "import os, signal, sys, time\n"
@@ -76,7 +80,7 @@ def test_stopped_rank_ends_a_torch_distributed_job_with_dist_backend_error(tmp_p
         "    note('stopping', repr(time.time()))\n"
         "    os.kill(os.getpid(), signal.SIGSTOP)\n"
         "try:\n"
-        "    dist.all_reduce(torch.ones(1))\n"
+        "    dist.all_reduce(%s)\n" % last +
         "except Exception as e:\n"
         "    note('error.%d' % dist.get_rank(), repr(time.time()) + ' ' + type(e).__name__ + ' ' + str(e))\n"
         "    raise\n"

@@ -762,6 +762,64 @@ def test_send_and_recv_in_a_subgroup_and_a_mismatch_fails_both_sides():
     dist.barrier()
 
 
+def sparse_of(r, n, dense_dims, device):
+    """Rank r's sparse COO tensor: rank r holds r values (rank 0 none), some indices repeated
+    (uncoalesced), some shared with other ranks."""
+    rows = torch.tensor([(r * 3 + 2 * k) % n for k in range(r)], dtype=torch.int64)
+    cols = torch.tensor([k % 2 for k in range(r)], dtype=torch.int64)
+    vals = torch.tensor([float(r + k) for k in range(r)]).reshape((r,) + (1,) * dense_dims)
+    vals = vals.expand((r,) + (3,) * dense_dims).contiguous()
+    return torch.sparse_coo_tensor(torch.stack([rows, cols]), vals,
+                                   (n, 2) + (3,) * dense_dims).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dense_dims", [0, 1])
+def test_sparse_all_reduce_sums_every_ranks_values(device, dense_dims):
+    n = 2 * size() + 1
+    t = sparse_of(rank(), n, dense_dims, dev(device))
+    dist.all_reduce(t)
+    want = sum(sparse_of(r, n, dense_dims, "cpu").to_dense() for r in range(size()))
+    assert t.layout == torch.sparse_coo and t.is_coalesced() and t.device == dev(device)
+    assert torch.equal(t.to_dense().cpu(), want)
+    # asynchronously, and a second time under the same name
+    u = sparse_of(rank(), n, dense_dims, dev(device))
+    dist.all_reduce(u, async_op=True).wait()
+    assert torch.equal(u.to_dense().cpu(), want)
+    with pytest.raises(ValueError, match="SUM only"):
+        dist.all_reduce(sparse_of(rank(), n, dense_dims, dev(device)), op=dist.ReduceOp.MAX)
+    with pytest.raises(ValueError, match="dense .strided. tensors, not torch.sparse_coo"):
+        dist.broadcast(sparse_of(rank(), n, dense_dims, dev(device)), src=0)
+    # the group still works
+    y = torch.ones(2, device=dev(device))
+    dist.all_reduce(y)
+    close(y, torch.full((2,), float(size())))
+
+
+def test_ddp_with_a_sparse_embedding_equals_one_process():
+    """DDP sums sparse gradients (an nn.Embedding(sparse=True)) through the sparse all_reduce."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(20, 4, sparse=True), torch.nn.Flatten(),
+                                torch.nn.Linear(12, 1))
+    single = copy.deepcopy(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+    opt1 = torch.optim.SGD(single.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x = torch.randint(0, 20, (2 * size(), 3), generator=g)
+        y = torch.randn(2 * size(), 1, generator=g)
+        mine = slice(2 * rank(), 2 * rank() + 2)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x[mine]), y[mine]).backward()
+        opt.step()
+        opt1.zero_grad()
+        torch.nn.functional.mse_loss(single(x), y).backward()
+        opt1.step()
+    for a, b in zip(ddp.module.parameters(), single.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_bad_calls_raise_at_the_call():
     x = torch.ones(3, dtype=torch.int32)
     with pytest.raises(ValueError, match="ReduceOp.BAND"):
