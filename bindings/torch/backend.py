@@ -966,9 +966,9 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
             return _done_work([])
         if any(t.layout == torch.sparse_coo for t in tensors):
             return self._sparse_allreduce(tensors, op, prescale)
-        _strided(tensors)
-        one = tensors[0]
-        if len(tensors) == 1 and one.is_contiguous() and one.device.type in ("cpu", "cuda"):
+        one = tensors[0]  # any other layout is refused by `_run`
+        if (len(tensors) == 1 and one.layout == torch.strided and one.is_contiguous()
+                and one.device.type in ("cpu", "cuda")):
             return self._allreduce_one(one, op, prescale, opts)
         return self._run(_core.ALLREDUCE, tensors, _signature("allreduce", tensors),
                          outputs=list(tensors), finish=lambda _v: list(tensors), opts=opts,

@@ -522,6 +522,19 @@ def test_the_current_device_stays_while_collectives_run_on_another():
         assert torch.equal(t.cpu(), torch.full((1 << 16,), want))
 
 
+def step_alongside(ddp, opt, ref, ref_opt, x, y):
+    """One step of `ddp` on this rank's share of the batch (x, y), and of `ref`, in this one
+    process, on all of it."""
+    per = x.shape[0] // size()
+    mine = slice(per * rank(), per * (rank() + 1))
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(ddp(x[mine]), y[mine]).backward()
+    opt.step()
+    ref_opt.zero_grad()
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    ref_opt.step()
+
+
 def ddp_against_one_process(d, view, static):
     """DDP on `d` over the backend against one process on the whole batch: six SGD steps with
     momentum, the parameters equal."""
@@ -539,13 +552,7 @@ def ddp_against_one_process(d, view, static):
     for _ in range(6):
         x = torch.randn(per * size(), 8, generator=g).to(d)
         y = torch.randn(per * size(), 4, generator=g).to(d)
-        mine = slice(per * rank(), per * (rank() + 1))
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(ddp(x[mine]), y[mine]).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        torch.nn.functional.mse_loss(ref(x), y).backward()
-        ref_opt.step()
+        step_alongside(ddp, opt, ref, ref_opt, x, y)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
@@ -809,13 +816,7 @@ def test_ddp_with_a_sparse_embedding_equals_one_process():
     for _ in range(4):
         x = torch.randint(0, 20, (2 * size(), 3), generator=g)
         y = torch.randn(2 * size(), 1, generator=g)
-        mine = slice(2 * rank(), 2 * rank() + 2)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(ddp(x[mine]), y[mine]).backward()
-        opt.step()
-        opt1.zero_grad()
-        torch.nn.functional.mse_loss(single(x), y).backward()
-        opt1.step()
+        step_alongside(ddp, opt, single, opt1, x, y)
     for a, b in zip(ddp.module.parameters(), single.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
