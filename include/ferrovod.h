@@ -461,6 +461,13 @@ typedef struct fv_op {
    with the same tag, in the same process set. From 0 to the bound `fv_p2p_max_tag` gives.
    */
   int32_t tag;
+  /*
+   Seconds the operation may wait for the set's other ranks to submit it; past them the job
+   shuts down with a "Timed out" error on every rank (a torch group's timeout). It can only
+   shorten the stall shutdown time (`HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`) for this
+   operation. 0: no timeout of its own. Negative, NaN and infinite values are refused.
+   */
+  double timeout;
 } fv_op;
 
 

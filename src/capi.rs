@@ -127,6 +127,11 @@ pub struct fv_op {
     /// gives): the k-th send to a rank with a tag meets that rank's k-th receive from this one
     /// with the same tag, in the same process set. From 0 to the bound `fv_p2p_max_tag` gives.
     pub tag: i32,
+    /// Seconds the operation may wait for the set's other ranks to submit it; past them the job
+    /// shuts down with a "Timed out" error on every rank (a torch group's timeout). It can only
+    /// shorten the stall shutdown time (`HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`) for this
+    /// operation. 0: no timeout of its own. Negative, NaN and infinite values are refused.
+    pub timeout: f64,
 }
 
 /// What a multistep allreduce does with the calls between its communications
@@ -165,6 +170,24 @@ fn multistep(op: &fv_op) -> Result<Option<Multistep>> {
         warmup: op.multistep_warmup as u32,
         accumulate,
     }))
+}
+
+/// The operation's own timeout (`fv_op.timeout`; None for 0); an error for values that are no
+/// length of time.
+fn op_timeout(seconds: f64) -> Result<Option<std::time::Duration>> {
+    if seconds == 0.0 {
+        return Ok(None);
+    }
+    if seconds.is_nan() || seconds < 0.0 {
+        return Err(Error::InvalidArgument(format!(
+            "timeout {seconds} must be a positive number of seconds (0: none)"
+        )));
+    }
+    std::time::Duration::try_from_secs_f64(seconds)
+        .map(Some)
+        .map_err(|_| {
+            Error::InvalidArgument(format!("timeout {seconds} s is too large to be a time"))
+        })
 }
 
 /// How an allreduce's f32 values travel (`fv_op.compression`); only f32 sums and averages are
@@ -936,6 +959,7 @@ pub unsafe extern "C" fn fv_enqueue(op: *const fv_op, out: *mut fv_handle) -> St
         spec.postscale = op.postscale;
         spec.compression = compression(op.compression)?;
         spec.multistep = multistep(op)?;
+        spec.timeout = op_timeout(op.timeout)?;
         spec.root_rank = op.root_rank;
         spec.tag = op.tag;
         spec.process_set = op.process_set;
@@ -1364,6 +1388,18 @@ mod tests {
             committed == generated,
             "include/ferrovod.h is stale: run `FERROVOD_UPDATE_HEADER=1 cargo test committed_header`"
         );
+    }
+
+    #[test]
+    fn op_timeouts() {
+        use super::op_timeout;
+        use std::time::Duration;
+        assert_eq!(op_timeout(0.0).unwrap(), None);
+        assert_eq!(op_timeout(1.5).unwrap(), Some(Duration::from_millis(1500)));
+        for bad in [-1.0, f64::NAN, f64::INFINITY, 1e30] {
+            let err = op_timeout(bad).unwrap_err().to_string();
+            assert!(err.contains("timeout"), "{bad}: {err}");
+        }
     }
 
     #[test]

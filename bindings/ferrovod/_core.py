@@ -116,6 +116,8 @@ class _Op(ctypes.Structure):
         ("multistep_mode", ctypes.c_int32),
         ("multistep_warmup", ctypes.c_int32),
         ("tag", ctypes.c_int32),
+        # seconds the op may wait for the other ranks (0: the stall limit alone)
+        ("timeout", ctypes.c_double),
     ]
 
 
@@ -758,7 +760,7 @@ def auto_name(prefix):
 
 def enqueue(kind, arrays, names, reduce_op=SUM, prescale=1.0, postscale=1.0, root_rank=0,
             process_set=0, splits=None, inplace=False, compression=COMPRESSION_JOB,
-            multistep=1, multistep_mode=MULTISTEP_ACCUMULATE, multistep_warmup=0):
+            multistep=1, multistep_mode=MULTISTEP_ACCUMULATE, multistep_warmup=0, timeout=0.0):
     """Enqueues one operation over numpy `arrays` (one name each) and returns a Handle.
 
     Allreduce/broadcast write a new array (or the input itself with `inplace=True`);
@@ -766,7 +768,7 @@ def enqueue(kind, arrays, names, reduce_op=SUM, prescale=1.0, postscale=1.0, roo
     Allreduce: `multistep` k > 1 communicates on every k-th call of each name only (0: as the
     job's FERROVOD_MULTISTEP says; the default, 1, communicates on every call, as Horovod's
     collectives must: they cannot report a call that only summed); the handle's
-    `communicated` tells, after `wait`.
+    `communicated` tells, after `wait`. `timeout`: as `submit`'s.
     """
     arrays = [np.ascontiguousarray(a) for a in arrays]
     specs, keep, outputs = [], list(arrays), []
@@ -788,7 +790,8 @@ def enqueue(kind, arrays, names, reduce_op=SUM, prescale=1.0, postscale=1.0, roo
     return submit(kind, specs, keep, outputs, reduce_op=reduce_op, prescale=prescale,
                   postscale=postscale, root_rank=root_rank, process_set=process_set,
                   splits=splits, compression=compression, multistep=multistep,
-                  multistep_mode=multistep_mode, multistep_warmup=multistep_warmup)
+                  multistep_mode=multistep_mode, multistep_warmup=multistep_warmup,
+                  timeout=timeout)
 
 
 class Spec:
@@ -805,7 +808,7 @@ class Spec:
 def submit(kind, specs, keep, outputs, reduce_op=SUM, prescale=1.0, postscale=1.0, root_rank=0,
            process_set=0, splits=None, compression=COMPRESSION_JOB, multistep=1,
            multistep_mode=MULTISTEP_ACCUMULATE, multistep_warmup=0, device=CPU_DEVICE,
-           stream=None, alloc=None, done=None, done_user_data=None, tag=0):
+           stream=None, alloc=None, done=None, done_user_data=None, tag=0, timeout=0.0):
     """Enqueues one operation over `specs` and returns a Handle whose `wait` returns `outputs`
     (a `Later` item: converted from ferrovod's buffer). `keep`: objects that own the memory the
     specs point at, held until the handle is released. GPU ops (`device` >= 0) name the
@@ -813,7 +816,9 @@ def submit(kind, specs, keep, outputs, reduce_op=SUM, prescale=1.0, postscale=1.
     ferrovod sizes. `multistep`: as `enqueue`'s (1: every call communicates). `done`: a
     DONE_FN ferrovod calls on its own thread at completion, with `done_user_data`; it must
     outlive every operation that names it (a module-level one), since a completed handle may be
-    released while its callback is still returning."""
+    released while its callback is still returning. `timeout`: seconds the operation may wait
+    for the other ranks to submit it before the job shuts down with a timeout error (0: the
+    stall limit alone; it can only shorten it)."""
     _sweep_orphans()
     n = len(specs)
     tensors = (_Tensor * max(n, 1))()
@@ -847,6 +852,7 @@ def submit(kind, specs, keep, outputs, reduce_op=SUM, prescale=1.0, postscale=1.
     op.postscale = postscale
     op.root_rank = root_rank
     op.tag = tag
+    op.timeout = timeout
     op.process_set = process_set
     op.device = device
     op.stream = stream
@@ -876,7 +882,7 @@ class _OneTensor:
     __slots__ = ("key", "op", "tensors", "tensor", "shape", "name")
 
     def __init__(self, key, kind, name, dtype, shape, reduce_op, prescale, postscale, process_set,
-                 compression, device):
+                 compression, device, timeout):
         self.key = key
         self.name = name.encode()
         self.shape = (ctypes.c_int64 * max(len(shape), 1))(*shape)
@@ -886,6 +892,7 @@ class _OneTensor:
         op = self.op = _Op()
         op.kind, op.reduce_op, op.prescale, op.postscale = kind, reduce_op, prescale, postscale
         op.process_set, op.device, op.compression = process_set, device, compression
+        op.timeout = timeout
         # every call communicates, whatever the job's FERROVOD_MULTISTEP: the callers are
         # Horovod's ops, which cannot report a call that only summed
         op.multistep = 1
@@ -904,23 +911,23 @@ _one_tensor_lock = threading.Lock()
 def submit_one(kind, name, dtype, shape, input_address, output_address, keep, result,
                reduce_op=SUM, prescale=1.0, postscale=1.0, process_set=0,
                compression=COMPRESSION_JOB, device=CPU_DEVICE, stream=None, reuse=True, done=None,
-               done_user_data=None):
+               done_user_data=None, timeout=0.0):
     """`submit` of one contiguous tensor at `input_address` (fv_dtype `dtype`, `shape`) whose
     result goes to `output_address` (the input's, in place, for an allreduce; a given output
     for an allgather or reducescatter), the memory kept alive by `keep` until the handle is
     released; its structs are reused from the last call of `name` (`reuse`: kept for the next
     one, up to ONE_TENSOR_CACHE_CAPACITY names; names that never come back, such as unnamed
     operations', should not be). The handle's `wait` returns `[result]`. `done`,
-    `done_user_data`: as `submit`'s."""
+    `done_user_data`, `timeout`: as `submit`'s."""
     key = (kind, dtype, tuple(shape), device, reduce_op, prescale, postscale, process_set,
-           compression)
+           compression, timeout)
     with _one_tensor_lock:
         prepared = _one_tensor_ops.get(name)
         if prepared is not None and prepared.key == key:
             _one_tensor_ops.move_to_end(name)
         else:
             prepared = _OneTensor(key, kind, name, dtype, shape, reduce_op, prescale, postscale,
-                                  process_set, compression, device)
+                                  process_set, compression, device, timeout)
             if reuse:
                 _one_tensor_ops[name] = prepared
                 _one_tensor_ops.move_to_end(name)
@@ -943,8 +950,8 @@ def submit_one(kind, name, dtype, shape, input_address, output_address, keep, re
 def allreduce_in_place(name, dtype, shape, address, owner, reduce_op=SUM, prescale=1.0,
                        postscale=1.0, process_set=0, compression=COMPRESSION_JOB,
                        device=CPU_DEVICE, stream=None, reuse=True, done=None,
-                       done_user_data=None):
+                       done_user_data=None, timeout=0.0):
     """`submit_one` of an allreduce in place of `owner`'s memory at `address`."""
     return submit_one(ALLREDUCE, name, dtype, shape, address, address, [owner], owner,
                       reduce_op, prescale, postscale, process_set, compression, device, stream,
-                      reuse, done, done_user_data)
+                      reuse, done, done_user_data, timeout)

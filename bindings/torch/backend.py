@@ -32,6 +32,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from ferrovod import _core
 from ferrovod.compression import core_codec
+from ferrovod.exceptions import HorovodInternalError
 from ferrovod.torch import mpi_ops
 from horovod.common import process_sets as _ps
 
@@ -305,8 +306,12 @@ def _create(backend_opts, pg_options):
     if pg_options is not None and not isinstance(pg_options, Options):
         raise TypeError("the ferrovod backend takes ferrovod.torch.backend.Options, not %s"
                         % type(pg_options).__name__)
-    return ProcessGroupFerrovod(backend_opts.group_rank, backend_opts.group_size, process_set,
-                                pg_options or Options())
+    group = ProcessGroupFerrovod(backend_opts.group_rank, backend_opts.group_size, process_set,
+                                 pg_options or Options())
+    timeout = getattr(backend_opts, "timeout", None)
+    if timeout is not None:
+        group._timeout = max(timeout.total_seconds(), 0.0)
+    return group
 
 
 # --- completion ----------------------------------------------------------------------------------
@@ -857,6 +862,10 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         super().__init__(rank, size)
         self._set = process_set
         self._options = options
+        # the group's timeout (seconds; 0: none): how long a collective waits for the group's
+        # other ranks to submit it before the job shuts down with a timeout error on every rank.
+        # It can only shorten ferrovod's stall limit (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)
+        self._timeout = 0.0
         # torch names a group alike on all of its members
         self._names = _Names(lambda: self._group_name or "world")
         self._group_name = ""
@@ -920,7 +929,7 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         work = _Work.start(device, finish, used, _blocking(opts))
         return self._submit_named(work, signature, len(inputs), lambda names, key: mpi_ops._enqueue(
             kind, inputs, names, outputs, None, self._set, done=_done(key), done_user_data=key,
-            **kwargs))
+            timeout=self._timeout, **kwargs))
 
     def _into(self, kind, flat, output, signature, result, opts, **kwargs):
         """An allgather or reducescatter of contiguous `flat` written straight into `output`
@@ -931,7 +940,7 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         work._may_defer = work._direct and self._device_waits()
         return self._submit_named(work, signature, 1, lambda names, key: mpi_ops._into_(
             kind, flat, output, names[0], self._set, done=_done(key), done_user_data=key,
-            **kwargs))
+            timeout=self._timeout, **kwargs))
 
     def _submit_named(self, work, signature, count, submit):
         """Submits `work`'s operation of `count` tensors, `submit(names, key)`, under the
@@ -986,7 +995,8 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         codec = self._codec(op, (t,))
         return self._submit_named(work, _signature("allreduce", (t,)), 1, lambda names, key: (
             mpi_ops._allreduce_one_(t, names[0], op, prescale, 1.0, self._set, codec,
-                                    done=_done(key), done_user_data=key)))
+                                    done=_done(key), done_user_data=key,
+                                    timeout=self._timeout)))
 
     def _sparse_allreduce(self, tensors, op, prescale):
         """A sparse COO sum, as gloo's: every rank's indices and values are gathered (ranks hold
@@ -1327,9 +1337,12 @@ def _submit_work(work, submit, keep_handle=False):
         work._core_id = core.id
         if keep_handle:
             work._core = core
-    except Exception:
+    except Exception as e:
         with _works_lock:
             _works.pop(key, None)
+        if isinstance(e, HorovodInternalError):
+            # the job has shut down (a stall, a timeout, a rank that left): torch's type for it
+            raise _backend_error(e) from e
         raise
     finally:
         work._submitted.set()

@@ -276,22 +276,24 @@ def _pending(handle, device, finish):
 
 
 def _allreduce_one_(tensor, name, op, prescale, postscale, process_set, codec, finish=list,
-                    reuse=True, done=None, done_user_data=None):
+                    reuse=True, done=None, done_user_data=None, timeout=0.0):
     """`allreduce_async_` of one contiguous tensor through the C structs the core keeps per name
     (`_core.allreduce_in_place`; `reuse`: unnamed operations' names never come back); `finish`
-    makes the handle's result from `[tensor]`; `done`, `done_user_data`: `_core.submit`'s."""
+    makes the handle's result from `[tensor]`; `done`, `done_user_data`, `timeout`:
+    `_core.submit`'s."""
     set_id = registered_id(process_set)
     device = tensor.device if tensor.is_cuda else None
     handle = _core.allreduce_in_place(
         name, _code(tensor), tuple(tensor.shape), tensor.data_ptr(), tensor, op, prescale,
         postscale, set_id, codec,
         _core.CPU_DEVICE if device is None else device.index,
-        None if device is None else _current_stream(device), reuse, done, done_user_data)
+        None if device is None else _current_stream(device), reuse, done, done_user_data,
+        timeout)
     return _pending(handle, device, finish)
 
 
 def _into_(kind, tensor, output, name, process_set, reduce_op=_core.SUM, prescale=1.0, done=None,
-            done_user_data=None):
+            done_user_data=None, timeout=0.0):
     """An allgather or reducescatter of one contiguous tensor into `output` (contiguous, the
     result's size when every rank's tensor has this shape) through the C structs the core keeps
     per name (`_core.submit_one`); the handle's result is `[output]`."""
@@ -301,7 +303,8 @@ def _into_(kind, tensor, output, name, process_set, reduce_op=_core.SUM, prescal
         kind, name, _code(tensor), tuple(tensor.shape), tensor.data_ptr(), output.data_ptr(),
         [tensor, output], output, reduce_op, prescale, 1.0, set_id, _core.COMPRESSION_JOB,
         _core.CPU_DEVICE if device is None else device.index,
-        None if device is None else _current_stream(device), True, done, done_user_data)
+        None if device is None else _current_stream(device), True, done, done_user_data,
+        timeout)
     return _pending(handle, device, list)
 
 

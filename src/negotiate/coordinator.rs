@@ -7,10 +7,13 @@ use std::time::{Duration, Instant};
 use crate::hashing::HashMap;
 use crate::message::{OpKind, Request, Response};
 use crate::negotiate::validate::construct_response;
+use crate::negotiate::wire::OpTimeout;
 
 struct Pending {
     by_rank: Vec<Option<Request>>,
     first_seen: Instant,
+    /// The earliest deadline an operation's own timeout gave it on any rank, with that timeout.
+    deadline: Option<(Instant, Duration)>,
 }
 
 /// A name waiting for some ranks.
@@ -65,6 +68,7 @@ impl Coordinator {
                     Pending {
                         by_rank: vec![None; self.size],
                         first_seen: now,
+                        deadline: None,
                     }
                 });
                 entry.by_rank[rank] = Some(req);
@@ -115,6 +119,56 @@ impl Coordinator {
         ready
     }
 
+    /// Gives the pending names the deadlines their operations' own timeouts set (`(name,
+    /// timeout)` as the requests carried them, after `add_round` took the requests); a name
+    /// keeps its earliest deadline.
+    pub fn add_timeouts<'a>(
+        &mut self,
+        timeouts: impl IntoIterator<Item = (&'a str, OpTimeout)>,
+        now: Instant,
+    ) {
+        for (name, t) in timeouts {
+            if let Some(p) = self.table.get_mut(name) {
+                let at = now + t.timeout.saturating_sub(t.waited);
+                if p.deadline.is_none_or(|(d, _)| at < d) {
+                    p.deadline = Some((at, t.timeout));
+                }
+            }
+        }
+    }
+
+    /// Whether a pending name's own timeout has run out.
+    pub fn any_timed_out(&self, now: Instant) -> bool {
+        self.table
+            .values()
+            .any(|p| p.deadline.is_some_and(|(d, _)| d <= now))
+    }
+
+    /// The pending names whose operation's own timeout has run out, with the ranks that never
+    /// submitted them and that timeout.
+    pub fn timed_out(&self, now: Instant) -> Vec<(Stalled, Duration)> {
+        self.arrival
+            .iter()
+            .filter_map(|name| {
+                let p = &self.table[name];
+                let (at, timeout) = p.deadline.filter(|(d, _)| *d <= now)?;
+                let stalled = Stalled {
+                    name: name.clone(),
+                    missing: self.missing(p),
+                    waited: now.saturating_duration_since(at) + timeout,
+                };
+                Some((stalled, timeout))
+            })
+            .collect()
+    }
+
+    fn missing(&self, p: &Pending) -> Vec<i32> {
+        (p.by_rank.iter().enumerate())
+            .filter(|(r, q)| q.is_none() && !self.joined.contains(&(*r as i32)))
+            .map(|(r, _)| r as i32)
+            .collect()
+    }
+
     /// Names that have waited at least `older_than`, with the ranks that never submitted them.
     pub fn stalled(&self, now: Instant, older_than: Duration) -> Vec<Stalled> {
         self.arrival
@@ -124,18 +178,39 @@ impl Coordinator {
                 let waited = now.saturating_duration_since(p.first_seen);
                 (waited >= older_than).then(|| Stalled {
                     name: name.clone(),
-                    missing: p
-                        .by_rank
-                        .iter()
-                        .enumerate()
-                        .filter(|(r, q)| q.is_none() && !self.joined.contains(&(*r as i32)))
-                        .map(|(r, _)| r as i32)
-                        .collect(),
+                    missing: self.missing(p),
                     waited,
                 })
             })
             .collect()
     }
+}
+
+/// The shutdown reason when operations' own timeouts ran out: each name, its timeout and the
+/// ranks (global) that never submitted it. Says "Timed out" and " timeout " as PyTorch's
+/// backends do (its tests look for either).
+pub fn timeout_report(timed_out: &[(Stalled, Duration)], global_ranks: &[i32]) -> String {
+    let each: Vec<String> = (timed_out.iter().take(6))
+        .map(|(s, t)| {
+            let ranks: Vec<i32> = (s.missing.iter())
+                .map(|r| global_ranks.get(*r as usize).copied().unwrap_or(*r))
+                .collect();
+            format!(
+                "'{}' waited {:.1} s for rank(s) {ranks:?}, past its operation's timeout of {:.1} s",
+                s.name,
+                s.waited.as_secs_f64(),
+                t.as_secs_f64()
+            )
+        })
+        .collect();
+    let more = match timed_out.len() > 6 {
+        true => format!(" and {} more", timed_out.len() - 6),
+        false => String::new(),
+    };
+    format!(
+        "Timed out waiting for ranks that never submitted the same operation: {}{more}; shutting down.",
+        each.join("; ")
+    )
 }
 
 /// Horovod's stall report: the warning, then for each missing rank up to six tensor names.
@@ -201,6 +276,67 @@ mod tests {
         assert!(c.stalled(t0, Duration::from_secs(60)).is_empty());
         let report = stall_report(&st, &[0, 1, 2], 60);
         assert!(report.contains("Missing ranks:\n2: [a]"), "{report}");
+    }
+
+    #[test]
+    fn an_operations_own_timeout_counts_from_its_submission() {
+        let mut c = Coordinator::new(3);
+        let t0 = Instant::now();
+        let secs = Duration::from_secs;
+        let out = c.add_round(
+            vec![
+                vec![req("a", OpKind::Allreduce), req("b", OpKind::Allreduce)],
+                vec![],
+                vec![],
+            ],
+            t0,
+        );
+        assert!(out.is_empty());
+        assert!(
+            !c.any_timed_out(t0 + secs(3600)),
+            "no timeout given: none runs out"
+        );
+        // rank 0 had waited 1 s of a's 3 s before sending it; b's rank gave it 10 s
+        let t = |timeout, waited| OpTimeout {
+            timeout: secs(timeout),
+            waited: secs(waited),
+        };
+        c.add_timeouts([("a", t(3, 1)), ("b", t(10, 0)), ("gone", t(1, 5))], t0);
+        // another rank's later, longer deadline for a does not move the earlier one
+        c.add_timeouts([("a", t(30, 0))], t0);
+        assert!(!c.any_timed_out(t0 + Duration::from_millis(1999)));
+        assert!(c.any_timed_out(t0 + secs(2)));
+        let out = c.timed_out(t0 + secs(2));
+        assert_eq!(out.len(), 1);
+        let (s, timeout) = &out[0];
+        assert_eq!(
+            (s.name.as_str(), *timeout, s.waited),
+            ("a", secs(3), secs(3))
+        );
+        assert_eq!(s.missing, vec![1, 2]);
+        let report = timeout_report(&out, &[4, 5, 6]);
+        assert!(
+            report.starts_with("Timed out waiting for ranks"),
+            "{report}"
+        );
+        assert!(
+            report.contains(
+                "'a' waited 3.0 s for rank(s) [5, 6], past its operation's timeout of 3.0 s"
+            ),
+            "{report}"
+        );
+        // a name that completes takes its deadline with it
+        let out = c.add_round(
+            vec![
+                vec![],
+                vec![req("a", OpKind::Allreduce)],
+                vec![req("a", OpKind::Allreduce)],
+            ],
+            t0,
+        );
+        assert_eq!(out.len(), 1);
+        assert!(c.timed_out(t0 + secs(5)).is_empty());
+        assert_eq!(c.timed_out(t0 + secs(10))[0].0.name, "b");
     }
 
     #[test]

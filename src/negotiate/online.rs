@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 use crate::hashing::HashMap;
 use crate::message::{OpKind, Request, Response};
 use crate::negotiate::cache::{Lookup, ResponseCache};
-use crate::negotiate::coordinator::{Coordinator, stall_report};
+use crate::negotiate::coordinator::{Coordinator, stall_report, timeout_report};
 use crate::negotiate::ready_bitmap::{self, Vote};
 use crate::negotiate::wire::{self, RequestList, ResponseList};
 use crate::transport::Transport;
@@ -45,6 +45,8 @@ struct Waiting {
     /// Shared with the tensor's entry: a submission costs no copy of its name and shape.
     req: Arc<Request>,
     since: Instant,
+    /// The operation's own bound on waiting for the other ranks (`OpSpec::timeout`).
+    timeout: Option<Duration>,
     /// Its cache lookup and group, for the cache and groups generations they were found in:
     /// a burst of tensors waits through many votes, which need not look them up again.
     found: Option<((u64, u64), Lookup, Option<usize>)>,
@@ -188,7 +190,7 @@ impl Negotiator {
         &self.groups
     }
 
-    pub fn submit(&mut self, req: Arc<Request>, now: Instant) {
+    pub fn submit(&mut self, req: Arc<Request>, timeout: Option<Duration>, now: Instant) {
         // looked up now, while the rank waits for the rest of its step, rather than in the vote
         // that agrees on it (a learned bucket's last vote looked up its 130 tensors)
         let key = (self.cache.generation(), self.groups_generation);
@@ -206,6 +208,7 @@ impl Negotiator {
         self.waiting.push(Waiting {
             req,
             since: now,
+            timeout,
             found,
         });
     }
@@ -332,8 +335,13 @@ impl Negotiator {
             ..Vote::default()
         };
         let mut to_send: Vec<Request> = Vec::new();
+        // each request's (since, timeout), as its waiting entry had them
+        let mut sending: Vec<(Instant, Option<Duration>)> = Vec::new();
         let mut keep: Vec<Waiting> = Vec::new();
+        let mut group_timed_out = vec![false; self.groups.len()];
         for mut w in std::mem::take(&mut self.waiting) {
+            let waited = now.saturating_duration_since(w.since);
+            let timed_out = w.timeout.is_some_and(|t| waited >= t);
             let cached_path = self.cache.enabled()
                 && w.req.kind.cacheable()
                 && (self.joined.is_empty() || w.req.kind == OpKind::Allreduce);
@@ -350,21 +358,24 @@ impl Negotiator {
             match (lookup, group) {
                 (Lookup::Hit(_), Some(g)) => {
                     group_ready[g] += 1;
+                    group_timed_out[g] |= timed_out;
                     let oldest = group_oldest[g].get_or_insert(w.since);
                     *oldest = (*oldest).min(w.since);
                     keep.push(w);
                 }
                 (Lookup::Invalid(_), Some(g)) => {
                     vote.group_invalid.push(g);
+                    sending.push((w.since, w.timeout));
                     to_send.push(Arc::unwrap_or_clone(w.req));
                 }
                 (Lookup::Hit(bit), None) => {
                     let bit = compact_bit(compact, bit)?;
-                    let stale = self.stall.enabled
-                        && now.saturating_duration_since(w.since) >= self.stall.warn_after;
+                    let stale =
+                        (self.stall.enabled && waited >= self.stall.warn_after) || timed_out;
                     if stale {
-                        // surface it in the coordinator's stall report
+                        // surface it in the coordinator's stall report (or its timeout check)
                         vote.invalid.push(bit);
+                        sending.push((w.since, w.timeout));
                         to_send.push(Arc::unwrap_or_clone(w.req));
                     } else {
                         vote.hits.push(bit);
@@ -373,12 +384,14 @@ impl Negotiator {
                 }
                 (Lookup::Invalid(bit), None) => {
                     vote.invalid.push(compact_bit(compact, bit)?);
+                    sending.push((w.since, w.timeout));
                     to_send.push(Arc::unwrap_or_clone(w.req));
                 }
                 (Lookup::Miss, _) => {
                     if w.req.kind == OpKind::Join {
                         self.self_joined = true;
                     }
+                    sending.push((w.since, w.timeout));
                     to_send.push(Arc::unwrap_or_clone(w.req));
                 }
             }
@@ -389,12 +402,12 @@ impl Negotiator {
             }
             let waited = group_oldest[g].map(|t| now.saturating_duration_since(t));
             if group_ready[g] == names.len()
-                && self.stall.enabled
-                && waited.is_some_and(|w| w >= self.stall.warn_after)
+                && ((self.stall.enabled && waited.is_some_and(|w| w >= self.stall.warn_after))
+                    || group_timed_out[g])
             {
-                // ready here but not agreed for the stall time: some rank lacks the batch.
-                // Dissolve it, so that its tensors go stale one by one and the coordinator's
-                // stall inspector reports them
+                // ready here but not agreed for the stall time (or a member's own timeout):
+                // some rank lacks the batch. Dissolve it, so that its tensors go stale one by
+                // one and the coordinator's stall inspector (or timeout check) reports them
                 vote.group_invalid.push(g);
             } else if group_ready[g] == names.len() || (self.self_joined && group_ready[g] == 0) {
                 vote.group_hits.push(g);
@@ -422,8 +435,10 @@ impl Negotiator {
         // a joined rank's stand-ins for missing tensors are new memory every time
         let carried = self.gpu_agreed;
         vote.gpu_moved = carried.then_some(gpu_moved || self.self_joined);
-        let coordinator_check =
-            stall_check_due && self.coordinator.as_ref().is_some_and(|c| c.has_pending());
+        let coordinator_check = self
+            .coordinator
+            .as_ref()
+            .is_some_and(|c| c.has_pending() && (stall_check_due || c.any_timed_out(now)));
         vote.uncached = !to_send.is_empty() || !self.cache.enabled() || coordinator_check;
 
         if !to_send.is_empty()
@@ -527,10 +542,13 @@ impl Negotiator {
         }
         if !agreed.any_uncached {
             // requests that were invalid on this rank only were not sent: retry next cycle
-            for req in to_send {
+            for (req, (since, timeout)) in to_send.into_iter().zip(sending) {
+                // an operation's own timeout counts from its submission
+                let since = if timeout.is_some() { since } else { now };
                 self.waiting.push(Waiting {
                     req: Arc::new(req),
-                    since: now,
+                    since,
+                    timeout,
                     found: None,
                 });
             }
@@ -538,8 +556,16 @@ impl Negotiator {
         }
 
         // 4. slow path: coordinator round
+        let timeouts = (sending.iter().enumerate())
+            .filter_map(|(i, (since, timeout))| {
+                let timeout = (*timeout)?;
+                let waited = now.saturating_duration_since(*since);
+                Some((i as u32, wire::OpTimeout { timeout, waited }))
+            })
+            .collect();
         let mine = wire::encode_requests(&RequestList {
             requests: to_send.clone(),
+            timeouts,
         });
         for req in to_send {
             self.sent.insert(req.name.clone(), req);
@@ -560,7 +586,7 @@ impl Negotiator {
                         if crate::config::test_fault("decode", self.global_ranks[0]) && r > 0 {
                             return Err(Error::Internal("test fault: decode".into()));
                         }
-                        wire::decode_requests(b).map(|l| l.requests).map_err(|e| {
+                        wire::decode_requests(b).map_err(|e| {
                             Error::Internal(format!(
                                 "rank {} sent a request list that rank {} cannot decode: {e}",
                                 self.global_ranks[r], self.global_ranks[0]
@@ -577,7 +603,16 @@ impl Negotiator {
                     ),
                 };
                 let responses = if shutdown.is_none() {
-                    coord.add_round(lists, now)
+                    let timeouts: Vec<(String, wire::OpTimeout)> = (lists.iter())
+                        .flat_map(|l| {
+                            (l.timeouts.iter())
+                                .map(|(i, t)| (l.requests[*i as usize].name.clone(), *t))
+                        })
+                        .collect();
+                    let lists = lists.into_iter().map(|l| l.requests).collect();
+                    let responses = coord.add_round(lists, now);
+                    coord.add_timeouts(timeouts.iter().map(|(n, t)| (n.as_str(), *t)), now);
+                    responses
                 } else {
                     Vec::new()
                 };
@@ -601,6 +636,14 @@ impl Negotiator {
                                 self.stall.shutdown_after.as_secs()
                             ));
                         }
+                    }
+                }
+                if shutdown.is_none() {
+                    let timed_out = coord.timed_out(now);
+                    if !timed_out.is_empty() {
+                        let report = timeout_report(&timed_out, &self.global_ranks);
+                        tracing::warn!("{report}");
+                        shutdown = Some(report);
                     }
                 }
                 let list = ResponseList {

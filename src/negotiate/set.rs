@@ -128,15 +128,17 @@ impl SetNegotiation {
         Ok(())
     }
 
-    /// Takes a submission; true when it is negotiated (not run by a frozen plan).
-    pub fn submit(&mut self, req: &Arc<Request>, now: Instant) -> bool {
+    /// Takes a submission; true when it is negotiated (not run by a frozen plan). `timeout`:
+    /// the operation's own bound on waiting for the other ranks (a frozen plan has none: every
+    /// rank runs it in the plan's order).
+    pub fn submit(&mut self, req: &Arc<Request>, timeout: Option<Duration>, now: Instant) -> bool {
         match &mut self.mode {
             Mode::Frozen(q) => {
                 q.submit(Request::clone(req));
                 false
             }
             _ => {
-                self.negotiator.submit(req.clone(), now);
+                self.negotiator.submit(req.clone(), timeout, now);
                 true
             }
         }
@@ -220,7 +222,8 @@ impl SetNegotiation {
             .into_iter()
             .map(|req| {
                 let req = Arc::new(req);
-                self.negotiator.submit(req.clone(), now);
+                // a frozen plan kept no timeouts: the stall limit bounds these
+                self.negotiator.submit(req.clone(), None, now);
                 req
             })
             .collect()

@@ -9,6 +9,17 @@ use crate::message::{Compression, Multistep, OpKind, ReduceOp, Request, Response
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct RequestList {
     pub requests: Vec<Request>,
+    /// The requests that carry an operation's own timeout: (index into `requests`, timeout).
+    pub timeouts: Vec<(u32, OpTimeout)>,
+}
+
+/// An operation's own bound on waiting for the other ranks, as a request carries it to the
+/// coordinator: the bound, and how long the operation had already waited on the sending rank
+/// (ranks share no clock, so the coordinator's deadline is its own now plus what is left).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OpTimeout {
+    pub timeout: std::time::Duration,
+    pub waited: std::time::Duration,
 }
 
 /// What the coordinator broadcasts back.
@@ -51,6 +62,9 @@ impl Writer {
         self.0.extend_from_slice(&v.to_le_bytes());
     }
     fn i64(&mut self, v: i64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
         self.0.extend_from_slice(&v.to_le_bytes());
     }
     fn f64(&mut self, v: f64) {
@@ -100,6 +114,9 @@ impl<'a> Reader<'a> {
     }
     fn i64(&mut self) -> Result<i64> {
         Ok(i64::from_le_bytes(self.arr()?))
+    }
+    fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.arr()?))
     }
     fn f64(&mut self) -> Result<f64> {
         Ok(f64::from_le_bytes(self.arr()?))
@@ -182,6 +199,12 @@ pub fn encode_requests(list: &RequestList) -> Vec<u8> {
         w.compression(r.compression);
         w.multistep(r.multistep);
     }
+    w.u32(list.timeouts.len() as u32);
+    for (i, t) in &list.timeouts {
+        w.u32(*i);
+        w.u64(t.timeout.as_micros().min(u64::MAX as u128) as u64);
+        w.u64(t.waited.as_micros().min(u64::MAX as u128) as u64);
+    }
     w.0
 }
 
@@ -208,8 +231,19 @@ pub fn decode_requests(buf: &[u8]) -> Result<RequestList> {
             multistep: r.multistep()?,
         });
     }
+    let k = r.len(20)?;
+    let mut timeouts = Vec::with_capacity(k);
+    for _ in 0..k {
+        let i = r.u32()?;
+        if i as usize >= n {
+            return Err(corrupt("timeout of a request not in the list"));
+        }
+        let timeout = std::time::Duration::from_micros(r.u64()?);
+        let waited = std::time::Duration::from_micros(r.u64()?);
+        timeouts.push((i, OpTimeout { timeout, waited }));
+    }
     r.finish()?;
-    Ok(RequestList { requests })
+    Ok(RequestList { requests, timeouts })
 }
 
 pub fn encode_responses(list: &ResponseList) -> Vec<u8> {
@@ -331,6 +365,13 @@ mod tests {
         // every compression, PowerSGD's and top-k's with their own parameters
         let list = RequestList {
             requests: (0..8).map(sample_request).collect(),
+            timeouts: vec![(
+                5,
+                OpTimeout {
+                    timeout: std::time::Duration::from_millis(1500),
+                    waited: std::time::Duration::from_micros(250),
+                },
+            )],
         };
         assert!(
             list.requests
@@ -341,6 +382,7 @@ mod tests {
         // a parameter out of its range is refused
         let bytes = encode_requests(&RequestList {
             requests: vec![sample_request(6)],
+            ..Default::default()
         });
         let at = bytes
             .windows(5)
@@ -349,6 +391,20 @@ mod tests {
         let mut bad = bytes.clone();
         bad[at + 1..at + 5].copy_from_slice(&2_000_000u32.to_le_bytes());
         assert!(decode_requests(&bad).is_err());
+        // a timeout must belong to a request of the list
+        let one = OpTimeout {
+            timeout: std::time::Duration::from_secs(1),
+            waited: std::time::Duration::ZERO,
+        };
+        let stray = encode_requests(&RequestList {
+            requests: vec![sample_request(1)],
+            timeouts: vec![(1, one)],
+        });
+        let err = decode_requests(&stray).unwrap_err().to_string();
+        assert!(
+            err.contains("timeout of a request not in the list"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -369,6 +425,13 @@ mod tests {
     fn every_truncation_is_rejected() {
         let list = RequestList {
             requests: (0..3).map(sample_request).collect(),
+            timeouts: vec![(
+                2,
+                OpTimeout {
+                    timeout: std::time::Duration::from_secs(3),
+                    waited: std::time::Duration::from_secs(1),
+                },
+            )],
         };
         let bytes = encode_requests(&list);
         for cut in 0..bytes.len() {
@@ -387,6 +450,7 @@ mod tests {
     fn corrupt_fields_are_rejected() {
         let mut bytes = encode_requests(&RequestList {
             requests: vec![sample_request(0)],
+            ..Default::default()
         });
         // kind field sits after magic, count and rank.
         bytes[12..16].copy_from_slice(&99i32.to_le_bytes());

@@ -268,7 +268,7 @@ impl Background {
                 };
                 let now = Instant::now();
                 for e in entries {
-                    if state.negotiation.submit(&e.request, now)
+                    if state.negotiation.submit(&e.request, e.timeout, now)
                         && let Some(t) = self.timeline.as_mut()
                     {
                         t.begin(

@@ -69,6 +69,8 @@ pub struct TensorEntry {
     pub device: Option<OnDevice>,
     /// Held until launch by a GPU tensor at other addresses than its name's last submission.
     pub(crate) moved: Option<crate::runtime::in_flight::MovedMark>,
+    /// The operation's own bound on waiting for the other ranks (`OpSpec::timeout`).
+    pub timeout: Option<std::time::Duration>,
     /// Copied from the request at creation, on the submitting thread: the finisher then
     /// hands it over without allocating (allocating there slowed the completion of large GPU
     /// batches; BENCHMARKS.md, "Figures moved out of comments").
@@ -92,6 +94,7 @@ impl TensorEntry {
             index: 0,
             device: None,
             moved: None,
+            timeout: None,
             received_splits: Vec::new(),
             alloc_error: None,
         }

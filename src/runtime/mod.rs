@@ -103,6 +103,10 @@ pub struct OpSpec {
     pub ready_stream: Option<crate::transport::cuda::ForeignStream>,
     /// GPU tensors: or the caller's already recorded event.
     pub ready_event: Option<crate::transport::cuda::ForeignEvent>,
+    /// How long the operation may wait for the set's other ranks to submit it before the job
+    /// shuts down with a timeout error on every rank (a torch group's `timeout`). It shortens
+    /// the stall shutdown time for this operation, never lengthens it. None: the stall limit.
+    pub timeout: Option<std::time::Duration>,
 }
 
 impl OpSpec {
@@ -123,6 +127,7 @@ impl OpSpec {
             callback: None,
             ready_stream: None,
             ready_event: None,
+            timeout: None,
         }
     }
 }

@@ -74,6 +74,7 @@ impl Runtime {
                 e.index = i;
                 e.handle = Some(handle.clone());
                 e.allocator = spec.allocator.clone();
+                e.timeout = spec.timeout;
                 if moved && e.device.is_some() {
                     e.moved = Some(in_flight::MovedMark::new(&self.gpu_moved));
                 }

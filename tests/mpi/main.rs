@@ -54,6 +54,33 @@ pub(crate) const STALL_FAST: &[(&str, &str)] = &[
     ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
 ];
 
+/// A stall limit far beyond an operation's own timeout (`op_timeout`).
+const STALL_LONG: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "30"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "60"),
+];
+
+const STALL_LONG_CACHED: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "30"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "60"),
+    ("FERROVOD_TEST_TIMEOUT_PATH", "cached"),
+];
+
+const STALL_LONG_CACHED_HOROVOD: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "30"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "60"),
+    ("FERROVOD_TEST_TIMEOUT_PATH", "cached"),
+    ("FERROVOD_NEGOTIATION", "horovod"),
+];
+
+const STALL_LONG_GROUP: &[(&str, &str)] = &[
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "30"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "60"),
+    ("FERROVOD_TEST_TIMEOUT_PATH", "group"),
+    ("FERROVOD_PLAN_WARMUP_STEPS", "2"),
+    ("HOROVOD_CYCLE_TIME", "50"),
+];
+
 pub(crate) const STALL_FAST_FP16: &[(&str, &str)] = &[
     ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1"),
     ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "2"),
@@ -575,6 +602,10 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
     ("stall", 2, STALL_FAST, true),
     ("stall_cached", 2, STALL_FAST, true),
     ("stall_in_set", 3, STALL_FAST, true),
+    ("op_timeout", 2, STALL_LONG, true),
+    ("op_timeout", 3, STALL_LONG_CACHED, true),
+    ("op_timeout", 2, STALL_LONG_CACHED_HOROVOD, true),
+    ("op_timeout", 3, STALL_LONG_GROUP, true),
     ("alloc_failure", 2, &[], true),
     ("callbacks", 2, &[], true),
     ("shutdown_pending", 2, &[], true),
@@ -1250,6 +1281,7 @@ const FAILURES: &[&str] = &[
     "stall",
     "stall_cached",
     "stall_in_set",
+    "op_timeout",
     "offline_stall",
     "rank_stopped",
     "rank_stopped_in_batch",
@@ -1670,6 +1702,7 @@ pub(crate) fn run_rank(name: &str) {
         "stall" => stall(),
         "stall_cached" => stall_cached(),
         "stall_in_set" => stall_in_set(),
+        "op_timeout" => op_timeout(),
         "topology" => topology(),
         "tcp_flags" => tcp_flags(),
         "link_rate" => link_rate(),

@@ -58,6 +58,83 @@ pub(crate) fn stall_cached() {
     pass();
 }
 
+/// Operations with a timeout of their own (a torch group's): healthy ones, whose ranks arrive
+/// 100 ms apart within it, complete; one that the other ranks never submit ends the job with a
+/// "Timed out" error on every rank once its timeout has passed, long before the stall limit
+/// (a minute here). `FERROVOD_TEST_TIMEOUT_PATH`: `cached`, the name was agreed before, so only
+/// the waiting rank's vote knows of it until it goes stale; `group`, four names agreed together
+/// in earlier steps vote as one learned group. There the waiting rank is the last one, not the
+/// coordinator (the timeout travels with the request).
+pub(crate) fn op_timeout() {
+    init();
+    let (me, n) = (rank(), size());
+    let timed = |name: &str, seconds: f64| {
+        let vals = [me as f64 + 1.0, 1.0];
+        let mut spec = OpSpec::new(
+            OpKind::Allreduce,
+            vec![tensor(name, DataType::F32, &[2], &vals, false)],
+        );
+        spec.timeout = Some(Duration::from_secs_f64(seconds));
+        spec
+    };
+    let want = [(n * (n + 1) / 2) as f64, n as f64];
+    for _ in 0..3 {
+        std::thread::sleep(Duration::from_millis(100 * me as u64));
+        let out = run(timed("timeout.healthy", 2.0)).unwrap();
+        assert_close(&output(&out[0], DataType::F32), &want, "healthy");
+    }
+    let path = std::env::var("FERROVOD_TEST_TIMEOUT_PATH").unwrap_or_default();
+    let (names, before): (Vec<String>, usize) = match path.as_str() {
+        "cached" => (vec!["timeout.left".into()], 1),
+        "group" => ((0..4).map(|i| format!("timeout.left.{i}")).collect(), 6),
+        _ => (vec!["timeout.left".into()], 0),
+    };
+    let waiter = if before > 0 { n - 1 } else { 0 };
+    // every rank's step of `names`, each with timeout `seconds`: the first error, if any
+    let step = |seconds: f64| {
+        let hs: Vec<_> = (names.iter())
+            .map(|name| submit(timed(name, seconds)).unwrap())
+            .collect();
+        let mut first = None;
+        for h in hs {
+            match finish(h) {
+                Ok(out) => assert_close(&output(&out[0], DataType::F32), &want, "step"),
+                Err(e) => first = first.or(Some(e)),
+            }
+        }
+        first
+    };
+    for _ in 0..before {
+        assert!(step(5.0).is_none());
+    }
+    run(OpSpec::new(OpKind::Barrier, vec![])).unwrap();
+    let start = Instant::now();
+    let err = if me == waiter {
+        step(1.0).expect("an error")
+    } else {
+        wait_for_shutdown(start);
+        submit(OpSpec::new(OpKind::Barrier, vec![])).unwrap_err()
+    };
+    let waited = start.elapsed();
+    assert!(matches!(err, Error::ShutDown(_)), "{err:?}");
+    let msg = err.to_string();
+    let missing: Vec<usize> = (0..n).filter(|r| *r != waiter).collect();
+    for part in [
+        "Timed out waiting for ranks",
+        &format!("'{}' waited", names[0]),
+        &format!("rank(s) {missing:?}"),
+        "timeout of 1.0 s",
+    ] {
+        assert!(msg.contains(part), "no '{part}' in: {msg}");
+    }
+    if me == waiter {
+        assert!(waited >= Duration::from_secs(1), "ended after {waited:?}");
+    }
+    assert!(waited < Duration::from_secs(10), "ended after {waited:?}");
+    runtime::shutdown();
+    pass();
+}
+
 /// A stall inside process set {0, 1}: rank 2, outside the set, must not be left waiting in the
 /// global vote; every rank ends with an error.
 pub(crate) fn stall_in_set() {

@@ -169,6 +169,20 @@ def test_an_allreduce_asks_for_its_own_compression():
         _core.enqueue(_core.ALLREDUCE, [xs[r]], ["own.bad"], compression=9)
 
 
+def test_an_operations_own_timeout_is_checked_and_healthy_calls_complete():
+    """`timeout` (seconds the op may wait for the other ranks): calls every rank makes within it
+    complete with the right values; values that are no length of time are refused at the call."""
+    r, n = hvd.rank(), hvd.size()
+    for step in range(3):
+        (s,) = _core.enqueue(_core.ALLREDUCE, [np.full(4, r + 1.0, np.float32)], ["own.timed"],
+                             timeout=30.0).wait()
+        np.testing.assert_array_equal(s, np.full(4, n * (n + 1) / 2))
+    for bad in (-1.0, float("nan"), float("inf"), 1e30):
+        with pytest.raises(InvalidArgumentError, match="timeout"):
+            _core.enqueue(_core.ALLREDUCE, [np.ones(2, np.float32)], ["own.bad.timeout"],
+                          timeout=bad)
+
+
 def test_dropped_handle_keeps_its_buffers_until_completion():
     """A handle dropped before its operation completes must not free the arrays ferrovod still
     writes: the in-flight registry holds them, and a later enqueue frees them once done."""

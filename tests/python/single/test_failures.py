@@ -3,6 +3,7 @@ with the stall named on the surviving rank within the stall shutdown time plus a
 through TensorFlow ops (the error reaches the script as an exception)."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -103,6 +104,67 @@ def test_stopped_rank_ends_a_torch_distributed_job_with_dist_backend_error(tmp_p
     assert "Missing ranks: 1." in err, err
     assert 6 <= failed_at - stopped_at < 16, (stopped_at, failed_at)
     assert time.time() - start < 120, text
+
+
+@pytest.mark.parametrize("where", ["world", "new_group"])
+def test_a_groups_timeout_ends_a_call_the_other_ranks_never_make(tmp_path, where):
+    """A group's `timeout` (init_process_group's, or new_group's) bounds how long a collective
+    waits for the group's other ranks, as gloo's and NCCL's do, though ferrovod's stall limit is
+    a minute: rank 0 calls `barrier` alone and gets DistBackendError saying "Timed out" once the
+    2 s have passed; rank 1, which went on without it, gets the same error at its next call.
+    Calls whose ranks arrive half a second apart, within the timeout, are not ended by it."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import datetime, os, sys, time\n"
+        "import torch, torch.distributed as dist\n"
+        "import ferrovod.torch\n"
+        "short, long = datetime.timedelta(seconds=2), datetime.timedelta(seconds=120)\n"
+        "where = sys.argv[2]\n"
+        "dist.init_process_group('ferrovod', timeout=short if where == 'world' else long)\n"
+        "group = dist.new_group([0, 1], timeout=short) if where == 'new_group' else None\n"
+        "for step in range(3):\n"
+        "    time.sleep(0.5 * dist.get_rank())\n"
+        "    x = torch.tensor([1.0, 2.0])\n"
+        "    dist.all_reduce(x, group=group)\n"
+        "    assert x.tolist() == [2.0, 4.0], x\n"
+        "dist.barrier()\n"
+        "def note(name, text):\n"
+        "    with open(os.path.join(sys.argv[1], name), 'w') as f:\n"
+        "        f.write(text)\n"
+        "start = time.time()\n"
+        "try:\n"
+        "    if dist.get_rank() == 0:\n"
+        "        dist.barrier(group=group)\n"
+        "    else:\n"
+        "        time.sleep(5)\n"
+        "        dist.all_reduce(torch.ones(1), group=group)\n"
+        "except Exception as e:\n"
+        "    note('error.%d' % dist.get_rank(), repr(time.time() - start) + ' ' + type(e).__name__ + ' ' + str(e))\n"
+        "    # rank 0 stays until rank 1 has failed too (its exit would end the job)\n"
+        "    while not os.path.exists(os.path.join(sys.argv[1], 'error.1')) and time.time() - start < 20:\n"
+        "        time.sleep(0.1)\n"
+        "    raise\n"
+    )
+    bindir = os.path.dirname(sys.executable)
+    start = time.time()
+    out = subprocess.run([os.path.join(bindir, "horovodrun"), "-np", "2",
+                          "--stall-check-warning-time-seconds", "30",
+                          "--stall-check-shutdown-time-seconds", "60",
+                          sys.executable, str(script), str(tmp_path), where],
+                         capture_output=True, text=True, timeout=180)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text
+    for rank in (0, 1):
+        err_file = tmp_path / ("error.%d" % rank)
+        assert err_file.exists(), text
+        after, err = err_file.read_text().split(" ", 1)
+        assert err.startswith("DistBackendError ferrovod: Timed out waiting for ranks"), err
+        # the words PyTorch's own timeout tests look for
+        assert re.search(" (Timed out|closed|timeout) ", err), err
+        assert "timeout of 2.0 s" in err and "rank(s) [1]" in err, err
+        if rank == 0:
+            assert 2.0 <= float(after) < 8.0, after
+    assert time.time() - start < 60, text
 
 
 def test_takeover_by_environment_needs_no_import_of_ferrovod(tmp_path):
