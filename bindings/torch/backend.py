@@ -881,6 +881,15 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
     def _get_backend(self, device=None):
         return self
 
+    @property
+    def _device_types(self):
+        # the devices torch's Python asks a group about before it uses one (loading a state dict
+        # broadcast from rank 0, async checkpoints, monitored_barrier, object collectives): a
+        # Python group registers no C++ backend, so torch's own property would list none
+        if torch.cuda.is_available():
+            return [torch.device("cpu"), torch.device("cuda")]
+        return [torch.device("cpu")]
+
     # the group's name and description live here: a Python group has no C++ backend to keep them
     def getGroupName(self):
         return self._group_name
@@ -927,9 +936,10 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
             used += tuple(stand_in) + tuple(outputs or ())
         inputs = stand_in
         work = _Work.start(device, finish, used, _blocking(opts))
+        kwargs.setdefault("timeout", self._timeout)
         return self._submit_named(work, signature, len(inputs), lambda names, key: mpi_ops._enqueue(
             kind, inputs, names, outputs, None, self._set, done=_done(key), done_user_data=key,
-            timeout=self._timeout, **kwargs))
+            **kwargs))
 
     def _into(self, kind, flat, output, signature, result, opts, **kwargs):
         """An allgather or reducescatter of contiguous `flat` written straight into `output`
@@ -1237,6 +1247,14 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
     def barrier(self, opts=None):
         return self._run(_core.BARRIER, [], None, finish=lambda _v: [])
 
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        """torch's monitored barrier: a barrier bounded by `timeout` (the group's when None).
+        Past it the job shuts down and every rank's DistBackendError names all the ranks that
+        never arrived (as gloo's does with `wait_all_ranks`; gloo's leaves the job running)."""
+        # a timeout of 0 has passed at once (the core's 0 would mean none)
+        seconds = self._timeout if timeout is None else max(timeout.total_seconds(), 1e-6)
+        self._run(_core.BARRIER, [], None, finish=lambda _v: [], timeout=seconds).wait()
+
     def send(self, tensors, dst, tag=0):
         return self._p2p(_core.SEND, tensors, dst, tag)
 
@@ -1408,6 +1426,12 @@ def register():
     if _registered:
         return
     dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+    # torch's flight recorder hooks a group that lists devices unless its backend records
+    # itself; a Python group has no C++ backend for the hook to name, so it is left unhooked,
+    # as torch leaves gloo's
+    recording = getattr(c10d, "_FR_SELF_RECORDING_BACKENDS", None)
+    if isinstance(recording, set):
+        recording.add(NAME)
     rdzv = importlib.import_module("torch.distributed.rendezvous")
     _env_handler = rdzv._rendezvous_handlers["env"]
     rdzv._rendezvous_handlers["env"] = _env_rendezvous

@@ -106,13 +106,14 @@ def test_stopped_rank_ends_a_torch_distributed_job_with_dist_backend_error(tmp_p
     assert time.time() - start < 120, text
 
 
-@pytest.mark.parametrize("where", ["world", "new_group"])
+@pytest.mark.parametrize("where", ["world", "new_group", "monitored_barrier"])
 def test_a_groups_timeout_ends_a_call_the_other_ranks_never_make(tmp_path, where):
     """A group's `timeout` (init_process_group's, or new_group's) bounds how long a collective
     waits for the group's other ranks, as gloo's and NCCL's do, though ferrovod's stall limit is
     a minute: rank 0 calls `barrier` alone and gets DistBackendError saying "Timed out" once the
     2 s have passed; rank 1, which went on without it, gets the same error at its next call.
-    Calls whose ranks arrive half a second apart, within the timeout, are not ended by it."""
+    Calls whose ranks arrive half a second apart, within the timeout, are not ended by it.
+    `monitored_barrier`: the same with the call's own timeout of 2 s, the group's being long."""
     script = tmp_path / "job.py"
     script.write_text(
         "import datetime, os, sys, time\n"
@@ -121,6 +122,7 @@ def test_a_groups_timeout_ends_a_call_the_other_ranks_never_make(tmp_path, where
         "short, long = datetime.timedelta(seconds=2), datetime.timedelta(seconds=120)\n"
         "where = sys.argv[2]\n"
         "dist.init_process_group('ferrovod', timeout=short if where == 'world' else long)\n"
+        "dist.monitored_barrier(timeout=short)\n"
         "group = dist.new_group([0, 1], timeout=short) if where == 'new_group' else None\n"
         "for step in range(3):\n"
         "    time.sleep(0.5 * dist.get_rank())\n"
@@ -134,7 +136,10 @@ def test_a_groups_timeout_ends_a_call_the_other_ranks_never_make(tmp_path, where
         "start = time.time()\n"
         "try:\n"
         "    if dist.get_rank() == 0:\n"
-        "        dist.barrier(group=group)\n"
+        "        if where == 'monitored_barrier':\n"
+        "            dist.monitored_barrier(timeout=short)\n"
+        "        else:\n"
+        "            dist.barrier(group=group)\n"
         "    else:\n"
         "        time.sleep(5)\n"
         "        dist.all_reduce(torch.ones(1), group=group)\n"

@@ -612,6 +612,67 @@ def test_fsdp2_equals_one_process_on_the_whole_batch(device):
         torch.testing.assert_close(p.full_tensor().cpu(), q, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_fsdp2_loads_a_full_state_dict_broadcast_from_rank_0(device):
+    """torch's checkpoint loading for FSDP2 as torchtitan does it: rank 0 alone holds the full
+    state dict, `set_model_state_dict(broadcast_from_rank0=True)` sends every rank its shards
+    (torch picks the broadcast's device from the group's devices), and the full state dict read
+    back on every rank equals rank 0's."""
+    fully_shard = pytest.importorskip("torch.distributed.fsdp").fully_shard
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         set_model_state_dict)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+
+    saved = make()
+    with torch.no_grad():
+        for i, p in enumerate(saved.parameters()):
+            p.copy_(torch.arange(p.numel(), dtype=p.dtype).reshape(p.shape) * 0.01 + i)
+    model = make().to(dev(device))
+    mesh = init_device_mesh(device, (size(),))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    full = saved.state_dict() if rank() == 0 else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
+                                                               broadcast_from_rank0=True))
+    got = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                               cpu_offload=True))
+    if rank() == 0:
+        assert got.keys() == saved.state_dict().keys()
+        for k, v in saved.state_dict().items():
+            torch.testing.assert_close(got[k], v, rtol=0, atol=0)
+    for p, q in zip(model.parameters(), saved.parameters()):
+        torch.testing.assert_close(p.full_tensor().cpu(), q, rtol=0, atol=0)
+
+
+def test_a_checkpoint_saved_asynchronously_loads_back():
+    """torch.distributed.checkpoint's `async_save` (which asks the group for a CPU backend)
+    and `load`, every rank's own values, into a directory rank 0 names."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+
+    names = [tempfile.mkdtemp(prefix="ferrovod-dcp-") if rank() == 0 else None]
+    dist.broadcast_object_list(names, src=0)
+    where = os.path.join(names[0], "ckpt")
+    state = {"w": torch.arange(12.0).reshape(3, 4) + 0.5, "step": torch.tensor(7)}
+    dcp.async_save(state, checkpoint_id=where).result()
+    dist.barrier()
+    back = {"w": torch.zeros(3, 4), "step": torch.tensor(0)}
+    dcp.load(back, checkpoint_id=where)
+    assert torch.equal(back["w"], state["w"]) and back["step"].item() == 7, back
+    dist.barrier()
+    if rank() == 0:
+        import shutil
+
+        shutil.rmtree(names[0])
+
+
 # (codec, largest error of the mean of values in [0, 1) it may leave)
 CODECS = [("fp16", 1e-3), ("bf16", 1e-2), ("mixed", 1e-3), ("u8", 2e-2)]
 
