@@ -1,6 +1,7 @@
 """torch.distributed on the `ferrovod` backend under mpirun: every collective x dtype against
 references each rank computes itself, async Works and their Futures, two subgroups at once, DDP
-and FSDP2 (`fully_shard`) against one process on the whole batch, the codec option, bad calls
+and FSDP2 (`fully_shard`) against one process on the whole batch, FSDP2's state dict loaded
+from rank 0 and a checkpoint saved asynchronously, the codec option, bad calls
 raising at the call, a disagreement raising on every rank, and the takeover of `gloo`.
 
 On CPU tensors always; on CUDA tensors too where CUDA is available (FERROVOD_TEST_GPU=1 makes
