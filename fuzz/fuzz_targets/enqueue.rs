@@ -161,6 +161,8 @@ fuzz_target!(|data: &[u8]| {
         multistep_mode: b.i32() % 3,
         multistep_warmup: b.i32() % 3,
         tag: b.i32(),
+        // any f64: NaN, infinite, negative and huge ones are refused
+        timeout: b.f64(),
     };
     let mut h = 0u64;
     let out = if b.u8() & 1 == 0 {

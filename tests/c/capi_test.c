@@ -1,5 +1,6 @@
 /* The C view of ferrovod, compiled against include/ferrovod.h and run under mpirun by
  * tests/c_api.rs. Each rank checks values it computes itself and prints C-RANK-PASSED. */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -136,6 +137,12 @@ int main(void) {
         op.kind = FV_OP_KIND_ALLREDUCE;
         CHECK(fv_enqueue(&op, &h) == FV_STATUS_INVALID_ARGUMENT, "overlapping output");
         CHECK(strstr(last_error(), "overlaps") != NULL, "%s", last_error());
+        t.output = NULL;
+        op.timeout = -1.0; /* an operation's own timeout must be a length of time */
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_INVALID_ARGUMENT, "negative timeout");
+        CHECK(strstr(last_error(), "timeout") != NULL, "%s", last_error());
+        op.timeout = INFINITY;
+        CHECK(fv_enqueue(&op, &h) == FV_STATUS_INVALID_ARGUMENT, "infinite timeout");
     }
     {
         /* two tensors of one grouped allreduce sharing memory that it writes */
