@@ -24,6 +24,7 @@ import itertools
 import os
 import socket
 import threading
+import weakref
 from _thread import allocate_lock as _allocate_lock
 
 import torch
@@ -1441,7 +1442,40 @@ def register():
     _install("init_process_group", _init_without_device_id)
     _destroy = c10d.destroy_process_group
     _install("destroy_process_group", _destroy_every_group)
+    _keep_join_works()
     _registered = True
+
+
+# the Work of each joinable's last "not joined yet" notice (`_keep_join_works`), by joinable:
+# one per live DDP module, replaced at its next forward, gone with the module
+_join_works = weakref.WeakKeyDictionary()
+
+
+def _keep_join_works():
+    """DDP under `join()` hands the Work of its forward pass's "not joined yet" all-reduce to
+    its reducer, which asks it for its Future in the backward pass, through C++ alone. torch
+    finds a Python Work's methods through its Python object, which by then nobody holds (it
+    completed, and the forward pass returned): the reducer got "Work::getFuture not
+    implemented". The Work of a ferrovod group is kept as long as its joinable, until the next."""
+    try:
+        join = importlib.import_module("torch.distributed.algorithms.join")
+    except ImportError:
+        return
+    notify = join.Join.notify_join_context
+    if getattr(notify, "_ferrovod", False):
+        return
+
+    def notify_join_context(joinable):
+        work = notify(joinable)
+        if isinstance(work, _Work):
+            try:
+                _join_works[joinable] = work
+            except TypeError:  # a joinable that takes no weak reference
+                pass
+        return work
+
+    notify_join_context._ferrovod = True
+    join.Join.notify_join_context = staticmethod(notify_join_context)
 
 
 def _install(name, function):

@@ -558,6 +558,31 @@ def ddp_against_one_process(d, view, static):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_ddp_join_with_uneven_inputs_averages_over_the_ranks_still_training(device):
+    """DDP's `join()` with ranks that run different numbers of steps (rank r: 3 + r), as
+    PyTorch's own test of it: each step's gradient, the same input everywhere, is the one input's
+    gradient when divided by the ranks still training, and scaled by their share of the world
+    when divided by the initial world size. The reducer asks the Work of each forward pass's
+    notice for its Future in the backward pass."""
+    d = dev(device)
+    dim, scale = 5, 50.0
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Linear(dim, dim, bias=False).to(d),
+        device_ids=[d.index] if d.type == "cuda" else None, bucket_cap_mb=1)
+    x = torch.full((1, dim), scale, device=d)
+    steps = 3 + rank()
+    for initial in (False, True):
+        with ddp.join(divide_by_initial_world_size=initial):
+            for i in range(steps):
+                ddp(x).sum().backward()
+                training = sum(1 for r in range(size()) if 3 + r > i)
+                share = training / size() if initial else 1.0
+                want = torch.full((dim, dim), scale * share)
+                torch.testing.assert_close(ddp.module.weight.grad.cpu(), want)
+                ddp.zero_grad()
+
+
 def test_ddp_on_a_side_stream_writes_back_before_the_next_call():
     """As PyTorch's own test: DDP built and run under a non-default stream; each step's averaged
     gradient must be written back before a collective on it that follows."""
