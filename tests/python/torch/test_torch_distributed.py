@@ -583,6 +583,46 @@ def test_ddp_join_with_uneven_inputs_averages_over_the_ranks_still_training(devi
                 ddp.zero_grad()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero_redundancy_optimizer_and_model_averaging(device):
+    """torch's other data-parallel tools over the group: DDP with ZeroRedundancyOptimizer
+    (each rank steps its shard of Adam's state, then broadcasts it) equals one process with
+    Adam on the whole batch, its state consolidates on rank 0, and post-local SGD's
+    PeriodicModelAverager averages every rank's parameters."""
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    d = dev(device)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(),
+                                torch.nn.Linear(8, 3)).to(d)
+    ref = copy.deepcopy(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[d.index] if d.type == "cuda" else None)
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(2 * size(), 6, generator=g).to(d)
+        opt.zero_grad()
+        ddp(x[2 * rank():2 * rank() + 2]).pow(2).mean().backward()
+        opt.step()
+        ref_opt.zero_grad()
+        ref(x).pow(2).mean().backward()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    opt.consolidate_state_dict(to=0)
+    if rank() == 0:
+        assert len(opt.state_dict()["state"]) == len(list(model.parameters()))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float(rank()))
+    PeriodicModelAverager(period=1, warmup_steps=0).average_parameters(model.parameters())
+    for p in model.parameters():
+        torch.testing.assert_close(p, torch.full_like(p, (size() - 1) / 2))
+
+
 def test_ddp_on_a_side_stream_writes_back_before_the_next_call():
     """As PyTorch's own test: DDP built and run under a non-default stream; each step's averaged
     gradient must be written back before a collective on it that follows."""
