@@ -623,6 +623,28 @@ def test_zero_redundancy_optimizer_and_model_averaging(device):
         torch.testing.assert_close(p, torch.full_like(p, (size() - 1) / 2))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_dtensor_redistributes_through_functional_collectives(device):
+    """DTensor over a mesh of the group: sharding by rows, then to replicas (an all-gather),
+    to shards by columns (an all-to-all), a sum (a partial all-reduced) and a product with a
+    replicated matrix, each equal to the same on the whole tensor."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    d = dev(device)
+    mesh = init_device_mesh(device, (size(),))
+    full = torch.arange(4.0 * size() * size()).reshape(4 * size(), size()).to(d)
+    rows = distribute_tensor(full, mesh, [Shard(0)])
+    assert torch.equal(rows.to_local(), full[4 * rank():4 * rank() + 4])
+    assert torch.equal(rows.redistribute(mesh, [Replicate()]).to_local(), full)
+    cols = rows.redistribute(mesh, [Shard(1)])
+    assert torch.equal(cols.to_local(), full[:, rank():rank() + 1])
+    assert torch.equal(cols.full_tensor(), full)
+    assert float((rows * 2).sum().full_tensor()) == float(full.sum() * 2)
+    ones = distribute_tensor(torch.ones(size(), 2, device=d), mesh, [Replicate()])
+    assert torch.equal((rows @ ones).full_tensor(), full @ torch.ones(size(), 2, device=d))
+
+
 def test_ddp_on_a_side_stream_writes_back_before_the_next_call():
     """As PyTorch's own test: DDP built and run under a non-default stream; each step's averaged
     gradient must be written back before a collective on it that follows."""
