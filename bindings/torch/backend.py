@@ -695,6 +695,17 @@ class _Work(dist.Work):
 _NO_TIMEOUT = getattr(dist.Work, "_NO_TIMEOUT", None)
 
 
+def _timed_out_ranks(message):
+    """The global ranks the core's timeout error names as never having submitted the operation
+    ("... for rank(s) [1, 2], past its operation's timeout ..."), or None."""
+    import re
+
+    found = re.search(r"for rank\(s\) \[([0-9, ]*)\], past its operation's timeout", message)
+    if found is None:
+        return None
+    return sorted(int(r) for r in found.group(1).split(",") if r.strip())
+
+
 def _backend_error(e):
     if isinstance(e, dist.DistBackendError):
         return e
@@ -1250,11 +1261,32 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
         """torch's monitored barrier: a barrier bounded by `timeout` (the group's when None).
-        Past it the job shuts down and every rank's DistBackendError names all the ranks that
-        never arrived (as gloo's does with `wait_all_ranks`; gloo's leaves the job running)."""
+        Past it the job shuts down, and every rank's DistBackendError says it in gloo's words
+        (on group rank 0 which ranks failed to pass it: the first, or with `wait_all_ranks` all
+        of them), then in the core's, which name every missing rank on every rank. gloo's
+        raises on the ranks that came and leaves the job running."""
         # a timeout of 0 has passed at once (the core's 0 would mean none)
         seconds = self._timeout if timeout is None else max(timeout.total_seconds(), 1e-6)
-        self._run(_core.BARRIER, [], None, finish=lambda _v: [], timeout=seconds).wait()
+        try:
+            self._run(_core.BARRIER, [], None, finish=lambda _v: [], timeout=seconds).wait()
+        except dist.DistBackendError as e:
+            missing = _timed_out_ranks(str(e))
+            group = [self._set.ranks.index(r) for r in missing or () if r in self._set.ranks]
+            if not group:
+                raise
+            if timeout is not None and timeout.total_seconds() <= 0:
+                # no time to hear from any rank: gloo says this rank timed out itself
+                what = "Rank %d timed out in monitoredBarrier after 0 ms" % self.rank()
+            elif self.rank() != 0:
+                # in gloo only rank 0 hears from the others; the core's words below name them
+                what = ("Rank %d successfully reached monitoredBarrier, but received errors "
+                        "while waiting for send/recv from rank 0" % self.rank())
+            else:
+                who = ("Ranks %s" % ", ".join(map(str, group))
+                       if wait_all_ranks and len(group) > 1 else "Rank %d" % group[0])
+                what = "%s failed to pass monitoredBarrier in %d ms" % (who, round(seconds * 1000))
+            raise dist.DistBackendError(
+                "ferrovod: [Rank %d]: %s (%s)" % (self.rank(), what, e)) from e
 
     def send(self, tensors, dst, tag=0):
         return self._p2p(_core.SEND, tensors, dst, tag)
