@@ -22,6 +22,7 @@ import functools
 import importlib
 import itertools
 import os
+import re
 import socket
 import threading
 import weakref
@@ -698,8 +699,6 @@ _NO_TIMEOUT = getattr(dist.Work, "_NO_TIMEOUT", None)
 def _timed_out_ranks(message):
     """The global ranks the core's timeout error names as never having submitted the operation
     ("... for rank(s) [1, 2], past its operation's timeout ..."), or None."""
-    import re
-
     found = re.search(r"for rank\(s\) \[([0-9, ]*)\], past its operation's timeout", message)
     if found is None:
         return None

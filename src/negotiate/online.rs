@@ -337,6 +337,10 @@ impl Negotiator {
         let mut to_send: Vec<Request> = Vec::new();
         // each request's (since, timeout), as its waiting entry had them
         let mut sending: Vec<(Instant, Option<Duration>)> = Vec::new();
+        let mut send = |w: Waiting| {
+            sending.push((w.since, w.timeout));
+            to_send.push(Arc::unwrap_or_clone(w.req));
+        };
         let mut keep: Vec<Waiting> = Vec::new();
         let mut group_timed_out = vec![false; self.groups.len()];
         for mut w in std::mem::take(&mut self.waiting) {
@@ -365,8 +369,7 @@ impl Negotiator {
                 }
                 (Lookup::Invalid(_), Some(g)) => {
                     vote.group_invalid.push(g);
-                    sending.push((w.since, w.timeout));
-                    to_send.push(Arc::unwrap_or_clone(w.req));
+                    send(w);
                 }
                 (Lookup::Hit(bit), None) => {
                     let bit = compact_bit(compact, bit)?;
@@ -375,8 +378,7 @@ impl Negotiator {
                     if stale {
                         // surface it in the coordinator's stall report (or its timeout check)
                         vote.invalid.push(bit);
-                        sending.push((w.since, w.timeout));
-                        to_send.push(Arc::unwrap_or_clone(w.req));
+                        send(w);
                     } else {
                         vote.hits.push(bit);
                         keep.push(w);
@@ -384,15 +386,13 @@ impl Negotiator {
                 }
                 (Lookup::Invalid(bit), None) => {
                     vote.invalid.push(compact_bit(compact, bit)?);
-                    sending.push((w.since, w.timeout));
-                    to_send.push(Arc::unwrap_or_clone(w.req));
+                    send(w);
                 }
                 (Lookup::Miss, _) => {
                     if w.req.kind == OpKind::Join {
                         self.self_joined = true;
                     }
-                    sending.push((w.since, w.timeout));
-                    to_send.push(Arc::unwrap_or_clone(w.req));
+                    send(w);
                 }
             }
         }

@@ -11,6 +11,18 @@ import time
 import pytest
 
 
+def horovodrun(*args, stall=None, env=None):
+    """`horovodrun -np 2` of this Python on `args` (the script first), with the stall check's
+    warning and shutdown times `stall` (seconds) where given: its exit status and output."""
+    command = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", "2"]
+    if stall is not None:
+        command += ["--stall-check-warning-time-seconds", str(stall[0]),
+                    "--stall-check-shutdown-time-seconds", str(stall[1])]
+    out = subprocess.run(command + [sys.executable] + [str(a) for a in args],
+                         capture_output=True, text=True, timeout=180, env=env)
+    return out.returncode, out.stdout + out.stderr
+
+
 def test_stopped_rank_ends_the_job_with_the_missing_rank_named(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(
@@ -36,16 +48,10 @@ def test_stopped_rank_ends_the_job_with_the_missing_rank_named(tmp_path):
         "    note('error.%d' % hvd.rank(), repr(time.time()) + ' ' + type(e).__name__ + ' ' + str(e))\n"
         "    raise\n"
     )
-    bindir = os.path.dirname(sys.executable)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     start = time.time()
-    out = subprocess.run([os.path.join(bindir, "horovodrun"), "-np", "2",
-                          "--stall-check-warning-time-seconds", "2",
-                          "--stall-check-shutdown-time-seconds", "6",
-                          sys.executable, str(script), str(tmp_path)],
-                         capture_output=True, text=True, timeout=180, env=env)
-    text = out.stdout + out.stderr
-    assert out.returncode != 0, text
+    returncode, text = horovodrun(script, tmp_path, stall=(2, 6), env=env)
+    assert returncode != 0, text
     stop_file, err_file = tmp_path / "stopping", tmp_path / "error.0"
     assert stop_file.exists() and err_file.exists(), text
     stopped_at = float(stop_file.read_text())
@@ -86,15 +92,9 @@ def test_stopped_rank_ends_a_torch_distributed_job_with_dist_backend_error(tmp_p
         "    note('error.%d' % dist.get_rank(), repr(time.time()) + ' ' + type(e).__name__ + ' ' + str(e))\n"
         "    raise\n"
     )
-    bindir = os.path.dirname(sys.executable)
     start = time.time()
-    out = subprocess.run([os.path.join(bindir, "horovodrun"), "-np", "2",
-                          "--stall-check-warning-time-seconds", "2",
-                          "--stall-check-shutdown-time-seconds", "6",
-                          sys.executable, str(script), str(tmp_path)],
-                         capture_output=True, text=True, timeout=180)
-    text = out.stdout + out.stderr
-    assert out.returncode != 0, text
+    returncode, text = horovodrun(script, tmp_path, stall=(2, 6))
+    assert returncode != 0, text
     stop_file, err_file = tmp_path / "stopping", tmp_path / "error.0"
     assert stop_file.exists() and err_file.exists(), text
     stopped_at = float(stop_file.read_text())
@@ -151,15 +151,9 @@ def test_a_groups_timeout_ends_a_call_the_other_ranks_never_make(tmp_path, where
         "        time.sleep(0.1)\n"
         "    raise\n"
     )
-    bindir = os.path.dirname(sys.executable)
     start = time.time()
-    out = subprocess.run([os.path.join(bindir, "horovodrun"), "-np", "2",
-                          "--stall-check-warning-time-seconds", "30",
-                          "--stall-check-shutdown-time-seconds", "60",
-                          sys.executable, str(script), str(tmp_path), where],
-                         capture_output=True, text=True, timeout=180)
-    text = out.stdout + out.stderr
-    assert out.returncode != 0, text
+    returncode, text = horovodrun(script, tmp_path, where, stall=(30, 60))
+    assert returncode != 0, text
     for rank in (0, 1):
         err_file = tmp_path / ("error.%d" % rank)
         assert err_file.exists(), text
@@ -193,12 +187,8 @@ def test_takeover_by_environment_needs_no_import_of_ferrovod(tmp_path):
         "print('rank %d backend %s' % (dist.get_rank(), dist.get_backend()), flush=True)\n"
         "dist.destroy_process_group()\n"
     )
-    bindir = os.path.dirname(sys.executable)
-    out = subprocess.run([os.path.join(bindir, "horovodrun"), "-np", "2", sys.executable,
-                          str(script)], capture_output=True, text=True, timeout=180,
-                         env=dict(os.environ, FERROVOD_TORCH_TAKEOVER="1"))
-    text = out.stdout + out.stderr
-    assert out.returncode == 0, text
+    returncode, text = horovodrun(script, env=dict(os.environ, FERROVOD_TORCH_TAKEOVER="1"))
+    assert returncode == 0, text
     assert "rank 0 backend ferrovod" in text and "rank 1 backend ferrovod" in text, text
     assert text.count("runs on ferrovod") == 1, text
     env = {k: v for k, v in os.environ.items() if k != "FERROVOD_TORCH_TAKEOVER"}
@@ -206,7 +196,5 @@ def test_takeover_by_environment_needs_no_import_of_ferrovod(tmp_path):
     for off in (None, "false"):
         if off is not None:
             env["FERROVOD_TORCH_TAKEOVER"] = off
-        out = subprocess.run([os.path.join(bindir, "horovodrun"), "-np", "2", sys.executable,
-                              str(script)], capture_output=True, text=True, timeout=180, env=env)
-        text = out.stdout + out.stderr
-        assert out.returncode != 0 and "RANK expected" in text, (off, text)
+        returncode, text = horovodrun(script, env=env)
+        assert returncode != 0 and "RANK expected" in text, (off, text)
