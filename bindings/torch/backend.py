@@ -711,6 +711,52 @@ def _backend_error(e):
     return dist.DistBackendError("ferrovod: %s" % e)
 
 
+class _Finished(dist.Work):
+    """The Work of a blocking call completed before it returned (`ProcessGroupFerrovod._now`):
+    waiting for it has nothing left to do."""
+
+    def __init__(self, result):
+        super().__init__()
+        self._result = result
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+    def is_success(self):
+        return True
+
+    def exception(self):
+        return None
+
+    def result(self):
+        return self._result
+
+    def synchronize(self):
+        pass
+
+    def get_future(self):
+        devices = sorted({t.device for t in self._result if t.is_cuda}, key=str)
+        future = torch.futures.Future(devices=devices or None)
+        future.set_result(self._result)
+        return future
+
+
+def _device_index(device):
+    if device is None:
+        return _core.CPU_DEVICE
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _wait_for(handle, stream, device):
+    """`stream` waits on the device for the launched collective of the core's `handle`."""
+    event = handle.event()
+    if event:
+        mpi_ops._stream_wait(stream.cuda_stream or mpi_ops._CU_STREAM_LEGACY, event, device)
+
+
 def _done_work(result):
     work = _Work(None, None)
     work._settle(result, None)
@@ -837,15 +883,21 @@ class _Names:
         name = "torch.%s.%s" % (self._group_name(), signature)
         with self._lock:
             previous = self._in_flight.get(name)
-        if previous is not None and not previous._finished.is_set():
+        if previous is not None:
             # on the core's handle: no thread of this module has to take its completion first
-            _core.wait_done(previous._core_id)
+            if isinstance(previous, int):  # a blocking call's, completed by its caller
+                _core.wait_done(previous)
+            elif not previous._finished.is_set():
+                _core.wait_done(previous._core_id)
         return name
 
     def track(self, name, work):
+        """`work` holds `name` until it settles; `work` may also be the core's handle id of a
+        blocking call, which `_forget`s it once waited for."""
         with self._lock:
             self._in_flight[name] = work
-        work._when_settled(lambda: self._forget(name, work))
+        if not isinstance(work, int):
+            work._when_settled(lambda: self._forget(name, work))
 
     def _forget(self, name, work):
         with self._lock:
@@ -956,12 +1008,56 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         """An allgather or reducescatter of contiguous `flat` written straight into `output`
         (`_writable_directly`), through the core's per-name structs; `result`: the Work's."""
         device = flat.device if flat.is_cuda else None
-        work = _Work.start(device, lambda _v: result, (flat, output), _blocking(opts))
+        blocking = _blocking(opts)
+        defer = device is not None and self._device_waits()
+        if blocking and not defer:
+            op, prescale = kwargs.get("reduce_op", _core.SUM), kwargs.get("prescale", 1.0)
+            return self._now(signature, device, (flat, output), result, lambda name, stream: (
+                _core.submit_one(kind, name, mpi_ops._code(flat), tuple(flat.shape),
+                                 flat.data_ptr(), output.data_ptr(), [flat, output], output, op,
+                                 prescale, 1.0, self._set_id(), _core.COMPRESSION_JOB,
+                                 _device_index(device), stream, True, timeout=self._timeout)))
+        work = _Work.start(device, lambda _v: result, (flat, output), blocking)
         work._direct = device is not None
-        work._may_defer = work._direct and self._device_waits()
+        work._may_defer = defer
         return self._submit_named(work, signature, 1, lambda names, key: mpi_ops._into_(
             kind, flat, output, names[0], self._set, done=_done(key), done_user_data=key,
             timeout=self._timeout, **kwargs))
+
+    def _now(self, signature, device, touched, result, submit):
+        """A blocking call (c10d waits for it at once), completed before it returns: submitted
+        without a callback, `submit(name, stream)` (the current CUDA stream's handle, or None
+        on the host) returning the core's handle, and waited for here, so that no Work is made,
+        registered and completed for it: each blocking collective's host time is on a training
+        step's path (FSDP waits for every layer's all-gather). On CUDA the host waits until the
+        collective is launched and the current stream waits for it on the device, as after
+        NCCL's wait; the allocator keeps `touched` until the stream has passed that wait.
+        Returns a finished Work whose result is `result`."""
+        stream = None if device is None else torch.cuda.current_stream(device)
+        names = self._names
+        with names.submitting:
+            name = names.next(signature)
+            try:
+                handle = submit(name, None if stream is None else stream.cuda_stream or
+                                mpi_ops._CU_STREAM_LEGACY)
+            except HorovodInternalError as e:
+                raise _backend_error(e) from e
+            names.track(name, handle.id)
+        try:
+            if stream is None:
+                handle.wait()
+            else:
+                handle.wait(before_release=lambda h: _wait_for(h, stream, device))
+                for t in touched:
+                    t.record_stream(stream)
+        except Exception as e:  # as a Work's wait raises it
+            raise _backend_error(e) from e
+        finally:
+            names._forget(name, handle.id)
+        return _Finished(result)
+
+    def _set_id(self):
+        return mpi_ops.registered_id(self._set)
 
     def _submit_named(self, work, signature, count, submit):
         """Submits `work`'s operation of `count` tensors, `submit(names, key)`, under the
@@ -1009,11 +1105,19 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         """`_allreduce` of one contiguous tensor, through the C structs the core keeps per name
         (what `horovod.torch` does for a gradient): a DDP bucket or a metric each step."""
         device = t.device if t.is_cuda else None
-        work = _Work.start(device, lambda _v: [t], (t,), _blocking(opts))
+        blocking = _blocking(opts)
+        defer = device is not None and self._device_waits()
+        codec = self._codec(op, (t,))
+        if blocking and not defer:
+            return self._now(_signature("allreduce", (t,)), device, (t,), [t], lambda name, s: (
+                _core.allreduce_in_place(name, mpi_ops._code(t), tuple(t.shape), t.data_ptr(),
+                                         t, op, prescale, 1.0, self._set_id(), codec,
+                                         _device_index(device), s, True,
+                                         timeout=self._timeout)))
+        work = _Work.start(device, lambda _v: [t], (t,), blocking)
         # in place: the core writes `t` itself, so completing launches no device work
         work._direct = device is not None
-        work._may_defer = work._direct and self._device_waits()
-        codec = self._codec(op, (t,))
+        work._may_defer = defer
         return self._submit_named(work, _signature("allreduce", (t,)), 1, lambda names, key: (
             mpi_ops._allreduce_one_(t, names[0], op, prescale, 1.0, self._set, codec,
                                     done=_done(key), done_user_data=key,

@@ -1,7 +1,7 @@
 """Joins ferrovod-bench gpu and torch_allreduce.py results (JSON lines) into the GPU tables, one
-per np: busbw of ferrovod, raw NCCL (same process) and NCCL through PyTorch, and the ratios;
-then the ResNet-50 set against one allreduce, gossip against the allreduce, and the summary
-lines BENCHMARKS.md records."""
+per np: busbw of ferrovod, raw NCCL (same process) and NCCL through PyTorch, and the ratios
+(back to back, then one tensor at a time at 256 MiB); then the ResNet-50 set against one
+allreduce, gossip against the allreduce, and the summary lines BENCHMARKS.md records."""
 import json
 import sys
 from collections import defaultdict
@@ -39,6 +39,11 @@ def report(rows):
         for (kind, n, nbytes), r in sorted(rows.items()):
             if n != np:
                 continue
+            if kind == "single" and "ferrovod_s" in r:
+                fv, raw, th = busbw(r, "ferrovod_s"), busbw(r, "nccl_s"), busbw(r, "torch_s")
+                out.append(f"one tensor at a time, {nbytes} bytes: ferrovod {fv:.1f}, NCCL {raw:.1f},"
+                           f" torch {th:.1f} GiB/s busbw (fv/NCCL {fv / raw:.3f}, fv/torch {fv / th:.3f})")
+                summary.append(f"gpu np={np} 256MiB single-tensor busbw ferrovod/torch = {fv / th:.3f}")
             if kind == "resnet50" and "ferrovod_s" in r:
                 out.append(
                     f"resnet50: {r.get('tensors', '?')} tensors, {nbytes} bytes: ferrovod {r['ferrovod_s'] * 1e6:.1f} us,"

@@ -1,6 +1,6 @@
 """NCCL through PyTorch, the reference for ferrovod's GPU benchmark: in-place f32 sums of one
 buffer, `iters` back to back then one synchronize (the same counts ferrovod-bench gpu uses),
-1 MiB - 1 GiB; and one allreduce of the ResNet-50 gradient set's bytes (averaged). Medians of
+1 MiB - 1 GiB (or the sizes given after the set's file), at 256 MiB also one at a time (each synchronized before the next); and one allreduce of the ResNet-50 gradient set's bytes (averaged). Medians of
 repetitions; rank 0 prints one JSON object per line. Run under mpirun, one process per GPU."""
 import json, os, statistics, sys, time
 
@@ -31,15 +31,35 @@ def timed(t, iters, op=dist.ReduceOp.SUM):
     return time.perf_counter() - start
 
 
-buf = torch.zeros((1 << 30) // 4, dtype=torch.float32, device="cuda")
-nbytes = 1 << 20
-while nbytes <= 1 << 30:
+def single(t, iters):
+    """Seconds per allreduce, one at a time: each synchronized before the next."""
+    dist.barrier()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(t)
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters
+
+
+# the size whose one-at-a-time figure ferrovod-bench gpu adds too
+SINGLE_BYTES = 256 << 20
+# the sweep's sizes: 1 MiB - 1 GiB, or the two given after the gradient set's file
+lo, hi = (int(a) for a in sys.argv[2:4]) if len(sys.argv) > 3 else (1 << 20, 1 << 30)
+buf = torch.zeros(hi // 4, dtype=torch.float32, device="cuda")
+nbytes = lo
+while nbytes <= hi:
     t = buf[: nbytes // 4]
     iters = iters_for(nbytes)
     timed(t, iters)
     s = statistics.median(timed(t, iters) / iters for _ in range(REPS))
     if rank == 0:
         print("JSON " + json.dumps({"kind": "sweep", "np": size, "bytes": nbytes, "torch_s": s}))
+    if nbytes == SINGLE_BYTES:
+        single(t, iters)
+        s = statistics.median(single(t, iters) for _ in range(REPS))
+        if rank == 0:
+            print("JSON " + json.dumps({"kind": "single", "np": size, "bytes": nbytes, "torch_s": s}))
     nbytes *= 2
 del buf
 

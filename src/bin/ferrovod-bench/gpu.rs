@@ -1,7 +1,8 @@
 //! `ferrovod-bench gpu`: ferrovod's allreduce of GPU tensors against NCCL underneath, in one
 //! process. Sweep (nccl-tests form): in-place f32 sums of `iters` buffers of one size,
 //! submitted back to back and waited for together, against the same raw `ncclAllReduce` calls
-//! on one stream. ResNet-50: the gradient set (one device buffer per tensor, submitted in backward
+//! on one stream; at 256 MiB also one tensor at a time (each waited for before the next),
+//! against one allreduce then a synchronize. ResNet-50: the gradient set (one device buffer per tensor, submitted in backward
 //! order, averaged) against one raw NCCL allreduce of the same bytes. Each figure is the median
 //! of several repetitions. Rank 0 prints one JSON object per line (the GPU script joins them
 //! with PyTorch's figures) and a table.
@@ -189,6 +190,9 @@ pub fn run(o: &Options, grads: &[(String, usize)]) {
                 "JSON {{\"kind\":\"sweep\",\"np\":{size},\"bytes\":{bytes},\"ferrovod_s\":{fv},\"nccl_s\":{raw}}}"
             );
         }
+        if bytes == SINGLE_BYTES {
+            single(&gpu, &host, &comm, &stream, &mems[0], o.reps, me, size);
+        }
         bytes *= 2;
     }
     if !grads.is_empty() {
@@ -209,6 +213,66 @@ pub fn run(o: &Options, grads: &[(String, usize)]) {
     let h = rt.enqueue(OpSpec::new(OpKind::Barrier, vec![])).unwrap();
     h.wait(None).unwrap();
     runtime::shutdown();
+}
+
+/// The size whose single-tensor figure the sweep adds.
+const SINGLE_BYTES: usize = 256 << 20;
+
+/// One tensor at a time: each allreduce submitted, then waited for, before the next (nothing
+/// for ferrovod to fuse or to overlap on its second stream), against one raw NCCL allreduce
+/// then a synchronize; seconds per allreduce, median of `reps` rounds of `iters_for` each.
+#[allow(clippy::too_many_arguments)]
+fn single(
+    gpu: &Gpu,
+    host: &MpiComm,
+    comm: &NcclComm,
+    stream: &Stream,
+    mem: &DeviceMem,
+    reps: usize,
+    me: usize,
+    size: usize,
+) {
+    let bytes = SINGLE_BYTES;
+    let iters = iters_for(bytes);
+    let one = std::slice::from_ref(mem);
+    let fv_round = || {
+        host.barrier().unwrap();
+        let t = Instant::now();
+        for _ in 0..iters {
+            wait_all(vec![submit(gpu, "single", mem, bytes, ReduceOp::Sum)]);
+        }
+        t.elapsed().as_secs_f64() / iters as f64
+    };
+    let raw_round = || {
+        let mut s = 0.0;
+        for _ in 0..iters {
+            s += nccl_round(comm, stream, host, one, bytes, ReduceOp::Sum);
+        }
+        s / iters as f64
+    };
+    fv_round();
+    raw_round();
+    let (mut fv, mut raw) = (Vec::new(), Vec::new());
+    for _ in 0..reps {
+        fv.push(fv_round());
+        raw.push(raw_round());
+    }
+    let (fv, raw) = (median(fv), median(raw));
+    if me == 0 {
+        let bus = 2.0 * (size as f64 - 1.0) / size as f64;
+        let gbs = |t: f64| bytes as f64 / t / (1u64 << 30) as f64 * bus;
+        println!(
+            "# one tensor at a time, {bytes} bytes: ferrovod {:.1} us ({:.1} GiB/s busbw), NCCL {:.1} us ({:.1} GiB/s), ratio {:.3}",
+            fv * 1e6,
+            gbs(fv),
+            raw * 1e6,
+            gbs(raw),
+            gbs(fv) / gbs(raw)
+        );
+        println!(
+            "JSON {{\"kind\":\"single\",\"np\":{size},\"bytes\":{bytes},\"ferrovod_s\":{fv},\"nccl_s\":{raw}}}"
+        );
+    }
 }
 
 #[allow(clippy::too_many_arguments)]

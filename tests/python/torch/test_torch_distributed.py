@@ -311,6 +311,54 @@ def test_blocking_calls_complete_on_the_waiting_thread_and_leave_nothing_behind(
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_blocking_calls_complete_within_the_call_beside_asynchronous_ones(device):
+    """A blocking all_reduce, all-gather or reduce-scatter into a given output completes before
+    the call returns (its Work is finished); under the name of an asynchronous call of the same
+    signature still in flight it waits for that one; 1,000 of them leave no name, Work or core
+    operation behind, and on CUDA the caller's stream orders the result."""
+    if not hasattr(dist.AllreduceOptions(), "asyncOp"):
+        pytest.skip("this torch does not say whether a call is asynchronous")
+    d = dev(device)
+    n = size()
+    pg = dist.distributed_c10d._get_default_group()
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False
+    x = torch.full((4,), float(rank()), device=d)
+    work = pg.allreduce([x], opts)
+    assert work.is_completed() and work.wait() and work.result() == [x]
+    close(x, torch.full((4,), float(sum(range(n)))))
+    # an asynchronous call in flight, then blocking ones of its signature, then another
+    # asynchronous one: each in its turn
+    a = torch.full((4,), 1.0 + rank(), device=d)
+    first = dist.all_reduce(a, async_op=True)
+    b = torch.full((4,), 10.0 * (rank() + 1), device=d)
+    dist.all_reduce(b)
+    c = torch.full((4,), 100.0, device=d)
+    last = dist.all_reduce(c, async_op=True)
+    dist.all_reduce(b)
+    first.wait()
+    last.wait()
+    close(a, torch.full((4,), float(sum(1 + r for r in range(n)))))
+    close(b, torch.full((4,), float(n * sum(10 * (r + 1) for r in range(n)))))
+    close(c, torch.full((4,), 100.0 * n))
+    before = _core.in_flight_count()
+    out = torch.zeros(3 * n, device=d)
+    part = torch.zeros(3, device=d)
+    for i in range(1000):
+        y = torch.full((3,), float(rank() + i), device=d)
+        dist.all_reduce(y, op=dist.ReduceOp.MAX)
+        dist.all_gather_into_tensor(out, y)
+        dist.reduce_scatter_tensor(part, out)
+        # the next step's computation on the current stream reads the results
+        total = part.sum() + y[0]
+    # y: the ranks' largest, n - 1 + i; each of part's 3 values: the n ranks' gathered y summed
+    close(total, torch.tensor(3 * n * (n - 1 + 999.0) + n - 1 + 999.0, device=d))
+    assert _core.in_flight_count() <= before
+    assert not pg._names._in_flight
+    assert not backend._works
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_blocking_call_needs_no_callback(device):
     """torch tells the group when its caller waits at once (async_op=False): such an operation
     is submitted without a done callback and completed by the waiting thread, so no key is
