@@ -4,6 +4,8 @@ stream, as a training step issues them, after a warm-up, timed between two devic
 synchronisations. At np 1 there is no traffic: what is measured is the calls' host part.
 
   mpirun -np 1 --bind-to none -x NCCL_NVLS_ENABLE python3 scripts/gpu/bench_calls.py [--calls N]
+
+`--device cpu` times the same calls on host tensors (no CUDA needed).
 """
 
 import argparse
@@ -19,10 +21,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--bytes", type=int, default=4096)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = ap.parse_args()
     dist.init_process_group("ferrovod")
-    dev = torch.device("cuda", hvd.local_rank())
-    torch.cuda.set_device(dev)
+    on_gpu = args.device == "cuda"
+    dev = torch.device("cuda", hvd.local_rank()) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(dev)
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     x = torch.ones(args.bytes // 4, device=dev)
     out = torch.empty(x.numel() * dist.get_world_size(), device=dev)
     calls = {
@@ -34,11 +40,11 @@ def main():
     for name, call in calls.items():
         for _ in range(args.calls // 10):
             call()
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         for _ in range(args.calls):
             call()
-        torch.cuda.synchronize()
+        sync()
         us = (time.perf_counter() - start) / args.calls * 1e6
         if dist.get_rank() == 0:
             print("%-24s %8.1f us per call" % (name, us), flush=True)

@@ -19,14 +19,16 @@ def load(path):
 
 
 def busbw(r, key):
+    """GiB/s on the bus; at np 1, where nothing crosses one, the algorithm's bandwidth."""
     n = r["np"]
-    return r["bytes"] / r[key] / 2**30 * 2 * (n - 1) / n if key in r else float("nan")
+    bus = 2 * (n - 1) / n if n > 1 else 1.0
+    return r["bytes"] / r[key] / 2**30 * bus if key in r else float("nan")
 
 
 def report(rows):
     out, summary = [], []
     for np in sorted({np for (_, np, _) in rows}):
-        out.append(f"# np={np}")
+        out.append(f"# np={np}" + (" (no traffic: algorithm bandwidth, the host's part)" if np == 1 else ""))
         out.append(f"{'bytes':>11} {'ferrovod GiB/s':>15} {'NCCL GiB/s':>11} {'torch GiB/s':>12}"
                    f" {'fv/NCCL':>8} {'fv/torch':>9}")
         for (kind, n, nbytes), r in sorted(rows.items()):

@@ -25,7 +25,7 @@ if [ ${#nps[@]} -eq 0 ]; then
   [ ${#nps[@]} -eq 0 ] && nps=(1)
 fi
 lines=$out/targets.txt
-echo "# $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$ngpu, $(git rev-parse --short HEAD 2>/dev/null || echo '?'): $what at np ${nps[*]}" | tee -a "$lines"
+echo "# $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$ngpu: $what at np ${nps[*]}" | tee -a "$lines"
 rc=0
 # runs a job, its log in $out/$1.log; its target lines (tagged with $tag where set) to $lines
 job() {
@@ -65,7 +65,7 @@ for np in "${nps[@]}"; do
     done
   fi
   if [ "$what" = fsdp ] || [ "$what" = all ]; then
-    fsdp=(python3 scripts/bench_torch_distributed.py --device cuda --only fsdp --rounds 3 --steps 8)
+    fsdp=(python3 scripts/bench_torch_distributed.py --device cuda --only fsdp --rounds 5 --steps 8)
     job "fsdp-fp32-$np" $(mpi "$np") "${fsdp[@]}" || rc=1
     job "fsdp-bf16-$np" $(mpi "$np") "${fsdp[@]}" --bf16 || rc=1
     (export FERROVOD_TORCH_DEVICE_WAIT=1 CUDA_MODULE_LOADING=EAGER tag="device wait"
