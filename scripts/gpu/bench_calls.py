@@ -5,8 +5,11 @@ synchronisations. At np 1 there is no traffic: what is measured is the calls' ho
 
   mpirun -np 1 --bind-to none -x NCCL_NVLS_ENABLE python3 scripts/gpu/bench_calls.py [--calls N]
 
-`--device cpu` times the same calls on host tensors (no CUDA needed).
+`--device cpu` times the same calls on host tensors (no CUDA needed); `--side-stream` makes the
+calls on a stream of their own (a non-blocking one, where FERROVOD_TORCH_DEVICE_WAIT=1 leaves
+the waiting to the device; the default stream always waits on the host).
 """
+import contextlib
 
 import argparse
 import time
@@ -22,6 +25,7 @@ def main():
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--bytes", type=int, default=4096)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--side-stream", action="store_true")
     args = ap.parse_args()
     dist.init_process_group("ferrovod")
     on_gpu = args.device == "cuda"
@@ -37,14 +41,16 @@ def main():
         "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(x, out),
         "hvd.allreduce_": lambda: hvd.allreduce_(x, name="bench_calls.x"),
     }
+    side = torch.cuda.stream(torch.cuda.Stream()) if args.side_stream else contextlib.nullcontext()
     for name, call in calls.items():
-        for _ in range(args.calls // 10):
-            call()
-        sync()
-        start = time.perf_counter()
-        for _ in range(args.calls):
-            call()
-        sync()
+        with side:
+            for _ in range(args.calls // 10):
+                call()
+            sync()
+            start = time.perf_counter()
+            for _ in range(args.calls):
+                call()
+            sync()
         us = (time.perf_counter() - start) / args.calls * 1e6
         if dist.get_rank() == 0:
             print("%-24s %8.1f us per call" % (name, us), flush=True)

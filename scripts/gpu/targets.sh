@@ -12,7 +12,8 @@
 #   all    every phase (longer than one call to a lent machine allows at np 4: run phases).
 # Usage: bash scripts/gpu/targets.sh PHASE [NP ...]   (default: 2 4 8 up to the GPUs there;
 # np 1 on a one-GPU machine, where the lines show the host's part alone). Each phase appends
-# its lines to $OUT/targets.txt; `python3 scripts/gpu/targets.py $OUT/targets.txt` checks them.
+# its lines to $OUT/targets.txt (phases run in one $OUT add up; a fresh $OUT starts afresh);
+# `python3 scripts/gpu/targets.py $OUT/targets.txt` checks them.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 what=${1:-all}
@@ -32,7 +33,7 @@ job() {
   local log=$out/$1.log status=0
   shift
   timeout -k 20 "${limit:-420}" "$@" >"$log" 2>&1 || { status=$?; echo "failed (exit $status): $* (see $log)"; }
-  grep -E '^(gpu|cpu) np=[0-9]+ .* = [0-9.]+' "$log" | sed "s/\$/${tag:+ [$tag]}/" | tee -a "$lines"
+  grep -E '^(gpu|cpu) np=[0-9]+ .* = ([0-9.]+|nan|inf)' "$log" | sed "s/\$/${tag:+ [$tag]}/" | tee -a "$lines"
   return $status
 }
 # the device wait is off, and kernels load lazily (CUDA's default), unless a job says otherwise
@@ -50,7 +51,8 @@ for np in "${nps[@]}"; do
     job "core-torch-$np" $(mpi "$np") python3 scripts/gpu/torch_allreduce.py .gpu/data/resnet50_grads.tsv \
       $((256 << 20)) $((256 << 20)) || rc=1
     cat "$out/core-bench-$np.log" "$out/core-torch-$np.log" | grep '^JSON ' | sed 's/^JSON //' >"$out/core-$np.jsonl"
-    python3 scripts/gpu/summary.py "$out/core-$np.jsonl" | tee "$out/core-$np.txt" | grep -E '^gpu np=' | tee -a "$lines"
+    python3 scripts/gpu/summary.py "$out/core-$np.jsonl" >"$out/core-$np.txt" || rc=1
+    grep -E '^gpu np=' "$out/core-$np.txt" | tee -a "$lines"
   fi
   if [ "$what" = train ] || [ "$what" = all ]; then
     for p in fp32 bf16; do
@@ -72,5 +74,6 @@ for np in "${nps[@]}"; do
      job "fsdp-bf16-wait-$np" $(mpi "$np") "${fsdp[@]}" --bf16) || rc=1
   fi
 done
+# (its exit status says whether every goal was met; this script's, whether every job ran)
 python3 scripts/gpu/targets.py "$lines"
 exit $rc

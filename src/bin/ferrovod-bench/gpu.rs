@@ -220,7 +220,8 @@ const SINGLE_BYTES: usize = 256 << 20;
 
 /// One tensor at a time: each allreduce submitted, then waited for, before the next (nothing
 /// for ferrovod to fuse or to overlap on its second stream), against one raw NCCL allreduce
-/// then a synchronize; seconds per allreduce, median of `reps` rounds of `iters_for` each.
+/// then a synchronize; seconds per allreduce, median of `reps` rounds of `iters_for` each,
+/// each round timed from one barrier.
 #[allow(clippy::too_many_arguments)]
 fn single(
     gpu: &Gpu,
@@ -234,7 +235,6 @@ fn single(
 ) {
     let bytes = SINGLE_BYTES;
     let iters = iters_for(bytes);
-    let one = std::slice::from_ref(mem);
     let fv_round = || {
         host.barrier().unwrap();
         let t = Instant::now();
@@ -244,11 +244,21 @@ fn single(
         t.elapsed().as_secs_f64() / iters as f64
     };
     let raw_round = || {
-        let mut s = 0.0;
+        host.barrier().unwrap();
+        let t = Instant::now();
         for _ in 0..iters {
-            s += nccl_round(comm, stream, host, one, bytes, ReduceOp::Sum);
+            comm.allreduce(
+                mem.range(),
+                mem.range(),
+                bytes / 4,
+                DataType::F32,
+                ReduceOp::Sum,
+                stream,
+            )
+            .unwrap();
+            stream.synchronize().unwrap();
         }
-        s / iters as f64
+        t.elapsed().as_secs_f64() / iters as f64
     };
     fv_round();
     raw_round();
@@ -259,7 +269,11 @@ fn single(
     }
     let (fv, raw) = (median(fv), median(raw));
     if me == 0 {
-        let bus = 2.0 * (size as f64 - 1.0) / size as f64;
+        // at np 1 nothing crosses a bus: the algorithm's bandwidth
+        let bus = match size {
+            1 => 1.0,
+            n => 2.0 * (n as f64 - 1.0) / n as f64,
+        };
         let gbs = |t: f64| bytes as f64 / t / (1u64 << 30) as f64 * bus;
         println!(
             "# one tensor at a time, {bytes} bytes: ferrovod {:.1} us ({:.1} GiB/s busbw), NCCL {:.1} us ({:.1} GiB/s), ratio {:.3}",

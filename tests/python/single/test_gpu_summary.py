@@ -80,8 +80,10 @@ def test_targets_judge_each_line_by_its_goal():
         "gpu np=2 fsdp-train ferrovod/nccl = 0.912 (bf16) (throughput) [device wait]",
         "gpu np=1 fsdp-train ferrovod/nccl = 1.018 (throughput)",
         "gpu np=2 resnet50-train ferrovod/ferrovod-per-gradient = 1.100",
+        "gpu np=4 256MiB single-tensor busbw ferrovod/torch = nan",
     ]
     got = [v.split()[0] for _, v in mod.check(lines)]
-    assert got == ["MISSED", "met", "MISSED", "met", "MISSED", "met", "MISSED", "(np", "(no"]
+    assert got == ["MISSED", "met", "MISSED", "met", "MISSED", "met", "MISSED", "(np", "(no",
+                   "MISSED"]
     # a tag and the precision stay on the line
     assert mod.check(lines[7:8])[0][0].endswith("(bf16) (throughput) [device wait]")

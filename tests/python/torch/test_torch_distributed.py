@@ -9,6 +9,7 @@ their absence a failure)."""
 
 import copy
 import os
+import threading
 import time
 
 import numpy as np
@@ -325,8 +326,28 @@ def test_blocking_calls_complete_within_the_call_beside_asynchronous_ones(device
     opts.asyncOp = False
     x = torch.full((4,), float(rank()), device=d)
     work = pg.allreduce([x], opts)
-    assert work.is_completed() and work.wait() and work.result() == [x]
+    assert isinstance(work, backend._Finished)
+    assert work.wait() and work.result() == [x] and work.get_future().wait() == [x]
     close(x, torch.full((4,), float(sum(range(n)))))
+    # two threads' blocking calls of one signature: each waits for the other's in flight
+    # rather than meet the core's refusal of a name in flight
+    errors = []
+
+    def calls():
+        try:
+            for _ in range(100):
+                z = torch.full((7,), float(rank()), device=d)
+                dist.all_reduce(z)
+                close(z, torch.full((7,), float(sum(range(n)))))
+        except Exception as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=calls) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
     # an asynchronous call in flight, then blocking ones of its signature, then another
     # asynchronous one: each in its turn
     a = torch.full((4,), 1.0 + rank(), device=d)
