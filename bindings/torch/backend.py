@@ -1025,14 +1025,13 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         device = flat.device if flat.is_cuda else None
         blocking = _blocking(opts)
         defer = device is not None and self._device_waits()
-        if blocking:
+        if blocking and not defer:
             op, prescale = kwargs.get("reduce_op", _core.SUM), kwargs.get("prescale", 1.0)
             return self._now(signature, device, (flat, output), result, lambda name, stream: (
                 _core.submit_one(kind, name, mpi_ops._code(flat), tuple(flat.shape),
                                  flat.data_ptr(), output.data_ptr(), [flat, output], output, op,
                                  prescale, 1.0, self._set_id(), _core.COMPRESSION_JOB,
-                                 _device_index(device), stream, True, timeout=self._timeout)),
-                defer)
+                                 _device_index(device), stream, True, timeout=self._timeout)))
         work = _Work.start(device, lambda _v: result, (flat, output), blocking)
         work._direct = device is not None
         work._may_defer = defer
@@ -1040,17 +1039,16 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
             kind, flat, output, names[0], self._set, done=_done(key), done_user_data=key,
             timeout=self._timeout, **kwargs))
 
-    def _now(self, signature, device, touched, result, submit, defer=False):
+    def _now(self, signature, device, touched, result, submit):
         """A blocking call (c10d waits for it at once), completed before it returns: submitted
         without a callback, `submit(name, stream)` (the current CUDA stream's handle, or None
         on the host) returning the core's handle, and waited for here, so that no Work is made,
         registered and completed for it: each blocking collective's host time is on a training
         step's path (FSDP waits for every layer's all-gather). On CUDA the host waits until the
         collective is launched and the current stream waits for it on the device, as after
-        NCCL's wait; the allocator keeps `touched` until the stream has passed that wait. With
-        `defer` (FERROVOD_TORCH_DEVICE_WAIT) the stream waits on the device for a collective
-        not launched yet where the core can place that wait, and the host goes on: its outcome
-        is taken before the next submission. Returns a finished Work whose result is `result`."""
+        NCCL's wait; the allocator keeps `touched` until the stream has passed that wait.
+        Returns a finished Work whose result is `result`. (A call whose wait may be left to the
+        device, FERROVOD_TORCH_DEVICE_WAIT, goes through a Work: `_Work._wait_on_device`.)"""
         stream = None if device is None else torch.cuda.current_stream(device)
         raw = None if stream is None else stream.cuda_stream or mpi_ops._CU_STREAM_LEGACY
         names = self._names
@@ -1061,11 +1059,6 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
             except HorovodInternalError as e:
                 raise _backend_error(e) from e
             names.track(name, handle.id)
-        if defer and self._wait_on_device(handle, device, raw):
-            for t in touched:
-                t.record_stream(stream)
-            _core.defer(lambda: self._settle_left_to_device(name, handle))
-            return _Finished(result, device, stream)
         try:
             if stream is None:
                 handle.wait()
@@ -1078,25 +1071,6 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         finally:
             names._forget(name, handle.id)
         return _Finished(result, device, stream)
-
-    @staticmethod
-    def _wait_on_device(handle, device, raw):
-        """Whether the stream `raw` now waits on the device for `handle`'s collective (False:
-        launched already, or a stream the core cannot make wait so; the host waits then)."""
-        try:
-            return _core.stream_wait(handle.id, _device_index(device), raw)
-        except Exception:  # the host waits instead, and sees the operation's own outcome
-            return False
-
-    def _settle_left_to_device(self, name, handle):
-        """A call left to the device: waits until it was launched (not run), forgets its name,
-        and raises its error."""
-        try:
-            handle.wait()
-        except Exception as e:
-            raise _backend_error(e) from e
-        finally:
-            self._names._forget(name, handle.id)
 
     def _set_id(self):
         return mpi_ops.registered_id(self._set)
@@ -1150,12 +1124,12 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         blocking = _blocking(opts)
         defer = device is not None and self._device_waits()
         codec = self._codec(op, (t,))
-        if blocking:
+        if blocking and not defer:
             return self._now(_signature("allreduce", (t,)), device, (t,), [t], lambda name, s: (
                 _core.allreduce_in_place(name, mpi_ops._code(t), tuple(t.shape), t.data_ptr(),
                                          t, op, prescale, 1.0, self._set_id(), codec,
                                          _device_index(device), s, True,
-                                         timeout=self._timeout)), defer)
+                                         timeout=self._timeout)))
         work = _Work.start(device, lambda _v: [t], (t,), blocking)
         # in place: the core writes `t` itself, so completing launches no device work
         work._direct = device is not None
