@@ -759,19 +759,6 @@ class _Finished(dist.Work):
         return future
 
 
-def _device_index(device):
-    if device is None:
-        return _core.CPU_DEVICE
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def _wait_for(handle, stream, device):
-    """`stream` waits on the device for the launched collective of the core's `handle`."""
-    event = handle.event()
-    if event:
-        mpi_ops._stream_wait(stream.cuda_stream or mpi_ops._CU_STREAM_LEGACY, event, device)
-
-
 def _done_work(result):
     work = _Work(None, None)
     work._settle(result, None)
@@ -1026,12 +1013,9 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         blocking = _blocking(opts)
         defer = device is not None and self._device_waits()
         if blocking and not defer:
-            op, prescale = kwargs.get("reduce_op", _core.SUM), kwargs.get("prescale", 1.0)
             return self._now(signature, device, (flat, output), result, lambda name, stream: (
-                _core.submit_one(kind, name, mpi_ops._code(flat), tuple(flat.shape),
-                                 flat.data_ptr(), output.data_ptr(), [flat, output], output, op,
-                                 prescale, 1.0, self._set_id(), _core.COMPRESSION_JOB,
-                                 _device_index(device), stream, True, timeout=self._timeout)))
+                mpi_ops._submit_into(kind, flat, output, name, self._set, timeout=self._timeout,
+                                     stream=stream, **kwargs)))
         work = _Work.start(device, lambda _v: result, (flat, output), blocking)
         work._direct = device is not None
         work._may_defer = defer
@@ -1063,7 +1047,7 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
             if stream is None:
                 handle.wait()
             else:
-                handle.wait(before_release=lambda h: _wait_for(h, stream, device))
+                handle.wait(before_release=mpi_ops._waits_for_launch(raw, device))
                 for t in touched:
                     t.record_stream(stream)
         except Exception as e:  # as a Work's wait raises it
@@ -1071,9 +1055,6 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         finally:
             names._forget(name, handle.id)
         return _Finished(result, device, stream)
-
-    def _set_id(self):
-        return mpi_ops.registered_id(self._set)
 
     def _submit_named(self, work, signature, count, submit):
         """Submits `work`'s operation of `count` tensors, `submit(names, key)`, under the
@@ -1126,10 +1107,8 @@ class ProcessGroupFerrovod(dist.ProcessGroup):
         codec = self._codec(op, (t,))
         if blocking and not defer:
             return self._now(_signature("allreduce", (t,)), device, (t,), [t], lambda name, s: (
-                _core.allreduce_in_place(name, mpi_ops._code(t), tuple(t.shape), t.data_ptr(),
-                                         t, op, prescale, 1.0, self._set_id(), codec,
-                                         _device_index(device), s, True,
-                                         timeout=self._timeout)))
+                mpi_ops._submit_allreduce_one(t, name, op, prescale, 1.0, self._set, codec,
+                                              timeout=self._timeout, stream=s)))
         work = _Work.start(device, lambda _v: [t], (t,), blocking)
         # in place: the core writes `t` itself, so completing launches no device work
         work._direct = device is not None

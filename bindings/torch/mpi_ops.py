@@ -128,14 +128,19 @@ class _Pending:
         waits for the collective on the device."""
         wait_on_device = None
         if self.device is not None:
-            stream = stream or _current_stream(self.device)
-
-            def wait_on_device(h):
-                event = h.event()
-                if event:
-                    _stream_wait(stream, event, self.device)
-
+            wait_on_device = _waits_for_launch(stream or _current_stream(self.device), self.device)
         return self.finish(self.handle.wait(before_release=wait_on_device))
+
+
+def _waits_for_launch(stream, device):
+    """A core handle's `before_release`: CUDA `stream` (a raw handle on `device`) waits on the
+    device for the launched collective."""
+    def wait(h):
+        event = h.event()
+        if event:
+            _stream_wait(stream, event, device)
+
+    return wait
 
 
 _handle_map = {}
@@ -281,15 +286,20 @@ def _allreduce_one_(tensor, name, op, prescale, postscale, process_set, codec, f
     (`_core.allreduce_in_place`; `reuse`: unnamed operations' names never come back); `finish`
     makes the handle's result from `[tensor]`; `done`, `done_user_data`, `timeout`:
     `_core.submit`'s."""
-    set_id = registered_id(process_set)
-    device = tensor.device if tensor.is_cuda else None
-    handle = _core.allreduce_in_place(
+    handle = _submit_allreduce_one(tensor, name, op, prescale, postscale, process_set, codec,
+                                   reuse, done, done_user_data, timeout)
+    return _pending(handle, tensor.device if tensor.is_cuda else None, finish)
+
+
+def _submit_allreduce_one(tensor, name, op, prescale, postscale, process_set, codec, reuse=True,
+                          done=None, done_user_data=None, timeout=0.0, stream=None):
+    """`_allreduce_one_`'s submission: the core's handle, registered nowhere here. `stream`:
+    the raw CUDA stream to order it on (default the current one)."""
+    device, stream = _device_and_stream(tensor, stream)
+    return _core.allreduce_in_place(
         name, _code(tensor), tuple(tensor.shape), tensor.data_ptr(), tensor, op, prescale,
-        postscale, set_id, codec,
-        _core.CPU_DEVICE if device is None else device.index,
-        None if device is None else _current_stream(device), reuse, done, done_user_data,
-        timeout)
-    return _pending(handle, device, finish)
+        postscale, registered_id(process_set), codec, device, stream, reuse, done,
+        done_user_data, timeout)
 
 
 def _into_(kind, tensor, output, name, process_set, reduce_op=_core.SUM, prescale=1.0, done=None,
@@ -297,15 +307,28 @@ def _into_(kind, tensor, output, name, process_set, reduce_op=_core.SUM, prescal
     """An allgather or reducescatter of one contiguous tensor into `output` (contiguous, the
     result's size when every rank's tensor has this shape) through the C structs the core keeps
     per name (`_core.submit_one`); the handle's result is `[output]`."""
-    set_id = registered_id(process_set)
-    device = tensor.device if tensor.is_cuda else None
-    handle = _core.submit_one(
+    handle = _submit_into(kind, tensor, output, name, process_set, reduce_op, prescale, done,
+                          done_user_data, timeout)
+    return _pending(handle, tensor.device if tensor.is_cuda else None, list)
+
+
+def _submit_into(kind, tensor, output, name, process_set, reduce_op=_core.SUM, prescale=1.0,
+                 done=None, done_user_data=None, timeout=0.0, stream=None):
+    """`_into_`'s submission: the core's handle, registered nowhere here. `stream`: the raw
+    CUDA stream to order it on (default the current one)."""
+    device, stream = _device_and_stream(tensor, stream)
+    return _core.submit_one(
         kind, name, _code(tensor), tuple(tensor.shape), tensor.data_ptr(), output.data_ptr(),
-        [tensor, output], output, reduce_op, prescale, 1.0, set_id, _core.COMPRESSION_JOB,
-        _core.CPU_DEVICE if device is None else device.index,
-        None if device is None else _current_stream(device), True, done, done_user_data,
-        timeout)
-    return _pending(handle, device, list)
+        [tensor, output], output, reduce_op, prescale, 1.0, registered_id(process_set),
+        _core.COMPRESSION_JOB, device, stream, True, done, done_user_data, timeout)
+
+
+def _device_and_stream(tensor, stream=None):
+    """The core's device ordinal for `tensor` and the raw stream its operation is ordered on
+    (`stream`, else the current one; None on the host)."""
+    if not tensor.is_cuda:
+        return _core.CPU_DEVICE, None
+    return tensor.device.index, stream or _current_stream(tensor.device)
 
 
 def poll(handle):

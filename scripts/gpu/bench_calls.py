@@ -9,9 +9,8 @@ synchronisations. At np 1 there is no traffic: what is measured is the calls' ho
 calls on a stream of their own (a non-blocking one, where FERROVOD_TORCH_DEVICE_WAIT=1 leaves
 the waiting to the device; the default stream always waits on the host).
 """
-import contextlib
-
 import argparse
+import contextlib
 import time
 
 import torch

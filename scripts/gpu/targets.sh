@@ -32,7 +32,7 @@ rc=0
 job() {
   local log=$out/$1.log status=0
   shift
-  timeout -k 20 "${limit:-420}" "$@" >"$log" 2>&1 || { status=$?; echo "failed (exit $status): $* (see $log)"; }
+  timeout -k 20 420 "$@" >"$log" 2>&1 || { status=$?; echo "failed (exit $status): $* (see $log)"; }
   grep -E '^(gpu|cpu) np=[0-9]+ .* = ([0-9.]+|nan|inf)' "$log" | sed "s/\$/${tag:+ [$tag]}/" | tee -a "$lines"
   return $status
 }

@@ -21,25 +21,18 @@ def iters_for(nbytes):
     return max(10, min(50, -(-(1 << 30) // nbytes)))
 
 
-def timed(t, iters, op=dist.ReduceOp.SUM):
+def timed(t, iters, op=dist.ReduceOp.SUM, one_at_a_time=False):
+    """Seconds for `iters` allreduces back to back, or one at a time (each synchronized
+    before the next)."""
     dist.barrier()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(iters):
         dist.all_reduce(t, op=op)
+        if one_at_a_time:
+            torch.cuda.synchronize()
     torch.cuda.synchronize()
     return time.perf_counter() - start
-
-
-def single(t, iters):
-    """Seconds per allreduce, one at a time: each synchronized before the next."""
-    dist.barrier()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        dist.all_reduce(t)
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters
 
 
 # the size whose one-at-a-time figure ferrovod-bench gpu adds too
@@ -56,8 +49,8 @@ while nbytes <= hi:
     if rank == 0:
         print("JSON " + json.dumps({"kind": "sweep", "np": size, "bytes": nbytes, "torch_s": s}))
     if nbytes == SINGLE_BYTES:
-        single(t, iters)
-        s = statistics.median(single(t, iters) for _ in range(REPS))
+        timed(t, iters, one_at_a_time=True)
+        s = statistics.median(timed(t, iters, one_at_a_time=True) / iters for _ in range(REPS))
         if rank == 0:
             print("JSON " + json.dumps({"kind": "single", "np": size, "bytes": nbytes, "torch_s": s}))
     nbytes *= 2

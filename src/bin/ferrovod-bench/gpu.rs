@@ -28,6 +28,16 @@ pub struct Options {
     pub floors: bool,
 }
 
+/// GiB/s on the bus of an allreduce of `bytes` over `size` ranks in `secs`; at np 1, where
+/// nothing crosses one, the algorithm's bandwidth.
+fn busbw(bytes: usize, secs: f64, size: usize) -> f64 {
+    let bus = match size {
+        1 => 1.0,
+        n => 2.0 * (n as f64 - 1.0) / n as f64,
+    };
+    bytes as f64 / secs / (1u64 << 30) as f64 * bus
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[v.len() / 2]
@@ -140,7 +150,6 @@ pub fn run(o: &Options, grads: &[(String, usize)]) {
     let id = host.broadcast_bytes(id, 0).unwrap();
     let comm = NcclComm::new(&gpu, &id, me, size).unwrap();
     let stream = gpu.new_stream().unwrap();
-    let bus = 2.0 * (size as f64 - 1.0) / size as f64;
     if me == 0 {
         println!(
             "# ferrovod GPU allreduce, np={size}, NCCL {}, f32 sum in place",
@@ -174,7 +183,7 @@ pub fn run(o: &Options, grads: &[(String, usize)]) {
             raw.push(nccl_round(&comm, &stream, &host, &mems, bytes, ReduceOp::Sum) / iters as f64);
         }
         let (fv, raw) = (median(fv), median(raw));
-        let gbs = |t: f64| bytes as f64 / t / (1u64 << 30) as f64 * bus;
+        let gbs = |t: f64| busbw(bytes, t, size);
         if me == 0 {
             println!(
                 "  {:>10} {:>6} {:>11.1} {:>11.1} {:>11.1} {:>11.1} {:>8.3}",
@@ -269,12 +278,7 @@ fn single(
     }
     let (fv, raw) = (median(fv), median(raw));
     if me == 0 {
-        // at np 1 nothing crosses a bus: the algorithm's bandwidth
-        let bus = match size {
-            1 => 1.0,
-            n => 2.0 * (n as f64 - 1.0) / n as f64,
-        };
-        let gbs = |t: f64| bytes as f64 / t / (1u64 << 30) as f64 * bus;
+        let gbs = |t: f64| busbw(bytes, t, size);
         println!(
             "# one tensor at a time, {bytes} bytes: ferrovod {:.1} us ({:.1} GiB/s busbw), NCCL {:.1} us ({:.1} GiB/s), ratio {:.3}",
             fv * 1e6,

@@ -15,6 +15,14 @@ def summary_module():
     return mod
 
 
+def report_lines(tmp_path, records):
+    """summary.py's report of `records` written as its JSON lines, line by line."""
+    path = tmp_path / "bench.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    mod = summary_module()
+    return mod.report(mod.load(str(path))).splitlines()
+
+
 def test_one_table_per_np_with_gossip_records(tmp_path):
     mib256 = 256 << 20
     records = [
@@ -28,11 +36,7 @@ def test_one_table_per_np_with_gossip_records(tmp_path):
         {"kind": "resnet50_gossip", "np": 4, "ferrovod_s": 1059e-6, "nccl_sendrecv_s": 900e-6,
          "ferrovod_allreduce_s": 652e-6},
     ]
-    path = tmp_path / "bench.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    mod = summary_module()
-    text = mod.report(mod.load(str(path)))
-    lines = text.splitlines()
+    lines = report_lines(tmp_path, records)
     assert lines.count("# np=2") == 1 and lines.count("# np=4") == 1
     # busbw ratios: the same bytes, so ferrovod/torch is the inverse ratio of the times
     assert f"gpu np=2 256MiB busbw ferrovod/torch = {0.005 / 0.004:.3f}" in lines
@@ -54,10 +58,7 @@ def test_the_single_tensor_figure_beside_the_back_to_back_one(tmp_path):
         {"kind": "single", "np": 2, "bytes": mib256, "ferrovod_s": 0.0052, "nccl_s": 0.0049},
         {"kind": "single", "np": 2, "bytes": mib256, "torch_s": 0.005},
     ]
-    path = tmp_path / "bench.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    mod = summary_module()
-    lines = mod.report(mod.load(str(path))).splitlines()
+    lines = report_lines(tmp_path, records)
     assert f"gpu np=2 256MiB busbw ferrovod/torch = {0.005 / 0.004:.3f}" in lines
     assert f"gpu np=2 256MiB single-tensor busbw ferrovod/torch = {0.005 / 0.0052:.3f}" in lines
     # the single record is not a sweep row of its own
